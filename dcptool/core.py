@@ -1,0 +1,237 @@
+"""The format-neutral description of a checkpoint that every reader produces and every writer consumes.
+
+A checkpoint is a set of tensors and opaque objects, each under its nested path (``("model",
+"layers", "0", "weight")``, flattened with ``.`` into its key, as DCP does). A tensor has a dtype, a
+global shape and chunks: rectangular pieces with global offsets and sizes and the place of their
+bytes. Any rectangular region of a tensor is assembled from the chunks that overlap it.
+
+>>> ckpt = dcptool.open_checkpoint("step-100")          # doctest: +SKIP
+>>> t = ckpt.tensors["model.embed_tokens.weight"]       # doctest: +SKIP
+>>> t.dtype, t.shape, len(t.chunks)                     # doctest: +SKIP
+('bfloat16', (32000, 4096), 8)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dcptool import dtypes
+from dcptool.errors import CheckpointError
+from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive import Archive, RawBytes
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A rectangular piece of a tensor and where its bytes are.
+
+    ``encoding`` says how ``[offset, offset+length)`` of ``file`` holds the elements:
+    ``"raw"``: the elements themselves, row-major unless ``strides`` (in elements) says otherwise;
+    ``"torch-archive"``: a ``torch.save`` archive of one tensor (DCP's per-chunk records).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    encoding: str = "raw"
+    strides: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass
+class TensorInfo:
+    path: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk]
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+_UNSET: Any = object()
+
+
+@dataclass
+class ObjectInfo:
+    """A non-tensor entry (step counter, scheduler or dataloader state), carried through unopened.
+
+    ``blob`` locates a ``torch.save`` archive of the value (DCP's bytes entries); ``value`` holds it
+    when the reader had to parse it anyway (entries of a ``torch.save`` state dict).
+    """
+
+    path: tuple[str, ...]
+    blob: tuple[str, int, int] | None = None  # (file, offset, length)
+    value: Any = field(default=_UNSET, repr=False)
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+
+@dataclass
+class Checkpoint:
+    """What a reader found: the format, the tensors and objects, and the files they live in."""
+
+    format: str
+    root: Path
+    files: CheckpointFiles
+    tensors: dict[str, TensorInfo]
+    objects: dict[str, ObjectInfo]
+    info: dict[str, Any] = field(default_factory=dict)  # format facts worth showing (world size, ...)
+    _resolved: dict[Chunk, RawBytes] = field(default_factory=dict, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def data_files(self) -> list[str]:
+        """The files the entries' bytes live in, relative to ``root``."""
+        used = {c.file for t in self.tensors.values() for c in t.chunks}
+        used |= {o.blob[0] for o in self.objects.values() if o.blob}
+        return sorted(used)
+
+    def validate(self) -> None:
+        """Check that every tensor's chunks lie inside it and cover it exactly once."""
+        for tensor in self.tensors.values():
+            check_cover(tensor, where=str(self.root))
+
+    def raw_bytes(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
+        """Where a chunk's elements are, opening its archive the first time it is needed."""
+        raw = self._resolved.get(chunk)
+        if raw is None:
+            raw = self._resolve(tensor, chunk)
+            self._resolved[chunk] = raw
+        return raw
+
+    def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
+        itemsize = dtypes.dtype(tensor.dtype).itemsize
+        if chunk.encoding == "raw":
+            strides = chunk.strides or _row_major(chunk.sizes)
+            raw = RawBytes(chunk.file, chunk.offset, chunk.sizes, strides, itemsize)
+            self.files.check_range(chunk.file, chunk.offset, raw.span)
+            return raw
+        if chunk.encoding == "torch-archive":
+            archive = Archive(self.files, chunk.file, chunk.offset, chunk.length)
+            ref = archive.load()
+            if not hasattr(ref, "storage") or tuple(ref.shape) != chunk.sizes or ref.dtype.name != tensor.dtype:
+                raise CheckpointError(
+                    f"{archive.where}: holds {_describe(ref)}, but the metadata says {tensor.key} chunk at "
+                    f"{list(chunk.offsets)} is {tensor.dtype}{list(chunk.sizes)}"
+                )
+            return archive.raw_bytes(ref)
+        raise CheckpointError(f"{self.files.path(chunk.file)}: unsupported chunk encoding {chunk.encoding!r}")
+
+    def object_value(self, obj: ObjectInfo) -> Any:
+        """The object's value, unpickled with the allowlist (tensors inside come back as references)."""
+        if obj.value is _UNSET:
+            file, offset, length = obj.blob
+            obj.value = Archive(self.files, file, offset, length).load()
+        return obj.value
+
+    def object_blob(self, obj: ObjectInfo) -> bytes | None:
+        """The object's ``torch.save`` bytes when the checkpoint stores them as such, else None."""
+        if obj.blob is None:
+            return None
+        file, offset, length = obj.blob
+        return self.files.read(file, offset, length)
+
+    def read_region(self, tensor: TensorInfo, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        """Fill ``out`` (shape ``sizes``, an unsigned view of the tensor's item size) with a region.
+
+        The region is assembled from every chunk it overlaps; each file read covers at most
+        ``len(scratch)`` bytes, so memory stays bounded however large the chunks are.
+        """
+        for chunk in tensor.chunks:
+            lo = [max(o, co) for o, co in zip(offsets, chunk.offsets)]
+            hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)) and tensor.shape:
+                continue
+            raw = self.raw_bytes(tensor, chunk)
+            local_lo = [l - co for l, co in zip(lo, chunk.offsets)]
+            target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))]
+            self._copy_box(raw, local_lo, [h - l for l, h in zip(lo, hi)], target, scratch)
+
+    def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch) -> None:
+        itemsize = raw.itemsize
+        first = sum(l * s for l, s in zip(lo, raw.strides))
+        span = (sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1) * itemsize
+        if span > len(scratch) and any(n > 1 for n in extent):
+            dim = next(d for d, n in enumerate(extent) if n > 1)
+            half = extent[dim] // 2
+            for start, count in ((0, half), (half, extent[dim] - half)):
+                sub_lo, sub_extent = list(lo), list(extent)
+                sub_lo[dim] += start
+                sub_extent[dim] = count
+                index = tuple(slice(start, start + count) if d == dim else slice(None) for d in range(len(extent)))
+                self._copy_box(raw, sub_lo, sub_extent, target[index], scratch)
+            return
+        if span > len(scratch):  # a single element larger than the scratch buffer cannot happen in practice
+            raise CheckpointError("read buffer smaller than one element")
+        buffer = scratch[:span]
+        self.files.read_into(raw.file, raw.offset + first * itemsize, buffer)
+        flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
+        view = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
+        target[...] = view
+
+
+def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(sizes):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _describe(obj: Any) -> str:
+    if hasattr(obj, "storage"):
+        return f"{obj.dtype.name}{list(obj.shape)}"
+    return type(obj).__name__
+
+
+def check_cover(tensor: TensorInfo, where: str) -> None:
+    """Raise unless the chunks of ``tensor`` lie within it and cover every element exactly once."""
+    shape = tensor.shape
+    filled = 0
+    boxes = []
+    for chunk in tensor.chunks:
+        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+            raise CheckpointError(f"{where}: {tensor.key}: chunk rank {len(chunk.sizes)} != tensor rank {len(shape)}")
+        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
+            raise CheckpointError(
+                f"{where}: {tensor.key}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} "
+                f"lies outside the tensor's shape {list(shape)}"
+            )
+        if chunk.numel:
+            boxes.append(chunk)
+            filled += chunk.numel
+    # Sweep along dim 0: only chunks whose dim-0 ranges overlap can overlap.
+    boxes.sort(key=lambda c: c.offsets[:1])
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            if shape and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                break
+            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise CheckpointError(
+                    f"{where}: {tensor.key}: chunks at {list(a.offsets)} and {list(b.offsets)} overlap"
+                )
+    total = math.prod(shape)
+    if filled != total:
+        raise CheckpointError(
+            f"{where}: {tensor.key}: chunks cover {filled} of its {total} elements (a chunk is missing)"
+        )

@@ -1,0 +1,102 @@
+"""dtype names as torch spells them (without ``torch.``), with item sizes and the other names they go by.
+
+Kept free of torch so that commands which only move bytes never import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcptool.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # torch's name: "bfloat16"
+    itemsize: int
+    storage_class: str  # legacy typed storage class that torch.save pickles: "BFloat16Storage"
+    safetensors: str  # safetensors header name: "BF16"
+    numpy: str | None  # numpy dtype with the same bits, None when numpy has no such type
+
+
+_TABLE = [
+    DType("float64", 8, "DoubleStorage", "F64", "float64"),
+    DType("float32", 4, "FloatStorage", "F32", "float32"),
+    DType("float16", 2, "HalfStorage", "F16", "float16"),
+    DType("bfloat16", 2, "BFloat16Storage", "BF16", None),
+    DType("int64", 8, "LongStorage", "I64", "int64"),
+    DType("int32", 4, "IntStorage", "I32", "int32"),
+    DType("int16", 2, "ShortStorage", "I16", "int16"),
+    DType("int8", 1, "CharStorage", "I8", "int8"),
+    DType("uint8", 1, "ByteStorage", "U8", "uint8"),
+    DType("bool", 1, "BoolStorage", "BOOL", "bool"),
+    DType("uint16", 2, "UInt16Storage", "U16", "uint16"),
+    DType("uint32", 4, "UInt32Storage", "U32", "uint32"),
+    DType("uint64", 8, "UInt64Storage", "U64", "uint64"),
+    DType("complex64", 8, "ComplexFloatStorage", "C64", "complex64"),
+    DType("float8_e4m3fn", 1, "Float8_e4m3fnStorage", "F8_E4M3", None),
+    DType("float8_e5m2", 1, "Float8_e5m2Storage", "F8_E5M2", None),
+]
+
+BY_NAME = {d.name: d for d in _TABLE}
+BY_STORAGE_CLASS = {d.storage_class: d for d in _TABLE}
+BY_SAFETENSORS = {d.safetensors: d for d in _TABLE}
+
+# torch spells some dtypes two ways; checkpoints may carry either.
+_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32", "short": "int16"}
+
+CASTABLE = ("bfloat16", "float16", "float32")
+
+
+def dtype(name: str) -> DType:
+    """Look up a dtype by torch name (``"bfloat16"``, ``"torch.float32"`` and aliases such as ``"half"``)."""
+    name = name.removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise CheckpointError(f"unsupported dtype {name!r}") from None
+
+
+def raw_view_type(itemsize: int) -> np.dtype:
+    """An unsigned numpy type of the given width, for moving elements without interpreting them."""
+    return np.dtype(f"u{itemsize}")
+
+
+def cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Convert raw element bits (an unsigned view) from float dtype ``src`` to ``dst``, rounding as torch does.
+
+    >>> bits = np.array([0x3F80], dtype=np.uint16)   # 1.0 in bfloat16
+    >>> cast(bits, "bfloat16", "float32").view(np.float32)
+    array([1.], dtype=float32)
+    """
+    if src == dst:
+        return values
+    if src not in CASTABLE or dst not in CASTABLE:
+        raise CheckpointError(f"cannot convert {src} to {dst}: only {', '.join(CASTABLE)} are cast")
+    as_f32 = _to_float32(values, src)
+    if dst == "float32":
+        return as_f32.view(np.uint32)
+    if dst == "float16":
+        with np.errstate(over="ignore"):  # out-of-range values become inf, as in torch
+            return as_f32.astype(np.float16).view(np.uint16)
+    return _float32_to_bfloat16(as_f32)
+
+
+def _to_float32(values: np.ndarray, src: str) -> np.ndarray:
+    if src == "float32":
+        return values.view(np.float32)
+    if src == "float16":
+        return values.view(np.float16).astype(np.float32)
+    return (values.astype(np.uint32) << 16).view(np.float32)
+
+
+def _float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    # Round to nearest even on the dropped 16 bits, as torch does; torch's CPU kernels turn every NaN into 0xFFFF.
+    bits = values.view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    rounded = ((bits + rounding) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0xFFFF
+    return rounded

@@ -1,0 +1,841 @@
+#!/usr/bin/env python
+"""Real distributed-checkpoint jobs on CPU (gloo) for testing dcptool.
+
+Run under torchrun, for example::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \
+        scripts/gloo_jobs.py save-dcp /tmp/ckpt --dp 2 --tp 2
+
+Subcommands (see ``--help`` of each):
+
+* ``save-dcp OUT``    FSDP2 (optionally + TP) training step on a tiny HF Llama,
+                      then ``torch.distributed.checkpoint.save`` in a torchtitan
+                      or AReaL layout.  Rank 0 also writes ``OUT.reference/``
+                      with the full (gathered) state, flattened to the DCP keys.
+* ``save-fsdp1 OUT``  FSDP1 SHARDED_STATE_DICT per-rank ``torch.save`` files,
+                      named the way verl names them.
+* ``load-dcp CKPT``   Load a DCP checkpoint into a (possibly different) mesh and
+                      compare every local shard bitwise with a full reference.
+* ``load-fsdp1 DIR``  Load verl-style FSDP1 shards into a real FSDP1 job and
+                      compare the gathered full state dict with a reference.
+
+Nothing here is mocked: real process groups, real FSDP2 / FSDP1 / TP.  Every
+rank builds the identical model on CPU from a fixed seed before sharding.
+Exit status 0 means success; 1 means a comparison failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+# ---------------------------------------------------------------------------
+# Constants
+# ---------------------------------------------------------------------------
+
+# The "tiny" Llama.  vocab_size=250 is deliberately not divisible by 4, so a
+# dp=4 FSDP shard of embed_tokens / lm_head is uneven (63, 63, 62, 62 rows).
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 160,
+    "vocab_size": 250,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+PRESETS = {"tiny": TINY_LLAMA}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Seeds.  The saver builds the model from MODEL_SEED.  Loaders build it from a
+# different seed, so a load that silently does nothing cannot pass the check.
+MODEL_SEED = 0
+LOADER_SEED = 1234
+DATA_SEED = 1000
+
+# Non-tensor entries written next to the weights (torchtitan / AReaL style).
+TRAIN_STATE = {"step": 7, "note": "hello"}
+LR_SCHEDULER_STATE = {"last_epoch": 7}
+
+BATCH_SIZE = 2
+SEQ_LEN = 16
+LR = 1e-2
+
+
+# ---------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def log(msg: str, all_ranks: bool = False) -> None:
+    """Print on rank 0 (or on every rank with a rank prefix)."""
+    if all_ranks:
+        print(f"[rank {rank()}] {msg}", flush=True)
+    elif rank() == 0:
+        print(msg, flush=True)
+
+
+def init_distributed() -> None:
+    """Join the torchrun job with the gloo backend on CPU."""
+    if "RANK" not in os.environ:
+        sys.exit("gloo_jobs.py must be run under torchrun "
+                 "(python -m torch.distributed.run --standalone --nproc-per-node N ...)")
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo")
+
+
+def reference_dir(out: str | os.PathLike) -> Path:
+    """The reference folder for a checkpoint: ``OUT + '.reference'``."""
+    return Path(str(out).rstrip("/") + ".reference")
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts (and lists holding dicts/tensors) with '.' joins.
+
+    Follows the rules DCP's default planner uses for on-disk keys
+    (``torch.distributed.checkpoint._traverse.traverse_state_dict``): mappings
+    are always descended into, lists only when they (recursively) hold a
+    mapping or a tensor, everything else is a leaf.  So the keys of the result
+    equal the keys in the checkpoint's ``.metadata``.  Written here rather
+    than imported so that the reference does not depend on DCP internals.
+    """
+    out: dict[str, Any] = {}
+
+    def holds_dict_or_tensor(value: Any) -> bool:
+        if isinstance(value, Mapping) or torch.is_tensor(value):
+            return True
+        if isinstance(value, list):
+            return any(holds_dict_or_tensor(v) for v in value)
+        return False
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{path}.{k}" if path else str(k), v)
+        elif isinstance(value, list) and holds_dict_or_tensor(value):
+            for i, v in enumerate(value):
+                walk(f"{path}.{i}", v)
+        else:
+            if path in out:
+                raise ValueError(f"duplicated flattened key {path}")
+            out[path] = value
+
+    walk(prefix, tree)
+    return out
+
+
+def split_tensors(flat: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a flat dict into (tensor leaves, non-tensor leaves)."""
+    tensors = {k: v for k, v in flat.items() if torch.is_tensor(v)}
+    objects = {k: v for k, v in flat.items() if not torch.is_tensor(v)}
+    return tensors, objects
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+
+def load_model_config(spec: str | None):
+    """Build a ``LlamaConfig`` from a preset name, a JSON string or a path.
+
+    The JSON (inline or a config.json file) overrides the "tiny" preset, so
+    ``'{"hidden_size": 512, "intermediate_size": 1408}'`` is enough to make a
+    bigger model.  Attention is forced to "eager" (pure PyTorch, identical on
+    every rank and happy with TP-local head counts).
+    """
+    from transformers import LlamaConfig
+
+    fields = dict(TINY_LLAMA)
+    if spec and spec in PRESETS:
+        fields = dict(PRESETS[spec])
+    elif spec and Path(spec).is_file():
+        fields.update(json.loads(Path(spec).read_text()))
+    elif spec:
+        fields.update(json.loads(spec))
+    # Keys that a saved config.json carries but LlamaConfig should not get back.
+    for key in ("architectures", "model_type", "transformers_version", "_attn_implementation"):
+        fields.pop(key, None)
+    fields["attn_implementation"] = "eager"
+    return LlamaConfig(**fields)
+
+
+def build_model(config, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """Identical, deterministic model on every rank (CPU, before sharding)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+def training_batch(config, data_rank: int) -> torch.Tensor:
+    """Deterministic token ids for one data-parallel rank (same for its TP peers)."""
+    gen = torch.Generator().manual_seed(DATA_SEED + data_rank)
+    return torch.randint(0, config.vocab_size, (BATCH_SIZE, SEQ_LEN), generator=gen)
+
+
+def train_steps(model, optimizer, config, steps: int, data_rank: int) -> list[float]:
+    """Real forward + backward + AdamW step(s); returns the losses.
+
+    With TP the HF Llama attention still works on CPU: ColwiseParallel hands
+    back local tensors, and LlamaAttention reshapes with ``-1`` heads, so each
+    TP rank simply runs its local heads.  No synthetic gradients are needed.
+    """
+    ids = training_batch(config, data_rank)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    # foreach=False: the plain per-parameter loop, which handles DTensor
+    # parameters on different meshes (TP'd vs. non-TP'd) without fuss.
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
+
+
+# ---------------------------------------------------------------------------
+# FSDP2 (+ TP) parallelism
+# ---------------------------------------------------------------------------
+
+
+def build_mesh(dp: int, tp: int) -> DeviceMesh:
+    """CPU device mesh ("dp", "tp"), or just ("dp",) when tp == 1."""
+    world = dist.get_world_size()
+    if dp * tp != world:
+        raise SystemExit(f"dp*tp = {dp}*{tp} != world size {world}")
+    if tp == 1:
+        return init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism on the HF Llama.
+
+    Resulting TP placements of the weights:
+      q/k/v/gate/up  ColwiseParallel  -> Shard(0)  (output features)
+      o/down         RowwiseParallel  -> Shard(1)  (input features)
+      embed_tokens   RowwiseParallel  -> Shard(0)  (vocab rows of nn.Embedding)
+      lm_head        ColwiseParallel  -> Shard(0)  (vocab rows)
+      norms          not parallelized (plain tensors, replicated over tp)
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            # Token ids come in replicated; the embedding output is all-reduced.
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            # Gather the logits so the HF loss sees the full vocab.
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, layer_plan)
+
+
+def build_fsdp2_model(config, dtype: torch.dtype, dp: int, tp: int, seed: int):
+    """Model -> (TP) -> FSDP2 per decoder layer and root over the "dp" dim."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = build_mesh(dp, tp)
+    model = build_model(config, dtype, seed)
+    if tp > 1:
+        apply_tp(model, mesh["tp"])
+    dp_mesh = mesh["dp"]
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model, mesh
+
+
+def placements_of(model: torch.nn.Module) -> dict[str, str]:
+    """str(placements) of every (DTensor) parameter, by FQN."""
+    out = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            out[name] = f"{tuple(param.placements)} on mesh {tuple(mesh.mesh_dim_names or ())}{tuple(mesh.shape)}"
+        else:
+            out[name] = "plain tensor"
+    return out
+
+
+def dp_rank_of(mesh: DeviceMesh) -> int:
+    return mesh.get_local_rank("dp")
+
+
+# ---------------------------------------------------------------------------
+# DCP state dict layouts
+# ---------------------------------------------------------------------------
+
+
+def dcp_state(model, optimizer, layout: str, model_only: bool = False,
+              full: bool = False, train_state: dict | None = None,
+              lr_state: dict | None = None) -> dict[str, Any]:
+    """The nested state dict a trainer hands to ``dcp.save`` / ``dcp.load``.
+
+    * torchtitan: model keys at top level, ``optimizer`` holding the optimizer
+      state flattened by torch (``flatten_optimizer_state_dict=True``, exactly
+      what torchtitan's OptimizersContainer does: keys
+      ``state.<fqn>.exp_avg`` and ``param_groups.<fqn>.lr``), plus
+      ``train_state`` and ``lr_scheduler`` objects.
+    * areal: ``{"dcp": {"model": ..., "optim": ...}, "train_state": ...}``
+      with the optimizer state in torch's nested form
+      (``state -> fqn -> exp_avg`` and a ``param_groups`` list).
+
+    ``full=True`` gives the gathered, unsharded, CPU-offloaded version (values
+    only on rank 0), for writing the reference.
+    """
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = None
+    if not model_only:
+        optim_options = StateDictOptions(
+            full_state_dict=full,
+            cpu_offload=full,
+            flatten_optimizer_state_dict=(layout == "torchtitan"),
+        )
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=optim_options)
+    train_state = dict(TRAIN_STATE if train_state is None else train_state)
+    lr_state = dict(LR_SCHEDULER_STATE if lr_state is None else lr_state)
+
+    if layout == "torchtitan":
+        sd: dict[str, Any] = dict(model_sd)
+        if not model_only:
+            sd["optimizer"] = optim_sd
+            sd["train_state"] = train_state
+            sd["lr_scheduler"] = lr_state
+        return sd
+    if layout == "areal":
+        inner: dict[str, Any] = {"model": model_sd}
+        if not model_only:
+            inner["optim"] = optim_sd
+        sd = {"dcp": inner}
+        if not model_only:
+            sd["train_state"] = {"step": train_state["step"]}
+        return sd
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def apply_dcp_state(model, optimizer, sd: dict[str, Any], layout: str, model_only: bool) -> None:
+    """Push a loaded DCP state back into model/optimizer (the trainer's path)."""
+    if layout == "torchtitan":
+        model_sd = {k: v for k, v in sd.items()
+                    if k not in ("optimizer", "train_state", "lr_scheduler")}
+        optim_sd = sd.get("optimizer")
+    else:
+        model_sd = sd["dcp"]["model"]
+        optim_sd = sd["dcp"].get("optim")
+    set_model_state_dict(model, model_sd)
+    if not model_only and optim_sd is not None:
+        set_optimizer_state_dict(
+            model, optimizer, optim_sd,
+            options=StateDictOptions(flatten_optimizer_state_dict=(layout == "torchtitan")),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Comparison of a loaded sharded state dict against a full reference
+# ---------------------------------------------------------------------------
+
+
+def local_region(full: torch.Tensor, dtensor: DTensor) -> torch.Tensor:
+    """The part of ``full`` that this rank's local shard of ``dtensor`` holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def compare_tensor(key: str, value: torch.Tensor, expected: torch.Tensor | None) -> str | None:
+    """None if equal, else a reason.  Collective for DTensors: call on all ranks."""
+    if isinstance(value, DTensor):
+        # full_tensor() is a collective, so it runs even when the key is missing.
+        gathered = value.full_tensor()
+        if expected is None:
+            return "missing from reference"
+        if value.dtype != expected.dtype:
+            return f"dtype {value.dtype} != {expected.dtype}"
+        if tuple(value.shape) != tuple(expected.shape):
+            return f"global shape {tuple(value.shape)} != {tuple(expected.shape)}"
+        local = value.to_local()
+        region = local_region(expected, value)
+        if tuple(local.shape) != tuple(region.shape):
+            return f"local shape {tuple(local.shape)} != region {tuple(region.shape)}"
+        if not torch.equal(local, region):
+            return f"local shard differs (placements {value.placements})"
+        if not torch.equal(gathered, expected):
+            return "full_tensor() differs"
+        return None
+    if expected is None:
+        return "missing from reference"
+    if value.dtype != expected.dtype or tuple(value.shape) != tuple(expected.shape):
+        return f"{value.dtype}{tuple(value.shape)} != {expected.dtype}{tuple(expected.shape)}"
+    if not torch.equal(value, expected):
+        return "values differ"
+    return None
+
+
+def compare_all(flat: dict[str, Any], expected: dict[str, torch.Tensor]) -> tuple[int, str | None]:
+    """Compare every tensor leaf; returns (count checked, first mismatch or None).
+
+    Keeps going after a mismatch so every rank issues the same collectives.
+    """
+    first = None
+    checked = 0
+    for key in sorted(flat):
+        value = flat[key]
+        if not torch.is_tensor(value):
+            continue
+        reason = compare_tensor(key, value, expected.get(key))
+        checked += 1
+        if reason is not None and first is None:
+            first = f"{key}: {reason}"
+    return checked, first
+
+
+def finish_check(first_mismatch: str | None, what: str) -> int:
+    """Agree across ranks on pass/fail; print the first mismatch per rank."""
+    if first_mismatch is not None:
+        log(f"MISMATCH {what}: first mismatching key {first_mismatch}", all_ranks=True)
+    failed = torch.tensor([0 if first_mismatch is None else 1])
+    dist.all_reduce(failed)
+    if failed.item():
+        log(f"FAIL: {int(failed.item())} rank(s) saw mismatches")
+        return 1
+    log(f"OK: {what}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Subcommand: save-dcp
+# ---------------------------------------------------------------------------
+
+
+def cmd_save_dcp(args) -> int:
+    t0 = time.perf_counter()
+    config = load_model_config(args.model_config)
+    dtype = DTYPES[args.dtype]
+    model, mesh = build_fsdp2_model(config, dtype, args.dp, args.tp, MODEL_SEED)
+    optimizer = make_optimizer(model)
+
+    placements = placements_of(model)
+    log(f"mesh {mesh}")
+    for name in ("model.embed_tokens.weight",
+                 "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.self_attn.o_proj.weight",
+                 "model.layers.0.input_layernorm.weight",
+                 "lm_head.weight"):
+        log(f"placements {name}: {placements[name]}")
+    if args.tp > 1 and "_StridedShard" not in placements["model.layers.0.self_attn.q_proj.weight"]:
+        raise SystemExit("expected _StridedShard on a colwise weight with FSDP2 over TP")
+
+    losses = train_steps(model, optimizer, config, args.steps, dp_rank_of(mesh))
+    log(f"losses {losses}")
+
+    sd = dcp_state(model, optimizer, args.layout)
+    dcp.save(sd, checkpoint_id=args.out)
+    t_save = time.perf_counter()
+
+    # Reference: full (gathered) state via torch's own state_dict helpers.
+    full = dcp_state(model, optimizer, args.layout, full=True)
+    if rank() == 0:
+        write_dcp_reference(args, config, full, placements)
+    dist.barrier()
+    log(f"save-dcp done: {args.out} (train+save {t_save - t0:.2f}s, "
+        f"total {time.perf_counter() - t0:.2f}s)")
+    return 0
+
+
+def write_dcp_reference(args, config, full_sd: dict[str, Any], placements: dict[str, str]) -> None:
+    """Rank 0: OUT.reference/{config.json, full.pt, objects.pt, reference.json}."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ref = reference_dir(args.out)
+    ref.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(ref)
+
+    tensors, objects = split_tensors(flatten(full_sd))
+    torch.save(tensors, ref / "full.pt")
+    torch.save(objects, ref / "objects.pt")
+
+    # Cross-check: our flattened keys must be exactly the keys DCP wrote.
+    md = FileSystemReader(args.out).read_metadata().state_dict_metadata
+    disk_tensors = {k for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    disk_objects = set(md) - disk_tensors
+    if disk_tensors != set(tensors) or disk_objects != set(objects):
+        raise SystemExit(
+            "reference keys differ from DCP metadata keys: "
+            f"tensors only on disk {sorted(disk_tensors - set(tensors))[:5]}, "
+            f"only in reference {sorted(set(tensors) - disk_tensors)[:5]}; "
+            f"objects only on disk {sorted(disk_objects - set(objects))[:5]}, "
+            f"only in reference {sorted(set(objects) - disk_objects)[:5]}")
+
+    info = {
+        "world_size": dist.get_world_size(),
+        "dp": args.dp,
+        "tp": args.tp,
+        "layout": args.layout,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "placements": placements,
+    }
+    (ref / "reference.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"reference: {len(tensors)} tensors, {len(objects)} objects -> {ref}")
+
+
+# ---------------------------------------------------------------------------
+# Subcommand: load-dcp
+# ---------------------------------------------------------------------------
+
+
+def cmd_load_dcp(args) -> int:
+    t0 = time.perf_counter()
+    config = load_model_config(args.model_config)
+    expected = torch.load(args.expect, map_location="cpu", weights_only=True)
+    dtype = next(iter(expected.values())).dtype
+    model, mesh = build_fsdp2_model(config, dtype, args.dp, args.tp, LOADER_SEED)
+    optimizer = make_optimizer(model)
+
+    # Placeholders that the load must overwrite.
+    sd = dcp_state(model, optimizer, args.layout, model_only=args.model_only,
+                   train_state={"step": -1, "note": ""}, lr_state={"last_epoch": -1})
+    dcp.load(sd, checkpoint_id=args.ckpt)
+    t_load = time.perf_counter()
+
+    flat = flatten(sd)
+    tensors, objects = split_tensors(flat)
+    if objects:
+        log("non-tensor entries: " + ", ".join(
+            f"{k}={v!r}" for k, v in sorted(objects.items()) if "param_groups" not in k))
+    if not args.model_only:
+        step = sd["train_state"]["step"]
+        if step != TRAIN_STATE["step"]:
+            log(f"MISMATCH train_state.step = {step!r}", all_ranks=True)
+            return 1
+
+    checked, first = compare_all(flat, expected)
+    status = finish_check(first, f"{checked} tensors on mesh {tuple(mesh.shape)} "
+                                 f"match {args.expect}")
+    if status == 0:
+        # The trainer's way back into the modules must accept the loaded state.
+        apply_dcp_state(model, optimizer, sd, args.layout, args.model_only)
+    log(f"load-dcp done (load {t_load - t0:.2f}s, total {time.perf_counter() - t0:.2f}s)")
+    return status
+
+
+# ---------------------------------------------------------------------------
+# FSDP1 (verl-style) helpers
+# ---------------------------------------------------------------------------
+
+
+def fsdp1_file(directory: str | os.PathLike, kind: str, world_size: int, r: int) -> Path:
+    """verl's per-rank file name, e.g. model_world_size_2_rank_0.pt."""
+    return Path(directory) / f"{kind}_world_size_{world_size}_rank_{r}.pt"
+
+
+def build_fsdp1_model(config, world_size: int, values: str, seed: int):
+    """FSDP1 over the whole world; one FSDP unit per decoder layer plus root.
+
+    ``values="dtensor"`` passes a 1-D device mesh, which makes
+    SHARDED_STATE_DICT values DTensors (as verl writes); without a mesh they
+    are ShardedTensors.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if dist.get_world_size() != world_size:
+        raise SystemExit(f"--world-size {world_size} != torchrun world {dist.get_world_size()}")
+    model = build_model(config, torch.float32, seed)
+    kwargs = {}
+    if values == "dtensor":
+        kwargs["device_mesh"] = init_device_mesh("cpu", (world_size,))
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+
+
+def fsdp1_full_state(model) -> dict[str, torch.Tensor]:
+    """FULL_STATE_DICT gathered by FSDP itself (values on rank 0 only)."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        return model.state_dict()
+
+
+def fsdp1_full_optim_state(model, optimizer) -> dict[str, Any]:
+    """Full (unsharded) optimizer state, rank 0 only, nested by FQN."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+                              FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        return FSDP.optim_state_dict(model, optimizer)
+
+
+def sharded_ctx(model):
+    from torch.distributed.fsdp import (
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
+                                ShardedStateDictConfig(offload_to_cpu=True),
+                                ShardedOptimStateDictConfig(offload_to_cpu=True))
+
+
+def describe_value(value: Any) -> str:
+    return type(value).__module__ + "." + type(value).__qualname__
+
+
+# ---------------------------------------------------------------------------
+# Subcommand: save-fsdp1
+# ---------------------------------------------------------------------------
+
+
+def cmd_save_fsdp1(args) -> int:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    t0 = time.perf_counter()
+    config = load_model_config(args.model_config)
+    W = args.world_size
+    model = build_fsdp1_model(config, W, args.values, MODEL_SEED)
+    optimizer = make_optimizer(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    losses = train_steps(model, optimizer, config, args.steps, rank())
+    scheduler.step()
+    log(f"losses {losses}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    r = rank()
+    with sharded_ctx(model):
+        model_sd = model.state_dict()
+        optim_sd = FSDP.optim_state_dict(model, optimizer)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    log(f"sharded value type: {key} -> {describe_value(model_sd[key])}")
+    torch.save(model_sd, fsdp1_file(out, "model", W, r))
+    torch.save(optim_sd, fsdp1_file(out, "optim", W, r))
+    extra = {
+        "lr_scheduler": scheduler.state_dict(),
+        "rng": {"cpu": torch.get_rng_state(), "random": random.getstate()},
+    }
+    torch.save(extra, fsdp1_file(out, "extra_state", W, r))
+
+    # Reference, gathered by FSDP itself (collective: every rank calls it).
+    full_model = fsdp1_full_state(model)
+    full_optim = fsdp1_full_optim_state(model, optimizer)
+    if r == 0:
+        (out / "fsdp_config.json").write_text(
+            json.dumps({"FSDP_version": 1, "world_size": W}) + "\n")
+        config.save_pretrained(out / "huggingface")
+        ref = reference_dir(out)
+        ref.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(ref)
+        torch.save(dict(full_model), ref / "full.pt")
+        optim_tensors, _ = split_tensors(flatten(full_optim["state"], "state"))
+        torch.save(optim_tensors, ref / "full_optim.pt")
+        (ref / "reference.json").write_text(json.dumps({
+            "world_size": W,
+            "fsdp_version": 1,
+            "values": args.values,
+            "value_type": describe_value(model_sd[key]),
+        }, indent=2) + "\n")
+    dist.barrier()
+    log(f"save-fsdp1 done: {out} ({time.perf_counter() - t0:.2f}s)")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Subcommand: load-fsdp1
+# ---------------------------------------------------------------------------
+
+
+def cmd_load_fsdp1(args) -> int:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    t0 = time.perf_counter()
+    W = args.world_size
+    r = rank()
+    directory = Path(args.dir)
+    config_spec = args.model_config
+    if config_spec is None and (directory / "huggingface" / "config.json").is_file():
+        config_spec = str(directory / "huggingface" / "config.json")
+    config = load_model_config(config_spec)
+
+    # weights_only=False: these are our own files, and ShardedTensor / DTensor
+    # values need full unpickling.  Do not copy this to untrusted input.
+    model_sd = torch.load(fsdp1_file(directory, "model", W, r), weights_only=False)
+    values = args.values
+    if values == "auto":
+        sample = next(v for v in model_sd.values() if not isinstance(v, (int, float)))
+        values = "dtensor" if isinstance(sample, DTensor) else "sharded_tensor"
+        if not isinstance(sample, (DTensor, ShardedTensor)):
+            raise SystemExit(f"unexpected value type {describe_value(sample)}")
+    log(f"values: {values}")
+
+    model = build_fsdp1_model(config, W, values, LOADER_SEED)
+    with sharded_ctx(model):
+        result = model.load_state_dict(model_sd)
+    if result.missing_keys or result.unexpected_keys:
+        log(f"load_state_dict: missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys}", all_ranks=True)
+
+    first = None
+    checked = 0
+    full = fsdp1_full_state(model)
+    if r == 0:
+        expected = torch.load(args.expect, map_location="cpu", weights_only=True)
+        # FSDP1 FQNs (use_orig_params=True) are already the HF names.
+        if set(full) != set(expected):
+            first = (f"key sets differ: only loaded {sorted(set(full) - set(expected))[:5]}, "
+                     f"only expected {sorted(set(expected) - set(full))[:5]}")
+        else:
+            for key in sorted(full):
+                checked += 1
+                reason = compare_tensor(key, full[key], expected[key])
+                if reason is not None:
+                    first = f"{key}: {reason}"
+                    break
+    status = finish_check(first, f"{checked} gathered FSDP1 tensors match {args.expect}")
+    log(f"load-fsdp1 done ({time.perf_counter() - t0:.2f}s)")
+    return status
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_opts(p):
+        p.add_argument("--model-config", default=None,
+                       help='preset name ("tiny"), JSON string, or path to a config.json; '
+                            "JSON overrides the tiny preset")
+
+    p = sub.add_parser("save-dcp", help="FSDP2(+TP) job that writes a DCP checkpoint")
+    p.add_argument("out")
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--layout", choices=("torchtitan", "areal"), default="torchtitan")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    model_opts(p)
+    p.set_defaults(func=cmd_save_dcp)
+
+    p = sub.add_parser("load-dcp", help="load a DCP checkpoint (any mesh) and verify it")
+    p.add_argument("ckpt")
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--expect", required=True, help="full.pt with flat '.'-joined keys")
+    p.add_argument("--layout", choices=("torchtitan", "areal"), default="torchtitan")
+    p.add_argument("--model-only", action="store_true")
+    model_opts(p)
+    p.set_defaults(func=cmd_load_dcp)
+
+    p = sub.add_parser("save-fsdp1", help="FSDP1 job that writes verl-style shards")
+    p.add_argument("out")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--values", choices=("sharded_tensor", "dtensor"), default="sharded_tensor")
+    p.add_argument("--steps", type=int, default=1)
+    model_opts(p)
+    p.set_defaults(func=cmd_save_fsdp1)
+
+    p = sub.add_parser("load-fsdp1", help="load verl-style FSDP1 shards and verify them")
+    p.add_argument("dir")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--expect", required=True, help="full.pt of the full model state dict")
+    p.add_argument("--values", choices=("auto", "sharded_tensor", "dtensor"), default="auto",
+                   help="how to build FSDP1 (auto: from the type of the saved values)")
+    model_opts(p)
+    p.set_defaults(func=cmd_load_fsdp1)
+
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    init_distributed()
+    try:
+        status = args.func(args)
+    finally:
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
