@@ -7,6 +7,7 @@ known offset of a ``.distcp`` file.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from dcptool import safe_pickle
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive import ArchiveWriter, Global, Reduced, StorageOut, TensorOut, dumps, new_object, torch_size
 
 NAME = "dcp"
+WRITES_FOLDER = True
 METADATA = ".metadata"
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
@@ -82,3 +85,108 @@ def _dtype_of(properties, key: str, where: str) -> str:
     if not isinstance(value, str):
         raise CheckpointError(f"{where}: {key}: no dtype in tensor properties")
     return str(value)
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class Writer:
+    """Writes a DCP folder that torch's ``dcp.load`` reads: one ``__{rank}_0.distcp`` per rank, then ``.metadata``.
+
+    ``layout(tensor)`` gives each tensor's chunks as ``(offsets, sizes, rank)``; by default a tensor
+    is one chunk in rank 0's file, as a single process saves it.
+    """
+
+    def __init__(self, folder: Path, layout=None):
+        self.folder = folder
+        self.layout = layout or (lambda t: [(tuple(0 for _ in t.shape), tuple(t.shape), 0)])
+        self._rank_of: dict = {}
+        self._records: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+        self._streams: dict[int, object] = {}
+
+    def plan(self, tensors, objects):
+        from dcptool.convert import Piece
+
+        pieces = []
+        for tensor in tensors:
+            for offsets, sizes, rank in self.layout(tensor):
+                piece = Piece(tensor, tuple(offsets), tuple(sizes))
+                self._rank_of[piece] = rank
+                pieces.append(piece)
+        pieces.sort(key=lambda p: self._rank_of[p])  # one file at a time
+        self.tensors = tensors
+        return pieces
+
+    def _stream(self, rank: int):
+        if rank not in self._streams:
+            self._streams[rank] = open(self.folder / f"__{rank}_0.distcp", "wb")
+        return self._streams[rank]
+
+    def _append(self, rank: int, key: str, offsets, write) -> None:
+        """Append one record to rank's file with ``write(stream)`` and remember where it went."""
+        stream = self._stream(rank)
+        start = stream.tell()
+        write(stream)
+        self._records[(key, offsets)] = (f"__{rank}_0.distcp", start, stream.tell() - start)
+
+    def write_piece(self, piece, slabs) -> None:
+        storage = StorageOut("0", piece.tensor.dtype, math.prod(piece.sizes))
+
+        def write(stream):
+            archive = ArchiveWriter(stream)
+            archive.add_pickle(TensorOut(storage, piece.sizes))
+            archive.add_storage(storage, slabs)
+            archive.close()
+
+        self._append(self._rank_of[piece], piece.tensor.key, piece.offsets, write)
+
+    def finish(self, objects) -> list[str]:
+        for obj in objects:
+            self._append(0, obj.key, None, lambda stream, obj=obj: _write_object(stream, obj))
+        self._stream(0)  # rank 0 always has a file, even with nothing to hold
+        for stream in self._streams.values():
+            stream.close()
+        (self.folder / METADATA).write_bytes(dumps(self._metadata(objects), protocol=4))
+        return []
+
+    def _metadata(self, objects):
+        entries, storage = {}, {}
+        chunks_of: dict[str, list] = {}
+        for piece in self._rank_of:
+            chunks_of.setdefault(piece.tensor.key, []).append(piece)
+        for (key, offsets), (file, start, length) in self._records.items():
+            position = None if offsets is None else [p.offsets for p in chunks_of[key]].index(offsets)
+            index = new_object(_METADATA_MODULE, "MetadataIndex", {
+                "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})
+            storage[index] = new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+                                        {"relative_path": file, "offset": start, "length": length})
+        for tensor in self.tensors:
+            properties = new_object(_METADATA_MODULE, "TensorProperties", (
+                Global("torch", tensor.dtype),
+                Reduced(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+                False,
+                Reduced(Global(_METADATA_MODULE, "_MEM_FORMAT_ENCODING"), (0,)),
+                False,
+            ))
+            chunks = [new_object(_METADATA_MODULE, "ChunkStorageMetadata",
+                                 {"offsets": torch_size(p.offsets), "sizes": torch_size(p.sizes)})
+                      for p in chunks_of[tensor.key]]
+            entries[tensor.key] = new_object(_METADATA_MODULE, "TensorStorageMetadata",
+                                             {"properties": properties, "size": torch_size(tensor.shape), "chunks": chunks})
+        for obj in objects:
+            entries[obj.key] = new_object(_METADATA_MODULE, "BytesStorageMetadata", {})
+        planner_data = {t.key: t.path for t in self.tensors} | {o.key: o.path for o in objects}
+        return new_object(_METADATA_MODULE, "Metadata", {
+            "state_dict_metadata": entries, "planner_data": planner_data, "storage_data": storage,
+            "storage_meta": None, "version": "1.0.0"})
+
+
+def _write_object(stream, obj) -> None:
+    """A non-tensor entry is a torch.save archive of its value: copied as is when the source has one."""
+    blob = obj.blob()
+    if blob is not None:
+        stream.write(blob)
+        return
+    archive = ArchiveWriter(stream)
+    archive.add_pickle(obj.value())
+    archive.close()

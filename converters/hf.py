@@ -1,0 +1,181 @@
+"""Hugging Face safetensors: one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}``) and the raw tensor bytes.
+Reading parses only the header; the writer writes each header first and then streams the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from dcptool import dtypes
+from dcptool.core import Checkpoint, Chunk, TensorInfo
+from dcptool.errors import CheckpointError, UsageError
+from dcptool.storage import CheckpointFiles
+
+NAME = "hf"
+WRITES_FOLDER = True
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
+# Files that make an export usable by transformers, copied from --config-dir.
+CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "chat_template.jinja", "chat_template.json", "preprocessor_config.json"]
+
+
+def detect(path: Path) -> bool:
+    if path.is_file():
+        return path.suffix == ".safetensors"
+    return path.is_dir() and ((path / INDEX).is_file() or any(path.glob("*.safetensors")))
+
+
+def read(path: Path) -> Checkpoint:
+    if path.is_file():
+        files = CheckpointFiles(path.parent)
+        names = [path.name]
+    else:
+        files = CheckpointFiles(path)
+        names = _listed_files(path, files)
+    tensors: dict[str, TensorInfo] = {}
+    for name in names:
+        for key, tensor in _read_header(files, name).items():
+            if key in tensors:
+                raise CheckpointError(f"{files.path(name)}: tensor {key} is also in {tensors[key].chunks[0].file}")
+            tensors[key] = tensor
+    checkpoint = Checkpoint(NAME, path, files, tensors, {}, {"files": len(names)})
+    checkpoint.validate()
+    return checkpoint
+
+
+def _listed_files(path: Path, files: CheckpointFiles) -> list[str]:
+    index = path / INDEX
+    if not index.is_file():
+        return sorted(p.name for p in path.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if not files.path(name).is_file():
+            raise CheckpointError(f"{index}: names {name!r}, which does not exist")
+    return names
+
+
+def _read_header(files: CheckpointFiles, name: str) -> dict[str, TensorInfo]:
+    where = files.path(name)
+    (length,) = struct.unpack("<Q", files.read(name, 0, 8))
+    if length > MAX_HEADER:
+        raise CheckpointError(f"{where}: header of {length} bytes is not a safetensors header")
+    try:
+        header = json.loads(files.read(name, 8, length))
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: corrupt safetensors header ({exc})") from None
+    start = 8 + length
+    size = files.size(name)
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = dtypes.BY_SAFETENSORS[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where}: {key}: malformed header entry {entry!r:.100}") from None
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{where}: {key}: {end - begin} bytes cannot hold {dtype.name}{list(shape)}")
+        if start + end > size:
+            raise CheckpointError(f"{where}: truncated: {key} needs bytes up to {start + end}, the file has {size}")
+        chunk = Chunk(tuple(0 for _ in shape), shape, name, start + begin, end - begin)
+        tensors[key] = TensorInfo((key,), dtype.name, shape, [chunk])
+    return tensors
+
+
+def _header(tensors) -> bytes:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for tensor in tensors:
+        header[tensor.key] = {"dtype": dtypes.dtype(tensor.dtype).safetensors, "shape": list(tensor.shape),
+                              "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+class Writer:
+    """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order)."""
+
+    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: Path | None = None):
+        self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
+        self._file_of: dict[str, str] = {}
+        self._open_name: str | None = None
+        self._stream = None
+
+    def plan(self, tensors, objects):
+        by_key = {t.key: t for t in tensors}
+        if len(by_key) != len(tensors):
+            raise UsageError("two tensors would get the same name in the safetensors output")
+        split = split_state_dict_into_shards_factory(
+            by_key, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors",
+            max_shard_size=self.max_shard_size,
+        )
+        self.split = split
+        pieces = []
+        for filename, keys in split.filename_to_tensors.items():
+            for key in keys:
+                self._file_of[key] = filename
+            pieces += [_whole(by_key[k]) for k in keys]
+        self._tensors_of = {f: [by_key[k] for k in keys] for f, keys in split.filename_to_tensors.items()}
+        return pieces
+
+    def write_piece(self, piece, slabs) -> None:
+        filename = self._file_of[piece.tensor.key]
+        if filename != self._open_name:
+            self._close_file()
+            self._stream = open(self.folder / filename, "wb")
+            self._stream.write(_header(self._tensors_of[filename]))
+            self._open_name = filename
+        for slab in slabs:
+            self._stream.write(slab)
+
+    def _close_file(self) -> None:
+        if self._stream:
+            self._stream.close()
+            self._stream = None
+
+    def finish(self, objects) -> list[str]:
+        self._close_file()
+        if self.split.is_sharded:
+            total = sum(t.nbytes for ts in self._tensors_of.values() for t in ts)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._file_of.items()))}
+            (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        if self.config_dir:
+            copy_config(Path(self.config_dir), self.folder)
+        return [o.key for o in objects]
+
+
+def copy_config(config_dir: Path, folder: Path) -> list[str]:
+    """Copy the model config, generation config and tokenizer files that sit in ``config_dir``."""
+    if not (config_dir / "config.json").is_file():
+        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
+    copied = []
+    for name in CONFIG_FILES:
+        if (config_dir / name).is_file():
+            shutil.copyfile(config_dir / name, folder / name)
+            copied.append(name)
+    return copied
+
+
+def _whole(tensor):
+    from dcptool.convert import Piece
+
+    return Piece(tensor, tuple(0 for _ in tensor.shape), tuple(tensor.shape))

@@ -1,0 +1,114 @@
+"""A full state dict in one ``torch.save`` file (nested dicts allowed), e.g. ``model.pt`` or ``pytorch_model.bin``.
+
+Read without torch through dcptool's restricted unpickler (the same allowlist as ``weights_only=True``);
+tensor bytes are read in place from the archive. The writer produces a file that
+``torch.load(path, weights_only=True, mmap=True)`` reads.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from dcptool.core import Checkpoint, Chunk, ObjectInfo, TensorInfo
+from dcptool.errors import CheckpointError, UsageError
+from dcptool.safe_pickle import TensorRef, walk
+from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive import Archive, ArchiveWriter, StorageOut, TensorOut
+
+NAME = "torch"
+WRITES_FOLDER = False
+
+
+def detect(path: Path) -> bool:
+    return path.is_file() and path.suffix != ".safetensors" and zipfile.is_zipfile(path)
+
+
+def read(path: Path) -> Checkpoint:
+    files = CheckpointFiles(path.parent)
+    archive = Archive(files, path.name)
+    root = archive.load()
+    if not isinstance(root, dict):
+        raise CheckpointError(f"{path}: holds a {type(root).__name__}, not a state dict")
+    tensors: dict[str, TensorInfo] = {}
+    objects: dict[str, ObjectInfo] = {}
+    for nested, value in flatten(root):
+        key = ".".join(nested)
+        if isinstance(value, TensorRef):
+            if value.subclass:
+                raise CheckpointError(f"{path}: {key} is a {value.subclass}; per-rank files are read with --from fsdp1")
+            raw = archive.raw_bytes(value)
+            chunk = Chunk(tuple(0 for _ in raw.shape), raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
+            tensors[key] = TensorInfo(nested, value.dtype.name, raw.shape, [chunk])
+        else:
+            objects[key] = ObjectInfo(nested, value=value)
+    checkpoint = Checkpoint(NAME, path, files, tensors, objects)
+    checkpoint.validate()
+    return checkpoint
+
+
+def flatten(obj, prefix: tuple[str, ...] = ()):
+    """Yield ``(path, leaf)`` as DCP flattens a state dict: into dicts, and into lists that hold tensors."""
+    if isinstance(obj, dict) and obj:
+        for key, value in obj.items():
+            yield from flatten(value, prefix + (str(key),))
+    elif isinstance(obj, (list, tuple)) and prefix and _holds_tensor(obj):
+        for index, value in enumerate(obj):
+            yield from flatten(value, prefix + (str(index),))
+    else:
+        yield prefix, obj
+
+
+def _holds_tensor(obj) -> bool:
+    found = []
+    walk(obj, lambda item: found.append(True) if isinstance(item, TensorRef) else None)
+    return bool(found)
+
+
+def nest(entries: dict[tuple[str, ...], object]) -> dict:
+    """Rebuild nested dicts from paths: ``{("model", "w"): t}`` -> ``{"model": {"w": t}}``."""
+    root: dict = {}
+    for path, value in entries.items():
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"{'.'.join(path)}: a parent of this entry is itself an entry")
+        if path[-1] in node:
+            raise UsageError(f"{'.'.join(path)}: two entries have this path")
+        node[path[-1]] = value
+    return root
+
+
+class Writer:
+    """Writes one ``torch.save`` file: the pickled nested dict first, then each tensor's bytes streamed in."""
+
+    def __init__(self, file: Path):
+        self.file = file
+
+    def plan(self, tensors, objects):
+        from dcptool.convert import Piece
+
+        storages = {t.key: StorageOut(str(i), t.dtype, _numel(t.shape)) for i, t in enumerate(tensors)}
+        entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
+        entries |= {o.path: o.value() for o in objects}
+        self.stream = open(self.file, "wb")
+        self.archive = ArchiveWriter(self.stream)
+        self.archive.add_pickle(nest(entries))
+        self.storages = storages
+        return [Piece(t, tuple(0 for _ in t.shape), tuple(t.shape)) for t in tensors]
+
+    def write_piece(self, piece, slabs) -> None:
+        self.archive.add_storage(self.storages[piece.tensor.key], slabs)
+
+    def finish(self, objects) -> list[str]:
+        self.archive.close()
+        self.stream.close()
+        return []
+
+
+def _numel(shape) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count

@@ -1,0 +1,239 @@
+"""Conversion: choose what goes out (planning), then stream it from reader to writer within a memory budget.
+
+Planning turns a source ``Checkpoint`` into ``OutTensor``/``OutObject`` lists (selection, renaming,
+dtype) and asks the writer how it lays them out: an ordered list of ``Piece`` regions. Execution
+fills each piece slab by slab, every slab assembled from the source chunks it overlaps, through
+two buffers of fixed size that are reused for the whole run.
+
+>>> report = convert_checkpoint("step-100", "out-hf", to="hf", dtype="bfloat16")   # doctest: +SKIP
+>>> report.tensors, report.bytes_written, report.left_out                             # doctest: +SKIP
+(291, 16060522496, ['optimizer.param_groups', 'lr_scheduler'])
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from dcptool import dtypes, formats
+from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.errors import CheckpointError, UsageError
+from dcptool.storage import atomic_output, fsync_tree
+
+DEFAULT_MAX_MEMORY = 256 * 2**20
+
+
+@dataclass(eq=False)  # compared and hashed by identity: pieces of one tensor share it
+class OutTensor:
+    """A tensor as it will be written: output key and nested path, dtype, shape, and its source."""
+
+    key: str
+    path: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    source: TensorInfo
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+@dataclass
+class OutObject:
+    """A non-tensor entry as it will be written; ``value()`` and ``blob()`` fetch it from the source."""
+
+    key: str
+    path: tuple[str, ...]
+    source: ObjectInfo
+    checkpoint: Checkpoint = field(repr=False)
+
+    def value(self) -> Any:
+        return self.checkpoint.object_value(self.source)
+
+    def blob(self) -> bytes | None:
+        return self.checkpoint.object_blob(self.source)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangular region of an output tensor that a writer stores as one unit (a chunk, a shard)."""
+
+    tensor: OutTensor
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * dtypes.dtype(self.tensor.dtype).itemsize
+
+
+@dataclass
+class Report:
+    destination: Path
+    format: str
+    tensors: int = 0
+    bytes_written: int = 0
+    left_out: list[str] = field(default_factory=list)
+
+
+# Wrappers under which checkpoints nest the model, tried in order; the first that holds tensors is the model part.
+MODEL_WRAPPERS: list[tuple[str, ...]] = [("dcp", "model"), ("model",), ("module",), ("state_dict",)]
+# Top-level entries that are never model weights when a checkpoint keeps its model at the top level.
+NON_MODEL_ROOTS = {"optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
+                   "dataloader", "train_state", "extra_state", "rng", "rng_state"}
+# Prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1, DDP).
+WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.|^module\.")
+
+
+def model_part(checkpoint: Checkpoint, prefix: str | None = None) -> dict[str, TensorInfo]:
+    """The model's tensors under their model names, found from the checkpoint's own nesting.
+
+    ``{"dcp": {"model": {...}}}`` (AReaL) and ``{"model": {...}, "optim": ...}`` are unwrapped;
+    a checkpoint with its model at the top level keeps it, minus optimizer and other state.
+    ``prefix`` (``"dcp.model"``) names the wrapper by hand.
+    """
+    tensors = list(checkpoint.tensors.values())
+    if prefix:
+        start = prefix.rstrip(".") + "."
+        found = {t.key[len(start):]: t for t in tensors if t.key.startswith(start)}
+        if not found:
+            raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
+    else:
+        found = None
+        for wrapper in MODEL_WRAPPERS:
+            inside = {".".join(t.path[len(wrapper):]): t for t in tensors
+                      if len(t.path) > len(wrapper) and t.path[: len(wrapper)] == wrapper}
+            if inside:
+                found = inside
+                break
+        if found is None:
+            found = {t.key: t for t in tensors if t.path[0] not in NON_MODEL_ROOTS}
+    return {WRAPPER_PREFIXES.sub(r"\1", key): t for key, t in found.items()}
+
+
+def select(names: dict[str, Any], include: str | None, exclude: str | None) -> dict[str, Any]:
+    """Keep the entries whose output name matches ``include`` and not ``exclude`` (regular expressions)."""
+    inc = re.compile(include) if include else None
+    exc = re.compile(exclude) if exclude else None
+    return {k: v for k, v in names.items() if (not inc or inc.search(k)) and not (exc and exc.search(k))}
+
+
+def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: bool) -> list[OutTensor]:
+    """Output tensors; ``dtype`` casts floating-point tensors only (integer state such as steps stays)."""
+    result = []
+    for key, tensor in named.items():
+        target = dtype if dtype and tensor.dtype in dtypes.CASTABLE else tensor.dtype
+        path = tensor.path if keep_paths else (key,)
+        result.append(OutTensor(key, path, target, tensor.shape, tensor))
+    return result
+
+
+def slabs(sizes: tuple[int, ...], max_elements: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a region into row-major contiguous sub-regions of at most ``max_elements`` elements, in order."""
+    if math.prod(sizes) <= max_elements or not sizes:
+        yield tuple(0 for _ in sizes), tuple(sizes)
+        return
+    inner = math.prod(sizes[1:])
+    if inner <= max_elements:
+        step = max(1, max_elements // max(inner, 1))
+        for start in range(0, sizes[0], step):
+            yield (start,) + tuple(0 for _ in sizes[1:]), (min(step, sizes[0] - start),) + tuple(sizes[1:])
+        return
+    for index in range(sizes[0]):
+        for offsets, sub in slabs(sizes[1:], max_elements):
+            yield (index,) + offsets, (1,) + sub
+
+
+class Streamer:
+    """Fills pieces from a source checkpoint, slab by slab, through two reused buffers.
+
+    ``max_memory`` bounds the data buffers: half for assembling a slab, half for file reads.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, max_memory: int = DEFAULT_MAX_MEMORY, on_bytes: Callable[[int], None] | None = None):
+        if max_memory < 2**16:
+            raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+        self.checkpoint = checkpoint
+        self.slab_buffer = bytearray(max_memory // 2)
+        self.read_buffer = memoryview(bytearray(max_memory // 2))
+        self.on_bytes = on_bytes or (lambda n: None)
+
+    def slabs_of(self, piece: Piece) -> Iterator[memoryview]:
+        """The bytes of ``piece`` in row-major order, as buffers valid until the next one is taken."""
+        source = piece.tensor.source
+        src_size = dtypes.dtype(source.dtype).itemsize
+        dst_size = dtypes.dtype(piece.tensor.dtype).itemsize
+        # A cast allocates its result, so leave room for it inside the slab half of the budget.
+        per_element = src_size + (dst_size if dst_size != src_size or source.dtype != piece.tensor.dtype else 0)
+        max_elements = max(1, len(self.slab_buffer) // per_element)
+        view_type = dtypes.raw_view_type(src_size)
+        for offsets, sizes in slabs(piece.sizes, max_elements):
+            count = math.prod(sizes)
+            values = np.frombuffer(self.slab_buffer, dtype=view_type, count=count).reshape(sizes)
+            region = tuple(o + p for o, p in zip(offsets, piece.offsets))
+            self.checkpoint.read_region(source, region, sizes, values, self.read_buffer)
+            if source.dtype != piece.tensor.dtype:
+                values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
+            data = memoryview(values.reshape(-1)).cast("B")
+            self.on_bytes(len(data))
+            yield data
+
+
+def write_checkpoint(
+    checkpoint: Checkpoint,
+    destination: Path,
+    to: str,
+    tensors: list[OutTensor],
+    objects: list[OutObject],
+    *,
+    overwrite: bool = False,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    fsync: bool = True,
+    progress: Callable[[int], None] | None = None,
+    writer_options: dict | None = None,
+) -> Report:
+    """Write ``tensors`` and ``objects`` of ``checkpoint`` as format ``to`` at ``destination``, atomically."""
+    module = formats.get(to)
+    destination = Path(destination)
+    if Path(checkpoint.root).resolve() == destination.resolve():
+        raise UsageError(f"{destination}: the output would replace its own source")
+    report = Report(destination, to, tensors=len(tensors))
+    with atomic_output(destination, overwrite, is_dir=module.WRITES_FOLDER) as temporary:
+        writer = module.Writer(temporary, **(writer_options or {}))
+        streamer = Streamer(checkpoint, max_memory, progress)
+        pieces = writer.plan(tensors, objects)
+        for piece in pieces:
+            writer.write_piece(piece, streamer.slabs_of(piece))
+            report.bytes_written += piece.nbytes
+        report.left_out = writer.finish(objects) or []
+        if fsync:
+            fsync_tree(temporary)
+    return report
+
+
+def convert_checkpoint(
+    source: str | Path,
+    destination: str | Path,
+    to: str,
+    *,
+    source_format: str | None = None,
+    dtype: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+    **options,
+) -> Report:
+    """Convert a checkpoint to another format, keeping every key (tensors and objects) as saved.
+
+    >>> convert_checkpoint("step-100", "step-100.pt", to="torch")   # doctest: +SKIP
+    """
+    checkpoint = formats.open_checkpoint(source, source_format)
+    named = select(checkpoint.tensors, include, exclude)
+    if not named:
+        raise UsageError(f"{source}: no tensor matches the --include/--exclude filters")
+    objects = [OutObject(k, o.path, o, checkpoint) for k, o in select(checkpoint.objects, include, exclude).items()]
+    return write_checkpoint(checkpoint, Path(destination), to, out_tensors(named, dtype, keep_paths=True), objects, **options)
