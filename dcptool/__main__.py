@@ -1,0 +1,3 @@
+from dcptool.cli import main
+
+main()
