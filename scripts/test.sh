@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (CPU torch, pinned so pip takes the local wheel instead of CUDA builds)
+# and run the whole test suite: real multi-process gloo jobs on CPU, no GPU needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${DCPTOOL_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip >/dev/null
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[test]"
+export OMP_NUM_THREADS=1
+exec "$PY" -m pytest -q "$@"

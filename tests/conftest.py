@@ -1,0 +1,55 @@
+"""Shared fixtures: checkpoints saved by real multi-process gloo jobs (scripts/gloo_jobs.py), made once per session."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dcptool(*args, check=True):
+    """Run the real command line; returns the CompletedProcess (text output)."""
+    result = subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"dcptool {' '.join(map(str, args))} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Lazily made DCP checkpoints, keyed by name; each is (path, reference folder)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    made = {}
+    specs = {
+        # torchtitan layout: model keys at the top level, optimizer.*, train_state, lr_scheduler
+        "fsdp2_dp2": (2, ["--dp", "2", "--layout", "torchtitan"]),
+        # AReaL layout {"dcp": {"model", "optim"}} with FSDP2 + TP (colwise weights get _StridedShard)
+        "fsdp2_dp2_tp2": (4, ["--dp", "2", "--tp", "2", "--layout", "areal"]),
+    }
+
+    def get(name):
+        if name not in made:
+            from jobs import run_job
+
+            nproc, args = specs[name]
+            out = root / name
+            run_job(nproc, "save-dcp", out, *args)
+            made[name] = (out, Path(f"{out}.reference"))
+        return made[name]
+
+    return get
+
+
+def load_reference(reference: Path) -> dict:
+    import torch
+
+    return torch.load(reference / "full.pt", weights_only=True)
+
+
+def placements(reference: Path) -> dict:
+    return json.loads((reference / "reference.json").read_text())["placements"]

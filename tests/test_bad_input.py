@@ -1,0 +1,133 @@
+"""Bad input: exit code 2, one clear line naming the file and what is wrong, no traceback, nothing written."""
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from conftest import dcptool
+from safetensors.torch import save_file
+
+
+@pytest.fixture
+def small_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "ckpt"
+    dcp.save({"model": {"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(8)}, "step": 3}, checkpoint_id=path)
+    return path
+
+
+def refused(source, *args, names, tmp_path):
+    """Run convert and check the refusal: exit 2, one line naming ``names``, no output, source unchanged."""
+    before = {p: p.read_bytes() for p in sorted(source.rglob("*")) if p.is_file()} if source.is_dir() else None
+    out = tmp_path / "out"
+    result = dcptool("convert", source, out, "--to", "torch", *args, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert names in lines[0], lines[0]
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "dcptool-tmp" in p.name]
+    if before is not None:
+        assert before == {p: p.read_bytes() for p in sorted(source.rglob("*")) if p.is_file()}
+    return lines[0]
+
+
+def test_missing_metadata(small_dcp, tmp_path):
+    (small_dcp / ".metadata").unlink()
+    line = refused(small_dcp, names=".metadata", tmp_path=tmp_path)
+    assert "missing" in line
+
+
+def test_truncated_distcp(small_dcp, tmp_path):
+    data = small_dcp / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    line = refused(small_dcp, names="__0_0.distcp", tmp_path=tmp_path)
+    assert "truncated" in line
+
+
+def test_metadata_pickle_that_runs_code_is_refused(small_dcp, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (small_dcp / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    for command in (["inspect", small_dcp], ["convert", small_dcp, tmp_path / "x", "--to", "hf"]):
+        result = dcptool(*command, check=False)
+        assert result.returncode == 2 and "refuses to unpickle" in result.stderr and ".metadata" in result.stderr
+    assert not marker.exists()
+
+
+def test_chunk_offset_past_end_of_file(small_dcp, tmp_path):
+    metadata = pickle.loads((small_dcp / ".metadata").read_bytes())  # our own file: trusted here
+    for info in metadata.storage_data.values():
+        info.offset += 10**6
+    (small_dcp / ".metadata").write_bytes(pickle.dumps(metadata))
+    refused(small_dcp, names="__0_0.distcp", tmp_path=tmp_path)
+
+
+def test_missing_chunk_is_reported_by_tensor(small_dcp, tmp_path):
+    metadata = pickle.loads((small_dcp / ".metadata").read_bytes())
+    metadata.state_dict_metadata["model.w"].size = torch.Size([16, 8])
+    (small_dcp / ".metadata").write_bytes(pickle.dumps(metadata))
+    line = refused(small_dcp, names="model.w", tmp_path=tmp_path)
+    assert "missing" in line
+
+
+@pytest.fixture
+def sharded_hf(tmp_path):
+    path = tmp_path / "hf"
+    path.mkdir()
+    save_file({"a": torch.ones(4)}, path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file({"b": torch.zeros(4)}, path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 32}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                            "b": "model-00002-of-00002.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def test_index_names_missing_file(sharded_hf, tmp_path):
+    (sharded_hf / "model-00002-of-00002.safetensors").unlink()
+    line = refused(sharded_hf, names="model.safetensors.index.json", tmp_path=tmp_path)
+    assert "model-00002-of-00002.safetensors" in line
+
+
+def test_index_names_file_outside_the_folder(sharded_hf, tmp_path):
+    shutil.copy(sharded_hf / "model-00002-of-00002.safetensors", tmp_path / "x.safetensors")
+    index = json.loads((sharded_hf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["b"] = "../x.safetensors"
+    (sharded_hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = refused(sharded_hf, names="outside the checkpoint folder", tmp_path=tmp_path)
+    assert "../x.safetensors" in line
+
+
+def test_truncated_safetensors(sharded_hf, tmp_path):
+    shard = sharded_hf / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    refused(sharded_hf, names="model-00001-of-00002.safetensors", tmp_path=tmp_path)
+
+
+def test_existing_destination_is_left_untouched(small_dcp, tmp_path):
+    out = tmp_path / "out.pt"
+    out.write_text("precious")
+    result = dcptool("convert", small_dcp, out, "--to", "torch", check=False)
+    assert result.returncode == 2 and "--overwrite" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert out.read_text() == "precious"
+    dcptool("convert", small_dcp, out, "--to", "torch", "--overwrite")
+    assert torch.load(out, weights_only=True)["step"] == 3
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    result = dcptool("inspect", tmp_path, check=False)
+    assert result.returncode == 2 and "not a checkpoint" in result.stderr
+
+
+def test_debug_shows_traceback(small_dcp):
+    (small_dcp / ".metadata").unlink()
+    result = dcptool("--debug", "inspect", small_dcp, check=False)
+    assert result.returncode == 2 and "Traceback" in result.stderr

@@ -1,0 +1,194 @@
+"""Readers and writers against independent code: torch's full state dicts, dcp.load, safetensors, transformers."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import dcptool, load_reference, placements
+from jobs import run_job
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dcptool import dtypes
+from dcptool.convert import convert_checkpoint
+from dcptool.formats import open_checkpoint
+
+
+def read_tensor(checkpoint, key) -> torch.Tensor:
+    """A whole tensor read through dcptool's region reader, as a torch tensor of its dtype."""
+    tensor = checkpoint.tensors[key]
+    itemsize = dtypes.dtype(tensor.dtype).itemsize
+    out = np.empty(tensor.shape, dtype=dtypes.raw_view_type(itemsize))
+    checkpoint.read_region(tensor, (0,) * len(tensor.shape), tensor.shape, out, memoryview(bytearray(4096)))
+    return torch.from_numpy(out).view(getattr(torch, tensor.dtype))
+
+
+def assert_same(actual: dict, expected: dict):
+    assert sorted(actual) == sorted(expected)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype, key
+        assert actual[key].shape == value.shape, key
+        assert torch.equal(actual[key].view(torch.uint8) if value.dtype == torch.bool else actual[key], value), key
+
+
+@pytest.mark.parametrize("name", ["fsdp2_dp2", "fsdp2_dp2_tp2"])
+def test_dcp_reader_matches_full_state_dict(checkpoints, name):
+    path, reference = checkpoints(name)
+    full = load_reference(reference)
+    checkpoint = open_checkpoint(path)
+    assert checkpoint.format == "dcp"
+    assert_same({k: read_tensor(checkpoint, k) for k in checkpoint.tensors}, full)
+    assert checkpoint.objects, "the job saved a non-tensor entry"
+
+
+def test_strided_shard_layout_is_read_by_global_offsets(checkpoints):
+    path, reference = checkpoints("fsdp2_dp2_tp2")
+    assert any("_StridedShard" in p for p in placements(reference).values())
+    checkpoint = open_checkpoint(path)
+    q = next(t for k, t in checkpoint.tensors.items() if k.endswith("q_proj.weight"))
+    assert len(q.chunks) == 4
+    full = load_reference(reference)
+    assert torch.equal(read_tensor(checkpoint, q.key), full[q.key])
+
+
+def test_dcp_to_torch_matches_torch_format_utils(checkpoints, tmp_path):
+    path, _ = checkpoints("fsdp2_dp2_tp2")
+    dcp_to_torch_save(path, tmp_path / "theirs.pt")
+    dcptool("convert", path, tmp_path / "ours.pt", "--to", "torch")
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True, mmap=True)
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    ours, theirs = dict(flat(ours)), dict(flat(theirs))
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+
+
+@pytest.mark.parametrize("chain", [["torch", "dcp"], ["hf", "torch"], ["dcp", "hf", "dcp"], ["torch", "hf", "torch"]])
+def test_round_trips_are_bitwise(checkpoints, tmp_path, chain):
+    path, reference = checkpoints("fsdp2_dp2")
+    source = open_checkpoint(path)
+    expected = {k: read_tensor(source, k) for k in source.tensors}
+    current = path
+    for step, fmt in enumerate(chain):
+        target = tmp_path / f"{step}-{fmt}" if fmt != "torch" else tmp_path / f"{step}.pt"
+        convert_checkpoint(current, target, to=fmt, max_memory=2**16)
+        current = target
+    result = open_checkpoint(current)
+    assert_same({k: read_tensor(result, k) for k in result.tensors}, expected)
+    if "hf" not in chain:  # safetensors cannot hold non-tensor entries; every other format keeps them
+        assert {k: result.object_value(o) for k, o in result.objects.items()} == {
+            k: source.object_value(o) for k, o in source.objects.items()}
+
+
+def test_dcp_written_by_dcptool_loads_in_a_real_job(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2_tp2")
+    out = tmp_path / "resaved"
+    dcptool("convert", path, out, "--to", "dcp")
+    run_job(4, "load-dcp", out, "--dp", "2", "--tp", "2", "--layout", "areal", "--expect", reference / "full.pt")
+
+
+def test_dcp_written_by_dcptool_loads_offline_in_torch(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2")
+    dcptool("convert", path, tmp_path / "out", "--to", "dcp")
+    dcp_to_torch_save(tmp_path / "out", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    full = load_reference(reference)
+    model_keys = [k for k in full if not k.startswith("optimizer")]
+    for key in model_keys:
+        assert torch.equal(loaded[key], full[key]), key
+
+
+def test_cast_matches_torch(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2")
+    full = load_reference(reference)
+    for dtype in ("bfloat16", "float16"):
+        out = tmp_path / dtype
+        dcptool("convert", path, out, "--to", "hf", "--dtype", dtype)
+        exported = load_file(out / "model.safetensors")
+        for key, value in exported.items():
+            original = full[key]
+            expected = original.to(getattr(torch, dtype)) if original.is_floating_point() else original
+            assert torch.equal(value, expected), key
+
+
+def test_hf_sharding_and_index(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2")
+    out = tmp_path / "hf"
+    dcptool("export-hf", path, out, "--max-shard-size", "100KB", "--config-dir", reference)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    from huggingface_hub import constants  # noqa: F401  (the index follows the hub's layout)
+    import json
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    merged = {}
+    for shard in shards:
+        merged.update(load_file(shard))
+    assert set(index["weight_map"]) == set(merged)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in merged.values())
+    full = load_reference(reference)
+    for key, value in merged.items():
+        assert torch.equal(value, full[key]), key
+    assert not any(k.startswith("optimizer") for k in merged)
+
+
+def test_export_hf_unwraps_areal_nesting_and_loads_in_transformers(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2_tp2")
+    out = tmp_path / "hf"
+    dcptool("export-hf", path, out, "--config-dir", reference)
+    exported = load_file(out / "model.safetensors")
+    assert "model.embed_tokens.weight" in exported and "lm_head.weight" in exported
+    full = load_reference(reference)
+    for key, value in exported.items():
+        assert torch.equal(value, full[f"dcp.model.{key}"]), key
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, exported[key]), key
+
+
+def test_import_hf_then_export_hf_keeps_logits(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=100, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "orig")
+    dcptool("import-hf", tmp_path / "orig", tmp_path / "dcp")
+    sd = {k: torch.zeros_like(v) for k, v in load_file(tmp_path / "orig" / "model.safetensors").items()}
+    dcp.load(sd, checkpoint_id=tmp_path / "dcp")  # torch's own reader, no process group
+    dcptool("export-hf", tmp_path / "dcp", tmp_path / "back", "--config-dir", tmp_path / "orig")
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    tokens = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, again(tokens).logits)
+    for key, value in load_file(tmp_path / "back" / "model.safetensors").items():
+        assert torch.equal(value, sd[key]), key
+
+
+def test_inspect_json(checkpoints):
+    import json
+
+    path, reference = checkpoints("fsdp2_dp2_tp2")
+    report = json.loads(dcptool("inspect", path, "--json").stdout)
+    full = load_reference(reference)
+    assert report["format"] == "dcp"
+    assert set(report["tensors"]) == set(full)
+    key = next(k for k in full if k.endswith("q_proj.weight"))
+    assert report["tensors"][key]["dtype"] == str(full[key].dtype).removeprefix("torch.")
+    assert report["tensors"][key]["shape"] == list(full[key].shape)
+    assert report["total_bytes"] == sum(v.numel() * v.element_size() for v in full.values())
+    assert "train_state" in " ".join(report["objects"])
