@@ -1,0 +1,41 @@
+"""Peak memory of a conversion stays within the --max-memory budget on a model several times larger."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# ~90 MB of float32 weights (plus twice that in Adam state), saved by a real FSDP2 job.
+BIG = json.dumps({"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                  "intermediate_size": 1536, "vocab_size": 8000, "tie_word_embeddings": False})
+BUDGET_MB = 16
+
+
+def peak_rss_mb(*args) -> float:
+    """Peak resident memory of one dcptool run, measured in a fresh parent so no earlier child counts."""
+    probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+    result = subprocess.run([sys.executable, "-c", probe, sys.executable, "-m", "dcptool", "--quiet", *map(str, args)],
+                            capture_output=True, text=True, check=True)
+    return int(result.stdout.strip().splitlines()[-1]) / 1024
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    from jobs import run_job
+
+    out = tmp_path_factory.mktemp("big") / "ckpt"
+    run_job(2, "save-dcp", out, "--dp", "2", "--model-config", BIG)
+    return out
+
+
+@pytest.mark.parametrize("command", [["export-hf"], ["convert", "--to", "torch"]])
+def test_peak_memory_within_budget(big_checkpoint, tmp_path, command):
+    baseline = peak_rss_mb("inspect", big_checkpoint, "--json")  # the same imports, no data moved
+    verb, *options = command
+    peak = peak_rss_mb(verb, big_checkpoint, tmp_path / "out", *options, "--max-memory", f"{BUDGET_MB}MiB")
+    model_mb = sum(f.stat().st_size for f in big_checkpoint.glob("*.distcp")) / 2**20
+    assert model_mb > 10 * BUDGET_MB
+    # Data buffers are the budget; allow some slack for the allocator and per-file metadata.
+    assert peak - baseline < BUDGET_MB + 24, (peak, baseline, model_mb)
