@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from dcptool import safe_pickle
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, TensorInfo
+from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import ArchiveWriter, Global, Reduced, StorageOut, TensorOut, dumps, new_object, torch_size
@@ -105,8 +105,6 @@ class Writer:
         self._streams: dict[int, object] = {}
 
     def plan(self, tensors, objects):
-        from dcptool.convert import Piece
-
         pieces = []
         for tensor in tensors:
             for offsets, sizes, rank in self.layout(tensor):

@@ -16,7 +16,7 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, Chunk, TensorInfo
+from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.storage import CheckpointFiles
 
@@ -176,6 +176,4 @@ def copy_config(config_dir: Path, folder: Path) -> list[str]:
 
 
 def _whole(tensor):
-    from dcptool.convert import Piece
-
     return Piece(tensor, tuple(0 for _ in tensor.shape), tuple(tensor.shape))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, TensorInfo
+from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import TensorRef, walk
 from dcptool.storage import CheckpointFiles
@@ -87,8 +87,6 @@ class Writer:
         self.file = file
 
     def plan(self, tensors, objects):
-        from dcptool.convert import Piece
-
         storages = {t.key: StorageOut(str(i), t.dtype, _numel(t.shape)) for i, t in enumerate(tensors)}
         entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
         entries |= {o.path: o.value() for o in objects}

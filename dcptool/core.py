@@ -190,6 +190,54 @@ class Checkpoint:
         target[...] = view
 
 
+# What writers consume: output tensors and objects, and the pieces a writer stores them as.
+
+
+@dataclass(eq=False)  # compared and hashed by identity: pieces of one tensor share it
+class OutTensor:
+    """A tensor as it will be written: output key and nested path, dtype, shape, and its source."""
+
+    key: str
+    path: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    source: TensorInfo
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+@dataclass
+class OutObject:
+    """A non-tensor entry as it will be written; ``value()`` and ``blob()`` fetch it from the source."""
+
+    key: str
+    path: tuple[str, ...]
+    source: ObjectInfo
+    checkpoint: Checkpoint = field(repr=False)
+
+    def value(self) -> Any:
+        return self.checkpoint.object_value(self.source)
+
+    def blob(self) -> bytes | None:
+        return self.checkpoint.object_blob(self.source)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangular region of an output tensor that a writer stores as one unit (a chunk, a shard)."""
+
+    tensor: OutTensor
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes) * dtypes.dtype(self.tensor.dtype).itemsize
+
+
+
 def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(sizes):
