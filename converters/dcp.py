@@ -45,7 +45,7 @@ def read(path: Path) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     objects: dict[str, ObjectInfo] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        nested = tuple(str(p) for p in planner_data.get(key, (key,)))
+        nested = tuple(planner_data.get(key, (key,)))
         kind = type(entry).__name__
         if kind == "BytesStorageMetadata":
             info = _storage_info(storage, key, None, where)

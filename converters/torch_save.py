@@ -10,7 +10,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo
+from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import TensorRef, walk
 from dcptool.storage import CheckpointFiles
@@ -33,7 +33,7 @@ def read(path: Path) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     objects: dict[str, ObjectInfo] = {}
     for nested, value in flatten(root):
-        key = ".".join(nested)
+        key = join_path(nested)
         if isinstance(value, TensorRef):
             if value.subclass:
                 raise CheckpointError(f"{path}: {key} is a {value.subclass}; per-rank files are read with --from fsdp1")
@@ -54,7 +54,7 @@ def flatten(obj, prefix: tuple[str, ...] = ()):
             yield from flatten(value, prefix + (str(key),))
     elif isinstance(obj, (list, tuple)) and prefix and _holds_tensor(obj):
         for index, value in enumerate(obj):
-            yield from flatten(value, prefix + (str(index),))
+            yield from flatten(value, prefix + (index,))
     else:
         yield prefix, obj
 
@@ -65,19 +65,29 @@ def _holds_tensor(obj) -> bool:
     return bool(found)
 
 
-def nest(entries: dict[tuple[str, ...], object]) -> dict:
-    """Rebuild nested dicts from paths: ``{("model", "w"): t}`` -> ``{"model": {"w": t}}``."""
+def nest(entries: dict[tuple, object]) -> dict:
+    """Rebuild the nesting from paths, as DCP does: ``{("model", "w"): t, ("groups", 0, "lr"): 1}`` ->
+    ``{"model": {"w": t}, "groups": [{"lr": 1}]}`` (int parts index lists)."""
     root: dict = {}
     for path, value in entries.items():
         node = root
         for part in path[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise UsageError(f"{'.'.join(path)}: a parent of this entry is itself an entry")
+                raise UsageError(f"{join_path(path)}: a parent of this entry is itself an entry")
         if path[-1] in node:
-            raise UsageError(f"{'.'.join(path)}: two entries have this path")
+            raise UsageError(f"{join_path(path)}: two entries have this path")
         node[path[-1]] = value
-    return root
+    return _lists(root)
+
+
+def _lists(node):
+    if not isinstance(node, dict):
+        return node
+    node = {key: _lists(value) for key, value in node.items()}
+    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
+        return [node[i] for i in range(len(node))]
+    return node
 
 
 class Writer:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dcptool import dtypes, formats
-from dcptool.core import Checkpoint, OutObject, OutTensor, Piece, TensorInfo
+from dcptool.core import Checkpoint, OutObject, OutTensor, Piece, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.storage import atomic_output, fsync_tree
 
@@ -62,7 +62,7 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None) -> dict[str, T
     else:
         found = None
         for wrapper in MODEL_WRAPPERS:
-            inside = {".".join(t.path[len(wrapper):]): t for t in tensors
+            inside = {join_path(t.path[len(wrapper):]): t for t in tensors
                       if len(t.path) > len(wrapper) and t.path[: len(wrapper)] == wrapper}
             if inside:
                 found = inside

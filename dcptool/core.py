@@ -50,18 +50,23 @@ class Chunk:
 
 @dataclass
 class TensorInfo:
-    path: tuple[str, ...]
+    path: tuple[str | int, ...]  # nested path as saved; ints index into lists
     dtype: str
     shape: tuple[int, ...]
     chunks: list[Chunk]
 
     @property
     def key(self) -> str:
-        return ".".join(self.path)
+        return join_path(self.path)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+def join_path(path) -> str:
+    """The flat key of a nested path, as DCP writes it: ``("optim", "param_groups", 0, "lr")`` -> ``optim.param_groups.0.lr``."""
+    return ".".join(str(part) for part in path)
 
 
 _UNSET: Any = object()
@@ -75,13 +80,13 @@ class ObjectInfo:
     when the reader had to parse it anyway (entries of a ``torch.save`` state dict).
     """
 
-    path: tuple[str, ...]
+    path: tuple[str | int, ...]
     blob: tuple[str, int, int] | None = None  # (file, offset, length)
     value: Any = field(default=_UNSET, repr=False)
 
     @property
     def key(self) -> str:
-        return ".".join(self.path)
+        return join_path(self.path)
 
 
 @dataclass
@@ -160,11 +165,12 @@ class Checkpoint:
         for chunk in tensor.chunks:
             lo = [max(o, co) for o, co in zip(offsets, chunk.offsets)]
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)) and tensor.shape:
+            if any(h <= l for l, h in zip(lo, hi)):
                 continue
             raw = self.raw_bytes(tensor, chunk)
             local_lo = [l - co for l, co in zip(lo, chunk.offsets)]
-            target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))]
+            # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.
+            target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
             self._copy_box(raw, local_lo, [h - l for l, h in zip(lo, hi)], target, scratch)
 
     def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch) -> None:

@@ -76,13 +76,16 @@ def cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
         return values
     if src not in CASTABLE or dst not in CASTABLE:
         raise CheckpointError(f"cannot convert {src} to {dst}: only {', '.join(CASTABLE)} are cast")
-    as_f32 = _to_float32(values, src)
+    # Work on a 1-d view: numpy turns results of 0-d arrays into scalars.
+    as_f32 = _to_float32(values.reshape(-1), src)
     if dst == "float32":
-        return as_f32.view(np.uint32)
-    if dst == "float16":
+        result = as_f32.view(np.uint32)
+    elif dst == "float16":
         with np.errstate(over="ignore"):  # out-of-range values become inf, as in torch
-            return as_f32.astype(np.float16).view(np.uint16)
-    return _float32_to_bfloat16(as_f32)
+            result = as_f32.astype(np.float16).view(np.uint16)
+    else:
+        result = _float32_to_bfloat16(as_f32)
+    return result.reshape(values.shape)
 
 
 def _to_float32(values: np.ndarray, src: str) -> np.ndarray:
