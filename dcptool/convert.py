@@ -161,8 +161,10 @@ def write_checkpoint(
     report = Report(destination, to, tensors=len(tensors))
     with atomic_output(destination, overwrite, is_dir=module.WRITES_FOLDER) as temporary:
         writer = module.Writer(temporary, **(writer_options or {}))
-        streamer = Streamer(checkpoint, max_memory, progress)
         pieces = writer.plan(tensors, objects)
+        # Buffers no larger than the work needs: fresh memory costs time to touch.
+        largest = max((p.nbytes * 3 for p in pieces), default=0)
+        streamer = Streamer(checkpoint, min(max_memory, max(largest, 2**16)), progress)
         for piece in pieces:
             writer.write_piece(piece, streamer.slabs_of(piece))
             report.bytes_written += piece.nbytes
