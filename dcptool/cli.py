@@ -91,6 +91,18 @@ def _chunking(tensor) -> str:
     return f"{len(tensor.chunks)} chunks" + (f" ({split})" if split else "")
 
 
+def _grouped(keys, limit: int = 12) -> str:
+    """Keys as a short line: long lists are grouped by their first two parts (``optimizer.param_groups.* (230)``)."""
+    if len(keys) <= limit:
+        return ", ".join(keys)
+    groups: dict[str, int] = {}
+    for key in keys:
+        parts = key.split(".")
+        group = ".".join(parts[:2]) + (".*" if len(parts) > 2 else "")
+        groups[group] = groups.get(group, 0) + 1
+    return ", ".join(f"{g} ({n})" if n > 1 else g for g, n in groups.items())
+
+
 @app.command()
 def inspect(
     path: Path = typer.Argument(..., help="Checkpoint folder or file."),
@@ -124,7 +136,7 @@ def inspect(
         table.add_row(key, tensor.dtype, str(list(tensor.shape)), f"{tensor.nbytes:,}", _chunking(tensor))
     console.print(table)
     if checkpoint.objects:
-        console.print(f"non-tensor entries ({len(checkpoint.objects)}): " + ", ".join(checkpoint.objects))
+        console.print(f"non-tensor entries ({len(checkpoint.objects)}): {_grouped(checkpoint.objects)}")
     console.print(f"{len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes of tensor data; "
                   f"{len(files)} data files, {disk:,} bytes on disk")
     for key, value in checkpoint.info.items():
