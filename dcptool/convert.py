@@ -22,7 +22,7 @@ import numpy as np
 
 from dcptool import dtypes, formats
 from dcptool.core import Checkpoint, OutObject, OutTensor, Piece, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import UsageError
 from dcptool.storage import atomic_output, fsync_tree
 
 DEFAULT_MAX_MEMORY = 256 * 2**20

@@ -118,6 +118,21 @@ def _path(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") or "/" for i, p in enumerate(parts))
 
 
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    # torch pickles ShardedTensor and DTensor as an empty wrapper shell whose state comes afterwards.
+    qualname = "torch.distributed._shard.sharded_tensor.api.ShardedTensor" if cls is SubclassRef else getattr(cls, "qualname", None)
+    if qualname is None:
+        raise CheckpointError(f"unexpected tensor subclass {cls!r:.80}")
+    return SubclassRef(qualname, args=(dtype, tuple(size), tuple(stride), storage_offset))
+
+
+def _getattr(owner, name):
+    # Protocol 2 names a nested class as getattr(outer, name); only ShardedTensor.ProcessGroupState is allowed.
+    if owner is SubclassRef and name == "ProcessGroupState":
+        return ALLOWED["torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"]
+    raise UnsafePickleError(f"refuses getattr({owner!r:.60}, {name!r:.60}) (nothing was executed)")
+
+
 _RECORDS = [
     # DCP metadata
     "torch.distributed.checkpoint.metadata.Metadata",
@@ -146,6 +161,9 @@ _RECORDS = [
     "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
     "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
     "torch.distributed.remote_device._remote_device",
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState",
+    "torch.distributed._mesh_layout._MeshLayout",  # DeviceMesh state since torch 2.9
+    "torch.distributed._mesh_layout._FlatLayout",
 ]
 
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
@@ -164,6 +182,9 @@ ALLOWED.update(
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+        "__builtin__.getattr": _getattr,
+        "builtins.getattr": _getattr,
         "torch.distributed._shard.sharded_tensor.api.ShardedTensor": SubclassRef,
         "pathlib.PosixPath": _path,
         "pathlib.WindowsPath": _path,

@@ -128,7 +128,6 @@ def test_hf_sharding_and_index(checkpoints, tmp_path):
     dcptool("export-hf", path, out, "--max-shard-size", "100KB", "--config-dir", reference)
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
-    from huggingface_hub import constants  # noqa: F401  (the index follows the hub's layout)
     import json
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
