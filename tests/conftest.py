@@ -53,3 +53,17 @@ def load_reference(reference: Path) -> dict:
 
 def placements(reference: Path) -> dict:
     return json.loads((reference / "reference.json").read_text())["placements"]
+
+
+def read_tensor(checkpoint, key):
+    """A whole tensor read through dcptool's region reader, as a torch tensor of its dtype."""
+    import numpy as np
+    import torch
+
+    from dcptool import dtypes
+
+    tensor = checkpoint.tensors[key]
+    itemsize = dtypes.dtype(tensor.dtype).itemsize
+    out = np.empty(tensor.shape, dtype=dtypes.raw_view_type(itemsize))
+    checkpoint.read_region(tensor, (0,) * len(tensor.shape), tensor.shape, out, memoryview(bytearray(4096)))
+    return torch.from_numpy(out).view(getattr(torch, tensor.dtype))

@@ -1,26 +1,15 @@
 """Readers and writers against independent code: torch's full state dicts, dcp.load, safetensors, transformers."""
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import dcptool, load_reference, placements
+from conftest import dcptool, load_reference, placements, read_tensor
 from jobs import run_job
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from dcptool import dtypes
 from dcptool.convert import convert_checkpoint
 from dcptool.formats import open_checkpoint
-
-
-def read_tensor(checkpoint, key) -> torch.Tensor:
-    """A whole tensor read through dcptool's region reader, as a torch tensor of its dtype."""
-    tensor = checkpoint.tensors[key]
-    itemsize = dtypes.dtype(tensor.dtype).itemsize
-    out = np.empty(tensor.shape, dtype=dtypes.raw_view_type(itemsize))
-    checkpoint.read_region(tensor, (0,) * len(tensor.shape), tensor.shape, out, memoryview(bytearray(4096)))
-    return torch.from_numpy(out).view(getattr(torch, tensor.dtype))
 
 
 def assert_same(actual: dict, expected: dict):

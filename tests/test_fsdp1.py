@@ -21,7 +21,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -218,7 +217,7 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------
 # The tests
 
-from dcptool import dtypes  # noqa: E402
+from conftest import read_tensor  # noqa: E402
 from dcptool.convert import convert_checkpoint  # noqa: E402
 from dcptool.errors import CheckpointError, UnsafePickleError  # noqa: E402
 from dcptool.formats import detect, open_checkpoint  # noqa: E402
@@ -241,15 +240,6 @@ def saved(tmp_path_factory):
         return made[world_size]
 
     return get
-
-
-def read_tensor(checkpoint, key) -> torch.Tensor:
-    """A whole tensor read through dcptool's region reader, as a torch tensor of its dtype."""
-    tensor = checkpoint.tensors[key]
-    itemsize = dtypes.dtype(tensor.dtype).itemsize
-    out = np.empty(tensor.shape, dtype=dtypes.raw_view_type(itemsize))
-    checkpoint.read_region(tensor, (0,) * len(tensor.shape), tensor.shape, out, memoryview(bytearray(4096)))
-    return torch.from_numpy(out).view(getattr(torch, tensor.dtype))
 
 
 def assert_same(checkpoint, expected: dict) -> None:
