@@ -168,13 +168,8 @@ def convert_command(
     """
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
-    named = convert.select(checkpoint.tensors, include, exclude)
-    if not named:
-        raise UsageError(f"{source}: no tensor matches the --include/--exclude filters")
-    objects = [convert.OutObject(k, o.path, o, checkpoint)
-               for k, o in convert.select(checkpoint.objects, include, exclude).items()]
+    tensors, objects = convert.entries_for(checkpoint, to, dtype, include, exclude)
     options = {"fsdp1": {"world_size": world_size}, "hf": {"max_shard_size": _size(max_shard_size)}}.get(to, {})
-    tensors = convert.out_tensors(named, dtype, keep_paths=True)
     _write(checkpoint, destination, to, tensors, objects, max_memory, overwrite, fsync, options)
 
 

@@ -174,6 +174,19 @@ def write_checkpoint(
     return report
 
 
+def entries_for(checkpoint: Checkpoint, to: str, dtype=None, include=None, exclude=None):
+    """The output tensors and objects of a plain conversion: every key as saved, or only the model
+    part for formats that hold nothing else (``MODEL_ONLY``, e.g. fsdp1)."""
+    model_only = getattr(formats.get(to), "MODEL_ONLY", False)
+    source = model_part(checkpoint) if model_only else checkpoint.tensors
+    named = select(source, include, exclude)
+    if not named:
+        raise UsageError(f"{checkpoint.root}: no tensor matches the --include/--exclude filters")
+    objects = [] if model_only else [OutObject(k, o.path, o, checkpoint)
+                                     for k, o in select(checkpoint.objects, include, exclude).items()]
+    return out_tensors(named, dtype, keep_paths=not model_only), objects
+
+
 def convert_checkpoint(
     source: str | Path,
     destination: str | Path,
@@ -190,8 +203,5 @@ def convert_checkpoint(
     >>> convert_checkpoint("step-100", "step-100.pt", to="torch")   # doctest: +SKIP
     """
     checkpoint = formats.open_checkpoint(source, source_format)
-    named = select(checkpoint.tensors, include, exclude)
-    if not named:
-        raise UsageError(f"{source}: no tensor matches the --include/--exclude filters")
-    objects = [OutObject(k, o.path, o, checkpoint) for k, o in select(checkpoint.objects, include, exclude).items()]
-    return write_checkpoint(checkpoint, Path(destination), to, out_tensors(named, dtype, keep_paths=True), objects, **options)
+    tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
+    return write_checkpoint(checkpoint, Path(destination), to, tensors, objects, **options)

@@ -1,5 +1,7 @@
 """Readers and writers against independent code: torch's full state dicts, dcp.load, safetensors, transformers."""
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -180,3 +182,16 @@ def test_inspect_json(checkpoints):
     assert report["tensors"][key]["shape"] == list(full[key].shape)
     assert report["total_bytes"] == sum(v.numel() * v.element_size() for v in full.values())
     assert "train_state" in " ".join(report["objects"])
+
+
+def test_dcp_to_fsdp1_loads_in_a_real_fsdp1_job(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2")
+    out = tmp_path / "fsdp1"
+    dcptool("convert", path, out, "--to", "fsdp1", "--world-size", "2")
+    assert sorted(p.name for p in out.glob("*.pt")) == [f"model_world_size_2_rank_{r}.pt" for r in range(2)]
+    expect = tmp_path / "expect"  # the model part only: fsdp1 files hold no optimizer state
+    expect.mkdir()
+    full = load_reference(reference)
+    torch.save({k: v for k, v in full.items() if not k.startswith("optimizer.")}, expect / "full.pt")
+    shutil.copy(reference / "config.json", expect / "config.json")
+    run_job(2, "load-fsdp1", out, "--world-size", "2", "--expect", expect / "full.pt")
