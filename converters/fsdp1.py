@@ -19,8 +19,8 @@ unpickler, and chunks are placed by the global offsets the files record, never b
 Only the model files are read. **Optimizer state (``optim_*``) and ``extra_state_*`` files are
 not converted**; ``info`` counts them.
 
-The writer produces files that a real ``W``-process FSDP1 job loads with
-``torch.load(..., weights_only=False)`` and ``model.load_state_dict`` under
+The writer produces files that a real ``W``-process FSDP1 job loads as verl does (its own
+files, unpickled in full inside the job, then ``model.load_state_dict``) under
 ``StateDictType.SHARDED_STATE_DICT``: every parameter as the ``ShardedTensor`` that rank ``r``
 of ``W`` would have pickled, written without importing torch.
 """
