@@ -209,27 +209,9 @@ def export_hf(
     """
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
-    named = convert.select(convert.model_part(checkpoint, prefix), include, exclude)
-    if not named:
-        raise UsageError(f"{source}: no model weights found (set the wrapper with --prefix)")
-    if config_dir is None and (Path(source) / "huggingface" / "config.json").is_file():
-        config_dir = Path(source) / "huggingface"
-    if config_dir is not None:
-        config = _read_config(config_dir)
-        if config.get("tie_word_embeddings") and "lm_head.weight" in named:
-            del named["lm_head.weight"]  # tied to the embedding; transformers recreates it
-    tensors = convert.out_tensors(named, dtype, keep_paths=False)
+    tensors, config_dir = convert.hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude)
     options = {"max_shard_size": _size(max_shard_size), "config_dir": config_dir}
     _write(checkpoint, destination, "hf", tensors, [], max_memory, overwrite, fsync, options)
-
-
-def _read_config(config_dir: Path) -> dict:
-    try:
-        return json.loads((config_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)") from None
-    except ValueError as exc:
-        raise UsageError(f"{config_dir / 'config.json'}: not valid JSON ({exc})") from None
 
 
 @app.command(name="import-hf")

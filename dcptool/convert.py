@@ -12,6 +12,7 @@ two buffers of fixed size that are reused for the whole run.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -70,6 +71,37 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None) -> dict[str, T
         if found is None:
             found = {t.key: t for t in tensors if t.path[0] not in NON_MODEL_ROOTS}
     return {WRAPPER_PREFIXES.sub(r"\1", key): t for key, t in found.items()}
+
+
+# Folders beside a checkpoint's files that hold its Hugging Face config (verl: huggingface/).
+HF_CONFIG_SUBDIRS = ("huggingface",)
+
+
+def hf_export_entries(checkpoint: Checkpoint, config_dir: Path | None = None, prefix: str | None = None,
+                      dtype: str | None = None, include: str | None = None, exclude: str | None = None):
+    """The model weights to export under their HF names, and the config folder to copy (or None).
+
+    Without ``config_dir`` a config folder of the checkpoint (``HF_CONFIG_SUBDIRS``) is used; a config
+    with ``tie_word_embeddings`` drops ``lm_head.weight``, which transformers recreates from the embedding.
+    """
+    named = select(model_part(checkpoint, prefix), include, exclude)
+    if not named:
+        raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with --prefix)")
+    if config_dir is None:
+        config_dir = next((Path(checkpoint.root) / d for d in HF_CONFIG_SUBDIRS
+                           if (Path(checkpoint.root) / d / "config.json").is_file()), None)
+    if config_dir is not None and _read_config(Path(config_dir)).get("tie_word_embeddings"):
+        named.pop("lm_head.weight", None)
+    return out_tensors(named, dtype, keep_paths=False), config_dir
+
+
+def _read_config(config_dir: Path) -> dict:
+    try:
+        return json.loads((config_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)") from None
+    except ValueError as exc:
+        raise UsageError(f"{config_dir / 'config.json'}: not valid JSON ({exc})") from None
 
 
 def select(names: dict[str, Any], include: str | None, exclude: str | None) -> dict[str, Any]:
