@@ -47,30 +47,31 @@ NON_MODEL_ROOTS = {"optimizer", "optim", "optimizers", "lr_scheduler", "lr_sched
 WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.|^module\.")
 
 
-def model_part(checkpoint: Checkpoint, prefix: str | None = None) -> dict[str, TensorInfo]:
-    """The model's tensors under their model names, found from the checkpoint's own nesting.
+def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict | None = None) -> dict:
+    """The model's tensors (or, given ``entries``, those entries) under their model names.
 
-    ``{"dcp": {"model": {...}}}`` (AReaL) and ``{"model": {...}, "optim": ...}`` are unwrapped;
-    a checkpoint with its model at the top level keeps it, minus optimizer and other state.
-    ``prefix`` (``"dcp.model"``) names the wrapper by hand.
+    The wrapper is found from the checkpoint's own nesting: ``{"dcp": {"model": {...}}}`` (AReaL)
+    and ``{"model": {...}, "optim": ...}`` are unwrapped; a checkpoint with its model at the top
+    level keeps it, minus optimizer and other state. ``prefix`` (``"dcp.model"``) names it by hand.
     """
-    tensors = list(checkpoint.tensors.values())
-    if prefix:
-        start = prefix.rstrip(".") + "."
-        found = {t.key[len(start):]: t for t in tensors if t.key.startswith(start)}
-        if not found:
-            raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
-    else:
-        found = None
-        for wrapper in MODEL_WRAPPERS:
-            inside = {join_path(t.path[len(wrapper):]): t for t in tensors
-                      if len(t.path) > len(wrapper) and t.path[: len(wrapper)] == wrapper}
-            if inside:
-                found = inside
-                break
-        if found is None:
-            found = {t.key: t for t in tensors if t.path[0] not in NON_MODEL_ROOTS}
-    return {WRAPPER_PREFIXES.sub(r"\1", key): t for key, t in found.items()}
+    tensors = checkpoint.tensors.values()
+    wrapper = None if prefix else next(
+        (w for w in MODEL_WRAPPERS if any(len(t.path) > len(w) and t.path[: len(w)] == w for t in tensors)), None)
+    start = prefix.rstrip(".") + "." if prefix else None
+    found = {}
+    for entry in (checkpoint.tensors if entries is None else entries).values():
+        if start:
+            key = entry.key[len(start):] if entry.key.startswith(start) else None
+        elif wrapper:
+            inside = len(entry.path) > len(wrapper) and entry.path[: len(wrapper)] == wrapper
+            key = join_path(entry.path[len(wrapper):]) if inside else None
+        else:
+            key = entry.key if entry.path[0] not in NON_MODEL_ROOTS else None
+        if key is not None:
+            found[WRAPPER_PREFIXES.sub(r"\1", key)] = entry
+    if start and entries is None and not found:
+        raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
+    return found
 
 
 # Folders beside a checkpoint's files that hold its Hugging Face config (verl: huggingface/).
@@ -214,8 +215,9 @@ def entries_for(checkpoint: Checkpoint, to: str, dtype=None, include=None, exclu
     named = select(source, include, exclude)
     if not named:
         raise UsageError(f"{checkpoint.root}: no tensor matches the --include/--exclude filters")
-    objects = [] if model_only else [OutObject(k, o.path, o, checkpoint)
-                                     for k, o in select(checkpoint.objects, include, exclude).items()]
+    chosen = model_part(checkpoint, entries=checkpoint.objects) if model_only else checkpoint.objects
+    objects = [OutObject(k, o.path if o.key == k else (k,), o, checkpoint)
+               for k, o in select(chosen, include, exclude).items()]
     return out_tensors(named, dtype, keep_paths=not model_only), objects
 
 
