@@ -38,7 +38,7 @@ from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, ArchiveWriter, Global, Reduced, StorageOut, TensorOut, new_object, torch_size
+from dcptool.torch_archive import Archive, ArchiveWriter, Global, Reduced, StorageOut, TensorOut, new_object, row_major, torch_size
 from converters.torch_save import flatten, nest
 
 NAME = "fsdp1"
@@ -457,15 +457,8 @@ def sharded_tensor(dtype: str, shape, rank: int, world_size: int, local: TensorO
     spec = new_object("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec",
                       {"dim": 0, "placements": placements})
     cls = Global(_ST_API, "ShardedTensor")
-    args = (cls, torch_dtype, shape, _row_major(shape), 0, layout, device, False)
+    args = (cls, torch_dtype, shape, row_major(shape), 0, layout, device, False)
     return Reduced(Global("torch._tensor", "_rebuild_from_type_v2"), (
         Global("torch._utils", "_rebuild_wrapper_subclass"), cls, args,
         (local_shards, metadata, process_group, spec, False)))
 
-
-def _row_major(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))

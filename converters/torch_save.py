@@ -7,6 +7,7 @@ tensor bytes are read in place from the archive. The writer produces a file that
 
 from __future__ import annotations
 
+import math
 import zipfile
 from pathlib import Path
 
@@ -97,7 +98,7 @@ class Writer:
         self.file = file
 
     def plan(self, tensors, objects):
-        storages = {t.key: StorageOut(str(i), t.dtype, _numel(t.shape)) for i, t in enumerate(tensors)}
+        storages = {t.key: StorageOut(str(i), t.dtype, math.prod(t.shape)) for i, t in enumerate(tensors)}
         entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
         entries |= {o.path: o.value() for o in objects}
         self.stream = open(self.file, "wb")
@@ -113,10 +114,3 @@ class Writer:
         self.archive.close()
         self.stream.close()
         return []
-
-
-def _numel(shape) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from dcptool import convert, formats
+from dcptool import convert, dtypes, formats
 from dcptool.errors import DcptoolError, UsageError
 
 app = typer.Typer(
@@ -71,8 +71,8 @@ def _progress(total: int, what: str):
 
 
 def _check_dtype(dtype: Optional[str]) -> None:
-    if dtype and dtype not in ("bfloat16", "float16", "float32"):
-        raise UsageError(f"--dtype {dtype}: choose bfloat16, float16 or float32")
+    if dtype and dtype not in dtypes.CASTABLE:
+        raise UsageError(f"--dtype {dtype}: choose {', '.join(dtypes.CASTABLE)}")
 
 
 def _summary(report: convert.Report) -> None:
@@ -174,7 +174,6 @@ def convert_command(
 
 
 def _write(checkpoint, destination, to, tensors, objects, max_memory, overwrite, fsync, options) -> None:
-    formats.get(to)
     total = sum(t.nbytes for t in tensors)
     with _progress(total, f"writing {destination.name}") as advance:
         report = convert.write_checkpoint(

@@ -74,23 +74,18 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
     return found
 
 
-# Folders beside a checkpoint's files that hold its Hugging Face config (verl: huggingface/).
-HF_CONFIG_SUBDIRS = ("huggingface",)
-
-
 def hf_export_entries(checkpoint: Checkpoint, config_dir: Path | None = None, prefix: str | None = None,
                       dtype: str | None = None, include: str | None = None, exclude: str | None = None):
     """The model weights to export under their HF names, and the config folder to copy (or None).
 
-    Without ``config_dir`` a config folder of the checkpoint (``HF_CONFIG_SUBDIRS``) is used; a config
+    Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
+    ``huggingface/``) is used; a config
     with ``tie_word_embeddings`` drops ``lm_head.weight``, which transformers recreates from the embedding.
     """
     named = select(model_part(checkpoint, prefix), include, exclude)
     if not named:
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with --prefix)")
-    if config_dir is None:
-        config_dir = next((Path(checkpoint.root) / d for d in HF_CONFIG_SUBDIRS
-                           if (Path(checkpoint.root) / d / "config.json").is_file()), None)
+    config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     if config_dir is not None and _read_config(Path(config_dir)).get("tie_word_embeddings"):
         named.pop("lm_head.weight", None)
     return out_tensors(named, dtype, keep_paths=False), config_dir
@@ -158,7 +153,7 @@ class Streamer:
         src_size = dtypes.dtype(source.dtype).itemsize
         dst_size = dtypes.dtype(piece.tensor.dtype).itemsize
         # A cast allocates its result, so leave room for it inside the slab half of the budget.
-        per_element = src_size + (dst_size if dst_size != src_size or source.dtype != piece.tensor.dtype else 0)
+        per_element = src_size + (dst_size if source.dtype != piece.tensor.dtype else 0)
         max_elements = max(1, len(self.slab_buffer) // per_element)
         view_type = dtypes.raw_view_type(src_size)
         for offsets, sizes in slabs(piece.sizes, max_elements):

@@ -23,7 +23,7 @@ import numpy as np
 from dcptool import dtypes
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, RawBytes
+from dcptool.torch_archive import Archive, RawBytes, row_major
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Checkpoint:
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize
         if chunk.encoding == "raw":
-            strides = chunk.strides or _row_major(chunk.sizes)
+            strides = chunk.strides or row_major(chunk.sizes)
             raw = RawBytes(chunk.file, chunk.offset, chunk.sizes, strides, itemsize)
             self.files.check_range(chunk.file, chunk.offset, raw.span)
             return raw
@@ -242,14 +242,6 @@ class Piece:
     def nbytes(self) -> int:
         return math.prod(self.sizes) * dtypes.dtype(self.tensor.dtype).itemsize
 
-
-
-def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(sizes):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _describe(obj: Any) -> str:

@@ -7,8 +7,11 @@ attribute names, dtypes become their names, tensors inside ``torch.save`` archiv
 ``TensorRef`` descriptions of where their bytes are. Any other global is refused with
 ``UnsafePickleError`` before anything is called.
 
->>> load_bytes(b"\\x80\\x04\\x95\\x0b\\x00\\x00\\x00\\x00\\x00\\x00\\x00}\\x94\\x8c\\x01a\\x94K\\x01s.", "x.pkl")
+>>> load_bytes(pickle.dumps({"a": 1}), "x.pkl")
 {'a': 1}
+>>> load_bytes(pickle.dumps(print), "x.pkl")
+Traceback (most recent call last):
+dcptool.errors.UnsafePickleError: x.pkl: refuses to unpickle builtins.print, which is not a checkpoint type (nothing was executed)
 """
 
 from __future__ import annotations

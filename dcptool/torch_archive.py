@@ -24,6 +24,15 @@ from dcptool.storage import CheckpointFiles
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
 
 
+def row_major(shape) -> tuple[int, ...]:
+    """Element strides of a contiguous tensor: ``(2, 3)`` -> ``(3, 1)``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class RawBytes:
     """Elements stored at a byte offset of a file, laid out with ``strides`` (in elements)."""
@@ -139,11 +148,7 @@ class TensorOut:
     shape: tuple[int, ...]
 
     def strides(self) -> tuple[int, ...]:
-        strides, step = [], 1
-        for n in reversed(self.shape):
-            strides.append(step)
-            step *= max(n, 1)
-        return tuple(reversed(strides))
+        return row_major(self.shape)
 
 
 class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit globals without importing them
