@@ -195,3 +195,16 @@ def test_dcp_to_fsdp1_loads_in_a_real_fsdp1_job(checkpoints, tmp_path):
     torch.save({k: v for k, v in full.items() if not k.startswith("optimizer.")}, expect / "full.pt")
     shutil.copy(reference / "config.json", expect / "config.json")
     run_job(2, "load-fsdp1", out, "--world-size", "2", "--expect", expect / "full.pt")
+
+
+def test_export_hf_uses_a_verl_folders_huggingface_config(checkpoints, tmp_path):
+    path, reference = checkpoints("fsdp2_dp2")
+    actor = tmp_path / "actor"
+    dcptool("convert", path, actor, "--to", "fsdp1", "--world-size", "2")
+    (actor / "huggingface").mkdir()
+    shutil.copy(reference / "config.json", actor / "huggingface" / "config.json")
+    dcptool("export-hf", actor, tmp_path / "hf")  # no --config-dir
+    assert (tmp_path / "hf" / "config.json").read_text() == (reference / "config.json").read_text()
+    full = load_reference(reference)
+    for key, value in load_file(tmp_path / "hf" / "model.safetensors").items():
+        assert torch.equal(value, full[key]), key
