@@ -1,0 +1,397 @@
+"""Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values, region by region.
+
+Both sides read each tensor in the same row-major slabs through fixed buffers, so comparing two
+100 GB checkpoints needs ``max_memory``, not 200 GB. Values compare bitwise on their raw bits (NaN
+payloads included) unless tolerances are given; then floating-point tensors pass where
+``|a - b| <= atol + rtol * |a|`` (NaN in both places counts as equal) and the largest absolute and
+relative difference of every tensor is reported. A is the reference: "missing" means missing from B.
+
+>>> report = compare("step-1000", "hf-out", prefix_a="dcp.model")       # doctest: +SKIP
+>>> report.equal, [d.key for d in report.differences]                     # doctest: +SKIP
+(True, [])
+>>> roundtrip("step-1000", "hf").left_out[:2]                            # doctest: +SKIP
+['dcp.optim.state.model.norm.weight.exp_avg', 'dcp.optim.state.model.norm.weight.exp_avg_sq']
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from dcptool import convert, dtypes, formats
+from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.errors import CheckpointError, UsageError
+
+# Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
+BLOCK = 1 << 16
+# Tolerances apply to these; other dtypes (integers, bool, float8) always compare exactly.
+TOLERANT = ("float64",) + dtypes.CASTABLE
+AUTO = "auto"  # as a prefix: the model part, found as export-hf finds it
+
+
+class RegionReader:
+    """A tensor's global values as row-major slabs, read into halves of one reused ``buffer``.
+
+    ``convert.Streamer`` does the same for the pieces a writer asks for; this one reads a
+    ``TensorInfo`` and says where each slab starts (comparisons report the first differing index).
+
+    >>> reader = RegionReader(checkpoint, bytearray(2**20))                      # doctest: +SKIP
+    >>> for offsets, values in reader.slabs(checkpoint.tensors["model.norm.weight"]): ...   # doctest: +SKIP
+    """
+
+    def __init__(self, checkpoint: Checkpoint, buffer: bytearray):
+        half = len(buffer) // 2
+        self.checkpoint = checkpoint
+        self.slab_buffer = memoryview(buffer)[:half]
+        self.read_buffer = memoryview(buffer)[half:]
+
+    def max_elements(self, tensor: TensorInfo) -> int:
+        return max(1, len(self.slab_buffer) // dtypes.dtype(tensor.dtype).itemsize)
+
+    def slabs(self, tensor: TensorInfo, max_elements: int | None = None) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+        """``(offsets, values)`` in row-major order; ``values`` is an unsigned view, valid until the next slab."""
+        view_type = dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize)
+        for offsets, sizes in convert.slabs(tensor.shape, max_elements or self.max_elements(tensor)):
+            values = np.frombuffer(self.slab_buffer, dtype=view_type, count=math.prod(sizes)).reshape(sizes)
+            self.checkpoint.read_region(tensor, offsets, sizes, values, self.read_buffer)
+            yield offsets, values
+
+
+def buffer_size(max_memory: int, tensors) -> int:
+    """Bytes for one ``RegionReader``: the budget, but no more than the largest tensor needs (touching memory costs time)."""
+    if max_memory < 2**16:
+        raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+    largest = max((t.nbytes for t in tensors), default=0)
+    return min(max_memory, max(2 * largest, 2**16))
+
+
+@dataclass
+class Side:
+    """One checkpoint of a comparison: its tensors and objects under the names they are compared by."""
+
+    checkpoint: Checkpoint
+    tensors: dict[str, TensorInfo]
+    objects: dict[str, ObjectInfo]
+    label: str
+
+
+def select_side(checkpoint: Checkpoint, prefix: str | None = None, include: str | None = None,
+                exclude: str | None = None) -> Side:
+    """The entries of ``checkpoint`` to compare, named as the other side names them.
+
+    ``prefix`` keeps only the keys under that wrapper, with it stripped (``"dcp.model"``), as
+    ``export-hf --prefix`` does; ``"auto"`` takes the model part that export-hf finds by itself.
+    ``include``/``exclude`` are regular expressions on the resulting names.
+
+    >>> select_side(open_checkpoint("recover_checkpoint"), "dcp.model").tensors.keys()   # doctest: +SKIP
+    dict_keys(['model.embed_tokens.weight', ...])
+    """
+    if prefix:
+        by_hand = None if prefix == AUTO else prefix
+        tensors = convert.model_part(checkpoint, by_hand)
+        objects = convert.model_part(checkpoint, by_hand, entries=checkpoint.objects)
+    else:
+        tensors, objects = dict(checkpoint.tensors), dict(checkpoint.objects)
+    label = f"{checkpoint.root} ({checkpoint.format}" + (f", prefix {prefix})" if prefix else ")")
+    return Side(checkpoint, convert.select(tensors, include, exclude), convert.select(objects, include, exclude), label)
+
+
+@dataclass
+class Difference:
+    """One way the two sides differ at one key."""
+
+    key: str
+    kind: str  # "missing" (from B), "extra" (in B only), "dtype", "shape", "value", "object"
+    detail: str
+    first_index: list[int] | None = None  # kind "value": the first differing element (global, row-major)
+    count: int | None = None  # kind "value": how many elements differ
+
+
+@dataclass
+class Report:
+    """What a comparison found. ``closeness`` (with tolerances) holds ``(max abs, max rel)`` per tensor."""
+
+    a: str
+    b: str
+    tolerances: tuple[float, float] | None = None
+    tensors: int = 0  # compared by value
+    bytes: int = 0
+    objects: int = 0
+    differences: list[Difference] = field(default_factory=list)
+    closeness: dict[str, tuple[float, float]] = field(default_factory=dict)
+    not_compared: list[str] = field(default_factory=list)  # non-tensor entries that are not plain data
+    left_out: list[str] = field(default_factory=list)  # --roundtrip: what the intermediate format cannot hold
+    roundtrip: str | None = None
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+    def summary(self) -> str:
+        mode = "bitwise" if self.tolerances is None else "within atol {:g}, rtol {:g}".format(*self.tolerances)
+        what = f"{self.tensors} tensors ({self.bytes:,} bytes) compared {mode}, {self.objects} non-tensor entries"
+        if self.equal:
+            return f"equal: {what}"
+        kinds: dict[str, int] = {}
+        for difference in self.differences:
+            kinds[difference.kind] = kinds.get(difference.kind, 0) + 1
+        return f"{len(self.differences)} differences ({', '.join(f'{n} {k}' for k, n in kinds.items())}): {what}"
+
+    def to_json(self) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "a": self.a, "b": self.b, "roundtrip": self.roundtrip, "equal": self.equal,
+            "mode": "bitwise" if self.tolerances is None else "tolerance",
+            "tensors_compared": self.tensors, "bytes_compared": self.bytes, "objects_compared": self.objects,
+            "differences": [{k: v for k, v in vars(d).items() if v is not None} for d in self.differences],
+            "objects_not_compared": self.not_compared, "left_out": self.left_out,
+        }
+        if self.tolerances is not None:
+            report["atol"], report["rtol"] = self.tolerances
+            report["tensors"] = {k: {"max_abs": _number(a), "max_rel": _number(r)} for k, (a, r) in self.closeness.items()}
+        return report
+
+
+def compare(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
+            prefix_a: str | None = None, prefix_b: str | None = None, include: str | None = None,
+            exclude: str | None = None, **options) -> Report:
+    """Compare checkpoints ``a`` and ``b`` (any formats and layouts); ``options`` go to ``compare_sides``.
+
+    >>> compare("step-1000", "step-1000.pt").equal                         # doctest: +SKIP
+    True
+    """
+    side_a = select_side(formats.open_checkpoint(a, format_a), prefix_a, include, exclude)
+    side_b = select_side(formats.open_checkpoint(b, format_b), prefix_b, include, exclude)
+    return compare_sides(side_a, side_b, **options)
+
+
+def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | None = None,
+                  max_memory: int = convert.DEFAULT_MAX_MEMORY,
+                  progress: Callable[[int], None] | None = None) -> Report:
+    """Compare two sides key by key; half of ``max_memory`` buffers each side's reads.
+
+    Without ``atol``/``rtol`` values must be bitwise equal; with either, floating-point tensors
+    may differ within the tolerances and their largest differences are reported.
+    """
+    tolerances = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
+    report = Report(a.label, b.label, tolerances)
+    pairs = []
+    for key, tensor in a.tensors.items():
+        if key not in b.tensors:
+            report.differences.append(Difference(key, "missing", "tensor only in A"))
+        else:
+            pairs.append((key, tensor, b.tensors[key]))
+    report.differences += [Difference(k, "extra", "tensor only in B") for k in b.tensors if k not in a.tensors]
+
+    size = buffer_size(max_memory // 2, [t for _, t, _ in pairs])
+    reader_a, reader_b = RegionReader(a.checkpoint, bytearray(size)), RegionReader(b.checkpoint, bytearray(size))
+    for key, tensor_a, tensor_b in pairs:
+        dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
+        if dtype_a != dtype_b:
+            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}"))
+        elif tensor_a.shape != tensor_b.shape:
+            report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))
+        else:
+            comparison = _ValueComparison(dtype_a, tolerances)
+            limit = min(reader_a.max_elements(tensor_a), reader_b.max_elements(tensor_b))
+            for (offsets, values_a), (_, values_b) in zip(reader_a.slabs(tensor_a, limit), reader_b.slabs(tensor_b, limit)):
+                comparison.add(offsets, values_a, values_b)
+                if progress:
+                    progress(values_a.nbytes)
+            report.tensors += 1
+            report.bytes += tensor_a.nbytes
+            if tolerances is not None:
+                report.closeness[key] = (comparison.max_abs, comparison.max_rel)
+            if comparison.count:
+                report.differences.append(comparison.difference(key, math.prod(tensor_a.shape)))
+    _compare_objects(a, b, report)
+    return report
+
+
+class _ValueComparison:
+    """The running result of comparing one tensor's values, fed slab by slab."""
+
+    def __init__(self, dtype: str, tolerances: tuple[float, float] | None):
+        self.dtype = dtype
+        self.tolerances = tolerances if dtype in TOLERANT else None
+        self.count = 0
+        self.first: tuple[list[int], str, str] | None = None
+        self.max_abs = self.max_rel = 0.0
+
+    def add(self, offsets: tuple[int, ...], values_a: np.ndarray, values_b: np.ndarray) -> None:
+        flat_a, flat_b = values_a.reshape(-1), values_b.reshape(-1)
+        for start in range(0, flat_a.size, BLOCK):
+            block_a, block_b = flat_a[start:start + BLOCK], flat_b[start:start + BLOCK]
+            if self.tolerances is None:
+                if np.array_equal(block_a, block_b):
+                    continue
+                bad = np.flatnonzero(block_a != block_b)
+            else:
+                bad = self._outside_tolerance(block_a, block_b)
+            if bad.size and self.first is None:
+                index = np.unravel_index(start + int(bad[0]), values_a.shape)
+                at = [int(o) + int(i) for o, i in zip(offsets, index)]
+                element = slice(int(bad[0]), int(bad[0]) + 1)
+                self.first = (at, _show(block_a[element], self.dtype), _show(block_b[element], self.dtype))
+            self.count += int(bad.size)
+
+    def _outside_tolerance(self, bits_a: np.ndarray, bits_b: np.ndarray) -> np.ndarray:
+        atol, rtol = self.tolerances
+        a, b = _to_float64(bits_a, self.dtype), _to_float64(bits_b, self.dtype)
+        nan_a, nan_b = np.isnan(a), np.isnan(b)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(a - b)
+            diff[a == b] = 0.0  # equal infinities (inf - inf is NaN)
+            diff[nan_a & nan_b] = 0.0
+            diff[nan_a ^ nan_b] = np.inf
+            magnitude = np.abs(a)
+            with np.errstate(divide="ignore"):
+                rel = diff / magnitude
+            rel[diff == 0] = 0.0
+            rel[np.isinf(diff)] = np.inf
+            bad = np.flatnonzero((diff > atol + rtol * magnitude) | np.isinf(diff))
+        if diff.size:
+            self.max_abs = max(self.max_abs, float(diff.max()))
+            self.max_rel = max(self.max_rel, float(rel.max()))
+        return bad
+
+    def difference(self, key: str, numel: int) -> Difference:
+        at, shown_a, shown_b = self.first
+        detail = f"{self.count:,} of {numel:,} elements differ, first at {at} (A {shown_a}, B {shown_b})"
+        if self.tolerances is not None:
+            detail += f"; max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
+        return Difference(key, "value", detail, first_index=at, count=self.count)
+
+
+def _to_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float64":
+        return bits.view(np.float64)
+    return dtypes.cast(bits, dtype, "float32").view(np.float32).astype(np.float64)
+
+
+def _show(bits: np.ndarray, dtype: str) -> str:
+    """One element (a one-element unsigned view) as a number with its bits, or as bits where numpy has no such type."""
+    info = dtypes.dtype(dtype)
+    raw = f"0x{int(bits[0]):0{2 * info.itemsize}x}"
+    if dtype in TOLERANT:
+        return f"{float(_to_float64(bits, dtype)[0])!r} [{raw}]"
+    if info.numpy:
+        return str(bits.view(info.numpy)[0])
+    return raw
+
+
+def _number(value: float) -> float | str:
+    """JSON has no Infinity or NaN: those become strings."""
+    return value if math.isfinite(value) else str(value)
+
+
+def _compare_objects(a: Side, b: Side, report: Report) -> None:
+    """Non-tensor entries, compared as leaves of plain data (see ``_leaves``)."""
+    leaves_a, leaves_b = _leaves(a), _leaves(b)
+    report.differences += [Difference(k, "missing", "non-tensor entry only in A") for k in leaves_a if k not in leaves_b]
+    report.differences += [Difference(k, "extra", "non-tensor entry only in B") for k in leaves_b if k not in leaves_a]
+    for key, value_a in leaves_a.items():
+        if key not in leaves_b:
+            continue
+        value_b = leaves_b[key]
+        if value_a is _OPAQUE or value_b is _OPAQUE:
+            report.not_compared.append(key)
+            continue
+        report.objects += 1
+        if value_a != value_b:
+            report.differences.append(Difference(key, "object", f"A {value_a!r:.80}, B {value_b!r:.80}"))
+
+
+_OPAQUE = object()  # a value that is not compared: outside the unpickler's allowlist, or not plain data
+
+
+def _leaves(side: Side) -> dict[str, Any]:
+    """A side's non-tensor entries split into leaves, so that one nesting compares equal however a format split it.
+
+    DCP stores ``optim.param_groups.0.lr`` as an entry of its own, while a torch.save file keeps the list
+    ``optim.param_groups`` whole; both become the leaf ``optim.param_groups.0.lr``.
+    """
+    leaves: dict[str, Any] = {}
+
+    def expand(name: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                expand(f"{name}.{key}", item)
+        elif isinstance(value, (list, tuple)) and any(isinstance(item, (dict, list, tuple)) for item in value):
+            for index, item in enumerate(value):
+                expand(f"{name}.{index}", item)
+        else:
+            leaves[name] = value if _plain(value) else _OPAQUE
+
+    for name, entry in side.objects.items():
+        try:
+            expand(name, side.checkpoint.object_value(entry))
+        except CheckpointError:  # e.g. a dataloader state of classes outside the allowlist: left unopened
+            leaves[name] = _OPAQUE
+    return leaves
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str, bytes))
+
+
+def roundtrip(source: str | Path, via: str, *, source_format: str | None = None, include: str | None = None,
+              exclude: str | None = None, max_memory: int = convert.DEFAULT_MAX_MEMORY, **options) -> Report:
+    """Convert ``source`` to format ``via`` and back to its own format in a temporary folder, then compare.
+
+    Only what ``via`` holds is compared: ``hf`` takes the model part as export-hf does (no optimizer,
+    no non-tensor entries), ``fsdp1`` the model part; ``report.left_out`` lists the rest. The
+    temporary folder is made under ``$TMPDIR``. ``options`` (tolerances, progress) go to ``compare_sides``.
+
+    >>> roundtrip("step-1000", "torch").equal                              # doctest: +SKIP
+    True
+    """
+    checkpoint = formats.open_checkpoint(source, source_format)
+    formats.get(via)
+    if via == "hf":
+        tensors, config_dir = convert.hf_export_entries(checkpoint, include=include, exclude=exclude)
+        objects, there = [], {"config_dir": config_dir}
+    else:
+        tensors, objects = convert.entries_for(checkpoint, via, include=include, exclude=exclude)
+        there = _writer_options(checkpoint, via)
+    with tempfile.TemporaryDirectory(prefix="dcptool-roundtrip-") as folder:
+        middle_path = _output_path(Path(folder), "there", via)
+        convert.write_checkpoint(checkpoint, middle_path, via, tensors, objects, max_memory=max_memory, fsync=False,
+                                 writer_options=there)
+        middle = formats.open_checkpoint(middle_path, via)
+        back_tensors, back_objects = convert.entries_for(middle, checkpoint.format)
+        back_path = _output_path(Path(folder), "back", checkpoint.format)
+        convert.write_checkpoint(middle, back_path, checkpoint.format, back_tensors, back_objects,
+                                 max_memory=max_memory, fsync=False, writer_options=_writer_options(checkpoint, checkpoint.format))
+        back = formats.open_checkpoint(back_path, checkpoint.format)
+        expected = Side(checkpoint, {t.key: t.source for t in tensors}, {o.key: o.source for o in objects},
+                        f"{checkpoint.root} ({checkpoint.format})")
+        result = Side(back, dict(back.tensors), dict(back.objects), f"{checkpoint.format} -> {via} -> {checkpoint.format}")
+        try:
+            report = compare_sides(expected, result, max_memory=max_memory, **options)
+        finally:
+            middle.files.close()
+            back.files.close()
+    carried = {t.source.key for t in tensors} | {o.source.key for o in objects}
+    report.left_out = [k for k in [*checkpoint.tensors, *checkpoint.objects] if k not in carried]
+    report.roundtrip = via
+    return report
+
+
+def _writer_options(checkpoint: Checkpoint, to: str) -> dict:
+    """fsdp1 is written for the source's own world size where it records one, else for 2 ranks."""
+    if to != "fsdp1":
+        return {}
+    return {"world_size": checkpoint.info.get("world_size") or checkpoint.info.get("saving_ranks") or 2}
+
+
+def _output_path(folder: Path, name: str, to: str) -> Path:
+    return folder / name if formats.get(to).WRITES_FOLDER else folder / f"{name}.pt"
