@@ -61,7 +61,7 @@ def read(path: Path) -> Checkpoint:
             raise CheckpointError(f"{where}: {key}: unknown entry type {kind}")
 
     ranks = {int(m.group(1)) for f in path.iterdir() if (m := _DATA_FILE.match(f.name))}
-    info = {"version": getattr(metadata, "version", None), "saving_ranks": len(ranks) or None}
+    info = {"version": getattr(metadata, "version", None), "world_size": len(ranks) or None}  # one data file per saving rank
     checkpoint = Checkpoint(NAME, path, files, tensors, objects, info)
     checkpoint.validate()
     return checkpoint
@@ -94,11 +94,13 @@ class Writer:
     """Writes a DCP folder that torch's ``dcp.load`` reads: one ``__{rank}_0.distcp`` per rank, then ``.metadata``.
 
     ``layout(tensor)`` gives each tensor's chunks as ``(offsets, sizes, rank)``; by default a tensor
-    is one chunk in rank 0's file, as a single process saves it.
+    is one chunk in rank 0's file, as a single process saves it. Every one of ``world_size`` ranks
+    gets a file, even an empty one, as with ``dcp.save``, so the world size can be read back.
     """
 
-    def __init__(self, folder: Path, layout=None):
+    def __init__(self, folder: Path, layout=None, world_size: int = 1):
         self.folder = folder
+        self.world_size = world_size
         self.layout = layout or (lambda t: [(tuple(0 for _ in t.shape), tuple(t.shape), 0)])
         self._rank_of: dict = {}
         self._records: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
@@ -141,7 +143,8 @@ class Writer:
     def finish(self, objects) -> list[str]:
         for obj in objects:
             self._append(0, obj.key, None, lambda stream, obj=obj: _write_object(stream, obj))
-        self._stream(0)  # rank 0 always has a file, even with nothing to hold
+        for rank in range(self.world_size):
+            self._stream(rank)
         for stream in self._streams.values():
             stream.close()
         (self.folder / METADATA).write_bytes(dumps(self._metadata(objects), protocol=4))

@@ -1,0 +1,339 @@
+"""Reshard: lay a checkpoint out for another mesh, chunk for chunk as a job on that mesh saves it.
+
+Planning gives every tensor its placement on the target mesh (from the plan's rule for its
+parameter; optimizer state follows its parameter; other tensors are replicated), computes the
+chunk each rank holds (``dcptool.mesh``), keeps each distinct chunk once and gives it to the
+least-loaded rank holding it, as ``dcp.save`` deduplicates. Execution is the ordinary streamed
+conversion with the DCP writer putting each chunk in its rank's file.
+
+>>> report = reshard("step-1000", "step-1000-tp4", tp=4)        # doctest: +SKIP
+>>> report.mesh.describe()                                      # doctest: +SKIP
+'8 ranks: dp=2 x tp=4'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dcptool import dtypes, formats, plans
+from dcptool.convert import Report, entries_for, model_part, write_checkpoint
+from dcptool.core import Checkpoint, OutObject, OutTensor
+from dcptool.errors import UsageError
+from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
+
+# Entries that belong to one data-parallel rank of the saving job (torchtitan's dataloader state):
+# they have no meaning on another mesh.
+RANK_STATE_PATTERNS = [re.compile(p) for p in (r"(^|\.)dp_rank_\d+(\.|$)", r"(^|\.)rank_\d+(\.|$)")]
+
+DEFAULT_RULE = plans.Rule(r"", "replicate")  # a parameter no rule names: whole on tp, FSDP on dim 0
+
+# config.json fields that tensor and expert parallelism must divide, by naming family.
+CONFIG_DIVISORS = (
+    ("tp", ("num_attention_heads", "n_heads"), "attention heads"),
+    ("tp", ("num_key_value_heads", "n_kv_heads"), "key/value heads"),
+    ("ep", ("num_experts", "num_local_experts", "n_routed_experts"), "experts"),
+)
+
+
+@dataclass
+class ReshardReport(Report):
+    mesh: Mesh | None = None
+    plan: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+
+class Refused(Exception):
+    """A tensor the target mesh cannot lay out; the message names it."""
+
+
+@dataclass
+class TensorLayout:
+    tensor: OutTensor
+    spec: tuple[Axis, ...]  # () for a plain tensor every rank holds whole
+    follows: str | None  # the parameter whose rule placed it
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)  # (offsets, sizes, rank)
+
+
+@dataclass
+class ReshardPlan:
+    mesh: Mesh
+    plan: plans.Plan
+    layouts: list[TensorLayout]
+    objects: list[OutObject]
+    rank_bytes: list[int]
+    problems: list[str] = field(default_factory=list)  # any of these refuses the reshard
+    warnings: list[str] = field(default_factory=list)
+
+    def layout_of(self):
+        """The DCP writer's ``layout`` callable: a tensor's chunks as ``(offsets, sizes, rank)``."""
+        by_tensor = {layout.tensor: layout.chunks for layout in self.layouts}
+        return by_tensor.__getitem__
+
+    def summary(self) -> dict:
+        return {
+            "mesh": self.mesh.as_dict() | {"world_size": self.mesh.world, "description": self.mesh.describe()},
+            "plan": self.plan.name,
+            "tensors": {layout.tensor.key: {
+                "shape": list(layout.tensor.shape), "dtype": layout.tensor.dtype,
+                "source_chunks": len(layout.tensor.source.chunks), "placement": spec_str(layout.spec),
+                "follows": layout.follows, "chunks": [[list(o), list(s), r] for o, s, r in layout.chunks]}
+                for layout in self.layouts},
+            "objects": [obj.key for obj in self.objects],
+            "files": {f"__{rank}_0.distcp": size for rank, size in enumerate(self.rank_bytes)},
+            "problems": self.problems,
+            "warnings": self.warnings,
+        }
+
+
+def resolve_mesh(checkpoint: Checkpoint, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None) -> Mesh:
+    """The target mesh; ``dp`` left out keeps the world size the source was saved with (or ``world_size``)."""
+    world = world_size or checkpoint.info.get("world_size")
+    others = dp_replicate * cp * tp
+    if dp is None:
+        if world is None:
+            dp = 1
+        elif world % others:
+            source = "--world-size" if world_size else f"the source's world size ({world} ranks)"
+            raise UsageError(f"dp_replicate*cp*tp = {others} does not divide {source}; give --dp")
+        else:
+            dp = world // others
+    mesh = Mesh(dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate)
+    mesh.check()
+    if world_size and mesh.world != world_size:
+        raise UsageError(f"--world-size {world_size} != dp_replicate*dp*cp*tp = {mesh.world} ({mesh.describe()})")
+    return mesh
+
+
+def tensor_spec(key: str, rule: plans.Rule | None, shape: tuple[int, ...], mesh: Mesh) -> tuple[Axis, ...]:
+    """The axes and placements of a tensor on ``mesh`` under ``rule``, as FSDP2 + TP + EP place it."""
+    if rule is None or not shape:
+        return ()
+    ndim = len(shape)
+    tp_dim = {"colwise": 0, "rowwise": 1}.get(rule.tp)
+    if rule.experts:
+        if ndim < 2:
+            raise Refused(f"{key}: the plan calls it grouped experts [E, ...], but it is {ndim}-D")
+        tp_dim = None if tp_dim is None else tp_dim + 1
+    if tp_dim is not None and tp_dim >= ndim:
+        tp_dim = None  # a rowwise bias stays whole
+    fsdp_dim = rule.fsdp
+    if rule.experts and mesh.ep > 1:
+        parallel = (Axis("ep", mesh.ep, Shard(0)),)
+        if mesh.etp > 1 and tp_dim is not None:
+            parallel += (Axis("etp", mesh.etp, Shard(tp_dim)),)
+        fsdp_axis, fsdp_size = "efsdp", mesh.efsdp
+        if fsdp_dim == 0 and mesh.efsdp * mesh.ep > shape[0]:
+            fsdp_dim = 1  # torchtitan shards experts on dim 1 when there are more ranks than experts
+    else:
+        parallel = (Axis("tp", mesh.tp, Shard(tp_dim)),) if tp_dim is not None else ()
+        fsdp_axis, fsdp_size = "fsdp", mesh.fsdp
+    for axis in parallel:
+        dim = axis.placement.dim
+        if shape[dim] % axis.size:
+            what = "experts" if axis.name == "ep" else f"dim {dim}"
+            raise Refused(f"{key}: {what} of size {shape[dim]} cannot be split by {axis.name}={axis.size}")
+    if fsdp_dim is None:
+        return parallel
+    if fsdp_dim >= ndim:
+        raise Refused(f"{key}: the plan shards dim {fsdp_dim} with FSDP, but the tensor is {ndim}-D")
+    fsdp = Axis(fsdp_axis, fsdp_size, fsdp_placement(fsdp_dim, parallel))
+    return (Axis("dp_replicate", mesh.dp_replicate, None), fsdp) + parallel
+
+
+class _ChunkTable:
+    """Distinct chunks of a (shape, spec) on a mesh with the ranks holding each; cached, since layers repeat."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.coordinates = [mesh.coordinates(rank) for rank in range(mesh.world)]
+        self.cache: dict = {}
+
+    def __call__(self, shape, spec):
+        found = self.cache.get((shape, spec))
+        if found is None:
+            holders: dict[tuple[int, ...], tuple[tuple[int, ...], list[int]]] = {}
+            for rank, coordinates in enumerate(self.coordinates):
+                offsets, sizes = local_chunk(shape, spec, coordinates)
+                holders.setdefault(offsets, (sizes, []))[1].append(rank)
+            found = self.cache[(shape, spec)] = [(o, s, r) for o, (s, r) in holders.items()]
+        return found
+
+
+def _owner(key: str, params: dict, shape) -> str | None:
+    """The parameter an optimizer entry belongs to: the longest run of its key's parts naming a
+    parameter of the same shape (``optimizer.state.<param>.exp_avg``)."""
+    parts = key.split(".")
+    for start in range(len(parts)):
+        for stop in range(len(parts), start, -1):
+            name = ".".join(parts[start:stop])
+            if name in params and params[name].shape == shape:
+                return name
+    return None
+
+
+def is_rank_state(key: str) -> bool:
+    return any(p.search(key) for p in RANK_STATE_PATTERNS)
+
+
+def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_rank_state: bool = False,
+                 config_dir: Path | None = None, dtype: str | None = None) -> ReshardPlan:
+    """Every tensor's chunks on ``mesh``, the objects carried over, and the problems found (none raised)."""
+    tensors, objects = entries_for(checkpoint, "dcp", dtype)
+    problems, warnings = _config_problems(config_dir or checkpoint.info.get("hf_config_dir"), mesh), []
+    rank_state = [t.key for t in tensors if is_rank_state(t.key)] + [o.key for o in objects if is_rank_state(o.key)]
+    if rank_state:
+        shown = ", ".join(rank_state[:3]) + (" ..." if len(rank_state) > 3 else "")
+        if keep_rank_state:
+            warnings.append(f"kept {len(rank_state)} entries of single data-parallel ranks as saved ({shown}); "
+                            "they describe the source job's ranks")
+        else:
+            warnings.append(f"dropped {len(rank_state)} entries of single data-parallel ranks ({shown}): they "
+                            "cannot be resharded; --keep-rank-state keeps them as saved")
+            tensors = [t for t in tensors if not is_rank_state(t.key)]
+            objects = [o for o in objects if not is_rank_state(o.key)]
+
+    params = model_part(checkpoint)
+    name_of = {info.key: name for name, info in params.items()}
+    table = _ChunkTable(mesh)
+    rank_bytes = [0] * mesh.world
+    layouts = []
+    for tensor in tensors:
+        follows = name_of.get(tensor.source.key) or _owner(tensor.source.key, params, tensor.shape)
+        rule = (plan.rule_for(follows) or DEFAULT_RULE) if follows else None
+        try:
+            spec = tensor_spec(follows or tensor.key, rule, tensor.shape, mesh)
+            chunks = table(tensor.shape, spec)
+        except Refused as exc:
+            problems.append(str(exc))
+            continue
+        except NotRectangular as exc:
+            problems.append(f"{tensor.key}: on {mesh.describe()} a rank's shard is not a rectangle ({exc}); "
+                            "dcp.save cannot record it")
+            continue
+        layout = TensorLayout(tensor, spec, follows)
+        itemsize = dtypes.dtype(tensor.dtype).itemsize
+        for offsets, sizes, holders in chunks:
+            rank = min(holders, key=lambda r: (rank_bytes[r], r))  # dcp.save's dedup: the least-loaded holder
+            rank_bytes[rank] += math.prod(sizes) * itemsize or 1
+            layout.chunks.append((offsets, sizes, rank))
+        layouts.append(layout)
+    if mesh.ep > 1 and not any(a.name == "ep" for layout in layouts for a in layout.spec):
+        problems.append(f"--ep {mesh.ep}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
+    if mesh.tp > 1 and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
+        problems.append(f"--tp {mesh.tp}: plan {plan.name!r} splits no tensor of this checkpoint; "
+                        "choose a plan with --plan")
+    # Optimizer state repeats its parameter's problem: report each once.
+    return ReshardPlan(mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
+
+
+def _config_problems(config_dir: Path | None, mesh: Mesh) -> list[str]:
+    """Heads, kv heads and experts of the model config that tp or ep does not divide."""
+    if config_dir is None:
+        return []
+    path = Path(config_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's config)") from None
+    except ValueError as exc:
+        raise UsageError(f"{path}: not valid JSON ({exc})") from None
+    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    problems = []
+    for setting, fields, what in CONFIG_DIVISORS:
+        size = getattr(mesh, setting)
+        for name in fields:
+            count = config.get(name)
+            if isinstance(count, int) and count % size:
+                problems.append(f"--{setting} {size} does not divide the {count} {what} ({name} in {path})")
+    return problems
+
+
+def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None,
+            plan="auto", to="dcp", keep_rank_state=False, config_dir=None, source_format=None, dtype=None,
+            **options) -> Report:
+    """Reshard ``source`` (any format) into ``destination`` laid out for the mesh.
+
+    ``to="fsdp1"`` writes per-rank FSDP1 files of the model (data parallel only).
+
+    >>> reshard("step-1000", "step-1000-dp4", dp=4)                # doctest: +SKIP
+    """
+    checkpoint = formats.open_checkpoint(source, source_format)
+    mesh_options = {"dp": dp, "tp": tp, "ep": ep, "etp": etp, "cp": cp, "dp_replicate": dp_replicate,
+                    "world_size": world_size}
+    if to == "fsdp1":
+        tensors, objects, writer_options = fsdp1_entries(checkpoint, resolve_mesh(checkpoint, **mesh_options), dtype)
+        return write_checkpoint(checkpoint, Path(destination), "fsdp1", tensors, objects,
+                                writer_options=writer_options, **options)
+    if to != "dcp":
+        raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
+    result = prepare(checkpoint, mesh_options, plan, keep_rank_state=keep_rank_state, config_dir=config_dir,
+                     dtype=dtype)
+    raise_problems(result)
+    return write_plan(checkpoint, destination, result, **options)
+
+
+def prepare(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", **planning) -> ReshardPlan:
+    """Resolve the mesh, choose the plan (``auto``, a built-in name or a file) and plan every tensor."""
+    mesh = resolve_mesh(checkpoint, **mesh_options)
+    chosen = plans.choose(plan, list(model_part(checkpoint)))
+    return plan_reshard(checkpoint, mesh, chosen, **planning)
+
+
+def write_plan(checkpoint: Checkpoint, destination, result: ReshardPlan, **options) -> ReshardReport:
+    """Write the planned layout as a DCP folder (streamed, atomic)."""
+    report = write_checkpoint(checkpoint, Path(destination), "dcp", [layout.tensor for layout in result.layouts],
+                              result.objects, writer_options={"layout": result.layout_of(),
+                                                              "world_size": result.mesh.world}, **options)
+    return ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name, warnings=result.warnings)
+
+
+def fsdp1_entries(checkpoint: Checkpoint, mesh: Mesh, dtype: str | None = None):
+    """What ``--to fsdp1`` writes for ``mesh``: the model part, split over its data-parallel ranks."""
+    if mesh.world != mesh.dp:
+        raise UsageError(f"--to fsdp1 holds data-parallel shards only; {mesh.describe()} needs --to dcp")
+    tensors, objects = entries_for(checkpoint, "fsdp1", dtype)
+    return tensors, objects, {"world_size": mesh.world}
+
+
+def raise_problems(result: ReshardPlan) -> None:
+    if result.problems:
+        more = f" (and {len(result.problems) - 1} more problems; --dry-run lists them)" if len(result.problems) > 1 else ""
+        raise UsageError(result.problems[0] + more)
+
+
+def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
+    """The mesh (and plan) whose layout reproduces the checkpoint's chunks exactly, simplest first; None if none does.
+
+    Context parallelism looks like data parallelism on disk, so it is reported as dp.
+    """
+    world = checkpoint.info.get("world_size")
+    params = model_part(checkpoint)
+    if not world or not params:
+        return None
+    plan = plans.choose("auto", list(params))
+    saved = {name: {(c.offsets, c.sizes) for c in info.chunks} for name, info in params.items()}
+    experts = {info.shape[0] for name, info in params.items() if (plan.rule_for(name) or DEFAULT_RULE).experts}
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    candidates = [Mesh(dp=world // (r * t), tp=t, ep=e, etp=et, dp_replicate=r)
+                  for r in divisors for t in divisors if world % (r * t) == 0
+                  for e in (divisors if experts else [1]) if all(n % e == 0 for n in experts)
+                  for et in sorted({1, t})]
+    candidates.sort(key=lambda m: (m.dp_replicate, m.ep, m.tp, m.etp))
+    for mesh in candidates:
+        try:
+            mesh.check()
+        except UsageError:
+            continue
+        table = _ChunkTable(mesh)
+        try:
+            if all({(o, s) for o, s, _ in table(info.shape, tensor_spec(name, plan.rule_for(name) or DEFAULT_RULE,
+                                                                        info.shape, mesh))} == saved[name]
+                   for name, info in params.items()):
+                return mesh, plan
+        except (Refused, NotRectangular):
+            continue
+    return None
