@@ -88,6 +88,7 @@ class Result:
     manifest: str
     files: int = 0
     tensors: int = 0
+    compared: int = 0  # tensors whose hashes were compared
     bytes_hashed: int = 0
     seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
@@ -343,6 +344,7 @@ def _check_tensors(checkpoint: Checkpoint, document: dict, changed_files: set[st
     suspects = {key: tensor for key, tensor in checkpoint.tensors.items()
                 if key in recorded and (every or any(c.file in changed_files for c in tensor.chunks))}
     _, digests = hasher.run({}, checkpoint, suspects, scan_nonfinite)
+    result.compared = len(digests)
     result.problems += _compare_digests(recorded, digests)
     result.problems += _nonfinite_problems(digests)
     objects = set(document.get("objects", ()))
@@ -402,6 +404,7 @@ def check_against(path: str | Path, other: str | Path, manifest: str | Path | No
     comparable = {name: tensor for name, tensor in actual.tensors.items()
                   if name in recorded and name not in described_differently}
     _, digests = hasher.run({}, actual.checkpoint, comparable)
+    result.compared = len(digests)
     result.problems += _compare_digests(recorded, digests)
     result.bytes_hashed = hasher.bytes
     result.seconds = time.perf_counter() - started

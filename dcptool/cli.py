@@ -382,7 +382,7 @@ JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes
 @app.command(name="verify")
 def verify_command(
     a: Path = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout)."),
-    b: Optional[Path] = typer.Argument(None, metavar="[B]", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
+    b: Optional[Path] = typer.Argument(None, metavar="B", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
     roundtrip: Optional[str] = typer.Option(None, "--roundtrip", help=f"Convert A to this format and back in a temporary folder ($TMPDIR), and compare with A: {', '.join(formats.names())}."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for floating-point values (default: bitwise)."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance (of A's values) for floating-point values (default: bitwise)."),
@@ -425,6 +425,8 @@ def verify_command(
         print(json.dumps(report.to_json(), indent=2))
     else:
         _print_verify(report)
+        if report.differences and not report.tensors:
+            print("no tensor was compared: if one side nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
     if not report.equal:
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
 
@@ -489,6 +491,8 @@ def checksum_command(
         print(json.dumps(result.to_json(), indent=2))
     else:
         _print_checksum(result)
+        if result.action == "against" and result.problems and not result.compared:
+            print("no tensor was compared: if one side nests the model (dcp.model.*), try --prefix dcp.model or auto")
     if not result.ok:
         written = " (the manifest was written)" if write else ""
         raise MismatchError(f"{result.path}: {len(result.problems)} problems against {result.manifest}{written}")
