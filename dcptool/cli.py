@@ -250,11 +250,11 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
         if result.problems:
             raise typer.Exit(2)
         return
-    if not _state["quiet"]:
-        err.print(f"{result.mesh.describe()}; plan {result.plan.name} ({result.plan.description})")
-    for warning in result.warnings:
-        err.print(f"[yellow]warning[/yellow]: {warning}")
     resharding.raise_problems(result)
+    if not _state["quiet"]:
+        err.print(f"{result.mesh.describe()}; plan {result.plan.name} ({result.plan.description})", soft_wrap=True)
+    for warning in result.warnings:
+        err.print(f"[yellow]warning[/yellow]: {warning}", soft_wrap=True)
     total = sum(layout.tensor.nbytes for layout in result.layouts)
     with _progress(total, f"writing {destination.name}") as advance:
         report = resharding.write_plan(checkpoint, destination, result, max_memory=_size(max_memory),
@@ -273,8 +273,7 @@ def _print_plan(result, as_json: bool) -> None:
     for column in ("key", "shape", "placement", "chunks"):
         table.add_column(column)
     for key, tensor in summary["tensors"].items():
-        placement = tensor["placement"] + (f" (as {tensor['follows']})" if tensor["follows"] not in (None, key) else "")
-        table.add_row(key, str(tensor["shape"]), placement, f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
+        table.add_row(key, str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
     console.print(table)
     if summary["objects"]:
         console.print(f"non-tensor entries carried over ({len(summary['objects'])}): {_grouped(summary['objects'])}")
@@ -425,8 +424,8 @@ def verify_command(
         print(json.dumps(report.to_json(), indent=2))
     else:
         _print_verify(report)
-        if report.differences and not report.tensors:
-            print("no tensor was compared: if one side nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
+        if report.differences and all(d.kind in ("missing", "extra") for d in report.differences):
+            print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
     if not report.equal:
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
 
@@ -491,8 +490,8 @@ def checksum_command(
         print(json.dumps(result.to_json(), indent=2))
     else:
         _print_checksum(result)
-        if result.action == "against" and result.problems and not result.compared:
-            print("no tensor was compared: if one side nests the model (dcp.model.*), try --prefix dcp.model or auto")
+        if result.action == "against" and not result.compared and all(p.kind in ("missing tensor", "extra tensor") for p in result.problems):
+            print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix dcp.model or auto")
     if not result.ok:
         written = " (the manifest was written)" if write else ""
         raise MismatchError(f"{result.path}: {len(result.problems)} problems against {result.manifest}{written}")

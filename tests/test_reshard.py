@@ -1,0 +1,191 @@
+"""reshard against real jobs: every target is loaded by a real gloo job built with that mesh (FSDP2 + TP + EP),
+which checks each rank's local shard bitwise and saves its own state with dcp.save, whose chunk layout
+must equal the one dcptool wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from conftest import dcptool, read_tensor
+from dcptool import formats
+from jobs import run_job
+
+MOE_SOURCE = {"dp": 4, "ep": 4}  # differs from every target below
+
+MOE_TARGETS = {
+    "dp4": {"dp": 4},
+    "dp2_tp2": {"dp": 2, "tp": 2},
+    "dp1_tp4": {"dp": 1, "tp": 4},
+    "dp2_ep2": {"dp": 2, "ep": 2},
+    "dp2_tp2_ep2_etp2": {"dp": 2, "tp": 2, "ep": 2, "etp": 2},
+}
+
+
+def flags(mesh: dict) -> list[str]:
+    return [item for name, size in mesh.items() for item in (f"--{name.replace('_', '-')}", str(size))]
+
+
+def world(mesh: dict) -> int:
+    return mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("dp_replicate", 1)
+
+
+def chunk_layout(path) -> dict:
+    """Per tensor key, the chunks (offsets, sizes) in .metadata, read by torch's own reader."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {key: sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+            for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+
+
+def data_files(path) -> list[str]:
+    return sorted(p.name for p in path.glob("*.distcp"))
+
+
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory):
+    """A small MoE model (torchtitan names) saved by a real FSDP2 + EP job with its AdamW state."""
+    out = tmp_path_factory.mktemp("moe") / "src"
+    run_job(world(MOE_SOURCE), "save-dcp", out, "--model", "moe", "--layout", "torchtitan", *flags(MOE_SOURCE))
+    return out, out.with_name("src.reference")
+
+
+@pytest.mark.parametrize("target", MOE_TARGETS, ids=list(MOE_TARGETS))
+def test_moe_reshard_loads_on_target_mesh_with_the_jobs_own_layout(moe_source, target, tmp_path):
+    source, reference = moe_source
+    mesh = MOE_TARGETS[target]
+    out, job_layout = tmp_path / "out", tmp_path / "job-layout"
+    dcptool("reshard", source, out, *flags(mesh), "--etp", str(mesh.get("etp", 1)))
+    proc = run_job(world(mesh), "load-dcp", out, "--model", "moe", "--layout", "torchtitan", *flags(mesh),
+                   "--expect", reference / "full.pt", "--save-layout", job_layout)
+    assert "OK:" in proc.stdout
+    assert chunk_layout(out) == chunk_layout(job_layout)
+    assert data_files(out) == [f"__{rank}_0.distcp" for rank in range(world(mesh))]
+
+
+def test_moe_inspect_reports_the_saving_mesh(moe_source):
+    source, _ = moe_source
+    report = json.loads(dcptool("inspect", source, "--json").stdout)
+    assert report["mesh"] == {"dp_replicate": 1, "dp": 4, "cp": 1, "tp": 1, "ep": 4, "etp": 1, "plan": "torchtitan"}
+    assert "saved on mesh 4 ranks: dp=4; experts ep=4 (plan torchtitan)" in dcptool("inspect", source).stdout
+
+
+def test_reshard_there_and_back_returns_the_same_bytes(moe_source, tmp_path):
+    source, _ = moe_source
+    there, back = tmp_path / "there", tmp_path / "back"
+    dcptool("reshard", source, there, "--dp", "2", "--tp", "2", "--ep", "2", "--etp", "tp")
+    dcptool("reshard", there, back, *flags(MOE_SOURCE))
+    original, returned = formats.open_checkpoint(source), formats.open_checkpoint(back)
+    assert chunk_layout(back) == chunk_layout(source)
+    assert set(returned.tensors) == set(original.tensors)
+    for key in original.tensors:
+        assert torch.equal(read_tensor(returned, key).view(torch.uint8), read_tensor(original, key).view(torch.uint8)), key
+    assert {k: returned.object_blob(o) for k, o in returned.objects.items()} == \
+        {k: original.object_blob(o) for k, o in original.objects.items()}
+
+
+def test_dense_uneven_dp4_from_fsdp_tp(checkpoints, tmp_path):
+    """vocab 250 over dp=4: torch.chunk-style shards of 63, 63, 63 and 61 rows (AReaL layout, HF names)."""
+    source, reference = checkpoints("fsdp2_dp2_tp2")
+    out, job_layout = tmp_path / "dp4", tmp_path / "job-layout"
+    result = dcptool("reshard", source, out, "--tp", "1")  # dp derived: the source was saved by 4 ranks
+    assert "4 ranks: dp=4" in result.stderr
+    proc = run_job(4, "load-dcp", out, "--dp", "4", "--layout", "areal", "--expect", reference / "full.pt",
+                   "--save-layout", job_layout)
+    assert "OK:" in proc.stdout
+    layout = chunk_layout(out)
+    assert layout == chunk_layout(job_layout)
+    assert [s[0] for _, s in layout["dcp.model.model.embed_tokens.weight"]] == [63, 63, 63, 61]
+
+
+def test_dense_hsdp(checkpoints, tmp_path):
+    source, reference = checkpoints("fsdp2_dp2")
+    out, job_layout = tmp_path / "hsdp", tmp_path / "job-layout"
+    dcptool("reshard", source, out, "--dp-replicate", "2", "--dp", "2")
+    proc = run_job(4, "load-dcp", out, "--dp-replicate", "2", "--dp", "2", "--layout", "torchtitan",
+                   "--expect", reference / "full.pt", "--save-layout", job_layout)
+    assert "OK:" in proc.stdout
+    assert chunk_layout(out) == chunk_layout(job_layout)
+    # replicas are saved once: the 4 ranks hold 2 distinct shards of each sharded weight
+    assert len(chunk_layout(out)["model.layers.0.mlp.up_proj.weight"]) == 2
+
+
+def test_reshard_to_fsdp1_loads_in_fsdp1_job(checkpoints, tmp_path):
+    source, reference = checkpoints("fsdp2_dp2_tp2")
+    out = tmp_path / "fsdp1"
+    dcptool("reshard", source, out, "--to", "fsdp1", "--world-size", "2")
+    assert sorted(p.name for p in out.glob("model_world_size_2_rank_*.pt")) == [
+        "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+    proc = run_job(2, "load-fsdp1", out, "--world-size", "2", "--expect", reference / "full.pt")
+    assert "OK:" in proc.stdout
+
+
+def test_import_hf_lays_weights_out_for_a_mesh(checkpoints, tmp_path):
+    source, reference = checkpoints("fsdp2_dp2")
+    hf, out, job_layout = tmp_path / "hf", tmp_path / "dcp", tmp_path / "job-layout"
+    dcptool("export-hf", source, hf, "--config-dir", reference)
+    dcptool("import-hf", hf, out, "--dp", "2", "--tp", "2")
+    proc = run_job(4, "load-dcp", out, "--dp", "2", "--tp", "2", "--layout", "torchtitan", "--model-only",
+                   "--expect", reference / "full.pt", "--save-layout", job_layout)
+    assert "OK:" in proc.stdout
+    model_layout = {k: v for k, v in chunk_layout(job_layout).items() if not k.startswith("optimizer.")}
+    assert chunk_layout(out) == model_layout
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
+    source, _ = checkpoints("fsdp2_dp2")
+    out = tmp_path / "out"
+    result = dcptool("reshard", source, out, "--tp", "2", "--dry-run", "--json")
+    plan = json.loads(result.stdout)
+    assert plan["mesh"]["dp"] == 1 and plan["mesh"]["tp"] == 2 and plan["plan"] == "hf"
+    q = plan["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q["placement"] == "tp=2:Shard(0)" and q["source_chunks"] == 2 and len(q["chunks"]) == 2
+    moment = plan["tensors"]["optimizer.state.model.layers.0.self_attn.q_proj.weight.exp_avg"]
+    assert moment["follows"] == "model.layers.0.self_attn.q_proj.weight" and moment["chunks"] == q["chunks"]
+    assert sorted(plan["files"]) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not out.exists()
+
+
+def _refused(*args, expect: str, dst):
+    result = dcptool("reshard", *args, dst, check=False)
+    assert result.returncode == 2, result.stderr
+    assert expect in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
+    assert not dst.exists()
+
+
+def test_moe_refuses_ep_not_dividing_the_experts(moe_source, tmp_path):
+    _refused(moe_source[0], "--dp", "8", "--ep", "8", expect="experts of size 4 cannot be split by ep=8",
+             dst=tmp_path / "never")
+
+
+def test_refusals_name_the_tensor_or_setting(checkpoints, tmp_path):
+    dense, reference = checkpoints("fsdp2_dp2")
+    dst = tmp_path / "never"
+    _refused(dense, "--tp", "4", "--world-size", "4", "--dp", "1",
+             expect="model.embed_tokens.weight: dim 0 of size 250 cannot be split by tp=4", dst=dst)
+    _refused(dense, "--tp", "4", "--dp", "1", "--config-dir", reference,
+             expect="--tp 4 does not divide the 2 key/value heads", dst=dst)
+    _refused(dense, "--world-size", "8", "--dp", "2", "--tp", "2", expect="--world-size 8 != dp_replicate*dp*cp*tp = 4",
+             dst=dst)
+    _refused(dense, "--tp", "3", expect="does not divide the source's world size (2 ranks)", dst=dst)
+    _refused(dense, "--ep", "2", expect="finds no grouped expert tensors", dst=dst)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("rules:\n  - {match: 'no_such_weight$', tp: colwise}\n")
+    _refused(dense, "--plan", plan, expect="names no tensor of the checkpoint", dst=dst)
+    plan.write_text("rules:\n  - {match: 'q_proj', tp: sideways}\n")
+    _refused(dense, "--plan", plan, expect="tp 'sideways' is not one of colwise, rowwise, replicate", dst=dst)
+
+
+def test_plan_file_places_tensors_as_written(checkpoints, tmp_path):
+    source, _ = checkpoints("fsdp2_dp2")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"name": "rows-only", "rules": [{"match": r"proj\.weight$", "tp": "rowwise"}]}))
+    result = json.loads(dcptool("reshard", source, tmp_path / "x", "--tp", "2", "--plan", plan, "--dry-run",
+                                "--json").stdout)
+    assert result["plan"] == "rows-only"
+    assert result["tensors"]["model.layers.0.self_attn.q_proj.weight"]["placement"] == "tp=2:Shard(1)"
+    assert result["tensors"]["model.embed_tokens.weight"]["placement"] == "replicated"
