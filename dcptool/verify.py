@@ -2,9 +2,10 @@
 
 Both sides read each tensor in the same row-major slabs through fixed buffers, so comparing two
 100 GB checkpoints needs ``max_memory``, not 200 GB. Values compare bitwise on their raw bits (NaN
-payloads included) unless tolerances are given; then floating-point tensors pass where
-``|a - b| <= atol + rtol * |a|`` (NaN in both places counts as equal) and the largest absolute and
-relative difference of every tensor is reported. A is the reference: "missing" means missing from B.
+payloads included) unless tolerances are given; then floating-point tensors, also of different float
+dtypes (a float32 checkpoint and its bfloat16 export), pass where ``|a - b| <= atol + rtol * |a|``
+(NaN in both places counts as equal), and the largest absolute and relative difference of every
+tensor is reported. A is the reference: "missing" means missing from B.
 
 >>> report = compare("step-1000", "hf-out", prefix_a="dcp.model")       # doctest: +SKIP
 >>> report.equal, [d.key for d in report.differences]                     # doctest: +SKIP
@@ -191,12 +192,14 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
     reader_a, reader_b = RegionReader(a.checkpoint, bytearray(size)), RegionReader(b.checkpoint, bytearray(size))
     for key, tensor_a, tensor_b in pairs:
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
-        if dtype_a != dtype_b:
-            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}"))
+        castable = tolerances is not None and dtype_a in TOLERANT and dtype_b in TOLERANT
+        if dtype_a != dtype_b and not castable:
+            hint = " (--atol/--rtol compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
+            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}"))
         elif tensor_a.shape != tensor_b.shape:
             report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))
         else:
-            comparison = _ValueComparison(dtype_a, tolerances)
+            comparison = _ValueComparison(dtype_a, dtype_b, tolerances)
             limit = min(reader_a.max_elements(tensor_a), reader_b.max_elements(tensor_b))
             for (offsets, values_a), (_, values_b) in zip(reader_a.slabs(tensor_a, limit), reader_b.slabs(tensor_b, limit)):
                 comparison.add(offsets, values_a, values_b)
@@ -215,9 +218,9 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
 class _ValueComparison:
     """The running result of comparing one tensor's values, fed slab by slab."""
 
-    def __init__(self, dtype: str, tolerances: tuple[float, float] | None):
-        self.dtype = dtype
-        self.tolerances = tolerances if dtype in TOLERANT else None
+    def __init__(self, dtype_a: str, dtype_b: str, tolerances: tuple[float, float] | None):
+        self.dtype_a, self.dtype_b = dtype_a, dtype_b  # equal unless both are floating point and tolerances are given
+        self.tolerances = tolerances if dtype_a in TOLERANT else None
         self.count = 0
         self.first: tuple[list[int], str, str] | None = None
         self.max_abs = self.max_rel = 0.0
@@ -236,12 +239,12 @@ class _ValueComparison:
                 index = np.unravel_index(start + int(bad[0]), values_a.shape)
                 at = [int(o) + int(i) for o, i in zip(offsets, index)]
                 element = slice(int(bad[0]), int(bad[0]) + 1)
-                self.first = (at, _show(block_a[element], self.dtype), _show(block_b[element], self.dtype))
+                self.first = (at, _show(block_a[element], self.dtype_a), _show(block_b[element], self.dtype_b))
             self.count += int(bad.size)
 
     def _outside_tolerance(self, bits_a: np.ndarray, bits_b: np.ndarray) -> np.ndarray:
         atol, rtol = self.tolerances
-        a, b = _to_float64(bits_a, self.dtype), _to_float64(bits_b, self.dtype)
+        a, b = _to_float64(bits_a, self.dtype_a), _to_float64(bits_b, self.dtype_b)
         nan_a, nan_b = np.isnan(a), np.isnan(b)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.abs(a - b)
