@@ -33,6 +33,7 @@ import random
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
     get_model_state_dict,
@@ -69,6 +71,23 @@ TINY_LLAMA = {
     "tie_word_embeddings": False,
 }
 PRESETS = {"tiny": TINY_LLAMA}
+
+# The tiny torchtitan-style MoE transformer (``--model moe``): layers below
+# n_dense_layers have a dense FFN, the others an MoE with grouped experts and
+# a shared expert.  Every TP-sharded dim (vocab, dim, heads, ffn and expert
+# hidden dims) is divisible by 4, so tp=4 works; ep can be 2 or 4.
+TINY_MOE = {
+    "vocab_size": 256,
+    "dim": 64,
+    "n_layers": 2,
+    "n_dense_layers": 1,
+    "n_heads": 4,
+    "n_kv_heads": 4,
+    "ffn_hidden_dim": 96,
+    "moe_hidden_dim": 32,
+    "num_experts": 4,
+}
+MODELS = ("llama", "moe")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -271,19 +290,213 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=False)
 
 
+def synthetic_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One real AdamW step on gradients made from the parameters themselves.
+
+    The gradient is an elementwise function of each parameter, computed on the
+    (sharded) DTensor, so it keeps the parameter's placements and needs no
+    forward pass (the MoE experts under EP would need all-to-all routing).
+    """
+    for param in model.parameters():
+        param.grad = torch.sin(3 * param.detach())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 # ---------------------------------------------------------------------------
-# FSDP2 (+ TP) parallelism
+# The tiny MoE model (torchtitan / AReaL Archon parameter names)
+# ---------------------------------------------------------------------------
+#
+# Parameters only: the jobs never run it forward (see synthetic_step), so the
+# modules carry just what decides the state dict and its sharding.
+
+
+def load_moe_config(spec: str | None) -> dict[str, int]:
+    """TINY_MOE overridden by a JSON string or a config.json path."""
+    fields = dict(TINY_MOE)
+    if spec and Path(spec).is_file():
+        fields.update(json.loads(Path(spec).read_text()))
+    elif spec and spec not in PRESETS:
+        fields.update(json.loads(spec))
+    fields.pop("model", None)
+    return fields
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts' weights as 3-D parameters [experts, out, in]."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.router = Router(dim, num_experts)
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.shared_experts = FeedForward(dim, hidden)
+        # Load-balancing bias: a persistent float32 buffer, as in torchtitan.
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32),
+                             persistent=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: dict[str, int], moe_enabled: bool) -> None:
+        super().__init__()
+        dim = config["dim"]
+        self.moe_enabled = moe_enabled
+        self.attention = Attention(dim, config["n_heads"], config["n_kv_heads"])
+        self.attention_norm = nn.RMSNorm(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+        if moe_enabled:
+            self.moe = MoE(dim, config["moe_hidden_dim"], config["num_experts"])
+        else:
+            self.feed_forward = FeedForward(dim, config["ffn_hidden_dim"])
+
+
+class MoeTransformer(nn.Module):
+    def __init__(self, config: dict[str, int]) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config["vocab_size"], config["dim"])
+        # A ModuleDict, as torchtitan uses, so the keys read "layers.<i>....".
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(config, moe_enabled=i >= config["n_dense_layers"])
+            for i in range(config["n_layers"])
+        })
+        self.norm = nn.RMSNorm(config["dim"])
+        self.output = nn.Linear(config["dim"], config["vocab_size"], bias=False)
+
+
+def build_moe_model(config: dict[str, int], dtype: torch.dtype, seed: int) -> MoeTransformer:
+    """Identical model on every rank: every parameter and buffer drawn from ``seed``.
+
+    Random normal everywhere (norm weights and expert_bias included), so a
+    misplaced or permuted shard cannot go unnoticed.
+    """
+    model = MoeTransformer(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    model.to(dtype)
+    # expert_bias stays float32 whatever the parameter dtype (torchtitan).
+    for block in model.layers.values():
+        if block.moe_enabled:
+            block.moe.expert_bias = block.moe.expert_bias.float()
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Parallelism: one root mesh, TP, EP, FSDP2 / HSDP (torchtitan's rules)
 # ---------------------------------------------------------------------------
 
 
-def build_mesh(dp: int, tp: int) -> DeviceMesh:
-    """CPU device mesh ("dp", "tp"), or just ("dp",) when tp == 1."""
-    world = dist.get_world_size()
-    if dp * tp != world:
-        raise SystemExit(f"dp*tp = {dp}*{tp} != world size {world}")
-    if tp == 1:
-        return init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
-    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+@dataclass
+class Parallel:
+    """A job's parallel degrees and its device meshes, as torchtitan's ParallelDims lays them out.
+
+    Dense parameters see the ranks row-major over (dp_replicate, dp_shard, tp).
+    Expert parallelism borrows ranks rather than adding any: the experts see
+    the same ranks as (dp_replicate, efsdp, ep, etp) when etp == tp > 1, or as
+    (dp_replicate, efsdp, ep) when etp == 1, where ep then spans dp_shard and
+    tp.  Both views are unflattened from one 1-D root mesh, because FSDP2
+    insists that a parameter's TP/EP mesh and its dp mesh share their root.
+    """
+
+    dp_replicate: int
+    dp: int
+    tp: int
+    ep: int
+    etp: int
+    dense: DeviceMesh | None = None
+    experts: DeviceMesh | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp * self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of the experts: what EP leaves of the ranks it borrows."""
+        return self.dp * (self.tp if self.etp == 1 else 1) // self.ep
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        # As torchtitan: FSDP for dp_shard > 1, and always with EP (then
+        # possibly over a 1-rank dp mesh); pure TP jobs get no FSDP at all.
+        return self.dp > 1 or self.ep > 1
+
+    def check(self) -> None:
+        if self.world_size != dist.get_world_size():
+            raise SystemExit(f"dp_replicate*dp*tp = {self.dp_replicate}*{self.dp}*{self.tp} "
+                             f"!= world size {dist.get_world_size()}")
+        if self.etp not in (1, self.tp):
+            raise SystemExit(f"--etp {self.etp} must be 1 or --tp ({self.tp})")
+        borrowed = self.dp * (self.tp if self.etp == 1 else 1)
+        if self.ep > 1 and (borrowed % self.ep or (self.etp == 1 and self.ep % self.tp)):
+            raise SystemExit(f"--ep {self.ep} with --etp {self.etp}: ep must divide the {borrowed} "
+                             "dp_shard (x tp when etp=1) ranks it borrows, and with etp=1 be a "
+                             "multiple of tp")
+        if self.dp_replicate > 1 and not self.fsdp_enabled:
+            raise SystemExit("--dp-replicate with --dp 1 is DDP in torchtitan, not emulated here")
+
+    def build(self) -> Parallel:
+        self.check()
+        root = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("world",))
+        self.dense = root._unflatten(0, (self.dp_replicate, self.dp, self.tp),
+                                     ("dp_replicate", "dp_shard", "tp"))
+        if self.ep > 1:
+            sizes = (self.dp_replicate, self.efsdp, self.ep)
+            names = ("dp_replicate", "efsdp", "ep")
+            if self.etp > 1:
+                sizes, names = sizes + (self.etp,), names + ("etp",)
+            self.experts = root._unflatten(0, sizes, names)
+        return self
+
+    def dp_mesh(self) -> DeviceMesh:
+        """FSDP mesh of the dense parameters: 2-D for HSDP."""
+        return self.dense["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.dense["dp_shard"]
+
+    def edp_mesh(self) -> DeviceMesh:
+        """FSDP mesh of the routed experts under EP: 2-D for HSDP."""
+        return self.experts["dp_replicate", "efsdp"] if self.dp_replicate > 1 else self.experts["efsdp"]
+
+    def data_rank(self) -> int:
+        """Which batch this rank trains on (TP peers share one)."""
+        return (self.dense.get_local_rank("dp_replicate") * self.dp
+                + self.dense.get_local_rank("dp_shard"))
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp": self.dp, "tp": self.tp,
+                "ep": self.ep, "etp": self.etp}
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -326,36 +539,158 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, layer_plan)
 
 
-def build_fsdp2_model(config, dtype: torch.dtype, dp: int, tp: int, seed: int):
-    """Model -> (TP) -> FSDP2 per decoder layer and root over the "dp" dim."""
-    from torch.distributed.fsdp import fully_shard
+def apply_moe_tp(model: MoeTransformer, tp_mesh: DeviceMesh) -> None:
+    """torchtitan's TP plan for the dense parts of the MoE transformer.
 
-    mesh = build_mesh(dp, tp)
-    model = build_model(config, dtype, seed)
-    if tp > 1:
-        apply_tp(model, mesh["tp"])
-    dp_mesh = mesh["dp"]
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_mesh)
+    Colwise (Shard(0)): wq/wk/wv, feed_forward.w1/w3, shared_experts.w1/w3,
+    output.  Rowwise (Shard(1)): wo, feed_forward.w2, shared_experts.w2;
+    tok_embeddings Shard(0).  Norms (SequenceParallel) and the router gate
+    (torchtitan's NoParallel) become Replicate() DTensors on tp.  The model
+    never runs forward, so the activation layouts of the plan do not matter.
+    """
+    from torch.distributed.tensor import Replicate, distribute_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(),
+    })
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "ffn_norm": SequenceParallel(),
+        }
+        ffn = "moe.shared_experts" if block.moe_enabled else "feed_forward"
+        plan.update({f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w2": RowwiseParallel(),
+                     f"{ffn}.w3": ColwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)
+        if block.moe_enabled:
+            distribute_module(block.moe.router.gate, tp_mesh)  # all Replicate()
+
+
+def apply_experts_parallel(experts: GroupedExperts, parallel: Parallel) -> None:
+    """EP / ETP / TP of the grouped experts, as torchtitan's ExpertParallel,
+    ExpertTensorParallel and TensorParallel styles place them.
+
+    w1/w3 are [experts, hidden, dim] (colwise: hidden split), w2 is
+    [experts, dim, hidden] (rowwise: hidden split).
+    """
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if parallel.ep > 1 and parallel.etp > 1:
+        mesh = parallel.experts["ep", "etp"]
+        placements = {"w1": [Shard(0), Shard(1)], "w2": [Shard(0), Shard(2)],
+                      "w3": [Shard(0), Shard(1)]}
+    elif parallel.ep > 1:
+        mesh = parallel.experts["ep"]
+        placements = {"w1": [Shard(0)], "w2": [Shard(0)], "w3": [Shard(0)]}
+    elif parallel.tp > 1:
+        mesh = parallel.dense["tp"]
+        placements = {"w1": [Shard(1)], "w2": [Shard(2)], "w3": [Shard(1)]}
+    else:
+        return
+    for name, placement in placements.items():
+        weight = distribute_tensor(getattr(experts, name).detach(), mesh, placement)
+        experts.register_parameter(name, nn.Parameter(weight))
+
+
+def apply_fsdp(model: torch.nn.Module, blocks: list[torch.nn.Module], parallel: Parallel) -> None:
+    """FSDP2 per transformer block, root last; routed experts on their own mesh under EP."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    if not parallel.fsdp_enabled:
+        return
+    dp_mesh = parallel.dp_mesh()
+    for block in blocks:
+        if getattr(block, "moe_enabled", False) and parallel.ep > 1:
+            experts = block.moe.experts
+            # EP already splits dim 0 (the experts); once efsdp * ep exceeds
+            # the expert count, torchtitan has FSDP shard dim 1 instead.
+            placement_fn = None
+            if parallel.efsdp * parallel.ep > experts.num_experts:
+                placement_fn = lambda param: Shard(1)  # noqa: E731
+            fully_shard(experts, mesh=parallel.edp_mesh(), shard_placement_fn=placement_fn)
+        fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    return model, mesh
+
+
+def build_fsdp2_model(kind: str, config, dtype: torch.dtype, parallel: Parallel, seed: int):
+    """Model -> TP / EP -> FSDP2 (HSDP) on the meshes of ``parallel`` (built here)."""
+    parallel.build()
+    if kind == "llama":
+        if parallel.ep > 1:
+            raise SystemExit("--ep needs --model moe (the Llama has no experts)")
+        model = build_model(config, dtype, seed)
+        if parallel.tp > 1:
+            apply_tp(model, parallel.dense["tp"])
+        blocks = list(model.model.layers)
+    else:
+        model = build_moe_model(config, dtype, seed)
+        if parallel.tp > 1:
+            apply_moe_tp(model, parallel.dense["tp"])
+        blocks = list(model.layers.values())
+        for block in blocks:
+            if block.moe_enabled:
+                apply_experts_parallel(block.moe.experts, parallel)
+    apply_fsdp(model, blocks, parallel)
+    return model
+
+
+# Parameters (and the one buffer) whose placements the save / load jobs log.
+LOGGED_NAMES = {
+    "llama": ("model.embed_tokens.weight",
+              "model.layers.0.self_attn.q_proj.weight",
+              "model.layers.0.self_attn.o_proj.weight",
+              "model.layers.0.input_layernorm.weight",
+              "lm_head.weight"),
+    "moe": ("tok_embeddings.weight",
+            "layers.0.attention.wq.weight",
+            "layers.0.attention.wo.weight",
+            "layers.0.attention_norm.weight",
+            "layers.1.moe.router.gate.weight",
+            "layers.1.moe.experts.w1",
+            "layers.1.moe.experts.w2",
+            "layers.1.moe.experts.w3",
+            "layers.1.moe.shared_experts.w1.weight",
+            "layers.1.moe.expert_bias",
+            "output.weight"),
+}
 
 
 def placements_of(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, str]]:
-    """({fqn: str(placements)}, {fqn: mesh dim names and shape}) of the parameters."""
+    """({fqn: str(placements)}, {fqn: mesh dim names and shape}) of the parameters
+    and persistent buffers."""
+    keys = set(model.state_dict())
     placements, meshes = {}, {}
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh
-            placements[name] = str(tuple(param.placements))
+    for name, value in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in keys:
+            continue
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            placements[name] = str(tuple(value.placements))
             meshes[name] = f"{tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)}"
         else:
             placements[name] = meshes[name] = "plain tensor"
     return placements, meshes
 
 
-def dp_rank_of(mesh: DeviceMesh) -> int:
-    return mesh.get_local_rank("dp")
+def log_placements(model: torch.nn.Module, kind: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Log the placements of LOGGED_NAMES on rank 0; returns placements_of(model)."""
+    placements, meshes = placements_of(model)
+    for name in LOGGED_NAMES[kind]:
+        log(f"placements {name}: {placements[name]} on mesh {meshes[name]}")
+    return placements, meshes
 
 
 # ---------------------------------------------------------------------------
@@ -508,27 +843,42 @@ def finish_check(first_mismatch: str | None, what: str) -> int:
 # ---------------------------------------------------------------------------
 
 
+def parallel_of(args) -> Parallel:
+    """The mesh options of a save-dcp / load-dcp command line (--etp defaults to --tp)."""
+    etp = args.tp if args.etp is None else args.etp
+    return Parallel(args.dp_replicate, args.dp, args.tp, args.ep, etp)
+
+
+def load_config(kind: str, spec: str | None):
+    """A LlamaConfig for --model llama, a dict of sizes for --model moe."""
+    return load_model_config(spec) if kind == "llama" else load_moe_config(spec)
+
+
+def build_job_model(kind: str, config, dtype: torch.dtype, parallel: Parallel, seed: int):
+    """build_fsdp2_model + optimizer, logging the meshes and placements on rank 0."""
+    model = build_fsdp2_model(kind, config, dtype, parallel, seed)
+    log(f"mesh {parallel.dense}" + (f", experts mesh {parallel.experts}" if parallel.experts else ""))
+    placements, meshes = log_placements(model, kind)
+    return model, make_optimizer(model), placements, meshes
+
+
 def cmd_save_dcp(args) -> int:
     timer = Timer()
-    config = load_model_config(args.model_config)
-    dtype = DTYPES[args.dtype]
-    model, mesh = build_fsdp2_model(config, dtype, args.dp, args.tp, MODEL_SEED)
-    optimizer = make_optimizer(model)
+    config = load_config(args.model, args.model_config)
+    parallel = parallel_of(args)
+    model, optimizer, placements, meshes = build_job_model(
+        args.model, config, DTYPES[args.dtype], parallel, MODEL_SEED)
     timer.mark("build")
-
-    placements, meshes = placements_of(model)
-    log(f"mesh {mesh}")
-    for name in ("model.embed_tokens.weight",
-                 "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.0.self_attn.o_proj.weight",
-                 "model.layers.0.input_layernorm.weight",
-                 "lm_head.weight"):
-        log(f"placements {name}: {placements[name]} on mesh {meshes[name]}")
-    if args.tp > 1 and "_StridedShard" not in placements["model.layers.0.self_attn.q_proj.weight"]:
+    if (args.model == "llama" and args.tp > 1 and args.dp > 1
+            and "_StridedShard" not in placements["model.layers.0.self_attn.q_proj.weight"]):
         raise SystemExit("expected _StridedShard on a colwise weight with FSDP2 over TP")
 
-    losses = train_steps(model, optimizer, config, args.steps, dp_rank_of(mesh))
-    log(f"losses {losses}")
+    if args.model == "llama":
+        losses = train_steps(model, optimizer, config, args.steps, parallel.data_rank())
+        log(f"losses {losses}")
+    else:
+        for _ in range(args.steps):
+            synthetic_step(model, optimizer)
     timer.mark("train")
 
     sd = dcp_state(model, optimizer, args.layout)
@@ -538,22 +888,29 @@ def cmd_save_dcp(args) -> int:
     # Reference: full (gathered) state via torch's own state_dict helpers.
     full = dcp_state(model, optimizer, args.layout, full=True)
     if rank() == 0:
-        write_dcp_reference(args, config, full, placements, meshes)
+        write_dcp_reference(args, parallel, config, full, placements, meshes)
     dist.barrier()
     timer.mark("reference")
     log(f"save-dcp done: {args.out} ({timer})")
     return 0
 
 
-def write_dcp_reference(args, config, full_sd: dict[str, Any],
+def write_dcp_reference(args, parallel: Parallel, config, full_sd: dict[str, Any],
                         placements: dict[str, str], meshes: dict[str, str]) -> None:
-    """Rank 0: OUT.reference/{config.json, full.pt, objects.pt, reference.json}."""
+    """Rank 0: OUT.reference/{config.json, full.pt, objects.pt, reference.json}.
+
+    config.json is the HF config for the Llama, and the sizes plus
+    ``"model": "moe"`` for the MoE model (it has no HF config).
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ref = reference_dir(args.out)
     ref.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(ref)
+    if args.model == "llama":
+        config.save_pretrained(ref)
+    else:
+        (ref / "config.json").write_text(json.dumps({"model": "moe", **config}, indent=2) + "\n")
 
     tensors, objects = split_tensors(flatten(full_sd))
     torch.save(tensors, ref / "full.pt")
@@ -572,9 +929,9 @@ def write_dcp_reference(args, config, full_sd: dict[str, Any],
             f"only in reference {sorted(set(objects) - disk_objects)[:5]}")
 
     info = {
+        "model": args.model,
         "world_size": dist.get_world_size(),
-        "dp": args.dp,
-        "tp": args.tp,
+        **parallel.as_dict(),
         "layout": args.layout,
         "dtype": args.dtype,
         "steps": args.steps,
@@ -593,22 +950,39 @@ def write_dcp_reference(args, config, full_sd: dict[str, Any],
 def infer_dtype(expected: dict[str, torch.Tensor]) -> torch.dtype:
     """The model dtype recorded in a reference (from its embedding weight)."""
     for key, value in expected.items():
-        if key.endswith("embed_tokens.weight"):
+        if key.endswith(("embed_tokens.weight", "tok_embeddings.weight")):
             return value.dtype
     return next(v.dtype for v in expected.values() if v.is_floating_point() and v.dim() > 0)
+
+
+def reference_model(ref: Path) -> str:
+    """The --model a reference folder was saved with (older ones: llama)."""
+    info = ref / "reference.json"
+    return json.loads(info.read_text()).get("model", "llama") if info.is_file() else "llama"
 
 
 def cmd_load_dcp(args) -> int:
     timer = Timer()
     expected = torch.load(args.expect, map_location="cpu", weights_only=True)
     ref = Path(args.expect).parent
+    kind = args.model or reference_model(ref)
     config_spec = args.model_config
     if config_spec is None and (ref / "config.json").is_file():
         config_spec = str(ref / "config.json")
-    config = load_model_config(config_spec)
-    model, mesh = build_fsdp2_model(config, infer_dtype(expected), args.dp, args.tp, LOADER_SEED)
-    optimizer = make_optimizer(model)
+    config = load_config(kind, config_spec)
+    parallel = parallel_of(args)
+    model, optimizer, _, _ = build_job_model(kind, config, infer_dtype(expected), parallel,
+                                             LOADER_SEED)
     timer.mark("build")
+
+    if args.save_layout:
+        # What a trainer on this mesh writes: its own state, optimizer state
+        # included (hence the step), in the same layout as the checkpoint.
+        synthetic_step(model, optimizer)
+        dcp.save(dcp_state(model, optimizer, args.layout, model_only=args.model_only),
+                 checkpoint_id=args.save_layout)
+        log(f"saved this mesh's own checkpoint to {args.save_layout}")
+        timer.mark("dcp.save own layout")
 
     # Non-tensor placeholders that the load must overwrite.
     sd = dcp_state(model, optimizer, args.layout, model_only=args.model_only,
@@ -643,7 +1017,7 @@ def cmd_load_dcp(args) -> int:
     checked, first_tensor = compare_all(flat, expected)
     status = finish_check(first or first_tensor,
                           f"{checked} tensors + {len(objects)} objects on mesh "
-                          f"{tuple(mesh.shape)} match {args.expect}")
+                          f"{parallel.as_dict()} match {args.expect}")
     timer.mark("compare")
     if status == 0:
         # The trainer's way back into the modules must accept the loaded state.
@@ -906,10 +1280,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help='preset name ("tiny"), JSON string, or path to a config.json; '
                             "JSON overrides the tiny preset" + default_note)
 
-    p = sub.add_parser("save-dcp", help="FSDP2(+TP) job that writes a DCP checkpoint")
+    def mesh_opts(p):
+        p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
+        p.add_argument("--dp", type=int, required=True, help="FSDP shard degree (dp_shard)")
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--ep", type=int, default=1,
+                       help="expert parallel degree (--model moe); borrows dp (and tp) ranks")
+        p.add_argument("--etp", type=int, default=None,
+                       help="tensor parallel degree of the experts: 1 or --tp (default)")
+
+    p = sub.add_parser("save-dcp", help="FSDP2(+TP/EP) job that writes a DCP checkpoint")
     p.add_argument("out")
-    p.add_argument("--dp", type=int, required=True)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--model", choices=MODELS, default="llama")
+    mesh_opts(p)
     p.add_argument("--layout", choices=("torchtitan", "areal"), default="torchtitan")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
@@ -918,11 +1301,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = sub.add_parser("load-dcp", help="load a DCP checkpoint (any mesh) and verify it")
     p.add_argument("ckpt")
-    p.add_argument("--dp", type=int, required=True)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="default: the model in reference.json next to --expect, else llama")
+    mesh_opts(p)
     p.add_argument("--expect", required=True, help="full.pt with flat '.'-joined keys")
     p.add_argument("--layout", choices=("torchtitan", "areal"), default="torchtitan")
     p.add_argument("--model-only", action="store_true")
+    p.add_argument("--save-layout", metavar="DIR", default=None,
+                   help="first dcp.save this job's own state (after one step) to DIR, "
+                        "as a trainer on this mesh would, then load and check CKPT")
     model_opts(p, " (default: config.json next to --expect, else tiny)")
     p.set_defaults(func=cmd_load_dcp)
 
