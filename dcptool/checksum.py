@@ -47,17 +47,19 @@ def manifest_path(path: str | Path, manifest: str | Path | None = None) -> Path:
     if manifest is not None:
         return Path(manifest)
     path = Path(path)
-    return path.parent / f"{path.name}.{MANIFEST_NAME}" if path.is_file() else path / MANIFEST_NAME
+    beside = path.parent / f"{path.name}.{MANIFEST_NAME}"
+    # A single-file checkpoint that was deleted is still found by the manifest it left beside it.
+    return beside if path.is_file() or (not path.exists() and beside.is_file()) else path / MANIFEST_NAME
 
 
 def checkpoint_files(path: str | Path, manifest: Path) -> dict[str, Path]:
     """The files a manifest covers, by name relative to the checkpoint: every file of a folder (recursively),
-    or the file itself. Manifests (and their temporary siblings) are never part of it."""
+    or the file itself (none when it is gone). Manifests (and their temporary siblings) are never part of it."""
     path = Path(path)
     if path.is_file():
         return {path.name: path}
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such file or folder")
+        return {}
     skip = manifest.resolve()
     return {item.relative_to(path).as_posix(): item for item in sorted(path.rglob("*"))
             if item.is_file() and MANIFEST_NAME not in item.name and item.resolve() != skip}
@@ -297,6 +299,8 @@ def check(path: str | Path, manifest: str | Path | None = None, *, source_format
     """
     started = time.perf_counter()
     target = manifest_path(path, manifest)
+    if not Path(path).exists() and not target.is_file():
+        raise CheckpointError(f"{path}: no such file or folder")
     document = read_manifest(target)
     files = checkpoint_files(path, target)
     recorded = document["files"]
