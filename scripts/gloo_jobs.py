@@ -5,21 +5,25 @@ Run under torchrun, for example::
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 \
         scripts/gloo_jobs.py save-dcp /tmp/ckpt --dp 2 --tp 2
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \
+        scripts/gloo_jobs.py save-dcp /tmp/moe --model moe --dp 2 --tp 2 --ep 2
 
 Subcommands (see ``--help`` of each):
 
-* ``save-dcp OUT``    FSDP2 (optionally + TP) training step on a tiny HF Llama,
+* ``save-dcp OUT``    FSDP2 / HSDP (optionally + TP, + EP for the MoE) training
+                      step on a tiny HF Llama or a tiny torchtitan-style MoE,
                       then ``torch.distributed.checkpoint.save`` in a torchtitan
                       or AReaL layout.  Rank 0 also writes ``OUT.reference/``
                       with the full (gathered) state, flattened to the DCP keys.
 * ``save-fsdp1 OUT``  FSDP1 SHARDED_STATE_DICT per-rank ``torch.save`` files,
                       named the way verl names them.
 * ``load-dcp CKPT``   Load a DCP checkpoint into a (possibly different) mesh and
-                      compare every local shard bitwise with a full reference.
+                      compare every local shard bitwise with a full reference;
+                      ``--save-layout DIR`` first saves that mesh's own checkpoint.
 * ``load-fsdp1 DIR``  Load verl-style FSDP1 shards into a real FSDP1 job and
                       compare the gathered full state dict with a reference.
 
-Nothing here is mocked: real process groups, real FSDP2 / FSDP1 / TP.  Every
+Nothing here is mocked: real process groups, real FSDP2 / FSDP1 / TP / EP.  Every
 rank builds the identical model on CPU from a fixed seed before sharding.
 Exit status 0 means success; 1 means a comparison failed.
 """
@@ -316,9 +320,9 @@ def load_moe_config(spec: str | None) -> dict[str, int]:
     fields = dict(TINY_MOE)
     if spec and Path(spec).is_file():
         fields.update(json.loads(Path(spec).read_text()))
-    elif spec and spec not in PRESETS:
+    elif spec and spec not in PRESETS:  # "tiny" means TINY_MOE itself
         fields.update(json.loads(spec))
-    fields.pop("model", None)
+    fields.pop("model", None)  # the marker a reference's config.json carries
     return fields
 
 
@@ -1278,7 +1282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     def model_opts(p, default_note=""):
         p.add_argument("--model-config", default=None,
                        help='preset name ("tiny"), JSON string, or path to a config.json; '
-                            "JSON overrides the tiny preset" + default_note)
+                            "JSON overrides the tiny preset (TINY_LLAMA or TINY_MOE)"
+                            + default_note)
 
     def mesh_opts(p):
         p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
