@@ -249,7 +249,7 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
             "objects": sorted(checkpoint.objects),
         }
         temporary.write_text(json.dumps(document, indent=1) + "\n")
-    result = Result("write", str(path), str(target), len(files), len(digests), hasher.bytes)
+    result = Result("write", str(path), str(target), files=len(files), tensors=len(digests), bytes_hashed=hasher.bytes)
     result.problems = _nonfinite_problems(digests)
     result.seconds = time.perf_counter() - started
     return result
@@ -305,7 +305,7 @@ def check(path: str | Path, manifest: str | Path | None = None, *, source_format
     files = checkpoint_files(path, target)
     recorded = document["files"]
     hasher = _Hasher(max_memory, threads, progress)
-    result = Result("check", str(path), str(target), len(recorded), len(document["tensors"]))
+    result = Result("check", str(path), str(target), files=len(recorded), tensors=len(document["tensors"]))
 
     changed = set()
     for name, entry in recorded.items():
@@ -402,7 +402,7 @@ def check_against(path: str | Path, other: str | Path, manifest: str | Path | No
     actual = select_side(formats.open_checkpoint(other, other_format), other_prefix)
     recorded = {name: document["tensors"][tensor.key] for name, tensor in expected.tensors.items()}
     hasher = _Hasher(max_memory, threads, progress)
-    result = Result("against", str(other), str(target), 0, len(actual.tensors))
+    result = Result("against", str(other), str(target), tensors=len(actual.tensors))
     result.problems += _compare_descriptions(recorded, actual.tensors)
     described_differently = {p.name for p in result.problems}
     comparable = {name: tensor for name, tensor in actual.tensors.items()

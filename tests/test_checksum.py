@@ -335,3 +335,32 @@ def test_bad_manifest_or_arguments_exit_2(pristine, tmp_path):
     assert result.returncode == 2 and "choose one" in result.stderr
     result = dcptool("checksum", tmp_path / "nothing-here", "--check", check=False)
     assert result.returncode == 2 and "nothing-here" in result.stderr
+
+
+def test_hashing_streams_within_the_memory_budget(tmp_path):
+    """~200 MB of weights (as HF safetensors and as the 4-rank DCP checkpoint import-hf makes) hashed with 16 MiB."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.numpy import save_file as save_numpy
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "hf").mkdir()
+    save_numpy({f"layers.{i}.weight": rng.standard_normal((2048, 3072), dtype=np.float32) for i in range(8)},
+               str(tmp_path / "hf" / "model.safetensors"))
+    dcptool("import-hf", tmp_path / "hf", tmp_path / "dcp", "--dp", "4")
+    budget_mb = 16
+    probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+
+    def peak_mb(*args):
+        result = subprocess.run([sys.executable, "-c", probe, sys.executable, "-m", "dcptool", "--quiet", *map(str, args)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.strip().splitlines()[-1]) / 1024
+
+    baseline = peak_mb("inspect", tmp_path / "dcp", "--json")
+    for command in (["--write"], ["--check", "--scan-nonfinite"], ["--against", tmp_path / "hf"]):
+        peak = peak_mb("checksum", tmp_path / "dcp", *command, "--max-memory", f"{budget_mb}MiB", "--threads", "4")
+        assert peak - baseline < budget_mb + 24, (command, peak, baseline)
