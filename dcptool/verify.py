@@ -277,14 +277,16 @@ def _to_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _show(bits: np.ndarray, dtype: str) -> str:
-    """One element (a one-element unsigned view) as a number with its bits, or as bits where numpy has no such type."""
+    """One element (a one-element unsigned view) as its value, with the bits for floats; bits alone where numpy has no such type."""
     info = dtypes.dtype(dtype)
     raw = f"0x{int(bits[0]):0{2 * info.itemsize}x}"
-    if dtype in TOLERANT:
-        return f"{float(_to_float64(bits, dtype)[0])!r} [{raw}]"
     if info.numpy:
-        return str(bits.view(info.numpy)[0])
-    return raw
+        value = bits.view(info.numpy)[0]
+    elif dtype == "bfloat16":  # every bfloat16 value is a float32 value
+        value = dtypes.cast(bits, dtype, "float32").view(np.float32)[0]
+    else:
+        return raw
+    return f"{value!s} [{raw}]" if dtype in TOLERANT else str(value)
 
 
 def _number(value: float) -> float | str:
