@@ -23,6 +23,12 @@ METADATA = ".metadata"
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 
+def saving_rank(file: str) -> int | None:
+    """The rank whose ``dcp.save`` wrote a data file (``__3_0.distcp`` -> 3)."""
+    match = _DATA_FILE.match(file)
+    return int(match.group(1)) if match else None
+
+
 def detect(path: Path) -> bool:
     return path.is_dir() and ((path / METADATA).is_file() or any(path.glob("*.distcp")))
 

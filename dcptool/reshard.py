@@ -306,16 +306,19 @@ def raise_problems(result: ReshardPlan) -> None:
 
 
 def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
-    """The mesh (and plan) whose layout reproduces the checkpoint's chunks exactly, simplest first; None if none does.
+    """The mesh (and plan) whose layout reproduces the saved chunks and the ranks whose files hold them,
+    simplest mesh first; None if none does.
 
     Context parallelism looks like data parallelism on disk, so it is reported as dp.
     """
+    from converters.dcp import saving_rank
+
     world = checkpoint.info.get("world_size")
     params = model_part(checkpoint)
     if not world or not params:
         return None
     plan = plans.choose("auto", list(params))
-    saved = {name: {(c.offsets, c.sizes) for c in info.chunks} for name, info in params.items()}
+    saved = {name: {(c.offsets, c.sizes): saving_rank(c.file) for c in info.chunks} for name, info in params.items()}
     experts = {info.shape[0] for name, info in params.items() if (plan.rule_for(name) or DEFAULT_RULE).experts}
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     candidates = [Mesh(dp=world // (r * t), tp=t, ep=e, etp=et, dp_replicate=r)
@@ -323,17 +326,20 @@ def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
                   for e in (divisors if experts else [1]) if all(n % e == 0 for n in experts)
                   for et in sorted({1, t})]
     candidates.sort(key=lambda m: (m.dp_replicate, m.ep, m.tp, m.etp))
+
+    def reproduces(table: _ChunkTable, name: str, info) -> bool:
+        spec = tensor_spec(name, plan.rule_for(name) or DEFAULT_RULE, info.shape, table.mesh)
+        expected = {(o, s): holders for o, s, holders in table(info.shape, spec)}
+        # each saved chunk must sit in the file of a rank that holds it on this mesh
+        return expected.keys() == saved[name].keys() and all(
+            saved[name][chunk] in holders for chunk, holders in expected.items())
+
     for mesh in candidates:
         try:
             mesh.check()
-        except UsageError:
-            continue
-        table = _ChunkTable(mesh)
-        try:
-            if all({(o, s) for o, s, _ in table(info.shape, tensor_spec(name, plan.rule_for(name) or DEFAULT_RULE,
-                                                                        info.shape, mesh))} == saved[name]
-                   for name, info in params.items()):
+            table = _ChunkTable(mesh)
+            if all(reproduces(table, name, info) for name, info in params.items()):
                 return mesh, plan
-        except (Refused, NotRectangular):
+        except (UsageError, Refused, NotRectangular):
             continue
     return None
