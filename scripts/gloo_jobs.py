@@ -704,14 +704,15 @@ def log_placements(model: torch.nn.Module, kind: str) -> tuple[dict[str, str], d
 
 def dcp_state(model, optimizer, layout: str, model_only: bool = False,
               full: bool = False, train_state: dict | None = None,
-              lr_state: dict | None = None) -> dict[str, Any]:
+              lr_state: dict | None = None, dataloader: dict | None = None) -> dict[str, Any]:
     """The nested state dict a trainer hands to ``dcp.save`` / ``dcp.load``.
 
     * torchtitan: model keys at top level, ``optimizer`` holding the optimizer
       state flattened by torch (``flatten_optimizer_state_dict=True``, exactly
       what torchtitan's OptimizersContainer does: keys
       ``state.<fqn>.exp_avg`` and ``param_groups.<fqn>.lr``), plus
-      ``train_state`` and ``lr_scheduler`` objects.
+      ``train_state`` and ``lr_scheduler`` objects, and ``dataloader`` when
+      given (torchtitan's per-data-parallel-rank ``dp_rank_{i}`` entries).
     * areal: ``{"dcp": {"model": ..., "optim": ...}, "train_state": ...}``
       with the optimizer state in torch's nested form
       (``state -> fqn -> exp_avg`` and a ``param_groups`` list).
@@ -738,6 +739,8 @@ def dcp_state(model, optimizer, layout: str, model_only: bool = False,
             sd["optimizer"] = optim_sd
             sd["train_state"] = train_state
             sd["lr_scheduler"] = lr_state
+            if dataloader is not None:
+                sd["dataloader"] = dataloader
         return sd
     if layout == "areal":
         inner: dict[str, Any] = {"model": model_sd}
@@ -748,6 +751,13 @@ def dcp_state(model, optimizer, layout: str, model_only: bool = False,
             sd["train_state"] = {"step": train_state["step"]}
         return sd
     raise ValueError(f"unknown layout {layout!r}")
+
+
+def dataloader_state(data_ranks) -> dict[str, Any]:
+    """torchtitan's ParallelAwareDataloader state: pickled position per data-parallel rank, plus the dp size."""
+    import pickle
+
+    return {f"dp_rank_{r}": pickle.dumps({"sample": 100 + r}) for r in data_ranks}
 
 
 def apply_dcp_state(model, optimizer, sd: dict[str, Any], layout: str, model_only: bool) -> None:
@@ -885,12 +895,15 @@ def cmd_save_dcp(args) -> int:
             synthetic_step(model, optimizer)
     timer.mark("train")
 
-    sd = dcp_state(model, optimizer, args.layout)
+    # torchtitan saves each data-parallel rank's dataloader position under its own key; loaders on
+    # another mesh must leave it out (torchtitan#811), so load-dcp never asks for it.
+    data_ranks = range(args.dp_replicate * args.dp)
+    sd = dcp_state(model, optimizer, args.layout, dataloader=dataloader_state([parallel.data_rank()]))
     dcp.save(sd, checkpoint_id=args.out)
     timer.mark("dcp.save")
 
     # Reference: full (gathered) state via torch's own state_dict helpers.
-    full = dcp_state(model, optimizer, args.layout, full=True)
+    full = dcp_state(model, optimizer, args.layout, full=True, dataloader=dataloader_state(data_ranks))
     if rank() == 0:
         write_dcp_reference(args, parallel, config, full, placements, meshes)
     dist.barrier()

@@ -197,3 +197,18 @@ def test_plan_file_places_tensors_as_written(checkpoints, tmp_path):
     assert result["plan"] == "rows-only"
     assert result["tensors"]["model.layers.0.self_attn.q_proj.weight"]["placement"] == "tp=2:Shard(1)"
     assert result["tensors"]["model.embed_tokens.weight"]["placement"] == "replicated"
+
+
+def test_entries_of_single_dp_ranks_are_dropped_with_a_warning_or_kept(checkpoints, tmp_path):
+    """torchtitan saves dataloader.dp_rank_{i} per data-parallel rank: meaningless on another mesh."""
+    source, _ = checkpoints("fsdp2_dp2")
+    assert {"dataloader.dp_rank_0", "dataloader.dp_rank_1"} <= set(formats.open_checkpoint(source).objects)
+    dropped = dcptool("reshard", source, tmp_path / "dropped", "--dp", "4")
+    assert "dropped 2 entries of single data-parallel ranks (dataloader.dp_rank_0, dataloader.dp_rank_1)" in \
+        dropped.stderr
+    kept = dcptool("reshard", source, tmp_path / "kept", "--dp", "4", "--keep-rank-state")
+    assert "kept 2 entries" in kept.stderr
+    objects = {p: set(formats.open_checkpoint(tmp_path / p).objects) for p in ("dropped", "kept")}
+    assert not any("dp_rank" in k for k in objects["dropped"])
+    assert objects["kept"] - objects["dropped"] == {"dataloader.dp_rank_0", "dataloader.dp_rank_1"}
+    assert "train_state.step" in objects["dropped"]
