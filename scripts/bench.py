@@ -1,0 +1,974 @@
+#!/usr/bin/env python
+"""Benchmark dcptool against the routes users take today, on synthetic LLM checkpoints.
+
+What it does, per checkpoint size:
+
+1. Saves a synthetic bf16 checkpoint shaped like a real LLM with a REAL multi-process
+   gloo job under torchrun (default 4 processes on the mesh dp=2 x tp=2): FSDP2
+   ``fully_shard`` per layer plus TP ``parallelize_module``, then ``dcp.save`` of the
+   model state dict (model weights only: no optimizer state, to keep the setup quick).
+   ``--model dense`` (default) uses Hugging Face Llama names (embed_tokens, q/k/v/o_proj,
+   gate/up/down_proj, RMSNorm weights, lm_head); ``--model moe`` uses torchtitan names with
+   grouped experts ``[experts, out, in]`` (TP'd along their hidden dim, FSDP on dim 0) and a
+   shared expert. Hidden size and layer count are chosen to hit ``--size``.
+   A second, small checkpoint of about ``--inspect-tensors`` tensors is saved by the same
+   job for the ``inspect`` row.
+2. Runs every row below as a separate process, ``--rounds`` times, the order of the rows
+   reversed on every other round, and reports the median and range of the wall time and
+   of the peak memory of the whole process tree (RSS of the process and all of its
+   descendants summed, sampled every 20 ms from /proc, and never below the largest
+   single process's max RSS from wait4).  Every input is read once right before each
+   run, so all runs are warm-cache runs (dropping the page cache needs root).
+
+Rows (id: what runs; the peer is the route users take today for the same job):
+
+  cp                   cp -r of the checkpoint folder: the floor
+  export-hf            dcptool export-hf SRC DST                 peer: peer-export-hf
+  convert-torch        dcptool convert SRC DST --to torch        peer: peer-torch-save
+  reshard-dp4          dcptool reshard SRC DST --dp 4 --tp 1     peer: peer-reshard-dp4
+  reshard-tp4          dcptool reshard SRC DST --dp 1 --tp 4     peer: peer-reshard-tp4
+  *-nofsync            the four rows above with --no-fsync (the cost of durability)
+  verify               dcptool verify SRC HF --prefix-a auto     peer: peer-verify
+                       (the checkpoint against its own HF export, made before timing)
+  checksum             dcptool checksum SRC --write --manifest F peer: sha256sum
+  inspect              dcptool inspect SMALL (~2,000 tensors)    peer: peer-inspect
+  peer-torch-save      torch.distributed.checkpoint.format_utils.dcp_to_torch_save
+  peer-export-hf       the in-memory half of dcp_to_torch_save (_load_state_dict with
+                       _EmptyStateDictLoadPlanner, no_dist=True: what conversion scripts
+                       write to load a DCP without a process group), then
+                       safetensors.torch.save_file
+  peer-reshard-dp4/tp4 a 4-process torchrun job that builds the model on the new mesh
+                       (meta device, to_empty), dcp.load's the checkpoint into it and
+                       dcp.save's it
+  peer-verify          the same full load, safetensors.torch.load_file, torch.equal per key
+  sha256sum            sha256sum of the checkpoint's files
+  peer-inspect         FileSystemReader(SRC).read_metadata(), printing every key
+
+Output (``--out``, default bench-out/): results.json (every row at every size: times,
+peak memory, ratios to cp -r and to the peer, machine info, targets of issue 5), results.md
+(the table) and bench.png (time and peak memory; peak memory against size with --sizes).
+The chart needs matplotlib: ``pip install -e '.[bench]'``; without it everything else is
+still written and a message says so.
+
+Examples::
+
+    .venv/bin/python scripts/bench.py                       # 2GB, dp=2 x tp=2, 3 rounds
+    .venv/bin/python scripts/bench.py --sizes 0.5GB,1GB,2GB,4GB --only 'cp|export-hf$|convert|reshard-dp4$'
+    .venv/bin/python scripts/bench.py --size 4MB --rounds 1 --out /tmp/b   # smoke test (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SAMPLE_S = 0.02  # RSS sampling period
+
+# Targets of issue 5 (on a 2 GB checkpoint on the 2-core CI machine).
+TARGET_RATIO_TO_CP = 2.0
+TARGET_PEAK_MB = 512
+TARGET_INSPECT_S = 1.0
+
+
+def parse_size(text: str) -> int:
+    """``2GB`` (10**9), ``512MB``, ``1GiB`` (2**30) or a number of bytes."""
+    cleaned = text.strip().upper()
+    number = cleaned.rstrip("KMGTIB")
+    try:
+        return int(float(number) * UNITS[cleaned[len(number):]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512MB or 2GB") from None
+
+
+def human(n: float) -> str:
+    for unit, div in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{int(n)}B"
+
+
+# ---------------------------------------------------------------------------
+# Model shapes
+# ---------------------------------------------------------------------------
+
+HIDDEN_LADDER = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def round_up(x: float, m: int) -> int:
+    return int(math.ceil(x / m) * m)
+
+
+@dataclass
+class Shape:
+    """A Llama-like (dense) or torchtitan-like (moe) transformer; every TP-split dim divisible by 4."""
+
+    model: str
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    experts: int = 0
+    moe_intermediate: int = 0
+    dense_layers: int = 1  # moe: the first layers have a dense FFN
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(key, shape, dtype) of every state-dict entry, in the names the saving job uses."""
+        H, V, I, kv = self.hidden, self.vocab, self.intermediate, self.kv_heads * self.head_dim
+        out: list[tuple[str, tuple[int, ...], str]] = []
+        if self.model == "dense":
+            out.append(("model.embed_tokens.weight", (V, H), "bf16"))
+            for i in range(self.layers):
+                p = f"model.layers.{i}."
+                out += [(p + "self_attn.q_proj.weight", (H, H), "bf16"),
+                        (p + "self_attn.k_proj.weight", (kv, H), "bf16"),
+                        (p + "self_attn.v_proj.weight", (kv, H), "bf16"),
+                        (p + "self_attn.o_proj.weight", (H, H), "bf16"),
+                        (p + "mlp.gate_proj.weight", (I, H), "bf16"),
+                        (p + "mlp.up_proj.weight", (I, H), "bf16"),
+                        (p + "mlp.down_proj.weight", (H, I), "bf16"),
+                        (p + "input_layernorm.weight", (H,), "bf16"),
+                        (p + "post_attention_layernorm.weight", (H,), "bf16")]
+            out += [("model.norm.weight", (H,), "bf16"), ("lm_head.weight", (V, H), "bf16")]
+            return out
+        E, M = self.experts, self.moe_intermediate
+        out.append(("tok_embeddings.weight", (V, H), "bf16"))
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            out += [(p + "attention.wq.weight", (H, H), "bf16"),
+                    (p + "attention.wk.weight", (kv, H), "bf16"),
+                    (p + "attention.wv.weight", (kv, H), "bf16"),
+                    (p + "attention.wo.weight", (H, H), "bf16"),
+                    (p + "attention_norm.weight", (H,), "bf16"),
+                    (p + "ffn_norm.weight", (H,), "bf16")]
+            if i < self.dense_layers:
+                out += [(p + "feed_forward.w1.weight", (I, H), "bf16"),
+                        (p + "feed_forward.w2.weight", (H, I), "bf16"),
+                        (p + "feed_forward.w3.weight", (I, H), "bf16")]
+            else:
+                out += [(p + "moe.router.gate.weight", (E, H), "bf16"),
+                        (p + "moe.experts.w1", (E, M, H), "bf16"),
+                        (p + "moe.experts.w2", (E, H, M), "bf16"),
+                        (p + "moe.experts.w3", (E, M, H), "bf16"),
+                        (p + "moe.shared_experts.w1.weight", (M, H), "bf16"),
+                        (p + "moe.shared_experts.w2.weight", (H, M), "bf16"),
+                        (p + "moe.shared_experts.w3.weight", (M, H), "bf16"),
+                        (p + "moe.expert_bias", (E,), "f32")]
+        out += [("norm.weight", (H,), "bf16"), ("output.weight", (V, H), "bf16")]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * (4 if d == "f32" else 2) for _, s, d in self.tensors())
+
+    def describe(self) -> str:
+        text = (f"{self.model}: {self.layers} layers, hidden {self.hidden}, intermediate "
+                f"{self.intermediate}, vocab {self.vocab}, heads {self.heads}/{self.kv_heads} kv")
+        if self.model == "moe":
+            text += f", {self.experts} experts of {self.moe_intermediate} (+1 shared), {self.dense_layers} dense layer"
+        return text + f"; {len(self.tensors())} tensors, {human(self.nbytes())} bf16"
+
+
+def make_shape(model: str, hidden: int, layers: int) -> Shape:
+    heads = max(4, hidden // 64)
+    return Shape(model=model, hidden=hidden, layers=layers,
+                 vocab=round_up(min(32000, 16 * hidden), 64),
+                 intermediate=round_up(8 * hidden / 3, 64), heads=heads,
+                 kv_heads=max(4, heads // 4),
+                 experts=8 if model == "moe" else 0,
+                 moe_intermediate=round_up(4 * hidden / 3, 64) if model == "moe" else 0)
+
+
+def choose_shape(model: str, target: int, max_hidden: int = 2048) -> Shape:
+    """The widest model (hidden <= max_hidden) with at least 2 layers near ``target`` bytes."""
+    best = None
+    for hidden in HIDDEN_LADDER:
+        if hidden > max_hidden:
+            break
+        base = make_shape(model, hidden, 2).nbytes()
+        per_layer = make_shape(model, hidden, 3).nbytes() - base
+        layers = 2 + round((target - base) / per_layer)
+        if layers >= 2 or best is None:
+            best = make_shape(model, hidden, max(2, layers))
+    return best
+
+
+def inspect_shape(tensors: int) -> Shape:
+    """A tiny dense model with about ``tensors`` tensors (9 per layer + 3)."""
+    return make_shape("dense", 64, max(1, round((tensors - 3) / 9)))
+
+
+# ---------------------------------------------------------------------------
+# Worker side (torch imported only here): the saving job, the reshard peer, the peers
+# ---------------------------------------------------------------------------
+
+
+def _build_model(shape: Shape, dp: int, tp: int):
+    """The model on the meta device, TP'd and FSDP2-sharded on (dp, tp), then materialized empty."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    def linear(i, o):
+        return nn.Linear(i, o, bias=False)
+
+    def container(**children):
+        m = nn.Module()
+        for k, v in children.items():
+            setattr(m, k, v)
+        return m
+
+    H, V, I, kv = shape.hidden, shape.vocab, shape.intermediate, shape.kv_heads * shape.head_dim
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        if shape.model == "dense":
+            layers = nn.ModuleList(container(
+                self_attn=container(q_proj=linear(H, H), k_proj=linear(H, kv), v_proj=linear(H, kv),
+                                    o_proj=linear(H, H)),
+                mlp=container(gate_proj=linear(H, I), up_proj=linear(H, I), down_proj=linear(I, H)),
+                input_layernorm=nn.RMSNorm(H), post_attention_layernorm=nn.RMSNorm(H),
+            ) for _ in range(shape.layers))
+            model = container(model=container(embed_tokens=nn.Embedding(V, H), layers=layers,
+                                               norm=nn.RMSNorm(H)),
+                              lm_head=linear(H, V))
+            blocks = list(layers)
+        else:
+            E, M = shape.experts, shape.moe_intermediate
+            blocks = []
+            for i in range(shape.layers):
+                block = container(attention=container(wq=linear(H, H), wk=linear(H, kv), wv=linear(H, kv),
+                                                      wo=linear(H, H)),
+                                  attention_norm=nn.RMSNorm(H), ffn_norm=nn.RMSNorm(H))
+                if i < shape.dense_layers:
+                    block.feed_forward = container(w1=linear(H, I), w2=linear(I, H), w3=linear(H, I))
+                else:
+                    experts = container(w1=nn.Parameter(torch.empty(E, M, H)),
+                                        w2=nn.Parameter(torch.empty(E, H, M)),
+                                        w3=nn.Parameter(torch.empty(E, M, H)))
+                    block.moe = container(router=container(gate=linear(H, E)), experts=experts,
+                                          shared_experts=container(w1=linear(H, M), w2=linear(M, H),
+                                                                   w3=linear(H, M)))
+                    block.moe.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+                blocks.append(block)
+            model = container(tok_embeddings=nn.Embedding(V, H),
+                              layers=nn.ModuleDict({str(i): b for i, b in enumerate(blocks)}),
+                              norm=nn.RMSNorm(H), output=linear(H, V))
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    if tp > 1:
+        tp_mesh = mesh["tp"]
+        if shape.model == "dense":
+            parallelize_module(model, tp_mesh, {
+                "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                "lm_head": ColwiseParallel(output_layouts=Replicate())})
+            plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel()}
+            for block in blocks:
+                parallelize_module(block, tp_mesh, plan)
+        else:
+            parallelize_module(model, tp_mesh, {
+                "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                "norm": SequenceParallel(), "output": ColwiseParallel()})
+            for i, block in enumerate(blocks):
+                ffn = "feed_forward" if i < shape.dense_layers else "moe.shared_experts"
+                parallelize_module(block, tp_mesh, {
+                    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                    "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                    f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w2": RowwiseParallel(),
+                    f"{ffn}.w3": ColwiseParallel()})
+                if i >= shape.dense_layers:
+                    distribute_module(block.moe.router.gate, tp_mesh)
+                    experts = block.moe.experts
+                    for name, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+                        weight = distribute_tensor(getattr(experts, name).detach(), tp_mesh, [Shard(dim)])
+                        experts.register_parameter(name, nn.Parameter(weight))
+    if dp > 1:
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    return model
+
+
+def _fill(model, seed: int) -> None:
+    """Random bf16 weights (uniform, cheap), norms 1, buffers 0; only the local shards are touched."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if "norm" in name:
+                local.fill_(1.0)
+            else:
+                local.uniform_(-0.05, 0.05, generator=gen)
+        for _, b in model.named_buffers():
+            b.zero_()
+
+
+def _worker_init():
+    import torch
+    import torch.distributed as dist
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return dist
+
+
+def worker_save(argv: list[str]) -> int:
+    """``_save OUT SHAPE_JSON [INSPECT_OUT INSPECT_SHAPE_JSON] --dp N --tp N`` under torchrun."""
+    p = argparse.ArgumentParser(prog="bench.py _save")
+    p.add_argument("pairs", nargs="+", help="OUT SHAPE_JSON pairs")
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--tp", type=int, required=True)
+    args = p.parse_args(argv)
+    dist = _worker_init()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    for out, spec in zip(args.pairs[::2], args.pairs[1::2]):
+        t0 = time.perf_counter()
+        model = _build_model(Shape(**json.loads(spec)), args.dp, args.tp)
+        _fill(model, seed=1000 + dist.get_rank())
+        t1 = time.perf_counter()
+        dcp.save(get_model_state_dict(model), checkpoint_id=out)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"saved {out}: build {t1 - t0:.1f}s, dcp.save {time.perf_counter() - t1:.1f}s", flush=True)
+        del model
+    dist.destroy_process_group()
+    return 0
+
+
+def worker_reshard(argv: list[str]) -> int:
+    """The peer of ``dcptool reshard``: ``_reshard SRC DST SHAPE_JSON --dp N --tp N`` under torchrun."""
+    p = argparse.ArgumentParser(prog="bench.py _reshard")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("shape")
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--tp", type=int, required=True)
+    args = p.parse_args(argv)
+    dist = _worker_init()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _build_model(Shape(**json.loads(args.shape)), args.dp, args.tp)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=args.src)
+    dcp.save(state, checkpoint_id=args.dst)
+    dist.destroy_process_group()
+    return 0
+
+
+def _full_load(src: str) -> dict:
+    """A DCP checkpoint as one in-memory state dict, without a process group (as dcp_to_torch_save does)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state
+
+
+def _flat_tensors(state: dict, prefix: str = "") -> dict:
+    import torch
+
+    out = {}
+    for k, v in state.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_tensors(v, key + "."))
+        elif isinstance(v, torch.Tensor):
+            out[key] = v
+    return out
+
+
+def peer(argv: list[str]) -> int:
+    """``_peer {torch-save,export-hf,verify,inspect} SRC [DST]``: the routes users take today."""
+    kind, src, *rest = argv
+    if kind == "torch-save":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(src, rest[0])
+    elif kind == "export-hf":
+        from safetensors.torch import save_file
+
+        tensors = {k: v.contiguous() for k, v in _flat_tensors(_full_load(src)).items()}
+        Path(rest[0]).mkdir(parents=True)
+        save_file(tensors, str(Path(rest[0]) / "model.safetensors"), metadata={"format": "pt"})
+    elif kind == "verify":
+        import torch
+        from safetensors.torch import load_file
+
+        a = _flat_tensors(_full_load(src))
+        b = {}
+        for f in sorted(Path(rest[0]).glob("*.safetensors")):
+            b.update(load_file(str(f)))
+        bad = sorted(set(a) ^ set(b)) + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
+        print(f"{len(a)} tensors compared, {len(bad)} differ")
+        return 1 if bad else 0
+    elif kind == "inspect":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        meta = FileSystemReader(src).read_metadata()
+        for key, md in meta.state_dict_metadata.items():
+            props = getattr(md, "properties", None)
+            print(key, getattr(props, "dtype", ""), list(getattr(md, "size", [])), len(getattr(md, "chunks", [])))
+    else:
+        raise SystemExit(f"unknown peer {kind}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Measuring a process tree
+# ---------------------------------------------------------------------------
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def tree_rss(root: int) -> int:
+    total, todo, seen = 0, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += _rss(pid)
+        todo += _children(pid)
+    return total
+
+
+class Sampler(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid))
+            self.done.wait(SAMPLE_S)
+
+
+def measure(argv: list[str], log: Path, timeout: float) -> tuple[float, int, int]:
+    """Run argv; return (wall seconds, peak tree RSS bytes, exit code)."""
+    with open(log, "wb") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, 9))
+        killer.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        killer.cancel()
+        sampler.done.set()
+        sampler.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return wall, max(sampler.peak, usage.ru_maxrss * 1024), proc.returncode
+
+
+def warm(paths: list[Path]) -> None:
+    """Read every file once so that the timed run finds it in the page cache."""
+    buf = bytearray(8 << 20)
+    for path in paths:
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+# ---------------------------------------------------------------------------
+# Rows
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    id: str
+    name: str
+    kind: str           # floor | dcptool | peer
+    peer: str           # id of the peer row (itself for peers and the floor)
+    argv: list[str]
+    output: Path | None
+    inputs: list[Path]
+    times: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+
+
+def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path) -> list[Row]:
+    py = sys.executable
+    dcptool = [py, "-m", "dcptool"]
+    shape_json = json.dumps(asdict(shape))
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT)]
+    rows = [Row("cp", "cp -r", "floor", "cp", ["cp", "-r", str(src), str(outdir / "cp")], outdir / "cp", [src])]
+    for fsync in ("", "-nofsync"):
+        extra = ["--no-fsync"] if fsync else []
+        label = " --no-fsync" if fsync else ""
+        rows += [
+            Row(f"export-hf{fsync}", f"dcptool export-hf{label}", "dcptool", "peer-export-hf",
+                dcptool + ["export-hf", str(src), str(outdir / "hf")] + extra, outdir / "hf", [src]),
+            Row(f"convert-torch{fsync}", f"dcptool convert --to torch{label}", "dcptool", "peer-torch-save",
+                dcptool + ["convert", str(src), str(outdir / "model.pt"), "--to", "torch"] + extra,
+                outdir / "model.pt", [src]),
+            Row(f"reshard-dp4{fsync}", f"dcptool reshard --dp 4 --tp 1{label}", "dcptool", "peer-reshard-dp4",
+                dcptool + ["reshard", str(src), str(outdir / "dp4"), "--dp", "4", "--tp", "1"] + extra,
+                outdir / "dp4", [src]),
+            Row(f"reshard-tp4{fsync}", f"dcptool reshard --dp 1 --tp 4{label}", "dcptool", "peer-reshard-tp4",
+                dcptool + ["reshard", str(src), str(outdir / "tp4"), "--dp", "1", "--tp", "4"] + extra,
+                outdir / "tp4", [src]),
+        ]
+    manifest = outdir / "manifest.json"
+    rows += [
+        Row("verify", "dcptool verify (DCP vs its HF export)", "dcptool", "peer-verify",
+            dcptool + ["verify", str(src), str(hf), "--prefix-a", "auto"], None, [src, hf]),
+        Row("checksum", "dcptool checksum --write", "dcptool", "sha256sum",
+            dcptool + ["checksum", str(src), "--write", "--manifest", str(manifest)], manifest, [src]),
+        Row("peer-torch-save", "torch format_utils.dcp_to_torch_save", "peer", "peer-torch-save",
+            [py, str(SCRIPT), "_peer", "torch-save", str(src), str(outdir / "peer.pt")], outdir / "peer.pt", [src]),
+        Row("peer-export-hf", "torch DCP full load + safetensors save_file", "peer", "peer-export-hf",
+            [py, str(SCRIPT), "_peer", "export-hf", str(src), str(outdir / "peer-hf")], outdir / "peer-hf", [src]),
+        Row("peer-reshard-dp4", "torchrun x4 dcp.load + dcp.save (dp=4)", "peer", "peer-reshard-dp4",
+            torchrun + ["_reshard", str(src), str(outdir / "peer-dp4"), shape_json, "--dp", "4", "--tp", "1"],
+            outdir / "peer-dp4", [src]),
+        Row("peer-reshard-tp4", "torchrun x4 dcp.load + dcp.save (tp=4)", "peer", "peer-reshard-tp4",
+            torchrun + ["_reshard", str(src), str(outdir / "peer-tp4"), shape_json, "--dp", "1", "--tp", "4"],
+            outdir / "peer-tp4", [src]),
+        Row("peer-verify", "torch full load + safetensors load_file + torch.equal", "peer", "peer-verify",
+            [py, str(SCRIPT), "_peer", "verify", str(src), str(hf)], None, [src, hf]),
+        Row("sha256sum", "sha256sum of the files", "peer", "sha256sum",
+            ["sha256sum"] + [str(f) for f in sorted(src.iterdir()) if f.is_file()], None, [src]),
+    ]
+    if small is not None:
+        rows += [
+            Row("inspect", "dcptool inspect (small checkpoint)", "dcptool", "peer-inspect",
+                dcptool + ["inspect", str(small)], None, [small]),
+            Row("peer-inspect", "torch FileSystemReader.read_metadata (small checkpoint)", "peer", "peer-inspect",
+                [py, str(SCRIPT), "_peer", "inspect", str(small)], None, [small]),
+        ]
+    # Each dcptool row next to its peer (in the table, the chart and the order of a round).
+    order = ["cp", "export-hf", "export-hf-nofsync", "peer-export-hf", "convert-torch", "convert-torch-nofsync",
+             "peer-torch-save", "reshard-dp4", "reshard-dp4-nofsync", "peer-reshard-dp4", "reshard-tp4",
+             "reshard-tp4-nofsync", "peer-reshard-tp4", "verify", "peer-verify", "checksum", "sha256sum",
+             "inspect", "peer-inspect"]
+    return sorted(rows, key=lambda r: order.index(r.id))
+
+
+# ---------------------------------------------------------------------------
+# Setup: checkpoints
+# ---------------------------------------------------------------------------
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_checkpoints(jobs: list[tuple[Path, Shape]], dp: int, tp: int, logdir: Path) -> None:
+    """One torchrun job saves every (folder, shape) that is not there yet (a .done marker beside it)."""
+    todo = [(p, s) for p, s in jobs if not Path(f"{p}.done").is_file()
+            or Path(f"{p}.done").read_text() != json.dumps(asdict(s)) + f" dp={dp} tp={tp}"]
+    if not todo:
+        return
+    for path, _ in todo:
+        remove(path)
+        remove(Path(f"{path}.done"))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * tp),
+            str(SCRIPT), "_save"]
+    for path, shape in todo:
+        argv += [str(path), json.dumps(asdict(shape))]
+    argv += ["--dp", str(dp), "--tp", str(tp)]
+    log = logdir / f"save-{todo[0][0].name}.log"
+    t0 = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+    if rc != 0:
+        sys.exit(f"saving the checkpoints failed (exit {rc}); see {log}:\n" + tail(log))
+    for path, shape in todo:
+        Path(f"{path}.done").write_text(json.dumps(asdict(shape)) + f" dp={dp} tp={tp}")
+    print(f"  saved {', '.join(p.name for p, _ in todo)} with a {dp * tp}-process gloo job "
+          f"(dp={dp}, tp={tp}) in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "load_average_at_start": list(os.getloadavg())}
+    try:
+        import importlib.metadata as md
+        info["torch"] = md.version("torch")
+        info["dcptool"] = md.version("dcptool")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory_gb"] = round(int(line.split()[1]) * 1024 / 1e9, 1)
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip()
+        info["git_commit"] = commit
+    except OSError:
+        pass
+    return info
+
+
+def summarize(rows: list[Row], size: dict) -> list[dict]:
+    by_id = {r.id: r for r in rows}
+    med = {r.id: statistics.median(r.times) for r in rows}
+    out = []
+    for r in rows:
+        peaks_mb = [p / 1e6 for p in r.peaks]
+        peer = r.peer if r.peer in med else r.id
+        out.append({
+            "id": r.id, "name": r.name, "kind": r.kind, "peer": peer, "peer_name": by_id[peer].name,
+            "command": " ".join(r.argv if len(r.argv) < 12 else r.argv[:11] + ["..."]),
+            "median_s": med[r.id], "min_s": min(r.times), "max_s": max(r.times), "times_s": r.times,
+            "peak_mb": statistics.median(peaks_mb), "peak_mb_median": statistics.median(peaks_mb),
+            "peak_mb_min": min(peaks_mb), "peak_mb_max": max(peaks_mb), "peaks_mb": peaks_mb,
+            "ratio_to_cp": med[r.id] / med["cp"] if "cp" in med else float("nan"),
+            "ratio_to_peer": med[r.id] / med[peer],
+            **size,
+        })
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| row | time s, median (min-max) | x cp -r | x peer | peak MB, median (min-max) | peer |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['name']} | {r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | "
+            f"{r['ratio_to_cp']:.2f} | {r['ratio_to_peer']:.2f} | "
+            f"{r['peak_mb_median']:.0f} ({r['peak_mb_min']:.0f}-{r['peak_mb_max']:.0f}) | "
+            f"{'(itself)' if r['peer'] == r['id'] else r['peer_name']} |")
+    return "\n".join(lines)
+
+
+def targets(results: list[dict], main_size: str) -> list[dict]:
+    """The targets of issue 5, evaluated on the rows of the main size (and memory over all sizes)."""
+    rows = {r["id"]: r for r in results if r["size"] == main_size}
+    out = []
+    for rid in ("export-hf", "convert-torch", "reshard-dp4", "reshard-tp4"):
+        if rid in rows:
+            v = rows[rid]["ratio_to_cp"]
+            out.append({"target": f"{rid}: wall time <= {TARGET_RATIO_TO_CP}x cp -r", "value": round(v, 2),
+                        "met": v <= TARGET_RATIO_TO_CP})
+    for rid, r in rows.items():
+        if r["kind"] == "dcptool" and rid != "inspect":
+            out.append({"target": f"{rid}: peak memory <= {TARGET_PEAK_MB} MB", "value": round(r["peak_mb"]),
+                        "met": r["peak_mb"] <= TARGET_PEAK_MB})
+    sizes = sorted({r["size_bytes"] for r in results})
+    if len(sizes) > 1:
+        for rid in rows:
+            series = {r["size_bytes"]: r["peak_mb"] for r in results if r["id"] == rid}
+            if rows[rid]["kind"] == "dcptool" and len(series) > 1:
+                growth = series[max(series)] / series[min(series)]
+                out.append({"target": f"{rid}: peak memory flat ({human(min(series))} -> {human(max(series))})",
+                            "value": round(growth, 2), "met": growth <= 1.25})
+    if "inspect" in rows:
+        v = rows["inspect"]["median_s"]
+        out.append({"target": f"inspect of {rows['inspect'].get('inspect_tensors')} tensors < {TARGET_INSPECT_S}s",
+                    "value": round(v, 2), "met": v < TARGET_INSPECT_S})
+    if "checksum" in rows and "sha256sum" in rows:
+        v = rows["checksum"]["median_s"] / rows["sha256sum"]["median_s"]
+        out.append({"target": "checksum --write at least as fast as sha256sum (ratio <= 1)", "value": round(v, 2),
+                    "met": v <= 1.0})
+    return out
+
+
+COLORS = {"floor": "#888888", "dcptool": "#1f77b4", "peer": "#ff7f0e"}
+
+
+def chart(results: list[dict], main_size: str, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (install it with: pip install -e '.[bench]')")
+        return False
+    rows = [r for r in results if r["size"] == main_size]
+    sizes = sorted({r["size_bytes"] for r in results})
+    panels = 3 if len(sizes) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 0.38 * len(rows) + 2.2))
+    names = [r["name"] for r in rows]
+    y = list(range(len(rows)))[::-1]
+    colors = [COLORS[r["kind"]] for r in rows]
+    for ax, key, unit, label in ((axes[0], "s", "s", "wall time"), (axes[1], "mb", "MB", "peak memory (process tree RSS)")):
+        if key == "s":
+            med = [r["median_s"] for r in rows]
+            lo = [r["median_s"] - r["min_s"] for r in rows]
+            hi = [r["max_s"] - r["median_s"] for r in rows]
+        else:
+            med = [r["peak_mb_median"] for r in rows]
+            lo = [r["peak_mb_median"] - r["peak_mb_min"] for r in rows]
+            hi = [r["peak_mb_max"] - r["peak_mb_median"] for r in rows]
+        ax.barh(y, med, xerr=[lo, hi], color=colors, capsize=2)
+        ax.set_yticks(y)
+        ax.set_yticklabels(names if ax is axes[0] else [""] * len(names), fontsize=8)
+        ax.set_xlabel(f"{label}, {unit} (median, bars: min-max)")
+        for yy, v in zip(y, med):
+            ax.text(v, yy, f" {v:.1f}" if key == "s" else f" {v:.0f}", va="center", fontsize=7)
+        if key == "s":
+            cp = next((r["median_s"] for r in rows if r["id"] == "cp"), None)
+            if cp:
+                ax.axvline(TARGET_RATIO_TO_CP * cp, color="green", ls="--", lw=1,
+                           label=f"target: {TARGET_RATIO_TO_CP}x cp -r")
+                ax.legend(fontsize=7, loc="lower right")
+        else:
+            ax.axvline(TARGET_PEAK_MB, color="green", ls="--", lw=1, label=f"target: {TARGET_PEAK_MB} MB")
+            ax.legend(fontsize=7, loc="lower right")
+    if panels == 3:
+        ax = axes[2]
+        for rid in dict.fromkeys(r["id"] for r in results):
+            series = sorted((r["size_bytes"], r["peak_mb_median"], r["kind"], r["name"])
+                            for r in results if r["id"] == rid)
+            if "nofsync" in rid or rid in ("inspect", "peer-inspect"):
+                continue
+            kind = series[0][2]
+            ax.plot([s[0] / 1e9 for s in series], [s[1] for s in series], marker="o",
+                    ls="-" if kind == "dcptool" else ":", label=series[0][3], lw=1)
+        ax.axhline(TARGET_PEAK_MB, color="green", ls="--", lw=1)
+        ax.set_xlabel("checkpoint size, GB")
+        ax.set_ylabel("peak memory, MB")
+        ax.set_title("peak memory vs checkpoint size", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=parse_size, default=parse_size("2GB"),
+                   help="checkpoint size (bf16 weights), e.g. 2GB (10**9 bytes) or 512MB; default 2GB")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated sizes, e.g. 0.5GB,1GB,2GB,4GB: run every row at each size "
+                        "(peak memory against size in the chart); the largest is the main size")
+    p.add_argument("--model", choices=("dense", "moe"), default="dense",
+                   help="dense: HF Llama names; moe: torchtitan names with grouped experts (default dense)")
+    p.add_argument("--dp", type=int, default=2, help="FSDP2 degree of the saving job (default 2)")
+    p.add_argument("--tp", type=int, default=2, help="TP degree of the saving job (default 2)")
+    p.add_argument("--max-hidden", type=int, default=2048, help="widest hidden size to use (default 2048)")
+    p.add_argument("--rounds", type=int, default=3, help="runs of every row; the order is reversed "
+                                                          "every other round (default 3)")
+    p.add_argument("--only", default=None, help="run only the rows whose id matches this regular expression "
+                                                "(cp always runs); ids are listed above")
+    p.add_argument("--inspect-tensors", type=int, default=2000,
+                   help="tensors of the small checkpoint for the inspect rows (0: no inspect rows)")
+    p.add_argument("--out", type=Path, default=REPO / "bench-out", help="results folder (default bench-out/)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="where checkpoints and outputs go (default OUT/work); checkpoints already there "
+                        "with the same shape and mesh are reused")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints in the work folder afterwards")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
+    args = p.parse_args(argv)
+    if args.dp * args.tp != 4:
+        p.error("the reshard peers run 4 processes: use a 4-rank source mesh (dp*tp == 4)")
+    args.size_list = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes else [args.size])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out.resolve()
+    work: Path = (args.work or out / "work").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    machine = machine_info()
+    notes = [
+        "model weights only (bf16), no optimizer state",
+        "warm page cache: every input is read once right before each run (dropping the cache needs root)",
+        f"peak memory: RSS of the process tree summed, sampled every {int(SAMPLE_S * 1000)} ms "
+        "(shared libraries count once per process: torchrun rows count torch 5 times)",
+        f"order of rows reversed every other round; {args.rounds} round(s)",
+    ]
+    print(f"machine: {machine.get('cpu_model', '?')}, {machine['cpu_count']} CPUs, "
+          f"{machine.get('memory_gb', '?')} GB, Python {machine['python']}, torch {machine.get('torch', '?')}, "
+          f"load average {machine['load_average_at_start'][0]:.1f}")
+    for note in notes:
+        print(f"note: {note}")
+    sizes = sorted(args.size_list)
+    main_size = human(sizes[-1])
+    small_shape = inspect_shape(args.inspect_tensors) if args.inspect_tensors > 0 else None
+    want = re.compile(args.only) if args.only else None
+    results: list[dict] = []
+    shapes = {}
+    for target in sizes:
+        shape = choose_shape(args.model, target, args.max_hidden)
+        shapes[human(target)] = shape
+        tag = f"{args.model}-{human(target)}-dp{args.dp}tp{args.tp}"
+        src = work / f"ckpt-{tag}"
+        small = work / f"ckpt-inspect-{small_shape.layers}l-dp{args.dp}tp{args.tp}" if small_shape else None
+        print(f"\n== {human(target)}: {shape.describe()}", flush=True)
+        jobs = [(src, shape)] + ([(small, small_shape)] if small_shape else [])
+        save_checkpoints(jobs, args.dp, args.tp, logs)
+        # The HF export that verify compares the checkpoint with (made once, not timed).
+        hf = work / f"hf-{tag}"
+        if not Path(f"{hf}.done").is_file():
+            remove(hf)
+            subprocess.run([sys.executable, "-m", "dcptool", "export-hf", str(src), str(hf), "--no-fsync"],
+                           check=True, capture_output=True)
+            Path(f"{hf}.done").write_text("")
+        outdir = work / "out"
+        remove(outdir)
+        outdir.mkdir()
+        rows = [r for r in make_rows(src, hf, small, shape, outdir)
+                if r.id == "cp" or want is None or want.search(r.id)]
+        size_info = {"size": human(target), "target_bytes": target, "size_bytes": dir_bytes(src),
+                     "tensor_bytes": shape.nbytes(), "tensors": len(shape.tensors()),
+                     "files": len(list(src.iterdir())), "model": shape.describe(),
+                     "inspect_tensors": len(small_shape.tensors()) if small_shape else None}
+        print(f"  checkpoint {src}: {human(size_info['size_bytes'])} in {size_info['files']} files", flush=True)
+        for rnd in range(args.rounds):
+            order = rows if rnd % 2 == 0 else rows[::-1]
+            for row in order:
+                if row.output is not None:
+                    remove(row.output)
+                warm(row.inputs)
+                os.sync()
+                log = logs / f"{row.id}-{human(target)}-r{rnd}.log"
+                secs, peak, rc = measure(row.argv, log, args.timeout)
+                if rc not in (0,):
+                    sys.exit(f"{row.name} failed (exit {rc}): {' '.join(row.argv)}\n{tail(log)}")
+                row.times.append(secs)
+                row.peaks.append(peak)
+                print(f"  round {rnd + 1}/{args.rounds}  {row.name:58s} {secs:7.2f}s  {peak / 1e6:7.0f} MB",
+                      flush=True)
+                if row.output is not None:
+                    remove(row.output)
+                os.sync()
+        results += summarize(rows, size_info)
+        if not args.keep:
+            for path in (src, Path(f"{src}.done"), hf, Path(f"{hf}.done")):
+                remove(path)
+        remove(outdir)
+    if small_shape and not args.keep:
+        for path in work.glob("ckpt-inspect-*"):
+            remove(path)
+    main_rows = [r for r in results if r["size"] == main_size]
+    report = {
+        "machine": machine, "notes": notes,
+        "settings": {"model": args.model, "mesh": {"dp": args.dp, "tp": args.tp}, "rounds": args.rounds,
+                     "sizes": [human(s) for s in sizes], "main_size": main_size,
+                     "shapes": {k: asdict(v) for k, v in shapes.items()},
+                     "inspect_shape": asdict(small_shape) if small_shape else None,
+                     "command": " ".join([Path(sys.executable).name, "scripts/bench.py", *(argv or sys.argv[1:])])},
+        "rows": results,
+    }
+    report["targets"] = targets(results, main_size)
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    md = [f"{main_size} {shapes[main_size].describe()}, saved by a {args.dp * args.tp}-process gloo job "
+          f"(dp={args.dp}, tp={args.tp}); {args.rounds} round(s).", "", table(main_rows)]
+    for other in sizes[:-1]:
+        md += ["", f"{human(other)}:", "", table([r for r in results if r["size"] == human(other)])]
+    md += ["", "| target (issue 5) | value | met |", "|---|---|---|"]
+    md += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]
+    (out / "results.md").write_text("\n".join(md) + "\n")
+    print(f"\n{main_size}:\n" + table(main_rows))
+    print("\ntargets of issue 5:")
+    for t in report["targets"]:
+        print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['value']}")
+    title = (f"dcptool bench: {main_size} {args.model} bf16 checkpoint (dp={args.dp}, tp={args.tp}), "
+             f"{machine['cpu_count']} CPUs, {machine.get('memory_gb', '?')} GB; warm cache, {args.rounds} round(s)")
+    drew = chart(results, main_size, out / "bench.png", title)
+    print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}" + (f", {out / 'bench.png'}" if drew else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_save":
+        sys.exit(worker_save(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "_reshard":
+        sys.exit(worker_reshard(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "_peer":
+        sys.exit(peer(sys.argv[2:]))
+    sys.exit(main())
