@@ -113,7 +113,7 @@ class _Hasher:
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         wanted = threads or min(available, MAX_THREADS)
         self.threads = max(1, min(wanted, max_memory // 2**16))
-        self.per_thread = max_memory // self.threads
+        self.max_memory = max_memory
         self.progress = progress or (lambda n: None)
         self.bytes = 0
         self._count_lock = threading.Lock()
@@ -128,7 +128,9 @@ class _Hasher:
             except CheckpointError as exc:
                 digests[name].error = str(exc)
         readable = {name: t for name, t in tensors.items() if digests[name].error is None}
-        size = max(buffer_size(self.per_thread, readable.values()), min(self.per_thread, FILE_READ_SIZE) if files else 0)
+        size = buffer_size(self.max_memory, readable.values(), self.threads)
+        if files:
+            size = max(size, min(self.max_memory // self.threads, FILE_READ_SIZE))
         self._local = threading.local()  # fresh per run: buffer sizes differ between runs
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcptool-hash") as pool:
             # Largest first, so that one big item does not start last and run alone.
@@ -164,12 +166,13 @@ class _Hasher:
     def _hash_tensor(self, checkpoint: Checkpoint, tensor: TensorInfo, size: int, scan: bool) -> TensorDigest:
         hasher = blake3.blake3()
         nan = inf = 0
-        floating = scan and tensor.dtype in FLOATING
+        dtype = dtypes.dtype(tensor.dtype).name
+        floating = scan and dtype in FLOATING
         try:
             for _, values in RegionReader(checkpoint, self._buffer(size)).slabs(tensor):
                 hasher.update(values.reshape(-1).view(np.uint8))
                 if floating:
-                    found_nan, found_inf = count_nonfinite(values, tensor.dtype)
+                    found_nan, found_inf = count_nonfinite(values, dtype)
                     nan, inf = nan + found_nan, inf + found_inf
                 self._count(values.nbytes)
         except CheckpointError as exc:

@@ -63,12 +63,13 @@ class RegionReader:
             yield offsets, values
 
 
-def buffer_size(max_memory: int, tensors) -> int:
-    """Bytes for one ``RegionReader``: the budget, but no more than the largest tensor needs (touching memory costs time)."""
+def buffer_size(max_memory: int, tensors, readers: int = 1) -> int:
+    """Bytes for each of ``readers`` ``RegionReader``s sharing ``max_memory``: no more than the largest of
+    ``tensors`` needs, since fresh memory costs time to touch."""
     if max_memory < 2**16:
         raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
     largest = max((t.nbytes for t in tensors), default=0)
-    return min(max_memory, max(2 * largest, 2**16))
+    return min(max_memory // readers, max(2 * largest, 2**15))
 
 
 @dataclass
@@ -188,7 +189,7 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
             pairs.append((key, tensor, b.tensors[key]))
     report.differences += [Difference(k, "extra", "tensor only in B") for k in b.tensors if k not in a.tensors]
 
-    size = buffer_size(max_memory // 2, [t for _, t, _ in pairs])
+    size = buffer_size(max_memory, [t for _, t, _ in pairs], readers=2)
     reader_a, reader_b = RegionReader(a.checkpoint, bytearray(size)), RegionReader(b.checkpoint, bytearray(size))
     for key, tensor_a, tensor_b in pairs:
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
@@ -359,8 +360,8 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
     >>> roundtrip("step-1000", "torch").equal                              # doctest: +SKIP
     True
     """
+    formats.get(via)  # an unknown format is refused before anything is read
     checkpoint = formats.open_checkpoint(source, source_format)
-    formats.get(via)
     if via == "hf":
         tensors, config_dir = convert.hf_export_entries(checkpoint, include=include, exclude=exclude)
         objects, there = [], {"config_dir": config_dir}
