@@ -391,6 +391,11 @@ def verify_command(
     prefix_b: Optional[str] = typer.Option(None, "--prefix-b", help=PrefixHelp.format(side="B")),
     from_a: Optional[str] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
     from_b: Optional[str] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
+    load_on: Optional[str] = typer.Option(None, "--load-on", help="Load A with torch's dcp.load in a real multi-process job on this mesh (dp=2,tp=2[,ep=2,etp=tp]) and check every rank's shard against the files."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="With --load-on: processes to start (default: the mesh's world size)."),
+    backend: str = typer.Option("auto", "--backend", help="With --load-on: auto (nccl when GPUs are present, else gloo), gloo or nccl."),
+    plan: str = PlanOption,
+    timeout: float = typer.Option(600.0, "--timeout", help="With --load-on: seconds before the job is killed."),
     as_json: bool = JsonOption,
     max_memory: str = MaxMemoryOption,
 ) -> None:
@@ -403,7 +408,13 @@ def verify_command(
       [cyan]dcptool verify recover_checkpoint hf-out --prefix-a dcp.model --json > verify.json[/cyan]
       [cyan]dcptool verify step-1000 hf-bf16 --prefix-a auto --atol 1e-2 --rtol 1e-2[/cyan]
       [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
+      [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
     """
+    if load_on:
+        if b is not None or roundtrip:
+            raise UsageError("--load-on checks A alone: give no B or --roundtrip")
+        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json)
+        return
     memory = _size(max_memory)
     tolerances = {"atol": atol, "rtol": rtol}
     if roundtrip:
@@ -428,6 +439,32 @@ def verify_command(
             print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
     if not report.equal:
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
+
+
+def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json) -> None:
+    from dcptool import loadcheck
+
+    if not as_json and not _state["quiet"]:
+        err.print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
+    report = loadcheck.run(path, loadcheck.parse_mesh(mesh), nproc=nproc, backend=backend, plan=plan,
+                           timeout=timeout, include=include, exclude=exclude)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        load = f"{report.load_seconds:.2f} s" if report.load_seconds is not None else "did not finish"
+        print(f"{path}: {report.nproc} ranks ({report.backend}), dcp.load {load}")
+        for result in report.ranks:
+            state = "error" if result.error else ("FAIL" if result.failures else "ok")
+            print(f"rank {result.rank}: {state}, {result.tensors} tensors checked" + (f"; {result.error}" if result.error else ""))
+            for failure in result.failures:
+                print(f"  {failure['key']}: {failure['reason']}")
+        if report.missing_ranks:
+            print(f"no result from ranks {report.missing_ranks}" + (f": {report.problem}" if report.problem else ""))
+    if report.problem or report.missing_ranks:
+        raise DcptoolError(f"{path}: the load job did not finish ({report.problem or 'ranks missing'})")
+    if not report.ok:
+        failed = sorted({r.rank for r in report.ranks if r.failures or r.error})
+        raise MismatchError(f"{path}: ranks {failed} failed the load check on {mesh}")
 
 
 def _print_verify(report: verification.Report) -> None:

@@ -1,0 +1,271 @@
+"""Prove a DCP checkpoint loads on a mesh: a real N-process job runs torch's ``dcp.load`` and checks every rank's shard.
+
+``run()`` starts ``torchrun`` with this module as the worker. Each rank builds, for every tensor,
+a DTensor with the placements the mesh and plan give it (the same ones ``reshard`` writes), loads
+the checkpoint into them with ``dcp.load``, then compares its local shards bitwise with the same
+regions read straight from the files by dcptool's own reader, and writes its result as JSON. The
+parent collects the results, names the ranks and tensors that fail, and never hangs: the whole
+process group is killed on a timeout, on Ctrl-C, and when a rank dies.
+
+>>> report = run("step-1000", {"dp": 2, "tp": 2}, nproc=4)     # doctest: +SKIP
+>>> report.ok, report.load_seconds                            # doctest: +SKIP
+(True, 3.1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dcptool.errors import UsageError
+
+MESH_NAMES = ("dp", "tp", "ep", "etp", "cp", "dp_replicate")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``dp=2,tp=2,ep=2,etp=2`` -> sizes; ``etp=tp`` is allowed."""
+    sizes: dict[str, int | str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in MESH_NAMES or not (value.isdigit() or (name == "etp" and value == "tp")):
+            raise UsageError(f"--load-on {text!r}: give sizes as name=N with names {', '.join(MESH_NAMES)}")
+        sizes[name] = value if value == "tp" else int(value)
+    if sizes.get("etp") == "tp":
+        sizes["etp"] = sizes.get("tp", 1)
+    return sizes  # type: ignore[return-value]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    tensors: int = 0
+    failures: list[dict] = field(default_factory=list)  # {"key", "reason"}
+    load_seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class LoadReport:
+    checkpoint: str
+    mesh: dict
+    backend: str
+    nproc: int
+    ranks: list[RankResult]
+    missing_ranks: list[int]  # ranks that never reported: they died or were killed
+    problem: str | None = None  # why the job did not finish (timeout, a rank died)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and not self.missing_ranks and all(
+            not r.failures and not r.error for r in self.ranks)
+
+    @property
+    def load_seconds(self) -> float | None:
+        times = [r.load_seconds for r in self.ranks if r.load_seconds is not None]
+        return max(times) if times else None
+
+    def to_json(self) -> dict:
+        return {"checkpoint": self.checkpoint, "mesh": self.mesh, "backend": self.backend, "nproc": self.nproc,
+                "ok": self.ok, "load_seconds": self.load_seconds, "problem": self.problem,
+                "missing_ranks": self.missing_ranks, "ranks": [vars(r) for r in self.ranks]}
+
+
+def _backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "gloo"
+
+
+def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None, backend: str = "auto",
+        plan: str = "auto", timeout: float = 600.0, include: str | None = None, exclude: str | None = None) -> LoadReport:
+    """Load ``checkpoint`` on the mesh in a real ``nproc``-process job and check every rank's shards."""
+    from dcptool import formats
+    from dcptool.reshard import prepare, raise_problems
+
+    checkpoint = Path(checkpoint)
+    source = formats.open_checkpoint(checkpoint)
+    if source.format != "dcp":
+        raise UsageError(f"{checkpoint}: --load-on loads DCP checkpoints with dcp.load (this is {source.format})")
+    world = nproc or None
+    planned = prepare(source, {**mesh_options, "world_size": world}, plan)
+    raise_problems(planned)  # bad meshes are refused before any process starts
+    mesh = planned.mesh
+    backend = _backend(backend)
+    with tempfile.TemporaryDirectory(prefix="dcptool-loadcheck-") as results:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={mesh.world}",
+                   "-m", "dcptool.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", plan,
+                   "--backend", backend, "--results", results]
+        for flag, value in (("--include", include), ("--exclude", exclude)):
+            if value:
+                command += [flag, value]
+        log = Path(results) / "torchrun.log"
+        problem = None
+        with open(log, "w") as output:
+            # A session of its own, so the whole tree (torchrun and its workers) can be killed at once.
+            job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+            try:
+                code = job.wait(timeout=timeout)
+                if code != 0:
+                    problem = _why_failed(log.read_text(errors="replace"), code)
+            except subprocess.TimeoutExpired:
+                problem = f"timed out after {timeout:g} s"
+            finally:
+                _kill_tree(job)
+        ranks, missing = [], []
+        for rank in range(mesh.world):
+            path = Path(results) / f"rank{rank}.json"
+            if path.is_file():
+                ranks.append(RankResult(**json.loads(path.read_text())))
+            else:
+                missing.append(rank)
+    return LoadReport(str(checkpoint), mesh.as_dict(), backend, mesh.world, ranks, missing, problem)
+
+
+def _why_failed(log: str, code: int) -> str:
+    """torchrun's own account of the first rank that failed, e.g. ``rank 1 exited with signal SIGKILL``."""
+    cause = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, re.S)
+    if cause:
+        rank, exitcode = int(cause.group(1)), int(cause.group(2))
+        how = f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
+        return f"rank {rank} {how}"
+    return f"the job exited with code {code}"
+
+
+def _kill_tree(job: subprocess.Popen) -> None:
+    """Kill torchrun and every worker (same session), and reap torchrun."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait()
+
+
+# The worker: one per rank, started by torchrun.
+
+
+def _worker(args) -> int:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dcptool import dtypes, formats
+    from dcptool.convert import select
+    from dcptool.mesh import Mesh, Strided, local_chunk
+    from dcptool.reshard import prepare
+    from dcptool.torch_archive import row_major
+
+    rank = int(os.environ["RANK"])
+    result = RankResult(rank)
+    out = Path(args.results) / f"rank{rank}.json"
+    device = "cpu"
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = "cuda"
+    dist.init_process_group(args.backend)
+    try:
+        mesh = Mesh(**json.loads(args.mesh))
+        checkpoint = formats.open_checkpoint(args.checkpoint, "dcp")
+        planned = prepare(checkpoint, mesh.as_dict(), args.plan, keep_rank_state=True)
+        # Dense tensors live on (dp_replicate, fsdp, tp); experts on (dp_replicate, efsdp, ep[, etp]).
+        inner = (("etp", mesh.tp),) if mesh.etp == mesh.tp else ()
+        views = {
+            "dense": (("dp_replicate", mesh.dp_replicate), ("fsdp", mesh.fsdp), ("tp", mesh.tp)),
+            "experts": (("dp_replicate", mesh.dp_replicate), ("efsdp", mesh.efsdp), ("ep", mesh.ep)) + inner,
+        }
+        device_meshes = {view: init_device_mesh(device, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+                         for view, dims in views.items()}
+        coordinates = mesh.coordinates(rank)
+        chosen = select({l.tensor.key: l for l in planned.layouts}, args.include, args.exclude)
+
+        def torch_placement(placement):
+            if isinstance(placement, Strided):
+                return _StridedShard(placement.dim, split_factor=placement.split_factor)
+            return Shard(placement.dim) if placement is not None else Replicate()
+
+        state, regions = {}, {}
+        for key, layout in chosen.items():
+            dtype = getattr(torch, layout.tensor.dtype)
+            offsets, sizes = local_chunk(layout.tensor.shape, layout.spec, coordinates)
+            regions[key] = (offsets, sizes)
+            local = torch.empty(sizes, dtype=dtype, device=device)
+            if not layout.spec:
+                state[key] = local
+                continue
+            view = "experts" if any(a.name == "ep" for a in layout.spec) else "dense"
+            on_axis = {a.name: a.placement for a in layout.spec}
+            placements = [torch_placement(on_axis.get(name)) for name, _ in views[view]]
+            state[key] = DTensor.from_local(local, device_meshes[view], placements, run_check=False,
+                                            shape=torch.Size(layout.tensor.shape),
+                                            stride=tuple(row_major(layout.tensor.shape)))
+        dist.barrier()
+        started = time.perf_counter()
+        try:
+            dcp.load(state, checkpoint_id=args.checkpoint)
+        except CheckpointException as exc:  # a BaseException; the shard check below names the file and tensor
+            failed = "; ".join(f"rank {r}: {type(error).__name__} {error}".strip()
+                               for r, (error, _traceback) in sorted(exc.failures.items()))
+            result.error = f"dcp.load failed ({failed})"
+        result.load_seconds = round(time.perf_counter() - started, 3)
+
+        scratch = memoryview(bytearray(1 << 22))
+        for key, layout in chosen.items():
+            source = checkpoint.tensors[layout.tensor.source.key]
+            offsets, sizes = regions[key]
+            value = state[key].to_local() if isinstance(state[key], DTensor) else state[key]
+            view_type = dtypes.raw_view_type(dtypes.dtype(source.dtype).itemsize)
+            expected = np.empty(sizes, dtype=view_type)
+            try:
+                checkpoint.read_region(source, offsets, sizes, expected, scratch)
+            except Exception as exc:
+                result.failures.append({"key": key, "reason": f"cannot read it from the files: {exc}"})
+                continue
+            result.tensors += 1
+            if result.error:
+                continue
+            loaded = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().view(view_type)
+            if not np.array_equal(loaded.reshape(sizes), expected):
+                mismatch = np.argwhere(loaded.reshape(sizes) != expected)[0]
+                index = [int(i) + o for i, o in zip(mismatch, offsets)]
+                result.failures.append({"key": key, "reason": f"local shard differs from the files first at {index}"})
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    out.write_text(json.dumps(vars(result)))
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dcptool.loadcheck", description="worker of `dcptool verify --load-on`")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--mesh", required=True, help="JSON of Mesh fields")
+    parser.add_argument("--plan", default="auto")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--include")
+    parser.add_argument("--exclude")
+    return _worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""verify --load-on: real multi-process gloo jobs load a checkpoint with dcp.load on a mesh and check every rank's shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import dcptool
+
+
+def test_loads_on_the_saving_mesh_and_on_others(checkpoints):
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    for mesh, ranks in (("dp=2,tp=2", 4), ("dp=4", 4), ("dp=1,tp=2", 2)):
+        report = json.loads(dcptool("verify", source, "--load-on", mesh, "--json").stdout)
+        assert report["ok"] and report["backend"] == "gloo" and report["nproc"] == ranks, report
+        assert [r["tensors"] for r in report["ranks"]] == [84] * ranks
+        assert report["load_seconds"] > 0
+
+
+@pytest.fixture
+def damaged(checkpoints, tmp_path):
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    return copy
+
+
+def test_truncated_data_file_fails_naming_file_and_tensor(damaged):
+    data = damaged / "__1_0.distcp"
+    os.truncate(data, data.stat().st_size // 2)
+    result = dcptool("verify", damaged, "--load-on", "dp=2,tp=2", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "dcp.load failed" in result.stdout
+    assert f"cannot read it from the files: {data}: truncated or corrupt" in result.stdout
+    assert "ranks [" in result.stderr
+
+
+def test_missing_data_file_fails_naming_it(damaged):
+    (damaged / "__3_0.distcp").unlink()
+    result = dcptool("verify", damaged, "--load-on", "dp=4", check=False)
+    assert result.returncode in (1, 2), result.stdout + result.stderr
+    assert "__3_0.distcp" in result.stdout + result.stderr
+
+
+def _job_processes(parent: int) -> dict[int, int | None]:
+    """{pid: rank} of torchrun (rank None) and the loadcheck workers started by this test (read from /proc, Linux)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if b"dcptool.loadcheck" in cmdline and environ.get(b"DCPTOOL_TEST_PARENT") == str(parent).encode():
+            rank = environ.get(b"RANK")
+            found[int(entry.name)] = None if rank is None else int(rank)
+    return found
+
+
+def _workers(parent: int) -> dict[int, int]:
+    return {rank: pid for pid, rank in _job_processes(parent).items() if rank is not None}
+
+
+def test_a_rank_that_dies_fails_the_check_quickly_and_leaves_no_process(checkpoints):
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    marker = os.getpid()
+    env = {**os.environ, "DCPTOOL_TEST_PARENT": str(marker)}
+    started = time.monotonic()
+    verify = subprocess.Popen([sys.executable, "-m", "dcptool", "verify", source, "--load-on", "dp=2,tp=2",
+                               "--timeout", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while 1 not in _workers(marker) and verify.poll() is None and time.monotonic() - started < 60:
+        time.sleep(0.05)
+    os.kill(_workers(marker)[1], signal.SIGKILL)
+    stdout, stderr = verify.communicate(timeout=120)
+    assert verify.returncode == 2, stdout + stderr
+    assert "rank 1 was killed by SIGKILL" in stderr
+    assert time.monotonic() - started < 120
+    time.sleep(0.5)
+    assert _job_processes(marker) == {}
