@@ -169,6 +169,14 @@ _RECORDS = [
     "torch.distributed._mesh_layout._FlatLayout",
 ]
 
+def _latin1_bytes(text: Any, encoding: str = "latin1") -> bytes:
+    """How protocol-2 pickles store ``bytes`` (``_codecs.encode(text, "latin1")``, e.g. torchtitan's
+    pickled dataloader state); any other use of ``_codecs.encode`` is refused."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise CheckpointError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not bytes as pickled by torch")
+    return text.encode("latin1")
+
+
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
 ALLOWED.update(
     {
@@ -177,6 +185,7 @@ ALLOWED.update(
         "builtins.frozenset": frozenset,
         "builtins.slice": slice,
         "builtins.complex": complex,
+        "_codecs.encode": _latin1_bytes,
         "torch.Size": lambda dims=(): tuple(dims),
         "torch.device": lambda *args: _Name(":".join(str(a) for a in args)),
         "torch.serialization._get_layout": _Name,

@@ -131,3 +131,21 @@ def test_debug_shows_traceback(small_dcp):
     (small_dcp / ".metadata").unlink()
     result = dcptool("--debug", "inspect", small_dcp, check=False)
     assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_pickled_bytes_are_read_but_codecs_is_not_a_way_in():
+    """Protocol-2 pickles store bytes as _codecs.encode(str, 'latin1') (torchtitan's dataloader state);
+    that one use is allowed, any other encoding is refused."""
+    import codecs
+
+    from dcptool import safe_pickle
+    from dcptool.errors import CheckpointError
+
+    assert safe_pickle.load_bytes(pickle.dumps(b"\x00\xffstate", protocol=2), "x") == b"\x00\xffstate"
+
+    class OtherCodec:
+        def __reduce__(self):
+            return (codecs.encode, ("payload", "rot13"))
+
+    with pytest.raises(CheckpointError, match="is not bytes as pickled by torch"):
+        safe_pickle.load_bytes(pickle.dumps(OtherCodec(), protocol=2), "x")
