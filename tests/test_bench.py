@@ -1,0 +1,59 @@
+"""Smoke test of scripts/bench.py: a tiny checkpoint saved by a real 4-process gloo job, one round.
+
+Proves that the benchmark runs end to end and that results.json holds every row (each dcptool
+command, each peer route, cp -r) with numeric fields. No timing assertions: targets live in the
+benchmark, not in tests.
+"""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DCPTOOL_ROWS = {"export-hf", "convert-torch", "reshard-dp4", "reshard-tp4",
+                "export-hf-nofsync", "convert-torch-nofsync", "reshard-dp4-nofsync", "reshard-tp4-nofsync",
+                "verify", "checksum", "inspect"}
+PEER_ROWS = {"peer-export-hf", "peer-torch-save", "peer-reshard-dp4", "peer-reshard-tp4", "peer-verify",
+             "sha256sum", "peer-inspect"}
+NUMERIC = ("median_s", "min_s", "max_s", "peak_mb", "peak_mb_median", "peak_mb_min", "peak_mb_max",
+           "ratio_to_cp", "ratio_to_peer", "size_bytes", "tensor_bytes", "tensors")
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "2MB", "--rounds", "1",
+         "--inspect-tensors", "40", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"bench.py exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+    report = json.loads((out / "results.json").read_text())
+    rows = {r["id"]: r for r in report["rows"]}
+    assert set(rows) == DCPTOOL_ROWS | PEER_ROWS | {"cp"}
+    assert len(report["rows"]) == len(rows)  # one size: one row each
+    for row in rows.values():
+        for key in NUMERIC:
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (row["id"], key, row[key])
+        assert row["min_s"] <= row["median_s"] <= row["max_s"]
+        assert row["peak_mb"] > 0 and len(row["times_s"]) == 1
+        assert row["size"] == "2MB" and row["name"] and row["command"]
+    for rid in DCPTOOL_ROWS:
+        assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
+    assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
+    assert rows["checksum"]["peer"] == "sha256sum" and rows["export-hf"]["peer"] == "peer-export-hf"
+
+    machine = report["machine"]
+    assert machine["cpu_count"] >= 1 and machine["python"] and machine["torch"]
+    assert report["settings"]["mesh"] == {"dp": 2, "tp": 2}
+    assert report["targets"] and all(isinstance(t["met"], bool) for t in report["targets"])
+    assert "| dcptool export-hf |" in (out / "results.md").read_text()
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = out / "bench.png"
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:  # the chart needs the bench extra; everything else is written and the user is told
+        assert "matplotlib is not installed" in proc.stdout
