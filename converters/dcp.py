@@ -96,12 +96,19 @@ def _dtype_of(properties, key: str, where: str) -> str:
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
+def data_file(rank: int) -> str:
+    """The data file ``dcp.save`` writes on ``rank``: ``__3_0.distcp``."""
+    return f"__{rank}_0.distcp"
+
+
 class Writer:
     """Writes a DCP folder that torch's ``dcp.load`` reads: one ``__{rank}_0.distcp`` per rank, then ``.metadata``.
 
     ``layout(tensor)`` gives each tensor's chunks as ``(offsets, sizes, rank)``; by default a tensor
     is one chunk in rank 0's file, as a single process saves it. Every one of ``world_size`` ranks
     gets a file, even an empty one, as with ``dcp.save``, so the world size can be read back.
+    Non-tensor entries go at the end of rank 0's file. ``finish_files`` returns where each chunk
+    went, ``(key, offsets) -> (file, offset, length)``, which ``finish_index`` turns into ``.metadata``.
     """
 
     def __init__(self, folder: Path, layout=None, world_size: int = 1):
@@ -120,12 +127,23 @@ class Writer:
                 self._rank_of[piece] = rank
                 pieces.append(piece)
         pieces.sort(key=lambda p: self._rank_of[p])  # one file at a time
-        self.tensors = tensors
+        self.tensors, self.pieces = tensors, pieces
         return pieces
+
+    def file_of(self, piece) -> str:
+        return data_file(self._rank_of[piece])
+
+    def files(self) -> dict[str, int]:
+        """Every data file with the tensor bytes planned for it."""
+        sizes = {data_file(rank): 0 for rank in range(self.world_size)}
+        for piece in self.pieces:
+            name = self.file_of(piece)
+            sizes[name] = sizes.get(name, 0) + piece.nbytes
+        return sizes
 
     def _stream(self, rank: int):
         if rank not in self._streams:
-            self._streams[rank] = open(self.folder / f"__{rank}_0.distcp", "wb")
+            self._streams[rank] = open(self.folder / data_file(rank), "wb")
         return self._streams[rank]
 
     def _append(self, rank: int, key: str, offsets, write) -> None:
@@ -133,7 +151,7 @@ class Writer:
         stream = self._stream(rank)
         start = stream.tell()
         write(stream)
-        self._records[(key, offsets)] = (f"__{rank}_0.distcp", start, stream.tell() - start)
+        self._records[(key, offsets)] = (data_file(rank), start, stream.tell() - start)
 
     def write_piece(self, piece, slabs) -> None:
         storage = StorageOut("0", piece.tensor.dtype, math.prod(piece.sizes))
@@ -146,22 +164,32 @@ class Writer:
 
         self._append(self._rank_of[piece], piece.tensor.key, piece.offsets, write)
 
-    def finish(self, objects) -> list[str]:
-        for obj in objects:
-            self._append(0, obj.key, None, lambda stream, obj=obj: _write_object(stream, obj))
-        for rank in range(self.world_size):
-            self._stream(rank)
+    def finish_files(self, objects, files: set[str]) -> dict:
+        """Complete ``files`` (the objects go into rank 0's); returns where this writer put each record."""
+        if data_file(0) in files:
+            for obj in objects:
+                self._append(0, obj.key, None, lambda stream, obj=obj: _write_object(stream, obj))
+        for name in files:
+            self._stream(saving_rank(name))
         for stream in self._streams.values():
             stream.close()
-        (self.folder / METADATA).write_bytes(dumps(self._metadata(objects), protocol=4))
+        return self._records
+
+    def finish_index(self, objects, records: list[dict]) -> list[str]:
+        """Write ``.metadata`` from the records of every writer."""
+        merged = {where: place for part in records for where, place in part.items()}
+        (self.folder / METADATA).write_bytes(dumps(self._metadata(objects, merged), protocol=4))
         return []
 
-    def _metadata(self, objects):
+    def _metadata(self, objects, records):
         entries, storage = {}, {}
         chunks_of: dict[str, list] = {}
         for piece in self._rank_of:
             chunks_of.setdefault(piece.tensor.key, []).append(piece)
-        for (key, offsets), (file, start, length) in self._records.items():
+        # In the order one process writes them (file by file, then the objects), whoever wrote them.
+        ordered = [(p.tensor.key, p.offsets) for p in self.pieces] + [(o.key, None) for o in objects]
+        for key, offsets in dict.fromkeys(ordered):
+            file, start, length = records[(key, offsets)]
             position = None if offsets is None else [p.offsets for p in chunks_of[key]].index(offsets)
             index = new_object(_METADATA_MODULE, "MetadataIndex", {
                 "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})

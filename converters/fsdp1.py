@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +329,13 @@ _ST_META = "torch.distributed._shard.sharded_tensor.metadata"
 _SHARD_META = "torch.distributed._shard.metadata"
 
 
+@dataclass(frozen=True)
+class RankPiece(Piece):
+    """A piece of one rank's file: replicated tensors give every rank an equal region, told apart by ``rank``."""
+
+    rank: int
+
+
 class Writer:
     """Writes ``model_world_size_{W}_rank_{r}.pt`` for every rank, then ``fsdp_config.json``.
 
@@ -337,7 +344,7 @@ class Writer:
     ``()`` and those whose key matches ``replicate`` (a regular expression, for buffers FSDP1 does
     not shard) go into every rank's file as plain tensors. Objects go into every file unchanged,
     nested again under their paths as the reader flattened them (``note.step`` -> ``{"note": {"step": ..}}``).
-    Files are written one after the other, each pickle first and its storages streamed after it.
+    Each file is its pickle first and its storages streamed after it; the files are independent.
     """
 
     def __init__(self, folder: Path, world_size: int = 1, replicate: str | None = None):
@@ -345,10 +352,11 @@ class Writer:
             raise UsageError(f"fsdp1 world_size must be a positive integer, not {world_size!r}")
         self.folder, self.world_size = Path(folder), world_size
         self.replicate = re.compile(replicate) if replicate else None
-        self._queue: deque = deque()
+        self._storage_of: dict[RankPiece, StorageOut] = {}
         self._pickles: list[dict] = []
         self._storages: list[list] = []
-        self._rank = -1
+        self._rank: int | None = None  # whose file is open
+        self._written: set[int] = set()
         self._stream = self._archive = None
 
     def _replicated(self, tensor) -> bool:
@@ -362,7 +370,7 @@ class Writer:
                 if tensor.key in entries:
                     raise UsageError(f"{tensor.key}: two entries have this key")
                 if self._replicated(tensor):
-                    piece = Piece(tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+                    piece = RankPiece(tensor, (0,) * len(tensor.shape), tuple(tensor.shape), rank)
                     storage = self._storage(rank, tensor.dtype, piece.sizes)
                     entries[tensor.key] = TensorOut(storage, piece.sizes)
                 else:
@@ -371,18 +379,28 @@ class Writer:
                     if rank < len(shards):
                         start, rows = shards[rank]
                         offsets = (start,) + (0,) * (len(tensor.shape) - 1)
-                        piece = Piece(tensor, offsets, (rows,) + tuple(tensor.shape[1:]))
+                        piece = RankPiece(tensor, offsets, (rows,) + tuple(tensor.shape[1:]), rank)
                         storage = self._storage(rank, tensor.dtype, piece.sizes)
                     local = TensorOut(storage, piece.sizes) if piece else None
                     entries[tensor.key] = sharded_tensor(tensor.dtype, tensor.shape, rank, self.world_size, local)
                 if piece is not None:
                     pieces.append(piece)
-                    self._queue.append((piece, rank, storage))
+                    self._storage_of[piece] = storage
             # Tensors stay under their flat state-dict keys; objects go back under their nested paths.
             nested = {(key,): value for key, value in entries.items()}
             nested |= {obj.path: obj.value() for obj in objects}
             self._pickles.append(nest(nested))
         return pieces
+
+    def file_of(self, piece: RankPiece) -> str:
+        return file_name("model", self.world_size, piece.rank)
+
+    def files(self) -> dict[str, int]:
+        """Every rank's model file with the tensor bytes planned for it."""
+        sizes = {file_name("model", self.world_size, rank): 0 for rank in range(self.world_size)}
+        for piece in self._storage_of:
+            sizes[self.file_of(piece)] += piece.nbytes
+        return sizes
 
     def _storage(self, rank: int, dtype: str, sizes) -> StorageOut:
         while len(self._storages) <= rank:
@@ -391,13 +409,14 @@ class Writer:
         self._storages[rank].append(storage)
         return storage
 
-    def _open_next(self) -> None:
+    def _open(self, rank: int) -> None:
         self._close()
-        self._rank += 1
-        name = file_name("model", self.world_size, self._rank)
+        name = file_name("model", self.world_size, rank)
         self._stream = open(self.folder / name, "wb")
         self._archive = ArchiveWriter(self._stream, name[: -len(".pt")])
-        self._archive.add_pickle(self._pickles[self._rank])
+        self._archive.add_pickle(self._pickles[rank])
+        self._rank = rank
+        self._written.add(rank)
 
     def _close(self) -> None:
         if self._archive is not None:
@@ -405,18 +424,21 @@ class Writer:
             self._stream.close()
             self._stream = self._archive = None
 
-    def write_piece(self, piece, slabs) -> None:
-        expected, rank, storage = self._queue.popleft()
-        if expected != piece:
-            raise RuntimeError(f"fsdp1 writer: pieces came out of order ({piece.tensor.key})")
-        while self._rank < rank:
-            self._open_next()
-        self._archive.add_storage(storage, slabs)
+    def write_piece(self, piece: RankPiece, slabs) -> None:
+        if piece.rank != self._rank:
+            self._open(piece.rank)
+        self._archive.add_storage(self._storage_of[piece], slabs)
 
-    def finish(self, objects) -> list[str]:
-        while self._rank < self.world_size - 1:
-            self._open_next()
+    def finish_files(self, objects, files: set[str]) -> dict:
+        """Complete ``files``, writing those that hold no storage (pickle only); nothing to report."""
         self._close()
+        for rank in range(self.world_size):
+            if rank not in self._written and file_name("model", self.world_size, rank) in files:
+                self._open(rank)
+                self._close()
+        return {}
+
+    def finish_index(self, objects, records: list[dict]) -> list[str]:
         config = {"FSDP_version": 1, "world_size": self.world_size}
         (self.folder / CONFIG).write_text(json.dumps(config) + "\n")
         return []

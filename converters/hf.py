@@ -137,8 +137,15 @@ class Writer:
         self._tensors_of = {f: [by_key[k] for k in keys] for f, keys in split.filename_to_tensors.items()}
         return pieces
 
+    def file_of(self, piece) -> str:
+        return self._file_of[piece.tensor.key]
+
+    def files(self) -> dict[str, int]:
+        """Every shard file with the tensor bytes planned for it."""
+        return {name: sum(t.nbytes for t in tensors) for name, tensors in self._tensors_of.items()}
+
     def write_piece(self, piece, slabs) -> None:
-        filename = self._file_of[piece.tensor.key]
+        filename = self.file_of(piece)
         if filename != self._open_name:
             self._close_file()
             self._stream = open(self.folder / filename, "wb")
@@ -152,10 +159,15 @@ class Writer:
             self._stream.close()
             self._stream = None
 
-    def finish(self, objects) -> list[str]:
+    def finish_files(self, objects, files: set[str]) -> dict:
+        """Close the last shard; the plan alone says which tensors went where, so there is nothing to report."""
         self._close_file()
+        return {}
+
+    def finish_index(self, objects, records: list[dict]) -> list[str]:
+        """Write the index (when sharded) and copy the config; returns the objects safetensors cannot hold."""
         if self.split.is_sharded:
-            total = sum(t.nbytes for ts in self._tensors_of.values() for t in ts)
+            total = sum(self.files().values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._file_of.items()))}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if self.config_dir:

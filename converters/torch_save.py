@@ -92,25 +92,46 @@ def _lists(node):
 
 
 class Writer:
-    """Writes one ``torch.save`` file: the pickled nested dict first, then each tensor's bytes streamed in."""
+    """Writes one ``torch.save`` file: the pickled nested dict first, then each tensor's bytes streamed in.
+
+    One file cannot be split between writers: under torchrun rank 0 writes it all.
+    """
 
     def __init__(self, file: Path):
         self.file = file
+        self.stream = self.archive = None
 
     def plan(self, tensors, objects):
         storages = {t.key: StorageOut(str(i), t.dtype, math.prod(t.shape)) for i, t in enumerate(tensors)}
         entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
         entries |= {o.path: o.value() for o in objects}
-        self.stream = open(self.file, "wb")
-        self.archive = ArchiveWriter(self.stream)
-        self.archive.add_pickle(nest(entries))
+        self.state_dict = nest(entries)
         self.storages = storages
+        self.total = sum(t.nbytes for t in tensors)
         return [Piece(t, tuple(0 for _ in t.shape), tuple(t.shape)) for t in tensors]
 
-    def write_piece(self, piece, slabs) -> None:
-        self.archive.add_storage(self.storages[piece.tensor.key], slabs)
+    def file_of(self, piece) -> str:
+        return self.file.name
 
-    def finish(self, objects) -> list[str]:
-        self.archive.close()
-        self.stream.close()
+    def files(self) -> dict[str, int]:
+        return {self.file.name: self.total}
+
+    def _open_archive(self) -> ArchiveWriter:
+        """The archive, opened on first use (only by the process that writes the file)."""
+        if self.archive is None:
+            self.stream = open(self.file, "wb")
+            self.archive = ArchiveWriter(self.stream)
+            self.archive.add_pickle(self.state_dict)
+        return self.archive
+
+    def write_piece(self, piece, slabs) -> None:
+        self._open_archive().add_storage(self.storages[piece.tensor.key], slabs)
+
+    def finish_files(self, objects, files: set[str]) -> dict:
+        if files:
+            self._open_archive().close()
+            self.stream.close()
+        return {}
+
+    def finish_index(self, objects, records: list[dict]) -> list[str]:
         return []

@@ -548,7 +548,11 @@ def _print_checksum(result: checksums.Result) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from dcptool import distributed
+
+    distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
     command = typer.main.get_command(app)
+    error = None
     try:
         code = command.main(args=argv, prog_name="dcptool", standalone_mode=False)
     except click.exceptions.ClickException as exc:
@@ -559,10 +563,15 @@ def main(argv: list[str] | None = None) -> None:
     except (DcptoolError, OSError) as exc:
         if _state["debug"]:
             traceback.print_exc()
-        message = str(exc) if isinstance(exc, DcptoolError) else f"{exc.filename or ''}: {exc.strerror or exc}"
+        code, message = distributed.describe_failure(exc)
         print(f"dcptool: error: {message}", file=sys.stderr)
-        code = exc.exit_code if isinstance(exc, DcptoolError) else 2
-    except KeyboardInterrupt:
+        error = exc
+    except KeyboardInterrupt as exc:
         print("dcptool: interrupted; nothing was written", file=sys.stderr)
-        code = 130
-    sys.exit(code if isinstance(code, int) else 0)
+        code, error = 130, exc
+    except Exception as exc:  # a bug: shown as Python shows it; under torchrun the other ranks must still stop
+        traceback.print_exc()
+        code, error = 1, exc
+    code = code if isinstance(code, int) else 0
+    distributed.leave(code, error)
+    sys.exit(code)

@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dcptool import dtypes, formats
+from dcptool import distributed, dtypes, formats
 from dcptool.core import Checkpoint, OutObject, OutTensor, Piece, TensorInfo, join_path
 from dcptool.errors import UsageError
-from dcptool.storage import atomic_output, fsync_tree
+from dcptool.storage import fsync_paths, fsync_tree
 
 DEFAULT_MAX_MEMORY = 256 * 2**20
 
@@ -180,25 +180,43 @@ def write_checkpoint(
     fsync: bool = True,
     progress: Callable[[int], None] | None = None,
     writer_options: dict | None = None,
+    across_ranks: bool | None = None,
 ) -> Report:
-    """Write ``tensors`` and ``objects`` of ``checkpoint`` as format ``to`` at ``destination``, atomically."""
+    """Write ``tensors`` and ``objects`` of ``checkpoint`` as format ``to`` at ``destination``, atomically.
+
+    Under torchrun (``across_ranks=None``) every rank must call it with the same arguments: each
+    writes its share of the output files, and rank 0 the metadata or index (see ``dcptool.distributed``);
+    ``across_ranks=False`` makes this process write everything alone.
+
+    >>> ckpt = formats.open_checkpoint("step-100")                                   # doctest: +SKIP
+    >>> write_checkpoint(ckpt, Path("step-100.pt"), "torch", *entries_for(ckpt, "torch"))   # doctest: +SKIP
+    """
     module = formats.get(to)
     destination = Path(destination)
     if Path(checkpoint.root).resolve() == destination.resolve():
         raise UsageError(f"{destination}: the output would replace its own source")
+    ranks = distributed.ranks_for(progress, across_ranks)
     report = Report(destination, to, tensors=len(tensors))
-    with atomic_output(destination, overwrite, is_dir=module.WRITES_FOLDER) as temporary:
+    with ranks.output(destination, overwrite, module.WRITES_FOLDER) as temporary:
         writer = module.Writer(temporary, **(writer_options or {}))
-        pieces = writer.plan(tensors, objects)
+        pieces = writer.plan(tensors, objects)  # the same on every rank
+        mine = ranks.my_files(writer.files())
+        my_pieces = [piece for piece in pieces if writer.file_of(piece) in mine]
         # Buffers no larger than the work needs: fresh memory costs time to touch.
-        largest = max((p.nbytes * 3 for p in pieces), default=0)
-        streamer = Streamer(checkpoint, min(max_memory, max(largest, 2**16)), progress)
-        for piece in pieces:
-            writer.write_piece(piece, streamer.slabs_of(piece))
-            report.bytes_written += piece.nbytes
-        report.left_out = writer.finish(objects) or []
-        if fsync:
-            fsync_tree(temporary)
+        largest = max((p.nbytes * 3 for p in my_pieces), default=0)
+        streamer = Streamer(checkpoint, min(max_memory, max(largest, 2**16)))
+        for piece in my_pieces:
+            writer.write_piece(piece, ranks.watch(streamer.slabs_of(piece)))
+        records = writer.finish_files(objects, mine)
+        if fsync and ranks.rank != 0:  # rank 0 flushes the whole folder below
+            fsync_paths(temporary / name for name in mine)
+        every_rank_records = ranks.gather(records)
+        if ranks.rank == 0:
+            report.left_out = writer.finish_index(objects, every_rank_records) or []
+            if fsync:
+                fsync_tree(temporary)
+    report.left_out = ranks.from_rank_zero(report.left_out)
+    report.bytes_written = sum(piece.nbytes for piece in pieces)
     return report
 
 

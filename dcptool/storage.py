@@ -146,7 +146,11 @@ def atomic_output(destination: Path, overwrite: bool, is_dir: bool = True) -> It
 
 def fsync_tree(path: Path) -> None:
     """Flush a finished output to disk before it is renamed into place, as DCP does."""
-    paths = [path] if path.is_file() else [p for p in path.rglob("*")] + [path]
+    fsync_paths([path] if path.is_file() else [p for p in path.rglob("*")] + [path])
+
+
+def fsync_paths(paths) -> None:
+    """Flush files (or folders) to disk: on a shared filesystem, each writer must flush its own files."""
     for item in paths:
         fd = os.open(item, os.O_RDONLY)
         try:
