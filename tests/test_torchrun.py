@@ -1,0 +1,134 @@
+"""dcptool under torchrun: the output files are split across ranks, and the result is the same, byte for
+byte, as one process writing it; a failure on any rank stops every rank, with one error line and no output.
+
+Also the script of a job whose hf writer fails on rank 1 (run under torchrun):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/test_torchrun.py export-hf SRC DST
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import dcptool
+
+HERE = Path(__file__).resolve()
+NPROC = 2
+
+# Each writes several files, so both ranks write some: 4 rank files (and .metadata) of a reshard,
+# safetensors shards (and the index), per-rank fsdp1 files; a torch file is written by rank 0 alone.
+COMMANDS = {
+    "reshard-dp4": ["reshard", "{src}", "{dst}", "--dp", "4", "--tp", "1"],
+    "export-hf-shards": ["export-hf", "{src}", "{dst}", "--max-shard-size", "200KB"],
+    "fsdp1-w4": ["convert", "{src}", "{dst}", "--to", "fsdp1", "--world-size", "4"],
+    "torch-file": ["convert", "{src}", "{dst}", "--to", "torch"],
+}
+
+
+def torchrun(*args, script: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``dcptool ARGS`` (or ``script ARGS``) on NPROC ranks of a standalone torchrun job."""
+    target = [str(script)] if script else ["-m", "dcptool"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+               *target, *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def contents(path: Path) -> dict[str, bytes]:
+    """Every file of an output (a folder, or one file), by its path inside it."""
+    if path.is_file():
+        return {".": path.read_bytes()}
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def exit_codes(result: subprocess.CompletedProcess) -> list[int]:
+    """The exit codes of the failed ranks, from torchrun's summary."""
+    return [int(code) for code in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.MULTILINE)]
+
+
+def error_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("dcptool: error:")]
+
+
+def temporaries(folder: Path) -> list[str]:
+    """Temporary outputs left beside the destination (``.out.dcptool-tmp-*``)."""
+    return [p.name for p in folder.iterdir() if ".dcptool-" in p.name]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=list(COMMANDS))
+def test_output_is_identical_to_one_process(checkpoints, command, tmp_path):
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    suffix = ".pt" if command == "torch-file" else ""
+    alone, shared = tmp_path / f"alone{suffix}", tmp_path / f"shared{suffix}"
+
+    def args(destination):
+        return [arg.format(src=source, dst=destination) for arg in COMMANDS[command]]
+
+    dcptool(*args(alone))
+    result = torchrun(*args(shared))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, got = contents(alone), contents(shared)
+    assert sorted(got) == sorted(expected)
+    assert [name for name in expected if got[name] != expected[name]] == []
+    if command != "torch-file":
+        assert len(expected) > NPROC  # enough files for every rank to write some
+    assert result.stdout.count("wrote ") == 1  # the summary, from rank 0 only
+    assert temporaries(tmp_path) == []
+
+
+def test_bad_source_fails_on_every_rank_with_one_line(tmp_path):
+    result = torchrun("convert", tmp_path / "nothing-here", tmp_path / "out", "--to", "dcp")
+    assert result.returncode != 0
+    assert error_lines(result) == [f"dcptool: error: {tmp_path / 'nothing-here'}: no such file or folder"]
+    assert len(exit_codes(result)) == NPROC and all(code != 0 for code in exit_codes(result))
+    assert not (tmp_path / "out").exists() and temporaries(tmp_path) == []
+
+
+def test_failure_on_one_rank_stops_all_and_writes_nothing(checkpoints, tmp_path):
+    """Rank 1 fails while writing its shards: rank 0 stops, reports rank 1's error and removes the output."""
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    result = torchrun("export-hf", source, tmp_path / "out", "--max-shard-size", "200KB", script=HERE)
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1 and lines[0].endswith("injected failure (on rank 1 of 2)"), result.stderr[-3000:]
+    assert len(exit_codes(result)) == NPROC and all(code != 0 for code in exit_codes(result))
+    assert not (tmp_path / "out").exists() and temporaries(tmp_path) == []
+
+
+def test_torch_stays_off_the_single_process_path(checkpoints, tmp_path):
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    code = (
+        "import sys\n"
+        "from dcptool.cli import main\n"
+        f"sys.argv = ['dcptool', 'export-hf', {str(source)!r}, {str(tmp_path / 'hf')!r}]\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch was imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR")}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+if __name__ == "__main__":  # the job of test_failure_on_one_rank_stops_all_and_writes_nothing
+    sys.path.insert(0, str(HERE.parents[1]))
+    from converters import hf
+    from dcptool.cli import main
+    from dcptool.errors import CheckpointError
+
+    write_piece = hf.Writer.write_piece
+
+    def fail_on_rank_1(self, piece, slabs):
+        if os.environ["RANK"] == "1":
+            raise CheckpointError(f"{piece.tensor.key}: injected failure")
+        return write_piece(self, piece, slabs)
+
+    hf.Writer.write_piece = fail_on_rank_1
+    main(sys.argv[1:])
