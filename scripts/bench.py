@@ -706,16 +706,16 @@ def summarize(rows: list[Row], size: dict) -> list[dict]:
     out = []
     for r in rows:
         peaks_mb = [p / 1e6 for p in r.peaks]
-        peer = r.peer if r.peer in med else r.id
+        peer = r.peer if r.peer in med else None  # not run (--only)
         out.append({
-            "id": r.id, "name": r.name, "kind": r.kind, "peer": peer, "peer_name": by_id[peer].name,
+            "id": r.id, "name": r.name, "kind": r.kind, "peer": peer, "peer_name": by_id[peer].name if peer else None,
             "command": " ".join(r.argv if len(r.argv) < 12 else r.argv[:11] + ["..."]),
             "median_s": med[r.id], "min_s": min(r.times), "max_s": max(r.times), "times_s": r.times,
             "cpu_s": statistics.median(r.cpus), "cpus_s": r.cpus, "failed_runs": r.failures,
             "peak_mb": statistics.median(peaks_mb), "peak_mb_median": statistics.median(peaks_mb),
             "peak_mb_min": min(peaks_mb), "peak_mb_max": max(peaks_mb), "peaks_mb": peaks_mb,
             "ratio_to_cp": med[r.id] / med["cp"] if "cp" in med else float("nan"),
-            "ratio_to_peer": med[r.id] / med[peer],
+            "ratio_to_peer": med[r.id] / med[peer] if peer else None,
             **size,
         })
     return out
@@ -727,9 +727,9 @@ def table(results: list[dict]) -> str:
     for r in results:
         lines.append(
             f"| {r['name']} | {r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | "
-            f"{r['ratio_to_cp']:.2f} | {r['ratio_to_peer']:.2f} | "
+            f"{r['ratio_to_cp']:.2f} | {'-' if r['peer'] is None else format(r['ratio_to_peer'], '.2f')} | "
             f"{r['peak_mb_median']:.0f} ({r['peak_mb_min']:.0f}-{r['peak_mb_max']:.0f}) | {r['cpu_s']:.2f} | "
-            f"{'(itself)' if r['peer'] == r['id'] else r['peer_name']} |")
+            f"{'(itself)' if r['peer'] == r['id'] else r['peer_name'] or '(not run)'} |")
     return "\n".join(lines)
 
 
