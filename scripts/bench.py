@@ -569,7 +569,7 @@ class Row:
     peaks: list[int] = field(default_factory=list)
 
 
-def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path) -> list[Row]:
+def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path, small_tensors: int = 0) -> list[Row]:
     py = sys.executable
     dcptool = [py, "-m", "dcptool"]
     shape_json = json.dumps(asdict(shape))
@@ -614,9 +614,10 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
     ]
     if small is not None:
         rows += [
-            Row("inspect", "dcptool inspect (small checkpoint)", "dcptool", "peer-inspect",
+            Row("inspect", f"dcptool inspect ({small_tensors:,} tensors)", "dcptool", "peer-inspect",
                 dcptool + ["inspect", str(small)], None, [small]),
-            Row("peer-inspect", "torch FileSystemReader.read_metadata (small checkpoint)", "peer", "peer-inspect",
+            Row("peer-inspect", f"torch FileSystemReader.read_metadata ({small_tensors:,} tensors)", "peer",
+                "peer-inspect",
                 [py, str(SCRIPT), "_peer", "inspect", str(small)], None, [small]),
         ]
     # Each dcptool row next to its peer (in the table, the chart and the order of a round).
@@ -797,14 +798,18 @@ def chart(results: list[dict], main_size: str, path: Path, title: str) -> bool:
         ax.set_yticks(y)
         ax.set_yticklabels(names if ax is axes[0] else [""] * len(names), fontsize=8)
         ax.set_xlabel(f"{label}, {unit} (median, bars: min-max)")
-        for yy, v in zip(y, med):
-            ax.text(v, yy, f" {v:.1f}" if key == "s" else f" {v:.0f}", va="center", fontsize=7)
+        for yy, v, h in zip(y, med, hi):  # the median, right of the range bar
+            ax.text(v + h, yy, f" {v:.1f}" if key == "s" else f" {v:.0f}", va="center", fontsize=7)
         if key == "s":
+            from matplotlib.patches import Patch
+
+            handles = [Patch(color=c, label=k if k != "peer" else "peer (users' route today)")
+                       for k, c in COLORS.items()]
             cp = next((r["median_s"] for r in rows if r["id"] == "cp"), None)
             if cp:
-                ax.axvline(TARGET_RATIO_TO_CP * cp, color="green", ls="--", lw=1,
-                           label=f"target: {TARGET_RATIO_TO_CP}x cp -r")
-                ax.legend(fontsize=7, loc="lower right")
+                handles.append(ax.axvline(TARGET_RATIO_TO_CP * cp, color="green", ls="--", lw=1,
+                                          label=f"target: {TARGET_RATIO_TO_CP}x cp -r"))
+            ax.legend(handles=handles, fontsize=7, loc="lower right")
         else:
             ax.axvline(TARGET_PEAK_MB, color="green", ls="--", lw=1, label=f"target: {TARGET_PEAK_MB} MB")
             ax.legend(fontsize=7, loc="lower right")
@@ -913,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         outdir = work / "out"
         remove(outdir)
         outdir.mkdir()
-        rows = [r for r in make_rows(src, hf, small, shape, outdir)
+        rows = [r for r in make_rows(src, hf, small, shape, outdir, len(small_shape.tensors()) if small_shape else 0)
                 if r.id == "cp" or want is None or want.search(r.id)]
         size_info = {"size": human(target), "target_bytes": target, "size_bytes": dir_bytes(src),
                      "tensor_bytes": shape.nbytes(), "tensors": len(shape.tensors()),
