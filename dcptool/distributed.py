@@ -122,12 +122,15 @@ class Group:
             else:
                 dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
                 self._process_group = dist.group.WORLD
-            atexit.register(self._destroy)  # gloo's threads abort the interpreter's exit otherwise
+            atexit.register(self._destroy)
         return self._process_group
 
     def _destroy(self) -> None:
+        """Destroy the group while the interpreter is alive: gloo's threads, still holding the last
+        collective's tensors, abort the process if the group outlives interpreter shutdown."""
         if self.dist.is_initialized():  # unless the job already tore its groups down
             self.dist.destroy_process_group(self._process_group)
+        self._process_group = None  # the last reference: its destructor joins gloo's threads now
 
     def job_store(self, index: int):
         return self.dist.PrefixStore(f"job{index}", self.store)
