@@ -5,6 +5,13 @@ dtype) and asks the writer how it lays them out: an ordered list of ``Piece`` re
 fills each piece slab by slab, every slab assembled from the source chunks it overlaps, through
 two buffers of fixed size that are reused for the whole run.
 
+A writer (``converters/<format>.py``) has ``plan(tensors, objects)`` (the pieces, in order),
+``files()`` (every output file with its planned bytes), ``file_of(piece)``, ``write_piece(piece,
+slabs)``, ``finish_files(objects, files)`` (completes the files this process wrote and returns what
+the index needs from them) and ``finish_index(objects, records)`` (metadata or index from every
+writer's records; returns the entries the format cannot hold). Under torchrun each rank writes only
+its files and rank 0 the index (``dcptool.distributed``); one process writes everything.
+
 >>> report = convert_checkpoint("step-100", "out-hf", to="hf", dtype="bfloat16")   # doctest: +SKIP
 >>> report.tensors, report.bytes_written, report.left_out                             # doctest: +SKIP
 (291, 16060522496, ['optimizer.param_groups', 'lr_scheduler'])

@@ -191,11 +191,13 @@ class OneProcess:
 class Ranks:
     """One write shared by the ranks of a torchrun job; every rank makes the same calls in the same order.
 
-    >>> ranks = Ranks(join(), progress)                                          # doctest: +SKIP
-    >>> with ranks.output(Path("out"), overwrite=False, is_dir=True) as temporary:   # doctest: +SKIP
-    ...     mine = ranks.my_files({"a": 10, "b": 6})      # the files this rank writes
-    ...     records = ranks.gather(my_records)             # rank 0: every rank's; others: None
-    >>> ranks.from_rank_zero(left_out)                     # doctest: +SKIP
+    ``convert.write_checkpoint`` drives it (``OneProcess`` has the same methods, for one process)::
+
+        with ranks.output(destination, overwrite, is_dir=True) as temporary:   # made by rank 0
+            mine = ranks.my_files(writer.files())          # this rank's share of the files
+            ...                                            # write them, slabs through ranks.watch
+            every_rank = ranks.gather(records)             # rank 0: every rank's records; others: None
+        left_out = ranks.from_rank_zero(left_out)          # once the output is in place
     """
 
     def __init__(self, group: Group, progress: Callable[[int], None] | None = None):
