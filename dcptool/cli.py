@@ -547,6 +547,12 @@ def _print_checksum(result: checksums.Result) -> None:
         print(f"{result.path}: {result.tensors} tensors match {result.manifest}")
 
 
+# typer >= 0.29 runs on its own copy of click: catch the usage errors of both.
+CLICK_ERRORS = tuple({click.exceptions.ClickException,
+                      next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
+CLICK_ABORTS = tuple({click.exceptions.Abort, typer.Abort})
+
+
 def main(argv: list[str] | None = None) -> None:
     from dcptool import distributed
 
@@ -555,10 +561,10 @@ def main(argv: list[str] | None = None) -> None:
     error = None
     try:
         code = command.main(args=argv, prog_name="dcptool", standalone_mode=False)
-    except click.exceptions.ClickException as exc:
+    except CLICK_ERRORS as exc:
         exc.show()
         code = exc.exit_code
-    except click.exceptions.Abort:
+    except CLICK_ABORTS:
         code = 130
     except (DcptoolError, OSError) as exc:
         if _state["debug"]:

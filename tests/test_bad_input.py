@@ -149,3 +149,9 @@ def test_pickled_bytes_are_read_but_codecs_is_not_a_way_in():
 
     with pytest.raises(CheckpointError, match="is not bytes as pickled by torch"):
         safe_pickle.load_bytes(pickle.dumps(OtherCodec(), protocol=2), "x")
+
+
+def test_unknown_option_is_a_usage_error(tmp_path):
+    result = dcptool("inspect", tmp_path, "--no-such-option", check=False)
+    assert result.returncode == 2
+    assert "No such option: --no-such-option" in result.stderr and "Traceback" not in result.stderr
