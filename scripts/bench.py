@@ -821,13 +821,14 @@ def chart(results: list[dict], main_size: str, path: Path, title: str) -> bool:
             if "nofsync" in rid or rid in ("inspect", "peer-inspect"):
                 continue
             kind = series[0][2]
-            ax.plot([s[0] / 1e9 for s in series], [s[1] for s in series], marker="o",
-                    ls="-" if kind == "dcptool" else ":", label=series[0][3], lw=1)
-        ax.axhline(TARGET_PEAK_MB, color="green", ls="--", lw=1)
+            ax.plot([s[0] / 1e9 for s in series], [s[1] for s in series], marker="o" if kind == "dcptool" else "s",
+                    ls="-" if kind == "dcptool" else ":", label=series[0][3], lw=1.2)
+        ax.axhline(TARGET_PEAK_MB, color="green", ls="--", lw=1, label=f"target: {TARGET_PEAK_MB} MB")
+        ax.set_yscale("log")
         ax.set_xlabel("checkpoint size, GB")
-        ax.set_ylabel("peak memory, MB")
-        ax.set_title("peak memory vs checkpoint size", fontsize=9)
-        ax.legend(fontsize=6)
+        ax.set_ylabel("peak memory, MB (log scale)")
+        ax.set_title("peak memory vs checkpoint size (solid: dcptool, dotted: peers)", fontsize=9)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -838,6 +839,13 @@ def chart(results: list[dict], main_size: str, path: Path, title: str) -> bool:
 # ---------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------
+
+
+def chart_title(settings: dict, machine: dict) -> str:
+    mesh = settings["mesh"]
+    return (f"dcptool bench: {settings['main_size']} {settings['model']} bf16 checkpoint (dp={mesh['dp']}, "
+            f"tp={mesh['tp']}), {machine['cpu_count']} CPUs, {machine.get('memory_gb', '?')} GB; warm cache, "
+            f"{settings['rounds']} round(s)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -865,6 +873,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with the same shape and mesh are reused")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints in the work folder afterwards")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: redraw OUT/bench.png from OUT/results.json")
     args = p.parse_args(argv)
     if args.dp * args.tp != 4:
         p.error("the reshard peers run 4 processes: use a 4-rank source mesh (dp*tp == 4)")
@@ -875,6 +885,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.out.resolve()
+    if args.replot:
+        report = json.loads((out / "results.json").read_text())
+        settings, machine = report["settings"], report["machine"]
+        drew = chart(report["rows"], settings["main_size"], out / "bench.png", chart_title(settings, machine))
+        return 0 if drew else 1
     work: Path = (args.work or out / "work").resolve()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -986,9 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets of issue 5:")
     for t in report["targets"]:
         print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['value']}")
-    title = (f"dcptool bench: {main_size} {args.model} bf16 checkpoint (dp={args.dp}, tp={args.tp}), "
-             f"{machine['cpu_count']} CPUs, {machine.get('memory_gb', '?')} GB; warm cache, {args.rounds} round(s)")
-    drew = chart(results, main_size, out / "bench.png", title)
+    drew = chart(results, main_size, out / "bench.png", chart_title(report["settings"], machine))
     print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}" + (f", {out / 'bench.png'}" if drew else ""))
     return 0
 
