@@ -71,6 +71,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -580,16 +581,16 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
         label = " --no-fsync" if fsync else ""
         rows += [
             Row(f"export-hf{fsync}", f"dcptool export-hf{label}", "dcptool", "peer-export-hf",
-                dcptool + ["export-hf", str(src), str(outdir / "hf")] + extra, outdir / "hf", [src]),
+                dcptool + ["export-hf", str(src), str(outdir / f"hf{fsync}")] + extra, outdir / f"hf{fsync}", [src]),
             Row(f"convert-torch{fsync}", f"dcptool convert --to torch{label}", "dcptool", "peer-torch-save",
-                dcptool + ["convert", str(src), str(outdir / "model.pt"), "--to", "torch"] + extra,
-                outdir / "model.pt", [src]),
+                dcptool + ["convert", str(src), str(outdir / f"model{fsync}.pt"), "--to", "torch"] + extra,
+                outdir / f"model{fsync}.pt", [src]),
             Row(f"reshard-dp4{fsync}", f"dcptool reshard --dp 4 --tp 1{label}", "dcptool", "peer-reshard-dp4",
-                dcptool + ["reshard", str(src), str(outdir / "dp4"), "--dp", "4", "--tp", "1"] + extra,
-                outdir / "dp4", [src]),
+                dcptool + ["reshard", str(src), str(outdir / f"dp4{fsync}"), "--dp", "4", "--tp", "1"] + extra,
+                outdir / f"dp4{fsync}", [src]),
             Row(f"reshard-tp4{fsync}", f"dcptool reshard --dp 1 --tp 4{label}", "dcptool", "peer-reshard-tp4",
-                dcptool + ["reshard", str(src), str(outdir / "tp4"), "--dp", "1", "--tp", "4"] + extra,
-                outdir / "tp4", [src]),
+                dcptool + ["reshard", str(src), str(outdir / f"tp4{fsync}"), "--dp", "1", "--tp", "4"] + extra,
+                outdir / f"tp4{fsync}", [src]),
         ]
     manifest = outdir / "manifest.json"
     rows += [
@@ -848,6 +849,34 @@ def chart_title(settings: dict, machine: dict) -> str:
             f"{settings['rounds']} round(s)")
 
 
+def run_row(row: Row, rnd: int, args, logs: Path, size: str) -> None:
+    """One timed run of a row, warm cache; its output is removed before and after."""
+    log = logs / f"{row.id}-{size}-r{rnd}.log"
+    for attempt in (0, 1):
+        if row.output is not None:
+            remove(row.output)
+        warm(row.inputs)
+        if args.jobs == 1:
+            os.sync()  # no writeback of the previous row's output during this one
+        secs, cpu, peak, rc = measure(row.argv, log, args.timeout)
+        if rc == 0 or row.kind == "dcptool" or attempt == 1:
+            break
+        row.failures += 1  # the users' routes get one more try (counted in the JSON)
+        failed = log.with_name(log.stem + "-failed.log")
+        log.rename(failed)
+        print(f"  {row.name} failed (exit {rc}, see {failed}); running it once more", flush=True)
+    if rc != 0:
+        print(f"{row.name} failed (exit {rc}): {' '.join(row.argv)}\n{tail(log)}", file=sys.stderr, flush=True)
+        os._exit(1)  # also from a --jobs worker thread
+    row.times.append(secs)
+    row.cpus.append(cpu)
+    row.peaks.append(peak)
+    print(f"  round {rnd + 1}/{args.rounds}  {row.name:58s} {secs:7.2f}s  (CPU {cpu:6.2f}s)  {peak / 1e6:7.0f} MB",
+          flush=True)
+    if row.output is not None:
+        remove(row.output)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -873,6 +902,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with the same shape and mesh are reused")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints in the work folder afterwards")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="rows run at the same time (default 1). Above 1 the timings and peaks disturb each "
+                        "other: only for smoke tests")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: redraw OUT/bench.png from OUT/results.json")
     args = p.parse_args(argv)
@@ -903,6 +935,9 @@ def main(argv: list[str] | None = None) -> int:
         "(shared libraries count once per process: torchrun rows count torch 5 times)",
         f"order of rows reversed every other round; {args.rounds} round(s)",
     ]
+    if args.jobs > 1:
+        notes.append(f"--jobs {args.jobs}: rows ran {args.jobs} at a time, so times and peaks disturb each other "
+                     "(a smoke test, not a measurement)")
     print(f"machine: {machine.get('cpu_model', '?')}, {machine['cpu_count']} CPUs, "
           f"{machine.get('memory_gb', '?')} GB, Python {machine['python']}, torch {machine.get('torch', '?')}, "
           f"load average {machine['load_average_at_start'][0]:.1f}")
@@ -942,34 +977,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  checkpoint {src}: {human(size_info['size_bytes'])} in {size_info['files']} files", flush=True)
         for rnd in range(args.rounds):
             order = rows if rnd % 2 == 0 else rows[::-1]
-            for row in order:
-                if row.output is not None:
-                    remove(row.output)
-                warm(row.inputs)
-                os.sync()
-                log = logs / f"{row.id}-{human(target)}-r{rnd}.log"
-                secs, cpu, peak, rc = measure(row.argv, log, args.timeout)
-                if rc != 0 and row.kind != "dcptool":  # the users' routes get one more try (noted in the JSON)
-                    row.failures += 1
-                    failed = log.with_name(log.stem + "-failed.log")
-                    log.rename(failed)
-                    print(f"  {row.name} failed (exit {rc}, see {failed}); running it once more", flush=True)
-                    if row.output is not None:
-                        remove(row.output)
-                    warm(row.inputs)
-                    os.sync()
-                    secs, cpu, peak, rc = measure(row.argv, log, args.timeout)
-                if rc != 0:
-                    sys.exit(f"{row.name} failed (exit {rc}): {' '.join(row.argv)}\n{tail(log)}")
-                row.times.append(secs)
-                row.cpus.append(cpu)
-                row.peaks.append(peak)
-                print(f"  round {rnd + 1}/{args.rounds}  {row.name:58s} {secs:7.2f}s  (CPU {cpu:6.2f}s)  "
-                      f"{peak / 1e6:7.0f} MB",
-                      flush=True)
-                if row.output is not None:
-                    remove(row.output)
-                os.sync()
+            if args.jobs > 1:
+                with ThreadPoolExecutor(args.jobs) as pool:
+                    list(pool.map(lambda row: run_row(row, rnd, args, logs, human(target)), order))
+            else:
+                for row in order:
+                    run_row(row, rnd, args, logs, human(target))
         results += summarize(rows, size_info)
         if not args.keep:
             for path in (src, Path(f"{src}.done"), hf, Path(f"{hf}.done")):
