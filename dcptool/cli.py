@@ -580,4 +580,5 @@ def main(argv: list[str] | None = None) -> None:
         code, error = 1, exc
     code = code if isinstance(code, int) else 0
     distributed.leave(code, error)
+    del error  # its traceback holds a failed writer's open files: close them now, not during interpreter shutdown
     sys.exit(code)
