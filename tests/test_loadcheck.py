@@ -17,8 +17,11 @@ from conftest import dcptool
 
 
 def test_loads_on_the_saving_mesh_and_on_others(checkpoints):
-    source, _ = checkpoints("fsdp2_dp2_tp2")
-    for mesh, ranks in (("dp=2,tp=2", 4), ("dp=4", 4), ("dp=1,tp=2", 2)):
+    """FSDP2 + TP (dp=2, tp=2) and FSDP2 (dp=2) checkpoints, on their own meshes and on others."""
+    dense_tp, _ = checkpoints("fsdp2_dp2_tp2")
+    dense, _ = checkpoints("fsdp2_dp2")
+    for source, mesh, ranks in ((dense_tp, "dp=2,tp=2", 4), (dense_tp, "dp=4", 4), (dense_tp, "dp=1,tp=2", 2),
+                                (dense, "dp=2", 2)):
         report = json.loads(dcptool("verify", source, "--load-on", mesh, "--json").stdout)
         assert report["ok"] and report["backend"] == "gloo" and report["nproc"] == ranks, report
         assert [r["tensors"] for r in report["ranks"]] == [84] * ranks
