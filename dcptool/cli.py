@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from dcptool import convert, dtypes, formats, reshard as resharding
-from dcptool.errors import DcptoolError, UsageError
+from dcptool import checksum as checksums, convert, dtypes, formats, reshard as resharding, verify as verification
+from dcptool.errors import DcptoolError, MismatchError, UsageError
 
 app = typer.Typer(
     name="dcptool",
-    help="Inspect, convert and verify PyTorch distributed checkpoints offline: DCP, FSDP1, torch.save, HF safetensors.",
+    help="Inspect, convert, reshard and verify PyTorch distributed checkpoints offline: DCP, FSDP1, torch.save, HF safetensors.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
@@ -371,8 +371,6 @@ def import_hf(
 
 
 # verify and checksum: integrity checks (exit 1 when something differs).
-from dcptool import checksum as checksums, verify as verification  # noqa: E402
-from dcptool.errors import MismatchError  # noqa: E402
 
 PrefixHelp = "Compare only keys under this wrapper of {side}, with it stripped (e.g. 'dcp.model'); 'auto' finds the model part as export-hf does."
 JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same).")
