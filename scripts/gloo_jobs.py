@@ -1362,4 +1362,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # gloo's threads can abort the interpreter's teardown ("terminate called without an active
+    # exception", SIGABRT) at random; everything is written and flushed by now, so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
