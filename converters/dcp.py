@@ -61,7 +61,8 @@ def read(path: Path) -> Checkpoint:
             for chunk in entry.chunks:
                 offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
                 info = _storage_info(storage, key, offsets, where)
-                chunks.append(Chunk(offsets, sizes, info.relative_path, info.offset, info.length, "torch-archive"))
+                chunks.append(Chunk(offsets, sizes, info.relative_path, info.offset, info.length, "torch-archive",
+                                    rank=saving_rank(info.relative_path)))
             tensors[key] = TensorInfo(nested, _dtype_of(entry.properties, key, where), tuple(entry.size), chunks)
         else:
             raise CheckpointError(f"{where}: {key}: unknown entry type {kind}")

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from dcptool import checksum as checksums, convert, dtypes, formats, reshard as resharding, verify as verification
 from dcptool.errors import DcptoolError, MismatchError, UsageError
+from dcptool.storage import parse_size
 
 app = typer.Typer(
     name="dcptool",
@@ -30,15 +31,10 @@ _state = {"debug": False, "quiet": False}
 
 
 def _size(text: str) -> int:
-    """Parse ``256MB``, ``5GB``, ``1GiB`` or a number of bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    cleaned = text.strip().upper()
-    number = cleaned.rstrip("KMGTIB")
     try:
-        return int(float(number) * units[cleaned[len(number):]])
-    except (ValueError, KeyError):
-        raise typer.BadParameter(f"{text!r} is not a size such as 256MB or 5GB") from None
+        return parse_size(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 FromOption = typer.Option(None, "--from", help=f"Source format (detected when omitted): {', '.join(formats.names())}.")
@@ -116,7 +112,8 @@ def inspect(
     checkpoint = formats.open_checkpoint(path, source_format)
     files = checkpoint.data_files()
     disk = sum(checkpoint.files.size(f) for f in files)
-    inferred = resharding.infer_mesh(checkpoint) if checkpoint.format == "dcp" else None
+    ranks_recorded = any(c.rank is not None for t in checkpoint.tensors.values() for c in t.chunks)
+    inferred = resharding.infer_mesh(checkpoint) if ranks_recorded else None
     if as_json:
         report = {
             "format": checkpoint.format,
@@ -146,7 +143,7 @@ def inspect(
             console.print(f"{key}: {value}")
     if inferred:
         console.print(f"saved on mesh {inferred[0].describe()} (plan {inferred[1].name})")
-    elif checkpoint.format == "dcp":
+    elif ranks_recorded:
         console.print("saved on a mesh no built-in plan reproduces")
 
 
@@ -232,12 +229,12 @@ ConfigDirOption = typer.Option(None, "--config-dir", help="Folder with the model
 DryRunOption = typer.Option(False, "--dry-run", help="Print the plan and its problems; write nothing.")
 
 
-def _etp(value: str, tp: int) -> int:
-    if value == "tp":
-        return tp
-    if not value.isdigit():
-        raise UsageError(f"--etp {value}: give 1 or tp")
-    return int(value)
+def _mesh_options(dp, tp, ep, etp: str, cp, dp_replicate, world_size) -> dict:
+    """The mesh sizes as reshard.resolve_mesh takes them; ``--etp tp`` means the tp degree."""
+    if etp != "tp" and not etp.isdigit():
+        raise UsageError(f"--etp {etp}: give 1 or tp")
+    return {"dp": dp, "tp": tp, "ep": ep, "etp": tp if etp == "tp" else int(etp), "cp": cp,
+            "dp_replicate": dp_replicate, "world_size": world_size}
 
 
 def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
@@ -320,8 +317,7 @@ def reshard(
       [cyan]dcptool reshard global_step_10/actor fsdp1-w8 --to fsdp1 --world-size 8[/cyan]
     """
     _check_dtype(dtype)
-    mesh_options = {"dp": dp, "tp": tp, "ep": ep, "etp": _etp(etp, tp), "cp": cp, "dp_replicate": dp_replicate,
-                    "world_size": world_size}
+    mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if to == "fsdp1":
         checkpoint = formats.open_checkpoint(source, source_format)
         mesh = resharding.resolve_mesh(checkpoint, **mesh_options)
@@ -362,8 +358,7 @@ def import_hf(
       [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-dcp --dp 8 --tp 2 --ep 8 --etp 1[/cyan]
     """
     _check_dtype(dtype)
-    mesh_options = {"dp": dp, "tp": tp, "ep": ep, "etp": _etp(etp, tp), "cp": cp, "dp_replicate": dp_replicate,
-                    "world_size": world_size}
+    mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if config_dir is None and (source / "config.json").is_file():
         config_dir = source
     _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,

@@ -93,12 +93,13 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: Path | None = None, pr
     if not named:
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with --prefix)")
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    if config_dir is not None and _read_config(Path(config_dir)).get("tie_word_embeddings"):
+    if config_dir is not None and read_config(Path(config_dir)).get("tie_word_embeddings"):
         named.pop("lm_head.weight", None)
     return out_tensors(named, dtype, keep_paths=False), config_dir
 
 
-def _read_config(config_dir: Path) -> dict:
+def read_config(config_dir: Path) -> dict:
+    """The ``config.json`` of a model folder; a missing or broken file is a usage error naming it."""
     try:
         return json.loads((config_dir / "config.json").read_text())
     except FileNotFoundError:

@@ -42,6 +42,7 @@ class Chunk:
     length: int
     encoding: str = "raw"
     strides: tuple[int, ...] | None = None
+    rank: int | None = None  # the rank whose file holds it, where the format records one (DCP)
 
     @property
     def numel(self) -> int:

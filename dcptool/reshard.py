@@ -13,14 +13,13 @@ conversion with the DCP writer putting each chunk in its rank's file.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dcptool import dtypes, formats, plans
-from dcptool.convert import Report, entries_for, model_part, write_checkpoint
+from dcptool.convert import Report, entries_for, model_part, read_config, write_checkpoint
 from dcptool.core import Checkpoint, OutObject, OutTensor
 from dcptool.errors import UsageError
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
@@ -235,12 +234,7 @@ def _config_problems(config_dir: Path | None, mesh: Mesh) -> list[str]:
     if config_dir is None:
         return []
     path = Path(config_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's config)") from None
-    except ValueError as exc:
-        raise UsageError(f"{path}: not valid JSON ({exc})") from None
+    config = read_config(Path(config_dir))
     config = config.get("text_config", config)  # multimodal configs nest the language model's
     problems = []
     for setting, fields, what in CONFIG_DIVISORS:
@@ -311,14 +305,12 @@ def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
 
     Context parallelism looks like data parallelism on disk, so it is reported as dp.
     """
-    from converters.dcp import saving_rank
-
     world = checkpoint.info.get("world_size")
     params = model_part(checkpoint)
     if not world or not params:
         return None
     plan = plans.choose("auto", list(params))
-    saved = {name: {(c.offsets, c.sizes): saving_rank(c.file) for c in info.chunks} for name, info in params.items()}
+    saved = {name: {(c.offsets, c.sizes): c.rank for c in info.chunks} for name, info in params.items()}
     experts = {info.shape[0] for name, info in params.items() if (plan.rule_for(name) or DEFAULT_RULE).experts}
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     candidates = [Mesh(dp=world // (r * t), tp=t, ep=e, etp=et, dp_replicate=r)

@@ -164,3 +164,21 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
         path.unlink()
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``256MB``, ``5GB`` (decimal, as the hub counts), ``1GiB`` or a plain number; ValueError otherwise.
+
+    >>> parse_size("5GB"), parse_size("1GiB"), parse_size("4096")
+    (5000000000, 1073741824, 4096)
+    """
+    cleaned = text.strip().upper()
+    number = cleaned.rstrip("KMGTIB")
+    try:
+        return int(float(number) * _SIZE_UNITS[cleaned[len(number):]])
+    except (ValueError, KeyError):
+        raise ValueError(f"{text!r} is not a size such as 256MB or 5GB") from None

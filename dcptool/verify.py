@@ -396,7 +396,7 @@ def _writer_options(checkpoint: Checkpoint, to: str) -> dict:
     """fsdp1 is written for the source's own world size where it records one, else for 2 ranks."""
     if to != "fsdp1":
         return {}
-    return {"world_size": checkpoint.info.get("world_size") or checkpoint.info.get("saving_ranks") or 2}
+    return {"world_size": checkpoint.info.get("world_size") or 2}
 
 
 def _output_path(folder: Path, name: str, to: str) -> Path:

@@ -77,8 +77,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 SAMPLE_S = 0.02  # RSS sampling period
 
 # Targets of issue 5 (on a 2 GB checkpoint on the 2-core CI machine).
@@ -88,13 +86,13 @@ TARGET_INSPECT_S = 1.0
 
 
 def parse_size(text: str) -> int:
-    """``2GB`` (10**9), ``512MB``, ``1GiB`` (2**30) or a number of bytes."""
-    cleaned = text.strip().upper()
-    number = cleaned.rstrip("KMGTIB")
+    """``2GB`` (10**9), ``512MB``, ``1GiB`` (2**30) or a number of bytes: dcptool's own size rule."""
+    from dcptool.storage import parse_size as parse_bytes
+
     try:
-        return int(float(number) * UNITS[cleaned[len(number):]])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512MB or 2GB") from None
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def human(n: float) -> str:
