@@ -14,8 +14,9 @@ from pathlib import Path
 from dcptool import safe_pickle
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo
 from dcptool.errors import CheckpointError
-from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import ArchiveWriter, Global, Reduced, StorageOut, TensorOut, dumps, new_object, torch_size
+from dcptool.storage import CheckpointFiles, OutputFiles
+from dcptool.torch_archive import (ArchiveLayout, Global, Reduced, StorageOut, TensorOut, archive_bytes, dumps,
+                                   new_object, torch_size)
 
 NAME = "dcp"
 WRITES_FOLDER = True
@@ -112,13 +113,17 @@ class Writer:
     went, ``(key, offsets) -> (file, offset, length)``, which ``finish_index`` turns into ``.metadata``.
     """
 
+    NEEDS_CRC = True
+
     def __init__(self, folder: Path, layout=None, world_size: int = 1):
         self.folder = folder
+        self.out = OutputFiles(folder)
         self.world_size = world_size
         self.layout = layout or (lambda t: [(tuple(0 for _ in t.shape), tuple(t.shape), 0)])
         self._rank_of: dict = {}
+        # (key, offsets) -> (file, offset, length) of every chunk's record, fixed by the plan.
         self._records: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-        self._streams: dict[int, object] = {}
+        self._data_start: dict[Piece, int] = {}
 
     def plan(self, tensors, objects):
         pieces = []
@@ -128,53 +133,51 @@ class Writer:
                 self._rank_of[piece] = rank
                 pieces.append(piece)
         pieces.sort(key=lambda p: self._rank_of[p])  # one file at a time
+        self._ends: dict[int, int] = {}
+        for piece in pieces:
+            rank = self._rank_of[piece]
+            start = self._ends.get(rank, 0)
+            _, data_start, length = _chunk_archive(piece)
+            self._records[(piece.tensor.key, piece.offsets)] = (data_file(rank), start, length)
+            self._data_start[piece] = start + data_start
+            self._ends[rank] = start + length
         self.tensors, self.pieces = tensors, pieces
         return pieces
 
-    def file_of(self, piece) -> str:
-        return data_file(self._rank_of[piece])
+    def place(self, piece) -> tuple[str, int]:
+        return data_file(self._rank_of[piece]), self._data_start[piece]
 
     def files(self) -> dict[str, int]:
         """Every data file with the tensor bytes planned for it."""
         sizes = {data_file(rank): 0 for rank in range(self.world_size)}
         for piece in self.pieces:
-            name = self.file_of(piece)
+            name = data_file(self._rank_of[piece])
             sizes[name] = sizes.get(name, 0) + piece.nbytes
         return sizes
 
-    def _stream(self, rank: int):
-        if rank not in self._streams:
-            self._streams[rank] = open(self.folder / data_file(rank), "wb")
-        return self._streams[rank]
-
-    def _append(self, rank: int, key: str, offsets, write) -> None:
-        """Append one record to rank's file with ``write(stream)`` and remember where it went."""
-        stream = self._stream(rank)
-        start = stream.tell()
-        write(stream)
-        self._records[(key, offsets)] = (data_file(rank), start, stream.tell() - start)
-
-    def write_piece(self, piece, slabs) -> None:
-        storage = StorageOut("0", piece.tensor.dtype, math.prod(piece.sizes))
-
-        def write(stream):
-            archive = ArchiveWriter(stream)
-            archive.add_pickle(TensorOut(storage, piece.sizes))
-            archive.add_storage(storage, slabs)
-            archive.close()
-
-        self._append(self._rank_of[piece], piece.tensor.key, piece.offsets, write)
-
-    def finish_files(self, objects, files: set[str]) -> dict:
-        """Complete ``files`` (the objects go into rank 0's); returns where this writer put each record."""
+    def finish_files(self, objects, files: set[str], crcs) -> dict:
+        """Complete ``files`` (the objects go at the end of rank 0's); returns where each record of them is."""
+        records = {}
+        for piece in self.pieces:
+            where = self._records[(piece.tensor.key, piece.offsets)]
+            file, start, _ = where
+            if file in files:
+                archive, _, _ = _chunk_archive(piece)  # made again: holding every chunk's layout costs memory
+                for offset, data in archive.segments({"0": crcs[piece]}):
+                    self.out.write_at(file, start + offset, data)
+                records[(piece.tensor.key, piece.offsets)] = where
         if data_file(0) in files:
+            end = self._ends.get(0, 0)
             for obj in objects:
-                self._append(0, obj.key, None, lambda stream, obj=obj: _write_object(stream, obj))
+                blob = obj.blob()  # copied as is when the source stores it as an archive
+                if blob is None:
+                    blob = archive_bytes(obj.value())
+                self.out.write_at(data_file(0), end, blob)
+                records[(obj.key, None)] = (data_file(0), end, len(blob))
+                end += len(blob)
         for name in files:
-            self._stream(saving_rank(name))
-        for stream in self._streams.values():
-            stream.close()
-        return self._records
+            self.out.fd(name)  # every rank's file exists, even an empty one
+        return records
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Write ``.metadata`` from the records of every writer."""
@@ -217,12 +220,9 @@ class Writer:
             "storage_meta": None, "version": "1.0.0"})
 
 
-def _write_object(stream, obj) -> None:
-    """A non-tensor entry is a torch.save archive of its value: copied as is when the source has one."""
-    blob = obj.blob()
-    if blob is not None:
-        stream.write(blob)
-        return
-    archive = ArchiveWriter(stream)
-    archive.add_pickle(obj.value())
-    archive.close()
+def _chunk_archive(piece: Piece) -> tuple[ArchiveLayout, int, int]:
+    """The archive of one chunk record, where its bytes start in it, and its length."""
+    storage = StorageOut("0", piece.tensor.dtype, math.prod(piece.sizes))
+    archive = ArchiveLayout(TensorOut(storage, piece.sizes))
+    data_start = archive.add_storage("0", piece.nbytes)
+    return archive, data_start, archive.close()

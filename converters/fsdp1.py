@@ -37,8 +37,9 @@ from typing import Any
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import SubclassRef, TensorRef
-from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, ArchiveWriter, Global, Reduced, StorageOut, TensorOut, new_object, row_major, torch_size
+from dcptool.storage import CheckpointFiles, OutputFiles
+from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, new_object, row_major,
+                                   torch_size)
 from converters.torch_save import flatten, nest
 
 NAME = "fsdp1"
@@ -347,17 +348,18 @@ class Writer:
     Each file is its pickle first and its storages streamed after it; the files are independent.
     """
 
+    NEEDS_CRC = True
+
     def __init__(self, folder: Path, world_size: int = 1, replicate: str | None = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise UsageError(f"fsdp1 world_size must be a positive integer, not {world_size!r}")
         self.folder, self.world_size = Path(folder), world_size
+        self.out = OutputFiles(folder)
         self.replicate = re.compile(replicate) if replicate else None
         self._storage_of: dict[RankPiece, StorageOut] = {}
-        self._pickles: list[dict] = []
         self._storages: list[list] = []
-        self._rank: int | None = None  # whose file is open
-        self._written: set[int] = set()
-        self._stream = self._archive = None
+        self._archives: list[ArchiveLayout] = []
+        self._start: dict[RankPiece, int] = {}
 
     def _replicated(self, tensor) -> bool:
         return not tensor.shape or bool(self.replicate and self.replicate.search(tensor.key))
@@ -366,6 +368,7 @@ class Writer:
         pieces = []
         for rank in range(self.world_size):
             entries: dict[str, Any] = {}
+            rank_pieces = []
             for tensor in tensors:
                 if tensor.key in entries:
                     raise UsageError(f"{tensor.key}: two entries have this key")
@@ -384,22 +387,27 @@ class Writer:
                     local = TensorOut(storage, piece.sizes) if piece else None
                     entries[tensor.key] = sharded_tensor(tensor.dtype, tensor.shape, rank, self.world_size, local)
                 if piece is not None:
-                    pieces.append(piece)
+                    rank_pieces.append(piece)
                     self._storage_of[piece] = storage
             # Tensors stay under their flat state-dict keys; objects go back under their nested paths.
             nested = {(key,): value for key, value in entries.items()}
             nested |= {obj.path: obj.value() for obj in objects}
-            self._pickles.append(nest(nested))
+            archive = ArchiveLayout(nest(nested), file_name("model", self.world_size, rank)[: -len(".pt")])
+            for piece in rank_pieces:
+                self._start[piece] = archive.add_storage(self._storage_of[piece].key, piece.nbytes)
+            archive.close()
+            self._archives.append(archive)
+            pieces += rank_pieces
         return pieces
 
-    def file_of(self, piece: RankPiece) -> str:
-        return file_name("model", self.world_size, piece.rank)
+    def place(self, piece: RankPiece) -> tuple[str, int]:
+        return file_name("model", self.world_size, piece.rank), self._start[piece]
 
     def files(self) -> dict[str, int]:
         """Every rank's model file with the tensor bytes planned for it."""
         sizes = {file_name("model", self.world_size, rank): 0 for rank in range(self.world_size)}
         for piece in self._storage_of:
-            sizes[self.file_of(piece)] += piece.nbytes
+            sizes[file_name("model", self.world_size, piece.rank)] += piece.nbytes
         return sizes
 
     def _storage(self, rank: int, dtype: str, sizes) -> StorageOut:
@@ -409,33 +417,14 @@ class Writer:
         self._storages[rank].append(storage)
         return storage
 
-    def _open(self, rank: int) -> None:
-        self._close()
-        name = file_name("model", self.world_size, rank)
-        self._stream = open(self.folder / name, "wb")
-        self._archive = ArchiveWriter(self._stream, name[: -len(".pt")])
-        self._archive.add_pickle(self._pickles[rank])
-        self._rank = rank
-        self._written.add(rank)
-
-    def _close(self) -> None:
-        if self._archive is not None:
-            self._archive.close()
-            self._stream.close()
-            self._stream = self._archive = None
-
-    def write_piece(self, piece: RankPiece, slabs) -> None:
-        if piece.rank != self._rank:
-            self._open(piece.rank)
-        self._archive.add_storage(self._storage_of[piece], slabs)
-
-    def finish_files(self, objects, files: set[str]) -> dict:
-        """Complete ``files``, writing those that hold no storage (pickle only); nothing to report."""
-        self._close()
-        for rank in range(self.world_size):
-            if rank not in self._written and file_name("model", self.world_size, rank) in files:
-                self._open(rank)
-                self._close()
+    def finish_files(self, objects, files: set[str], crcs) -> dict:
+        """Write everything but the storage bytes into ``files``; nothing to report."""
+        for rank, archive in enumerate(self._archives):
+            name = file_name("model", self.world_size, rank)
+            if name in files:
+                by_storage = {self._storage_of[p].key: crc for p, crc in crcs.items() if p.rank == rank}
+                for offset, data in archive.segments(by_storage):
+                    self.out.write_at(name, offset, data)
         return {}
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:

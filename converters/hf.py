@@ -18,7 +18,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
-from dcptool.storage import CheckpointFiles
+from dcptool.storage import CheckpointFiles, OutputFiles
 
 NAME = "hf"
 WRITES_FOLDER = True
@@ -112,13 +112,17 @@ def _header(tensors) -> bytes:
 
 
 class Writer:
-    """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order)."""
+    """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order).
+
+    Each shard is its header, then its tensors' bytes in header order; no CRC is needed.
+    """
+
+    NEEDS_CRC = False
 
     def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: Path | None = None):
         self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
-        self._file_of: dict[str, str] = {}
-        self._open_name: str | None = None
-        self._stream = None
+        self.out = OutputFiles(folder)
+        self._place: dict[str, tuple[str, int]] = {}
 
     def plan(self, tensors, objects):
         by_key = {t.key: t for t in tensors}
@@ -129,46 +133,35 @@ class Writer:
             max_shard_size=self.max_shard_size,
         )
         self.split = split
-        pieces = []
-        for filename, keys in split.filename_to_tensors.items():
-            for key in keys:
-                self._file_of[key] = filename
-            pieces += [_whole(by_key[k]) for k in keys]
         self._tensors_of = {f: [by_key[k] for k in keys] for f, keys in split.filename_to_tensors.items()}
+        pieces = []
+        for filename, shard in self._tensors_of.items():
+            offset = len(_header(shard))
+            for tensor in shard:
+                self._place[tensor.key] = (filename, offset)
+                offset += tensor.nbytes
+            pieces += [_whole(tensor) for tensor in shard]
         return pieces
 
-    def file_of(self, piece) -> str:
-        return self._file_of[piece.tensor.key]
+    def place(self, piece) -> tuple[str, int]:
+        return self._place[piece.tensor.key]
 
     def files(self) -> dict[str, int]:
         """Every shard file with the tensor bytes planned for it."""
         return {name: sum(t.nbytes for t in tensors) for name, tensors in self._tensors_of.items()}
 
-    def write_piece(self, piece, slabs) -> None:
-        filename = self.file_of(piece)
-        if filename != self._open_name:
-            self._close_file()
-            self._stream = open(self.folder / filename, "wb")
-            self._stream.write(_header(self._tensors_of[filename]))
-            self._open_name = filename
-        for slab in slabs:
-            self._stream.write(slab)
-
-    def _close_file(self) -> None:
-        if self._stream:
-            self._stream.close()
-            self._stream = None
-
-    def finish_files(self, objects, files: set[str]) -> dict:
-        """Close the last shard; the plan alone says which tensors went where, so there is nothing to report."""
-        self._close_file()
+    def finish_files(self, objects, files: set[str], crcs) -> dict:
+        """Write the headers of ``files``; the plan alone says which tensors went where, so there is nothing to report."""
+        for name in files:
+            self.out.write_at(name, 0, _header(self._tensors_of[name]))
         return {}
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Write the index (when sharded) and copy the config; returns the objects safetensors cannot hold."""
         if self.split.is_sharded:
             total = sum(self.files().values())
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._file_of.items()))}
+            weight_map = {key: self._place[key][0] for key in sorted(self._place)}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if self.config_dir:
             copy_config(Path(self.config_dir), self.folder)

@@ -14,8 +14,8 @@ from pathlib import Path
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import TensorRef, walk
-from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, ArchiveWriter, StorageOut, TensorOut
+from dcptool.storage import CheckpointFiles, OutputFiles
+from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut
 
 NAME = "torch"
 WRITES_FOLDER = False
@@ -92,45 +92,39 @@ def _lists(node):
 
 
 class Writer:
-    """Writes one ``torch.save`` file: the pickled nested dict first, then each tensor's bytes streamed in.
+    """Writes one ``torch.save`` file: the pickled nested dict first, then each tensor's storage.
 
     One file cannot be split between writers: under torchrun rank 0 writes it all.
     """
 
+    NEEDS_CRC = True
+
     def __init__(self, file: Path):
-        self.file = file
-        self.stream = self.archive = None
+        self.name = file.name
+        self.out = OutputFiles(file.parent)
 
     def plan(self, tensors, objects):
         storages = {t.key: StorageOut(str(i), t.dtype, math.prod(t.shape)) for i, t in enumerate(tensors)}
         entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
         entries |= {o.path: o.value() for o in objects}
-        self.state_dict = nest(entries)
+        self.layout = ArchiveLayout(nest(entries))
+        self._start = {t.key: self.layout.add_storage(storages[t.key].key, t.nbytes) for t in tensors}
+        self.layout.close()
         self.storages = storages
         self.total = sum(t.nbytes for t in tensors)
         return [Piece(t, tuple(0 for _ in t.shape), tuple(t.shape)) for t in tensors]
 
-    def file_of(self, piece) -> str:
-        return self.file.name
+    def place(self, piece) -> tuple[str, int]:
+        return self.name, self._start[piece.tensor.key]
 
     def files(self) -> dict[str, int]:
-        return {self.file.name: self.total}
+        return {self.name: self.total}
 
-    def _open_archive(self) -> ArchiveWriter:
-        """The archive, opened on first use (only by the process that writes the file)."""
-        if self.archive is None:
-            self.stream = open(self.file, "wb")
-            self.archive = ArchiveWriter(self.stream)
-            self.archive.add_pickle(self.state_dict)
-        return self.archive
-
-    def write_piece(self, piece, slabs) -> None:
-        self._open_archive().add_storage(self.storages[piece.tensor.key], slabs)
-
-    def finish_files(self, objects, files: set[str]) -> dict:
+    def finish_files(self, objects, files: set[str], crcs) -> dict:
         if files:
-            self._open_archive().close()
-            self.stream.close()
+            by_storage = {self.storages[piece.tensor.key].key: crc for piece, crc in crcs.items()}
+            for offset, data in self.layout.segments(by_storage):
+                self.out.write_at(self.name, offset, data)
         return {}
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:

@@ -1,13 +1,14 @@
-"""Conversion: choose what goes out (planning), then stream it from reader to writer within a memory budget.
+"""Conversion: choose what goes out (planning), then move the bytes (``dcptool.transfer``) within a memory budget.
 
 Planning turns a source ``Checkpoint`` into ``OutTensor``/``OutObject`` lists (selection, renaming,
-dtype) and asks the writer how it lays them out: an ordered list of ``Piece`` regions. Execution
-fills each piece slab by slab, every slab assembled from the source chunks it overlaps, through
-two buffers of fixed size that are reused for the whole run.
+dtype) and asks the writer how it lays them out: the ``Piece`` regions it stores, and where each
+one's bytes go. Execution copies every piece to its place, from the source chunks it overlaps.
 
-A writer (``converters/<format>.py``) has ``plan(tensors, objects)`` (the pieces, in order),
-``files()`` (every output file with its planned bytes), ``file_of(piece)``, ``write_piece(piece,
-slabs)``, ``finish_files(objects, files)`` (completes the files this process wrote and returns what
+A writer (``converters/<format>.py``) is made as ``Writer(destination, **options)`` and has:
+``out`` (the ``storage.OutputFiles`` it writes), ``NEEDS_CRC`` (whether its headers need each
+piece's CRC-32), ``plan(tensors, objects)`` (the pieces), ``files()`` (every output file with its
+planned bytes), ``place(piece)`` (``(file, offset)`` of the piece's bytes), ``finish_files(objects,
+files, crcs)`` (writes what is not piece data into the files this process wrote, and returns what
 the index needs from them) and ``finish_index(objects, records)`` (metadata or index from every
 writer's records; returns the entries the format cannot hold). Under torchrun each rank writes only
 its files and rank 0 the index (``dcptool.distributed``); one process writes everything.
@@ -20,16 +21,13 @@ its files and rank 0 the index (``dcptool.distributed``); one process writes eve
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import numpy as np
-
-from dcptool import distributed, dtypes, formats
-from dcptool.core import Checkpoint, OutObject, OutTensor, Piece, TensorInfo, join_path
+from dcptool import distributed, dtypes, formats, transfer
+from dcptool.core import Checkpoint, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
 from dcptool.storage import fsync_paths, fsync_tree
 
@@ -125,57 +123,6 @@ def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: boo
     return result
 
 
-def slabs(sizes: tuple[int, ...], max_elements: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a region into row-major contiguous sub-regions of at most ``max_elements`` elements, in order."""
-    if math.prod(sizes) <= max_elements or not sizes:
-        yield tuple(0 for _ in sizes), tuple(sizes)
-        return
-    inner = math.prod(sizes[1:])
-    if inner <= max_elements:
-        step = max(1, max_elements // max(inner, 1))
-        for start in range(0, sizes[0], step):
-            yield (start,) + tuple(0 for _ in sizes[1:]), (min(step, sizes[0] - start),) + tuple(sizes[1:])
-        return
-    for index in range(sizes[0]):
-        for offsets, sub in slabs(sizes[1:], max_elements):
-            yield (index,) + offsets, (1,) + sub
-
-
-class Streamer:
-    """Fills pieces from a source checkpoint, slab by slab, through two reused buffers.
-
-    ``max_memory`` bounds the data buffers: half for assembling a slab, half for file reads.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, max_memory: int = DEFAULT_MAX_MEMORY, on_bytes: Callable[[int], None] | None = None):
-        if max_memory < 2**16:
-            raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
-        self.checkpoint = checkpoint
-        self.slab_buffer = bytearray(max_memory // 2)
-        self.read_buffer = memoryview(bytearray(max_memory // 2))
-        self.on_bytes = on_bytes or (lambda n: None)
-
-    def slabs_of(self, piece: Piece) -> Iterator[memoryview]:
-        """The bytes of ``piece`` in row-major order, as buffers valid until the next one is taken."""
-        source = piece.tensor.source
-        src_size = dtypes.dtype(source.dtype).itemsize
-        dst_size = dtypes.dtype(piece.tensor.dtype).itemsize
-        # A cast allocates its result, so leave room for it inside the slab half of the budget.
-        per_element = src_size + (dst_size if source.dtype != piece.tensor.dtype else 0)
-        max_elements = max(1, len(self.slab_buffer) // per_element)
-        view_type = dtypes.raw_view_type(src_size)
-        for offsets, sizes in slabs(piece.sizes, max_elements):
-            count = math.prod(sizes)
-            values = np.frombuffer(self.slab_buffer, dtype=view_type, count=count).reshape(sizes)
-            region = tuple(o + p for o, p in zip(offsets, piece.offsets))
-            self.checkpoint.read_region(source, region, sizes, values, self.read_buffer)
-            if source.dtype != piece.tensor.dtype:
-                values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
-            data = memoryview(values.reshape(-1)).cast("B")
-            self.on_bytes(len(data))
-            yield data
-
-
 def write_checkpoint(
     checkpoint: Checkpoint,
     destination: Path,
@@ -209,15 +156,15 @@ def write_checkpoint(
         writer = module.Writer(temporary, **(writer_options or {}))
         pieces = writer.plan(tensors, objects)  # the same on every rank
         mine = ranks.my_files(writer.files())
-        my_pieces = [piece for piece in pieces if writer.file_of(piece) in mine]
-        # Buffers no larger than the work needs: fresh memory costs time to touch.
-        largest = max((p.nbytes * 3 for p in my_pieces), default=0)
-        streamer = Streamer(checkpoint, min(max_memory, max(largest, 2**16)))
-        for piece in my_pieces:
-            writer.write_piece(piece, ranks.watch(streamer.slabs_of(piece)))
-        records = writer.finish_files(objects, mine)
+        placed = [(piece, *writer.place(piece)) for piece in pieces]
+        try:
+            crcs = transfer.copy_pieces(checkpoint, [p for p in placed if p[1] in mine], writer.out,
+                                        crc=writer.NEEDS_CRC, max_memory=max_memory, on_bytes=ranks.wrote)
+            records = writer.finish_files(objects, mine, crcs)
+        finally:
+            writer.out.close()
         if fsync and ranks.rank != 0:  # rank 0 flushes the whole folder below
-            fsync_paths(temporary / name for name in mine)
+            fsync_paths(writer.out.folder / name for name in mine)
         every_rank_records = ranks.gather(records)
         if ranks.rank == 0:
             report.left_out = writer.finish_index(objects, every_rank_records) or []

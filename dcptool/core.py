@@ -100,6 +100,7 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     objects: dict[str, ObjectInfo]
     info: dict[str, Any] = field(default_factory=dict)  # format facts worth showing (world size, ...)
+    # Filled from several threads (dcptool.transfer): a race resolves a chunk twice, to the same value.
     _resolved: dict[Chunk, RawBytes] = field(default_factory=dict, repr=False)
 
     @property

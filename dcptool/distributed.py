@@ -9,7 +9,7 @@ group carries the few small messages (the temporary folder's path, the records),
 rendezvous store carries failures and progress.
 
 A rank that fails publishes its error; the others notice it within a fraction of a second (between
-slabs, or while waiting), stop, and raise ``RankFailed`` with its message and exit code; rank 0
+tasks, or while waiting), stop, and raise ``RankFailed`` with its message and exit code; rank 0
 removes the temporary folder. Collectives start only once every rank has arrived, so
 ``COLLECTIVE_TIMEOUT`` bounds them however long the writing takes.
 
@@ -29,7 +29,7 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from dcptool.errors import DcptoolError, UsageError
 from dcptool.storage import atomic_output
@@ -176,10 +176,8 @@ class OneProcess:
     def my_files(self, sizes: dict[str, int]) -> set[str]:
         return set(sizes)
 
-    def watch(self, slabs: Iterable[memoryview]) -> Iterator[memoryview]:
-        for slab in slabs:
-            self.progress(len(slab))
-            yield slab
+    def wrote(self, nbytes: int) -> None:
+        self.progress(nbytes)
 
     def gather(self, records: Any) -> list[Any]:
         return [records]
@@ -195,7 +193,7 @@ class Ranks:
 
         with ranks.output(destination, overwrite, is_dir=True) as temporary:   # made by rank 0
             mine = ranks.my_files(writer.files())          # this rank's share of the files
-            ...                                            # write them, slabs through ranks.watch
+            ...                                            # write them, telling ranks.wrote(n)
             every_rank = ranks.gather(records)             # rank 0: every rank's records; others: None
         left_out = ranks.from_rank_zero(left_out)          # once the output is in place
     """
@@ -237,13 +235,11 @@ class Ranks:
         """The files this rank writes (``assign_files``)."""
         return {name for name, rank in assign_files(sizes, self.world_size).items() if rank == self.rank}
 
-    def watch(self, slabs: Iterable[memoryview]) -> Iterator[memoryview]:
-        """Pass slabs through, reporting bytes and stopping (``RankFailed``) when another rank failed."""
-        for slab in slabs:
-            yield slab
-            self._unreported += len(slab)
-            if time.monotonic() >= self._next_check:
-                self._check()
+    def wrote(self, nbytes: int) -> None:
+        """Count bytes written; now and then report them and stop (``RankFailed``) if another rank failed."""
+        self._unreported += nbytes
+        if time.monotonic() >= self._next_check:
+            self._check()
 
     def gather(self, records: Any) -> list[Any] | None:
         """Every rank's ``records`` on rank 0, once all have finished writing (None on the others)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ class CheckpointFiles:
         self._real_root = os.path.realpath(self.root)
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()  # readers run in several threads (dcptool.transfer)
 
     def path(self, relative: str) -> Path:
         """The file ``relative`` names, refusing absolute paths and paths that escape the folder."""
@@ -44,14 +46,19 @@ class CheckpointFiles:
         return self._sizes[relative]
 
     def _fd(self, relative: str) -> int:
-        fd = self._fds.get(relative)
-        if fd is None:
-            try:
-                fd = os.open(self.path(relative), os.O_RDONLY)
-            except FileNotFoundError:
-                raise CheckpointError(f"{self.path(relative)}: missing file") from None
-            self._fds[relative] = fd
-        return fd
+        with self._lock:
+            fd = self._fds.get(relative)
+            if fd is None:
+                try:
+                    fd = os.open(self.path(relative), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise CheckpointError(f"{self.path(relative)}: missing file") from None
+                self._fds[relative] = fd
+            return fd
+
+    def local_fd(self, relative: str) -> int | None:
+        """The open descriptor of a local file (for ``os.copy_file_range``)."""
+        return self._fd(relative)
 
     def check_range(self, relative: str, offset: int, length: int) -> None:
         size = self.size(relative)
@@ -114,6 +121,39 @@ class FileWindow(io.RawIOBase):
             self._files.read_into(self._relative, self._start + self._pos, memoryview(buffer)[:count])
             self._pos += count
         return count
+
+
+class OutputFiles:
+    """The files of one output, written at planned offsets (``pwrite``), from several threads at once.
+
+    >>> out = OutputFiles(Path(tmp))                         # doctest: +SKIP
+    >>> out.write_at("model.safetensors", 0, header)         # doctest: +SKIP
+    >>> out.close()                                          # doctest: +SKIP
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, name: str) -> int:
+        """The file's descriptor, creating the file on first use."""
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._fds[name] = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return fd
+
+    def write_at(self, name: str, offset: int, data) -> None:
+        fd, view, done = self.fd(name), memoryview(data).cast("B"), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,15 @@ from dcptool.safe_pickle import Record, SubclassRef, TensorRef
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
+# Zip structures (stored entries only; torch.save never compresses), as in the zip specification (APPNOTE).
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # local file header, 30 bytes
+_CENTRAL_HEADER = struct.Struct("<4s4B4HL2L5H2L")  # central directory file header, 46 bytes
+_END = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
+_END64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
+_LOCATOR64 = struct.Struct("<4sLQL")  # zip64 end of central directory locator, 20 bytes
+_FIELD_LIMIT = 0xFFFFFFFF  # a size or offset this large moves to a zip64 extra field
+_DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01, the timestamp torch.save writes
+_ZIP_VERSION, _ZIP64_VERSION = 20, 45
 
 
 def row_major(shape) -> tuple[int, ...]:
@@ -53,42 +61,88 @@ class RawBytes:
 
 
 class Archive:
-    """One ``torch.save`` archive at ``[offset, offset+length)`` of a checkpoint file."""
+    """One ``torch.save`` archive at ``[offset, offset+length)`` of a checkpoint file.
+
+    Two reads open it: its tail holds the zip directory, and its head ``data.pkl`` and the first
+    storage's header. A DCP checkpoint has one archive per chunk, tens of thousands in large ones.
+    """
+
+    HEAD = TAIL = 4096
 
     def __init__(self, files: CheckpointFiles, relative: str, offset: int = 0, length: int | None = None):
         self.files, self.relative, self.offset = files, relative, offset
         self.length = files.size(relative) - offset if length is None else length
-        self.where = str(files.path(relative)) + (f" (record at byte {offset})" if offset else "")
+        self.where = str(files.root / relative) + (f" (record at byte {offset})" if offset else "")
+        self._head = files.read(relative, offset, min(self.length, self.HEAD))
         try:
-            with zipfile.ZipFile(files.window(relative, offset, self.length)) as archive:
-                infos = archive.infolist()
-        except zipfile.BadZipFile as exc:
-            raise CheckpointError(f"{self.where}: not a torch.save archive ({exc})") from None
-        self._entries = {info.filename: info for info in infos}
+            self._entries = self._directory()
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip directory: {exc})") from None
         pickles = sorted((n for n in self._entries if n.endswith("data.pkl")), key=len)
         if not pickles:
             raise CheckpointError(f"{self.where}: not a torch.save archive (no data.pkl)")
         self.prefix = pickles[0][: -len("data.pkl")]
 
+    def _read(self, start: int, size: int) -> bytes:
+        """Bytes ``[start, start+size)`` of the archive."""
+        if start + size > self.length:
+            raise ValueError(f"needs bytes up to {start + size} of an archive of {self.length}")
+        if start + size <= len(self._head):
+            return self._head[start:start + size]
+        return self.files.read(self.relative, self.offset + start, size)
+
+    def _directory(self) -> dict[str, tuple[int, int, int]]:
+        """``name -> (local header offset, size, compression)`` from the zip's central directory."""
+        tail_start = max(0, self.length - self.TAIL)
+        tail = self._read(tail_start, self.length - tail_start)
+        end = tail.rfind(b"PK\x05\x06")
+        if end < 0 or end + _END.size > len(tail):
+            raise ValueError("no end of central directory")
+        _, _, _, _, count, size, start, _ = _END.unpack_from(tail, end)
+        if _FIELD_LIMIT in (size, start) or count == 0xFFFF:  # the real values are in the zip64 record
+            _, _, end64, _ = _LOCATOR64.unpack_from(tail, end - _LOCATOR64.size)
+            signature, *_, count, size, start = _END64.unpack(self._read(end64, _END64.size))
+            if signature != b"PK\x06\x06":
+                raise ValueError("no zip64 end of central directory")
+        directory = tail[start - tail_start:start - tail_start + size] if start >= tail_start else self._read(start, size)
+        entries, position = {}, 0
+        for _ in range(count):
+            fields = _CENTRAL_HEADER.unpack_from(directory, position)
+            if fields[0] != b"PK\x01\x02":
+                raise ValueError("bad central directory entry")
+            compression, entry_size, name_length, extra_length, comment_length, header = (
+                fields[6], fields[11], fields[12], fields[13], fields[14], fields[18])
+            name_end = position + _CENTRAL_HEADER.size + name_length
+            name = directory[position + _CENTRAL_HEADER.size:name_end].decode()
+            if _FIELD_LIMIT in (entry_size, header):
+                entry_size, header = _zip64_values(directory[name_end:name_end + extra_length], fields[10:12], header)
+            entries[name] = (header, entry_size, compression)
+            position = name_end + extra_length + comment_length
+        return entries
+
     def _data_offset(self, name: str) -> tuple[int, int]:
         """Absolute file offset and size of a stored (uncompressed) zip entry."""
-        info = self._entries.get(self.prefix + name)
-        if info is None:
+        entry = self._entries.get(self.prefix + name)
+        if entry is None:
             raise CheckpointError(f"{self.where}: archive has no entry {name!r}")
-        if info.compress_type != zipfile.ZIP_STORED:
+        header, size, compression = entry
+        if compression != 0:
             raise CheckpointError(f"{self.where}: entry {name!r} is compressed; torch.save never compresses")
-        header = self.files.read(self.relative, self.offset + info.header_offset, _LOCAL_HEADER.size)
-        fields = _LOCAL_HEADER.unpack(header)
+        try:
+            fields = _LOCAL_HEADER.unpack(self._read(header, _LOCAL_HEADER.size))
+        except ValueError:
+            fields = (b"",)
         if fields[0] != b"PK\x03\x04":
             raise CheckpointError(f"{self.where}: corrupt zip entry {name!r}")
-        name_length, extra_length = fields[-2], fields[-1]
-        start = self.offset + info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-        return start, info.file_size
+        start = header + _LOCAL_HEADER.size + fields[-2] + fields[-1]  # after the name and extra field
+        if start + size > self.length:
+            raise CheckpointError(f"{self.where}: truncated: entry {name!r} ends past the archive")
+        return self.offset + start, size
 
     def load(self) -> Any:
         """The archived object, with tensors as ``safe_pickle.TensorRef`` (no tensor bytes are read)."""
         start, size = self._data_offset("data.pkl")
-        return safe_pickle.load_bytes(self.files.read(self.relative, start, size), f"{self.where}/data.pkl")
+        return safe_pickle.load_bytes(self._read(start - self.offset, size), f"{self.where}/data.pkl")
 
     def raw_bytes(self, tensor: safe_pickle.TensorRef) -> RawBytes:
         """Where the elements of ``tensor`` are in the file, checked against the storage's size."""
@@ -98,6 +152,19 @@ class Archive:
         if tensor.storage_offset * itemsize + raw.span > size or size < tensor.storage.numel * itemsize:
             raise CheckpointError(f"{self.where}: tensor bytes lie outside storage data/{tensor.storage.key}")
         return raw
+
+
+def _zip64_values(extra: bytes, sizes: tuple[int, int], header: int) -> tuple[int, int]:
+    """The entry's size and header offset, taking those too large for their fields from the zip64 extra field."""
+    position = 0
+    while position + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, position)
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{length // 8}Q", extra, position + 4))
+            uncompressed, compressed = (values.pop(0) if value == _FIELD_LIMIT else value for value in sizes[::-1])
+            return uncompressed, values.pop(0) if header == _FIELD_LIMIT else header
+        position += 4 + length
+    raise ValueError("a size or offset is missing its zip64 field")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,88 +268,124 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
     return buffer.getvalue()
 
 
-class ArchiveWriter:
-    """Writes one ``torch.save`` archive at the current position of ``stream``, storages streamed in.
+@dataclass
+class _Record:
+    name: bytes
+    header: int  # where its local header starts, from the archive's start
+    size: int
+    pad: int  # bytes of torch's "FB" padding field, so that the data is 64-byte aligned
+    data: bytes | None  # the bytes of small records; None for storages, which the caller writes
 
-    >>> with open("t.pt", "wb") as f:                                   # doctest: +SKIP
-    ...     w = ArchiveWriter(f)
-    ...     s = StorageOut("0", "float32", 3)
-    ...     w.add_pickle({"w": TensorOut(s, (3,))})
-    ...     w.add_storage(s, [b"\\0" * 12])
-    ...     w.close()
+    @property
+    def zip64(self) -> bool:
+        return self.size >= _FIELD_LIMIT
+
+    def local_header(self, crc: int) -> bytes:
+        extra = struct.pack("<HH", 0x4246, self.pad) + b"Z" * self.pad
+        size = self.size
+        if self.zip64:
+            extra += struct.pack("<HHQQ", 1, 16, size, size)
+            size = _FIELD_LIMIT
+        return _LOCAL_HEADER.pack(b"PK\x03\x04", _ZIP64_VERSION if self.zip64 else _ZIP_VERSION, 0, 0, 0, 0,
+                                  _DOS_DATE, crc, size, size, len(self.name), len(extra)) + self.name + extra
+
+    def central_header(self, crc: int) -> bytes:
+        large = [value for value in (self.size, self.size, self.header) if value >= _FIELD_LIMIT]
+        extra = struct.pack(f"<HH{len(large)}Q", 1, 8 * len(large), *large) if large else b""
+        size, header = (min(value, _FIELD_LIMIT) for value in (self.size, self.header))
+        version = _ZIP64_VERSION if large else _ZIP_VERSION
+        return _CENTRAL_HEADER.pack(b"PK\x01\x02", version, 3, version, 0, 0, 0, 0, _DOS_DATE, crc, size, size,
+                                    len(self.name), len(extra), 0, 0, 0, 0, header) + self.name + extra
+
+
+class ArchiveLayout:
+    """Where every byte of one ``torch.save`` archive goes, fixed before any of it is written.
+
+    Nothing is compressed, so record sizes fix every offset: storage bytes can be written at their
+    place in any order, by several threads or processes. The zip headers carry each record's
+    CRC-32, so they come last, from ``segments(crcs)``. Offsets count from the archive's start
+    (a DCP record is read as a standalone archive sliced out of its ``.distcp`` file).
+
+    >>> import zipfile
+    >>> layout = ArchiveLayout({"w": TensorOut(StorageOut("0", "float32", 3), (3,))})
+    >>> start = layout.add_storage("0", 12)
+    >>> archive = bytearray(layout.close())
+    >>> archive[start:start + 12] = bytes(range(12))
+    >>> for offset, data in layout.segments({"0": zlib.crc32(bytes(range(12)))}):
+    ...     archive[offset:offset + len(data)] = data
+    >>> zipfile.ZipFile(io.BytesIO(archive)).testzip() is None   # every CRC-32 checks out
+    True
     """
 
     ALIGNMENT = 64
 
-    def __init__(self, stream, name: str = "archive"):
-        self.stream, self.name = _Shifted(stream), name
-        self.start = 0
-        self.zip = zipfile.ZipFile(self.stream, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+    def __init__(self, obj: Any, name: str = "archive"):
+        self.prefix = name + "/"
+        self.records: list[_Record] = []
+        self.length = 0
+        self._add("data.pkl", dumps(obj))
+        self._add(".format_version", b"1")
+        self._add(".storage_alignment", b"64")
+        self._add("byteorder", b"little")
+        self._storages: dict[str, _Record] = {}
 
-    def _entry(self, name: str, size: int) -> zipfile.ZipInfo:
-        info = zipfile.ZipInfo(f"{self.name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
-        info.compress_type = zipfile.ZIP_STORED
-        info.file_size = size
-        zip64_extra = 20 if size > 0xFFFF0000 else 0  # zipfile adds a zip64 size field to large entries
-        header = _LOCAL_HEADER.size + len(info.filename.encode()) + zip64_extra
-        pad = (-(self.stream.tell() - self.start + header + 4)) % self.ALIGNMENT
-        info.extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # torch pads with an "FB" field
-        return info
+    def _add(self, name: str, data: bytes | None, size: int | None = None) -> int:
+        encoded = (self.prefix + name).encode()
+        size = len(data) if data is not None else size
+        fixed = _LOCAL_HEADER.size + len(encoded) + 4 + (20 if size >= _FIELD_LIMIT else 0)
+        pad = (-(self.length + fixed)) % self.ALIGNMENT
+        record = _Record(encoded, self.length, size, pad, data)
+        self.records.append(record)
+        self.length = record.header + fixed + pad + size
+        return self.length - size
 
-    def add_bytes(self, name: str, data: bytes) -> None:
-        with self.zip.open(self._entry(name, len(data)), "w", force_zip64=len(data) > 0xFFFF0000) as entry:
-            entry.write(data)
-
-    def add_pickle(self, obj: Any) -> None:
-        self.add_bytes("data.pkl", dumps(obj))
-        self.add_bytes(".format_version", b"1")
-        self.add_bytes(".storage_alignment", b"64")
-        self.add_bytes("byteorder", b"little")
-
-    def add_storage(self, storage: StorageOut, pieces) -> None:
-        """Stream a storage's bytes from ``pieces`` (an iterable of buffers, in order)."""
-        size = storage.numel * dtype_table.dtype(storage.dtype).itemsize
-        written = 0
-        with self.zip.open(self._entry(f"data/{storage.key}", size), "w", force_zip64=size > 0xFFFF0000) as entry:
-            for piece in pieces:
-                entry.write(piece)
-                written += len(piece)
-        if written != size:
-            raise RuntimeError(f"storage {storage.key}: wrote {written} bytes, expected {size}")
+    def add_storage(self, key: str, nbytes: int) -> int:
+        """Reserve ``data/{key}``; returns where its bytes start."""
+        start = self._add(f"data/{key}", None, nbytes)
+        self._storages[key] = self.records[-1]
+        return start
 
     def close(self) -> int:
-        """Finish the archive; returns its length in bytes."""
-        self.add_bytes("version", b"3\n")
-        self.zip.close()
-        return self.stream.tell() - self.start
+        """Add the last record; returns the archive's length in bytes."""
+        self._add("version", b"3\n")
+        self._central_start = self.length
+        return self.length + len(self._central({}))
+
+    def segments(self, crcs: dict[str, int]) -> list[tuple[int, bytes]]:
+        """Everything but the storage bytes, as ``(offset, bytes)``: headers, small records, the central
+        directory. ``crcs`` holds the CRC-32 of every storage's bytes, by key."""
+        segments: list[tuple[int, bytes]] = []
+        for record in self.records:
+            data = record.local_header(self._crc(record, crcs)) + (record.data or b"")
+            if segments and segments[-1][0] + len(segments[-1][1]) == record.header:
+                segments[-1] = (segments[-1][0], segments[-1][1] + data)  # adjacent: one write
+            else:
+                segments.append((record.header, data))
+        segments.append((self._central_start, self._central(crcs)))
+        return segments
+
+    def _crc(self, record: _Record, crcs: dict[str, int]) -> int:
+        if record.data is not None:
+            return zlib.crc32(record.data)
+        return crcs.get(record.name.decode()[len(self.prefix) + len("data/"):], 0)
+
+    def _central(self, crcs: dict[str, int]) -> bytes:
+        directory = b"".join(record.central_header(self._crc(record, crcs)) for record in self.records)
+        start, count = self._central_start, len(self.records)
+        if max(start, len(directory)) < _FIELD_LIMIT and count < 0xFFFF:
+            return directory + _END.pack(b"PK\x05\x06", 0, 0, count, count, len(directory), start, 0)
+        end64 = _END64.pack(b"PK\x06\x06", _END64.size - 12, _ZIP64_VERSION, _ZIP64_VERSION, 0, 0,
+                            count, count, len(directory), start)
+        locator = _LOCATOR64.pack(b"PK\x06\x07", 0, start + len(directory), 1)
+        end = _END.pack(b"PK\x05\x06", 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                        min(len(directory), _FIELD_LIMIT), min(start, _FIELD_LIMIT), 0)
+        return directory + end64 + locator + end
 
 
-class _Shifted(io.RawIOBase):
-    """A write stream whose positions count from where it was opened.
-
-    zipfile records absolute positions, but torch reads a DCP record as a standalone archive
-    sliced out of its ``.distcp`` file, so offsets must start at the record.
-    """
-
-    def __init__(self, stream):
-        self._stream, self._base = stream, stream.tell()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        return self._stream.write(data)
-
-    def tell(self) -> int:
-        return self._stream.tell() - self._base
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            offset += self._base
-        return self._stream.seek(offset, whence) - self._base
-
-    def flush(self) -> None:
-        self._stream.flush()
+def archive_bytes(obj: Any) -> bytes:
+    """A whole ``torch.save`` archive of ``obj``, which holds no tensors (step counters, scheduler state)."""
+    layout = ArchiveLayout(obj)
+    archive = bytearray(layout.close())
+    for offset, data in layout.segments({}):
+        archive[offset:offset + len(data)] = data
+    return bytes(archive)

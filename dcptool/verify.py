@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dcptool import convert, dtypes, formats
+from dcptool import convert, dtypes, formats, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 
@@ -38,7 +38,7 @@ AUTO = "auto"  # as a prefix: the model part, found as export-hf finds it
 class RegionReader:
     """A tensor's global values as row-major slabs, read into halves of one reused ``buffer``.
 
-    ``convert.Streamer`` does the same for the pieces a writer asks for; this one reads a
+    ``dcptool.transfer`` does the same for the pieces a writer asks for; this one reads a
     ``TensorInfo`` and says where each slab starts (comparisons report the first differing index).
 
     >>> reader = RegionReader(checkpoint, bytearray(2**20))                      # doctest: +SKIP
@@ -57,7 +57,7 @@ class RegionReader:
     def slabs(self, tensor: TensorInfo, max_elements: int | None = None) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
         """``(offsets, values)`` in row-major order; ``values`` is an unsigned view, valid until the next slab."""
         view_type = dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize)
-        for offsets, sizes in convert.slabs(tensor.shape, max_elements or self.max_elements(tensor)):
+        for offsets, sizes in transfer.slabs(tensor.shape, max_elements or self.max_elements(tensor)):
             values = np.frombuffer(self.slab_buffer, dtype=view_type, count=math.prod(sizes)).reshape(sizes)
             self.checkpoint.read_region(tensor, offsets, sizes, values, self.read_buffer)
             yield offsets, values

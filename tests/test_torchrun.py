@@ -119,16 +119,16 @@ def test_torch_stays_off_the_single_process_path(checkpoints, tmp_path):
 
 if __name__ == "__main__":  # the job of test_failure_on_one_rank_stops_all_and_writes_nothing
     sys.path.insert(0, str(HERE.parents[1]))
-    from converters import hf
+    from dcptool import transfer
     from dcptool.cli import main
     from dcptool.errors import CheckpointError
 
-    write_piece = hf.Writer.write_piece
+    run = transfer._Mover.run
 
-    def fail_on_rank_1(self, piece, slabs):
+    def fail_on_rank_1(self, task):  # as a disk error would, in a thread moving bytes
         if os.environ["RANK"] == "1":
-            raise CheckpointError(f"{piece.tensor.key}: injected failure")
-        return write_piece(self, piece, slabs)
+            raise CheckpointError(f"{task.piece.tensor.key}: injected failure")
+        return run(self, task)
 
-    hf.Writer.write_piece = fail_on_rank_1
+    transfer._Mover.run = fail_on_rank_1
     main(sys.argv[1:])

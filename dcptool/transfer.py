@@ -1,0 +1,271 @@
+"""Executing a conversion: every piece's bytes go from the source chunks to their place in an output file.
+
+Writers fix where each piece's bytes go before any is written (``Writer.place``), so the work is cut
+into tasks of bounded size that a few threads run in any order: reading (``preadv``), copying
+(numpy), checksumming (``zlib.crc32``) and writing (``pwrite``) all release the GIL, so the threads
+keep the disk and the cores busy together. A task whose bytes are one run in a source file and one
+run in the output, and that needs no CRC-32, is copied by the kernel (``os.copy_file_range``), as
+``cp`` does. Every other task is assembled in a buffer owned by its thread and reused for the whole
+run; all buffers together stay within ``max_memory``.
+
+>>> crcs = copy_pieces(checkpoint, [(piece, "model.safetensors", 4096)], out, crc=False)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import threading
+import zlib
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from dcptool import dtypes
+from dcptool.core import Checkpoint, Piece
+from dcptool.errors import CheckpointError, UsageError
+from dcptool.storage import OutputFiles
+from dcptool.torch_archive import row_major
+
+# Threads moving bytes: beyond the cores, extra threads still overlap waiting on the disk.
+IO_THREADS = min(8, 2 * (os.cpu_count() or 1))
+# The largest task: progress and checks on the other ranks come at least this often.
+TASK_BYTES = 64 * 2**20
+# copy_file_range cannot copy between these filesystems or files: fall back to read and write.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
+
+
+@dataclass(frozen=True)
+class Task:
+    """Bytes of one piece: where they go, and either a run of source bytes or a slab to assemble."""
+
+    piece: Piece
+    index: int  # its place among the piece's tasks: CRC-32s combine in this order
+    file: str  # the output file
+    offset: int  # where its bytes start in that file
+    nbytes: int
+    source: tuple[str, int] | None = None  # (file, offset) of source bytes copied as they are
+    region: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # else (offsets, sizes) within the piece
+
+
+def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], out: OutputFiles, *, crc: bool,
+                max_memory: int, threads: int = IO_THREADS,
+                on_bytes: Callable[[int], None] | None = None) -> dict[Piece, int]:
+    """Write every ``(piece, file, offset)``; returns the CRC-32 of each piece's bytes when ``crc``.
+
+    ``on_bytes`` is called from this thread as tasks finish (progress, and checks on the other
+    ranks, which may raise to stop the work).
+    """
+    if max_memory < 2**16:
+        raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+    largest = max((piece.nbytes for piece, _, _ in placed), default=0)
+    threads = max(1, min(threads, len(placed)))
+    # Two buffers per thread (a slab and its reads), none larger than the work needs.
+    buffer_bytes = max(2**15, min(max_memory // (2 * threads), 3 * largest))
+    tasks = [task for piece, file, offset in placed
+             for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes))]
+    mover = _Mover(checkpoint, out, crc, buffer_bytes)
+    parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
+    report = on_bytes or (lambda n: None)
+    with ThreadPoolExecutor(threads, thread_name_prefix="dcptool-io") as pool:
+        pending = {pool.submit(mover.run, task): task for task in tasks}
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    task = pending.pop(future)
+                    parts[task.piece].append((task.index, future.result(), task.nbytes))
+                    report(task.nbytes)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    if not crc:
+        return {}
+    result = {}
+    for piece, found in parts.items():
+        value = 0
+        for _, part_crc, nbytes in sorted(found):
+            value = crc32_combine(value, part_crc, nbytes)
+        result[piece] = value
+    return result
+
+
+def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, task_bytes: int) -> list[Task]:
+    """The tasks that write ``piece`` at ``offset`` of ``file``, each of at most ``task_bytes``."""
+    runs = source_runs(checkpoint, piece)
+    tasks: list[Task] = []
+    if runs is not None:
+        for start, source_file, source_offset, length in runs:
+            for step in range(0, length, task_bytes):
+                size = min(task_bytes, length - step)
+                tasks.append(Task(piece, len(tasks), file, offset + start + step, size,
+                                  source=(source_file, source_offset + step)))
+        return tasks
+    itemsize = dtypes.dtype(piece.tensor.dtype).itemsize
+    strides = row_major(piece.sizes)
+    per_element = itemsize + dtypes.dtype(piece.tensor.source.dtype).itemsize  # a cast allocates its result
+    for offsets, sizes in slabs(piece.sizes, max(1, task_bytes // per_element)):
+        start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
+        tasks.append(Task(piece, len(tasks), file, offset + start, math.prod(sizes) * itemsize,
+                          region=(offsets, sizes)))
+    return tasks
+
+
+def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, int, int]] | None:
+    """``(start in piece, source file, source offset, length)`` of every source run, in bytes, when
+    the piece is the concatenation of contiguous runs of source bytes (no cast, no reordering);
+    else None. Dim-0 shards (FSDP) and whole chunks are; a column block of a TP row-wise weight is not.
+    """
+    source = piece.tensor.source
+    if source.dtype != piece.tensor.dtype:
+        return None
+    itemsize = dtypes.dtype(source.dtype).itemsize
+    piece_strides = row_major(piece.sizes)
+    runs = []
+    for chunk in source.chunks:
+        lo = [max(o, c) for o, c in zip(piece.offsets, chunk.offsets)]
+        hi = [min(o + s, c + n) for o, s, c, n in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)]
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        extent = [h - l for l, h in zip(lo, hi)]
+        raw = checkpoint.raw_bytes(source, chunk)
+        if not (_contiguous(extent, raw.strides) and _contiguous(extent, piece_strides)):
+            return None
+        source_offset = raw.offset + sum((l - c) * s for l, c, s in zip(lo, chunk.offsets, raw.strides)) * itemsize
+        start = sum((l - o) * s for l, o, s in zip(lo, piece.offsets, piece_strides)) * itemsize
+        runs.append((start, raw.file, source_offset, math.prod(extent) * itemsize))
+    return sorted(runs)
+
+
+def _contiguous(extent, strides) -> bool:
+    """Whether a box of ``extent`` elements, laid out with ``strides``, is one run of memory."""
+    expected = 1
+    for count, stride in zip(reversed(extent), reversed(strides)):
+        if count > 1:
+            if stride != expected:
+                return False
+            expected *= count
+    return True
+
+
+def slabs(sizes: tuple[int, ...], max_elements: int):
+    """Split a region into row-major contiguous sub-regions of at most ``max_elements`` elements, in order.
+
+    >>> list(slabs((4, 3), 6))
+    [((0, 0), (2, 3)), ((2, 0), (2, 3))]
+    """
+    if math.prod(sizes) <= max_elements or not sizes:
+        yield tuple(0 for _ in sizes), tuple(sizes)
+        return
+    inner = math.prod(sizes[1:])
+    if inner <= max_elements:
+        step = max(1, max_elements // max(inner, 1))
+        for start in range(0, sizes[0], step):
+            yield (start,) + tuple(0 for _ in sizes[1:]), (min(step, sizes[0] - start),) + tuple(sizes[1:])
+        return
+    for index in range(sizes[0]):
+        for offsets, sub in slabs(sizes[1:], max_elements):
+            yield (index,) + offsets, (1,) + sub
+
+
+class _Mover:
+    """Runs tasks; each thread gets its own two buffers on first use (fresh memory is touched only as used)."""
+
+    def __init__(self, checkpoint: Checkpoint, out: OutputFiles, crc: bool, buffer_bytes: int):
+        self.checkpoint, self.out, self.crc, self.buffer_bytes = checkpoint, out, crc, buffer_bytes
+        self._local = threading.local()
+
+    def _buffers(self) -> tuple[np.ndarray, memoryview]:
+        local = self._local
+        if not hasattr(local, "slab"):
+            local.slab = np.empty(self.buffer_bytes, np.uint8)
+            local.scratch = memoryview(np.empty(self.buffer_bytes, np.uint8)).cast("B")
+        return local.slab, local.scratch
+
+    def run(self, task: Task) -> int:
+        """Write the task's bytes; returns their CRC-32 (0 when not wanted)."""
+        files = self.checkpoint.files
+        if task.source is not None:
+            file, source_offset = task.source
+            files.check_range(file, source_offset, task.nbytes)
+            if not self.crc and self._kernel_copy(task):
+                return 0
+            data = memoryview(self._buffers()[0][: task.nbytes]).cast("B")
+            files.read_into(file, source_offset, data)
+        else:
+            data = self._assemble(task)
+        self.out.write_at(task.file, task.offset, data)
+        return zlib.crc32(data) if self.crc else 0
+
+    def _kernel_copy(self, task: Task) -> bool:
+        """Copy the run inside the kernel; False where it cannot (remote source, filesystems without it)."""
+        file, source_offset = task.source
+        source_fd = self.checkpoint.files.local_fd(file)
+        if source_fd is None:
+            return False
+        target_fd, done = self.out.fd(task.file), 0
+        while done < task.nbytes:
+            try:
+                copied = os.copy_file_range(source_fd, target_fd, task.nbytes - done,
+                                            source_offset + done, task.offset + done)
+            except OSError as exc:
+                if exc.errno in _NO_KERNEL_COPY and done == 0:
+                    return False
+                raise
+            if copied == 0:
+                raise CheckpointError(f"{self.checkpoint.files.path(file)}: file shrank while reading at byte "
+                                      f"{source_offset + done}")
+            done += copied
+        return True
+
+    def _assemble(self, task: Task) -> memoryview:
+        piece = task.piece
+        source = piece.tensor.source
+        slab, scratch = self._buffers()
+        offsets, sizes = task.region
+        values = np.frombuffer(slab, dtype=dtypes.raw_view_type(dtypes.dtype(source.dtype).itemsize),
+                               count=math.prod(sizes)).reshape(sizes)
+        region = tuple(o + p for o, p in zip(offsets, piece.offsets))
+        self.checkpoint.read_region(source, region, sizes, values, scratch)
+        if source.dtype != piece.tensor.dtype:
+            values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
+        return memoryview(values.reshape(-1)).cast("B")
+
+
+# CRC-32 of a concatenation from the CRC-32s of its parts (zlib's crc32_combine, which Python's zlib
+# does not expose): polynomial arithmetic modulo the CRC's generator, in its bit-reflected form.
+_POLY = 0xEDB88320
+
+
+def _multiply(a: int, b: int) -> int:
+    """``a * b`` modulo the generator (both reflected; bit 31 is x^0)."""
+    product, mask = 0, 1 << 31
+    while mask:
+        if a & mask:
+            product ^= b
+        mask >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+_X_POWERS = [1 << 30]  # x^(2^k) for k = 0..31: x^1 first
+for _ in range(31):
+    _X_POWERS.append(_multiply(_X_POWERS[-1], _X_POWERS[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``.
+
+    >>> crc32_combine(zlib.crc32(b"dcp"), zlib.crc32(b"tool"), 4) == zlib.crc32(b"dcptool")
+    True
+    """
+    shift, k, bits = 1 << 31, 3, length2  # x^(8 * length2): bytes to bits is 2^3
+    while bits:
+        if bits & 1:
+            shift = _multiply(_X_POWERS[k % 32], shift)
+        bits >>= 1
+        k += 1
+    return _multiply(shift, crc1) ^ crc2
