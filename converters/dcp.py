@@ -7,6 +7,7 @@ known offset of a ``.distcp`` file.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -222,7 +223,12 @@ class Writer:
 
 def _chunk_archive(piece: Piece) -> tuple[ArchiveLayout, int, int]:
     """The archive of one chunk record, where its bytes start in it, and its length."""
-    storage = StorageOut("0", piece.tensor.dtype, math.prod(piece.sizes))
-    archive = ArchiveLayout(TensorOut(storage, piece.sizes))
+    archive = ArchiveLayout(_chunk_pickle(piece.tensor.dtype, piece.sizes))
     data_start = archive.add_storage("0", piece.nbytes)
     return archive, data_start, archive.close()
+
+
+@functools.cache
+def _chunk_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
+    """A chunk's ``data.pkl``, the same for every chunk of its dtype and shape (pickling is slow in Python)."""
+    return dumps(TensorOut(StorageOut("0", dtype, math.prod(sizes)), sizes))

@@ -38,8 +38,8 @@ from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
-from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, new_object, row_major,
-                                   torch_size)
+from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, dumps, new_object,
+                                   row_major, torch_size)
 from converters.torch_save import flatten, nest
 
 NAME = "fsdp1"
@@ -392,7 +392,7 @@ class Writer:
             # Tensors stay under their flat state-dict keys; objects go back under their nested paths.
             nested = {(key,): value for key, value in entries.items()}
             nested |= {obj.path: obj.value() for obj in objects}
-            archive = ArchiveLayout(nest(nested), file_name("model", self.world_size, rank)[: -len(".pt")])
+            archive = ArchiveLayout(dumps(nest(nested)), file_name("model", self.world_size, rank)[: -len(".pt")])
             for piece in rank_pieces:
                 self._start[piece] = archive.add_storage(self._storage_of[piece].key, piece.nbytes)
             archive.close()

@@ -15,7 +15,7 @@ from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.safe_pickle import TensorRef, walk
 from dcptool.storage import CheckpointFiles, OutputFiles
-from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut
+from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut, dumps
 
 NAME = "torch"
 WRITES_FOLDER = False
@@ -107,7 +107,7 @@ class Writer:
         storages = {t.key: StorageOut(str(i), t.dtype, math.prod(t.shape)) for i, t in enumerate(tensors)}
         entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
         entries |= {o.path: o.value() for o in objects}
-        self.layout = ArchiveLayout(nest(entries))
+        self.layout = ArchiveLayout(dumps(nest(entries)))
         self._start = {t.key: self.layout.add_storage(storages[t.key].key, t.nbytes) for t in tensors}
         self.layout.close()
         self.storages = storages

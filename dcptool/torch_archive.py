@@ -307,7 +307,7 @@ class ArchiveLayout:
     (a DCP record is read as a standalone archive sliced out of its ``.distcp`` file).
 
     >>> import zipfile
-    >>> layout = ArchiveLayout({"w": TensorOut(StorageOut("0", "float32", 3), (3,))})
+    >>> layout = ArchiveLayout(dumps({"w": TensorOut(StorageOut("0", "float32", 3), (3,))}))
     >>> start = layout.add_storage("0", 12)
     >>> archive = bytearray(layout.close())
     >>> archive[start:start + 12] = bytes(range(12))
@@ -319,11 +319,12 @@ class ArchiveLayout:
 
     ALIGNMENT = 64
 
-    def __init__(self, obj: Any, name: str = "archive"):
+    def __init__(self, pickled: bytes, name: str = "archive"):
+        """``pickled``: the archived object as ``dumps`` pickles it."""
         self.prefix = name + "/"
         self.records: list[_Record] = []
         self.length = 0
-        self._add("data.pkl", dumps(obj))
+        self._add("data.pkl", pickled)
         self._add(".format_version", b"1")
         self._add(".storage_alignment", b"64")
         self._add("byteorder", b"little")
@@ -384,7 +385,7 @@ class ArchiveLayout:
 
 def archive_bytes(obj: Any) -> bytes:
     """A whole ``torch.save`` archive of ``obj``, which holds no tensors (step counters, scheduler state)."""
-    layout = ArchiveLayout(obj)
+    layout = ArchiveLayout(dumps(obj))
     archive = bytearray(layout.close())
     for offset, data in layout.segments({}):
         archive[offset:offset + len(data)] = data

@@ -4,9 +4,9 @@ Writers fix where each piece's bytes go before any is written (``Writer.place``)
 into tasks of bounded size that a few threads run in any order: reading (``preadv``), copying
 (numpy), checksumming (``zlib.crc32``) and writing (``pwrite``) all release the GIL, so the threads
 keep the disk and the cores busy together. A task whose bytes are one run in a source file and one
-run in the output, and that needs no CRC-32, is copied by the kernel (``os.copy_file_range``), as
-``cp`` does. Every other task is assembled in a buffer owned by its thread and reused for the whole
-run; all buffers together stay within ``max_memory``.
+run in the output is copied by the kernel (``os.copy_file_range``), as ``cp`` does, and its CRC-32
+(for zip-based outputs) read in place from the page cache. Every other task is assembled in a
+buffer owned by its thread and reused for the whole run; all buffers together stay within ``max_memory``.
 
 >>> crcs = copy_pieces(checkpoint, [(piece, "model.safetensors", 4096)], out, crc=False)   # doctest: +SKIP
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import math
+import mmap
 import os
 import threading
 import zlib
@@ -34,6 +35,8 @@ from dcptool.torch_archive import row_major
 IO_THREADS = min(8, 2 * (os.cpu_count() or 1))
 # The largest task: progress and checks on the other ranks come at least this often.
 TASK_BYTES = 64 * 2**20
+# Bytes mapped at once to checksum a run: mapped pages count as this process's memory.
+CRC_WINDOW = 8 * 2**20
 # copy_file_range cannot copy between these filesystems or files: fall back to read and write.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
@@ -191,8 +194,9 @@ class _Mover:
         if task.source is not None:
             file, source_offset = task.source
             files.check_range(file, source_offset, task.nbytes)
-            if not self.crc and self._kernel_copy(task):
-                return 0
+            source_fd = files.local_fd(file)
+            if source_fd is not None and self._kernel_copy(source_fd, task):
+                return _crc_of_file(source_fd, source_offset, task.nbytes) if self.crc else 0
             data = memoryview(self._buffers()[0][: task.nbytes]).cast("B")
             files.read_into(file, source_offset, data)
         else:
@@ -200,12 +204,9 @@ class _Mover:
         self.out.write_at(task.file, task.offset, data)
         return zlib.crc32(data) if self.crc else 0
 
-    def _kernel_copy(self, task: Task) -> bool:
-        """Copy the run inside the kernel; False where it cannot (remote source, filesystems without it)."""
+    def _kernel_copy(self, source_fd: int, task: Task) -> bool:
+        """Copy the run inside the kernel; False where the filesystems cannot."""
         file, source_offset = task.source
-        source_fd = self.checkpoint.files.local_fd(file)
-        if source_fd is None:
-            return False
         target_fd, done = self.out.fd(task.file), 0
         while done < task.nbytes:
             try:
@@ -233,6 +234,17 @@ class _Mover:
         if source.dtype != piece.tensor.dtype:
             values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
         return memoryview(values.reshape(-1)).cast("B")
+
+
+def _crc_of_file(fd: int, offset: int, nbytes: int) -> int:
+    """CRC-32 of a byte range of a file, read in place through small mappings (no copy into a buffer)."""
+    crc, end = 0, offset + nbytes
+    for start in range(offset, end, CRC_WINDOW):
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, min(CRC_WINDOW, end - start) + start - base, offset=base, access=mmap.ACCESS_READ) as mapped:
+            with memoryview(mapped) as whole, whole[start - base:] as window:
+                crc = zlib.crc32(window, crc)
+    return crc
 
 
 # CRC-32 of a concatenation from the CRC-32s of its parts (zlib's crc32_combine, which Python's zlib

@@ -11,7 +11,7 @@ import torch
 from conftest import dcptool, load_reference
 from dcptool import convert, formats, transfer
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import ArchiveLayout, StorageOut, TensorOut
+from dcptool.torch_archive import ArchiveLayout, StorageOut, TensorOut, dumps
 
 
 def test_crc32_combine_matches_zlib():
@@ -30,7 +30,7 @@ def test_zip64_archive_loads_in_torch(tmp_path):
     """
     big = StorageOut("0", "bfloat16", 2**31 + 3)  # 4 GiB + 6 bytes
     small = StorageOut("1", "float32", 3)
-    layout = ArchiveLayout({"big": TensorOut(big, (big.numel,)), "small": TensorOut(small, (3,))})
+    layout = ArchiveLayout(dumps({"big": TensorOut(big, (big.numel,)), "small": TensorOut(small, (3,))}))
     layout.add_storage("0", 2 * big.numel)
     small_start = layout.add_storage("1", 12)
     length = layout.close()
