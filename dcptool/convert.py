@@ -159,7 +159,8 @@ def write_checkpoint(
         placed = [(piece, *writer.place(piece)) for piece in pieces]
         try:
             crcs = transfer.copy_pieces(checkpoint, [p for p in placed if p[1] in mine], writer.out,
-                                        crc=writer.NEEDS_CRC, max_memory=max_memory, on_bytes=ranks.wrote)
+                                        crc=writer.NEEDS_CRC, max_memory=max_memory, flush=fsync,
+                                        on_bytes=ranks.wrote)
             records = writer.finish_files(objects, mine, crcs)
         finally:
             writer.out.close()

@@ -13,6 +13,7 @@ buffer owned by its thread and reused for the whole run; all buffers together st
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import mmap
@@ -37,6 +38,7 @@ IO_THREADS = min(8, 2 * (os.cpu_count() or 1))
 TASK_BYTES = 64 * 2**20
 # Bytes mapped at once to checksum a run: mapped pages count as this process's memory.
 CRC_WINDOW = 8 * 2**20
+_SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
 # copy_file_range cannot copy between these filesystems or files: fall back to read and write.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
 
@@ -55,12 +57,13 @@ class Task:
 
 
 def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], out: OutputFiles, *, crc: bool,
-                max_memory: int, threads: int = IO_THREADS,
+                max_memory: int, flush: bool = False, threads: int = IO_THREADS,
                 on_bytes: Callable[[int], None] | None = None) -> dict[Piece, int]:
     """Write every ``(piece, file, offset)``; returns the CRC-32 of each piece's bytes when ``crc``.
 
-    ``on_bytes`` is called from this thread as tasks finish (progress, and checks on the other
-    ranks, which may raise to stop the work).
+    ``flush`` starts writing each task's bytes to disk as soon as they are written (the caller
+    fsyncs at the end, which then has little left to wait for). ``on_bytes`` is called from this
+    thread as tasks finish (progress, and checks on the other ranks, which may raise to stop the work).
     """
     if max_memory < 2**16:
         raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
@@ -70,7 +73,7 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     buffer_bytes = max(2**15, min(max_memory // (2 * threads), 3 * largest))
     tasks = [task for piece, file, offset in placed
              for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes))]
-    mover = _Mover(checkpoint, out, crc, buffer_bytes)
+    mover = _Mover(checkpoint, out, crc, buffer_bytes, _start_writeback() if flush else None)
     parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
     report = on_bytes or (lambda n: None)
     with ThreadPoolExecutor(threads, thread_name_prefix="dcptool-io") as pool:
@@ -177,8 +180,10 @@ def slabs(sizes: tuple[int, ...], max_elements: int):
 class _Mover:
     """Runs tasks; each thread gets its own two buffers on first use (fresh memory is touched only as used)."""
 
-    def __init__(self, checkpoint: Checkpoint, out: OutputFiles, crc: bool, buffer_bytes: int):
+    def __init__(self, checkpoint: Checkpoint, out: OutputFiles, crc: bool, buffer_bytes: int,
+                 start_writeback: Callable[[int, int, int], None] | None):
         self.checkpoint, self.out, self.crc, self.buffer_bytes = checkpoint, out, crc, buffer_bytes
+        self.start_writeback = start_writeback
         self._local = threading.local()
 
     def _buffers(self) -> tuple[np.ndarray, memoryview]:
@@ -190,6 +195,12 @@ class _Mover:
 
     def run(self, task: Task) -> int:
         """Write the task's bytes; returns their CRC-32 (0 when not wanted)."""
+        crc = self._write(task)
+        if self.start_writeback:
+            self.start_writeback(self.out.fd(task.file), task.offset, task.nbytes)
+        return crc
+
+    def _write(self, task: Task) -> int:
         files = self.checkpoint.files
         if task.source is not None:
             file, source_offset = task.source
@@ -234,6 +245,17 @@ class _Mover:
         if source.dtype != piece.tensor.dtype:
             values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
         return memoryview(values.reshape(-1)).cast("B")
+
+
+def _start_writeback() -> Callable[[int, int, int], None] | None:
+    """Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts writing a range to disk and
+    returns at once (the os module has no binding for it); None elsewhere. It is only a hint."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: function(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _crc_of_file(fd: int, offset: int, nbytes: int) -> int:
