@@ -35,7 +35,7 @@ def detect(files: CheckpointFiles) -> bool:
 
 def read(files: CheckpointFiles) -> Checkpoint:
     if not files.is_dir():
-        raise CheckpointError(f"{files.root}: not a folder (a DCP checkpoint is a folder with a .metadata file)")
+        raise CheckpointError(f"{files.location}: not a folder (a DCP checkpoint is a folder with a .metadata file)")
     where = str(files.path(METADATA))
     if not files.is_file(METADATA):
         raise CheckpointError(f"{where}: missing (a DCP checkpoint folder needs its .metadata file)")
@@ -70,7 +70,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
 
     ranks = {int(m.group(1)) for name in files.names("*.distcp") if (m := _DATA_FILE.match(name))}
     info = {"version": getattr(metadata, "version", None), "world_size": len(ranks) or None}  # one data file per saving rank
-    checkpoint = Checkpoint(NAME, files.root, files, tensors, objects, info)
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, objects, info)
     checkpoint.validate()
     return checkpoint
 

@@ -66,7 +66,7 @@ def detect(files: CheckpointFiles) -> bool:
 
 def read(files: CheckpointFiles) -> Checkpoint:
     if not files.is_dir():
-        raise CheckpointError(f"{files.root}: not a folder (an FSDP1 checkpoint is a folder of per-rank files)")
+        raise CheckpointError(f"{files.location}: not a folder (an FSDP1 checkpoint is a folder of per-rank files)")
     ranks: dict[str, dict[int, set[int]]] = {"model": {}, "optim": {}, "extra_state": {}}
     for name in files.names("*.pt"):
         match = _RANK_FILE.match(name)
@@ -140,7 +140,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
     if files.local_folder is not None and files.is_file(f"{HF_DIR}/config.json"):
         info["hf_config_dir"] = files.local_folder / HF_DIR
     infos = {key: TensorInfo(g.path, g.dtype, g.shape, g.chunks) for key, g in tensors.items()}
-    checkpoint = Checkpoint(NAME, files.root, files, infos, objects, info)
+    checkpoint = Checkpoint(NAME, files.location, files, infos, objects, info)
     checkpoint.validate()
     return checkpoint
 
@@ -156,10 +156,10 @@ def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> int
             return value
         raise CheckpointError(f"{config}: no positive integer world_size")
     if not model_ranks:
-        raise CheckpointError(f"{files.root}: no model_world_size_*_rank_*.pt files")
+        raise CheckpointError(f"{files.location}: no model_world_size_*_rank_*.pt files")
     if len(model_ranks) > 1:
         sizes = ", ".join(str(w) for w in sorted(model_ranks))
-        raise CheckpointError(f"{files.root}: model files of several world sizes ({sizes}); keep one set")
+        raise CheckpointError(f"{files.location}: model files of several world sizes ({sizes}); keep one set")
     return next(iter(model_ranks))
 
 

@@ -45,7 +45,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
             if key in tensors:
                 raise CheckpointError(f"{files.path(name)}: tensor {key} is also in {tensors[key].chunks[0].file}")
             tensors[key] = tensor
-    checkpoint = Checkpoint(NAME, files.root, files, tensors, {}, {"files": len(names)})
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, {}, {"files": len(names)})
     checkpoint.validate()
     return checkpoint
 

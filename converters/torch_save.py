@@ -30,7 +30,7 @@ def detect(files: CheckpointFiles) -> bool:
 
 def read(files: CheckpointFiles) -> Checkpoint:
     if not files.single_file:
-        raise CheckpointError(f"{files.root}: not a file (a torch.save checkpoint is one file)")
+        raise CheckpointError(f"{files.location}: not a file (a torch.save checkpoint is one file)")
     path = files.path(files.single_file)
     archive = Archive(files, files.single_file)
     root = archive.load()
@@ -48,7 +48,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
             tensors[key] = TensorInfo(nested, value.dtype.name, raw.shape, [chunk])
         else:
             objects[key] = ObjectInfo(nested, value=value)
-    checkpoint = Checkpoint(NAME, files.root, files, tensors, objects)
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, objects)
     checkpoint.validate()
     return checkpoint
 

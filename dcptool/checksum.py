@@ -53,7 +53,7 @@ def manifest_path(path: str | Path, manifest: str | Path | None = None) -> Path 
         # A single-file checkpoint that was deleted is still found by the manifest it left beside it.
         beside = CheckpointFiles(f"{str(path).rstrip('/')}.{MANIFEST_NAME}")
         if beside.single_file:
-            return beside.root
+            return beside.location
     return files.path(MANIFEST_NAME)
 
 

@@ -55,7 +55,7 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
 def _files_at(path: str | Path) -> CheckpointFiles:
     files = CheckpointFiles(path)
     if not files.exists():
-        raise CheckpointError(f"{files.root}: no such file or folder")
+        raise CheckpointError(f"{files.location}: no such file or folder")
     return files
 
 
@@ -64,5 +64,5 @@ def _format_of(files: CheckpointFiles) -> str:
     if len(found) == 1:
         return found[0]
     if not found:
-        raise CheckpointError(f"{files.root}: not a checkpoint dcptool recognizes (formats: {', '.join(names())})")
-    raise CheckpointError(f"{files.root}: looks like several formats ({', '.join(found)}); choose one with --from")
+        raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())})")
+    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with --from")

@@ -51,7 +51,7 @@ class RemoteFolder:
     """The remote files behind ``CheckpointFiles``: the same operations as ``storage.LocalFolder``, on fsspec."""
 
     def __init__(self, url: str):
-        self.root = url
+        self.location = url
         self.fs, target = open_filesystem(url)
         with storage_errors(url):
             try:
@@ -59,8 +59,8 @@ class RemoteFolder:
             except FileNotFoundError:
                 self.kind = None
         self.single_file = posixpath.basename(target) if self.kind == "file" else None
-        # Shown in messages as the user wrote it: the URL of the folder, to which names are appended.
-        self._folder_url = url[: url.rindex("/") + 1] if self.single_file else url
+        # The folder's URL as the user wrote it, to which names are appended for messages.
+        self.root = url[: url.rindex("/") + 1] if self.single_file else url
         self._folder = posixpath.dirname(target) if self.single_file else target
         self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
@@ -73,7 +73,7 @@ class RemoteFolder:
         normal = posixpath.normpath(relative) if relative else ""
         if not normal or normal == "." or normal.startswith("/") or normal == ".." or normal.startswith("../"):
             raise CheckpointError(f"{self.root}: names a file outside the checkpoint folder: {relative!r}")
-        url = self._folder_url + normal if self._folder_url.endswith("/") else f"{self._folder_url}/{normal}"
+        url = self.root + normal if self.root.endswith("/") else f"{self.root}/{normal}"
         return posixpath.join(self._folder, normal), url
 
     def file_size(self, relative: str) -> int | None:

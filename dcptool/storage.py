@@ -61,10 +61,10 @@ class CheckpointFiles:
             self._store = RemoteFolder(str(location))
         else:
             self._store = LocalFolder(local_path(location))
-        self.root = self._store.root  # the location as given: a Path, or the URL
+        self.location = self._store.location  # the checkpoint as given: a Path, or the URL
         self.single_file = self._store.single_file  # the file's name when the checkpoint is one file
-        # The folder (of the file, for a single file) as a local path; None when it is remote.
-        self.local_folder = self._store.folder if isinstance(self._store, LocalFolder) else None
+        self.root = self._store.root  # the folder that names are relative to (the file's folder for one file)
+        self.local_folder = self.root if isinstance(self._store, LocalFolder) else None  # None when remote
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
         self._listing: list[str] | None = None
@@ -155,25 +155,25 @@ class LocalFolder:
     """The local files behind ``CheckpointFiles``: paths confined by their real location, reads by ``os.preadv``."""
 
     def __init__(self, location: Path):
-        self.root = location
+        self.location = location
         try:
             mode = os.stat(location).st_mode
             self.kind = "dir" if stat.S_ISDIR(mode) else "file"
         except FileNotFoundError:
             self.kind = None
         self.single_file = location.name if self.kind == "file" else None
-        self.folder = location.parent if self.single_file else location
-        self._real_folder = os.path.realpath(self.folder)
+        self.root = location.parent if self.single_file else location
+        self._real_root = os.path.realpath(self.root)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def path(self, relative: str) -> Path:
         if os.path.isabs(relative) or not relative:
             raise CheckpointError(f"{self.root}: names a file outside the checkpoint folder: {relative!r}")
-        full = os.path.realpath(os.path.join(self._real_folder, relative))
-        if os.path.commonpath([full, self._real_folder]) != self._real_folder:
+        full = os.path.realpath(os.path.join(self._real_root, relative))
+        if os.path.commonpath([full, self._real_root]) != self._real_root:
             raise CheckpointError(f"{self.root}: names a file outside the checkpoint folder: {relative!r}")
-        return self.folder / relative
+        return self.root / relative
 
     def file_size(self, relative: str) -> int | None:
         try:
@@ -183,16 +183,16 @@ class LocalFolder:
         return info.st_size if stat.S_ISREG(info.st_mode) else None
 
     def list_folder(self) -> dict[str, int]:
-        with os.scandir(self.folder) as entries:
+        with os.scandir(self.root) as entries:
             return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
 
     def walk_folder(self) -> dict[str, int]:
         sizes = {}
-        for folder, _, files in os.walk(self.folder):
+        for folder, _, files in os.walk(self.root):
             for name in files:
                 full = os.path.join(folder, name)
                 if os.path.isfile(full):
-                    sizes[Path(os.path.relpath(full, self.folder)).as_posix()] = os.path.getsize(full)
+                    sizes[Path(os.path.relpath(full, self.root)).as_posix()] = os.path.getsize(full)
         return sizes
 
     def fd(self, relative: str) -> int:
