@@ -31,18 +31,19 @@ def saving_rank(file: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def detect(path: Path) -> bool:
-    return path.is_dir() and ((path / METADATA).is_file() or any(path.glob("*.distcp")))
+def detect(files: CheckpointFiles) -> bool:
+    return files.is_dir() and (files.is_file(METADATA) or bool(files.names("*.distcp")))
 
 
-def read(path: Path) -> Checkpoint:
-    files = CheckpointFiles(path)
-    if not (path / METADATA).is_file():
-        raise CheckpointError(f"{path / METADATA}: missing (a DCP checkpoint folder needs its .metadata file)")
-    metadata = safe_pickle.load_bytes((path / METADATA).read_bytes(), str(path / METADATA))
+def read(files: CheckpointFiles) -> Checkpoint:
+    if not files.is_dir():
+        raise CheckpointError(f"{files.location}: not a folder (a DCP checkpoint is a folder with a .metadata file)")
+    where = str(files.path(METADATA))
+    if not files.is_file(METADATA):
+        raise CheckpointError(f"{where}: missing (a DCP checkpoint folder needs its .metadata file)")
+    metadata = safe_pickle.load_bytes(files.read_all(METADATA), where)
     if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
-        raise CheckpointError(f"{path / METADATA}: not DCP metadata (holds {type(metadata).__name__})")
-    where = str(path / METADATA)
+        raise CheckpointError(f"{where}: not DCP metadata (holds {type(metadata).__name__})")
 
     storage: dict[tuple[str, tuple[int, ...] | None], object] = {}
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
@@ -69,9 +70,9 @@ def read(path: Path) -> Checkpoint:
         else:
             raise CheckpointError(f"{where}: {key}: unknown entry type {kind}")
 
-    ranks = {int(m.group(1)) for f in path.iterdir() if (m := _DATA_FILE.match(f.name))}
+    ranks = {int(m.group(1)) for name in files.names("*.distcp") if (m := _DATA_FILE.match(name))}
     info = {"version": getattr(metadata, "version", None), "world_size": len(ranks) or None}  # one data file per saving rank
-    checkpoint = Checkpoint(NAME, path, files, tensors, objects, info)
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, objects, info)
     checkpoint.validate()
     return checkpoint
 

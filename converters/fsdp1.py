@@ -57,36 +57,36 @@ def file_name(kind: str, world_size: int, rank: int) -> str:
     return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
 
 
-def detect(path: Path) -> bool:
-    return path.is_dir() and any(path.glob("model_world_size_*_rank_*.pt"))
+def detect(files: CheckpointFiles) -> bool:
+    return files.is_dir() and bool(files.names("model_world_size_*_rank_*.pt"))
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
 
 
-def read(path: Path) -> Checkpoint:
-    path = Path(path)
-    files = CheckpointFiles(path)
+def read(files: CheckpointFiles) -> Checkpoint:
+    if not files.is_dir():
+        raise CheckpointError(f"{files.location}: not a folder (an FSDP1 checkpoint is a folder of per-rank files)")
     ranks: dict[str, dict[int, set[int]]] = {"model": {}, "optim": {}, "extra_state": {}}
-    for entry in path.iterdir():
-        match = _RANK_FILE.match(entry.name)
-        if match and entry.is_file():
+    for name in files.names("*.pt"):
+        match = _RANK_FILE.match(name)
+        if match:
             ranks[match.group(1)].setdefault(int(match.group(2)), set()).add(int(match.group(3)))
-    world_size = _world_size(path, ranks["model"])
+    world_size = _world_size(files, ranks["model"])
     expected = set(range(world_size))
     found = ranks["model"].get(world_size, set())
     missing = sorted(expected - found)
     if missing:
         names = ", ".join(file_name("model", world_size, r) for r in missing)
         raise CheckpointError(
-            f"{path / file_name('model', world_size, missing[0])}: missing (a world size {world_size} FSDP1 "
+            f"{files.path(file_name('model', world_size, missing[0]))}: missing (a world size {world_size} FSDP1 "
             f"checkpoint needs one model file per rank; missing: {names})"
         )
     extra = sorted(found - expected)
     if extra:
         raise CheckpointError(
-            f"{path / file_name('model', world_size, extra[0])}: rank {extra[0]} is outside world size {world_size}"
+            f"{files.path(file_name('model', world_size, extra[0]))}: rank {extra[0]} is outside world size {world_size}"
         )
 
     tensors: dict[str, _Gathered] = {}
@@ -137,29 +137,30 @@ def read(path: Path) -> Checkpoint:
         "extra_state_files": len(ranks["extra_state"].get(world_size, ())),
         "values": ", ".join(sorted(kinds)) or None,
     }
-    if (path / HF_DIR / "config.json").is_file():
-        info["hf_config_dir"] = path / HF_DIR
+    # export-hf copies the config from a local folder; a remote checkpoint's is not fetched.
+    if files.local_folder is not None and files.is_file(f"{HF_DIR}/config.json"):
+        info["hf_config_dir"] = files.local_folder / HF_DIR
     infos = {key: TensorInfo(g.path, g.dtype, g.shape, g.chunks) for key, g in tensors.items()}
-    checkpoint = Checkpoint(NAME, path, files, infos, objects, info)
+    checkpoint = Checkpoint(NAME, files.location, files, infos, objects, info)
     checkpoint.validate()
     return checkpoint
 
 
-def _world_size(path: Path, model_ranks: dict[int, set[int]]) -> int:
-    config = path / CONFIG
-    if config.is_file():
+def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> int:
+    config = files.path(CONFIG)
+    if files.is_file(CONFIG):
         try:
-            value = json.loads(config.read_text()).get("world_size")
+            value = json.loads(files.read_all(CONFIG)).get("world_size")
         except (ValueError, AttributeError) as exc:
             raise CheckpointError(f"{config}: unreadable ({exc})") from None
         if isinstance(value, int) and value > 0:
             return value
         raise CheckpointError(f"{config}: no positive integer world_size")
     if not model_ranks:
-        raise CheckpointError(f"{path}: no model_world_size_*_rank_*.pt files")
+        raise CheckpointError(f"{files.location}: no model_world_size_*_rank_*.pt files")
     if len(model_ranks) > 1:
         sizes = ", ".join(str(w) for w in sorted(model_ranks))
-        raise CheckpointError(f"{path}: model files of several world sizes ({sizes}); keep one set")
+        raise CheckpointError(f"{files.location}: model files of several world sizes ({sizes}); keep one set")
     return next(iter(model_ranks))
 
 

@@ -31,41 +31,36 @@ CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "toke
                 "chat_template.jinja", "chat_template.json", "preprocessor_config.json"]
 
 
-def detect(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix == ".safetensors"
-    return path.is_dir() and ((path / INDEX).is_file() or any(path.glob("*.safetensors")))
+def detect(files: CheckpointFiles) -> bool:
+    if files.single_file:
+        return files.single_file.endswith(".safetensors")
+    return files.is_dir() and (files.is_file(INDEX) or bool(files.names("*.safetensors")))
 
 
-def read(path: Path) -> Checkpoint:
-    if path.is_file():
-        files = CheckpointFiles(path.parent)
-        names = [path.name]
-    else:
-        files = CheckpointFiles(path)
-        names = _listed_files(path, files)
+def read(files: CheckpointFiles) -> Checkpoint:
+    names = [files.single_file] if files.single_file else _listed_files(files)
     tensors: dict[str, TensorInfo] = {}
     for name in names:
         for key, tensor in _read_header(files, name).items():
             if key in tensors:
                 raise CheckpointError(f"{files.path(name)}: tensor {key} is also in {tensors[key].chunks[0].file}")
             tensors[key] = tensor
-    checkpoint = Checkpoint(NAME, path, files, tensors, {}, {"files": len(names)})
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, {}, {"files": len(names)})
     checkpoint.validate()
     return checkpoint
 
 
-def _listed_files(path: Path, files: CheckpointFiles) -> list[str]:
-    index = path / INDEX
-    if not index.is_file():
-        return sorted(p.name for p in path.glob("*.safetensors"))
+def _listed_files(files: CheckpointFiles) -> list[str]:
+    index = files.path(INDEX)
+    if not files.is_file(INDEX):
+        return files.names("*.safetensors")
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(files.read_all(INDEX))["weight_map"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
     names = sorted(set(weight_map.values()))
     for name in names:
-        if not files.path(name).is_file():
+        if not files.is_file(name):
             raise CheckpointError(f"{index}: names {name!r}, which does not exist")
     return names
 

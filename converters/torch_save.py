@@ -21,13 +21,18 @@ NAME = "torch"
 WRITES_FOLDER = False
 
 
-def detect(path: Path) -> bool:
-    return path.is_file() and path.suffix != ".safetensors" and zipfile.is_zipfile(path)
+def detect(files: CheckpointFiles) -> bool:
+    name = files.single_file
+    if not name or name.endswith(".safetensors"):
+        return False
+    return zipfile.is_zipfile(files.window(name, 0, files.size(name)))
 
 
-def read(path: Path) -> Checkpoint:
-    files = CheckpointFiles(path.parent)
-    archive = Archive(files, path.name)
+def read(files: CheckpointFiles) -> Checkpoint:
+    if not files.single_file:
+        raise CheckpointError(f"{files.location}: not a file (a torch.save checkpoint is one file)")
+    path = files.path(files.single_file)
+    archive = Archive(files, files.single_file)
     root = archive.load()
     if not isinstance(root, dict):
         raise CheckpointError(f"{path}: holds a {type(root).__name__}, not a state dict")
@@ -43,7 +48,7 @@ def read(path: Path) -> Checkpoint:
             tensors[key] = TensorInfo(nested, value.dtype.name, raw.shape, [chunk])
         else:
             objects[key] = ObjectInfo(nested, value=value)
-    checkpoint = Checkpoint(NAME, path, files, tensors, objects)
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, objects)
     checkpoint.validate()
     return checkpoint
 

@@ -31,7 +31,7 @@ import numpy as np
 from dcptool import convert, dtypes, formats
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
-from dcptool.storage import CheckpointFiles, atomic_output
+from dcptool.storage import CheckpointFiles, atomic_output, is_remote, local_path
 from dcptool.verify import BLOCK, RegionReader, buffer_size, select_side
 
 MANIFEST_NAME = "dcptool.manifest.json"
@@ -41,28 +41,36 @@ MAX_THREADS = 16
 FILE_READ_SIZE = 16 * 2**20  # file hashing gains nothing from larger reads
 
 
-def manifest_path(path: str | Path, manifest: str | Path | None = None) -> Path:
+def manifest_path(path: str | Path, manifest: str | Path | None = None) -> Path | str:
     """Where a checkpoint's manifest is: ``manifest`` when given, else ``dcptool.manifest.json`` inside the
-    checkpoint folder, or ``<file>.dcptool.manifest.json`` beside a single-file checkpoint."""
+    checkpoint folder, or ``<file>.dcptool.manifest.json`` beside a single-file checkpoint (URLs for remote ones)."""
     if manifest is not None:
-        return Path(manifest)
-    path = Path(path)
-    beside = path.parent / f"{path.name}.{MANIFEST_NAME}"
-    # A single-file checkpoint that was deleted is still found by the manifest it left beside it.
-    return beside if path.is_file() or (not path.exists() and beside.is_file()) else path / MANIFEST_NAME
+        return str(manifest) if is_remote(manifest) else local_path(manifest)
+    files = CheckpointFiles(path)
+    if files.single_file:
+        return files.path(f"{files.single_file}.{MANIFEST_NAME}")
+    if not files.exists():
+        # A single-file checkpoint that was deleted is still found by the manifest it left beside it.
+        beside = CheckpointFiles(f"{str(path).rstrip('/')}.{MANIFEST_NAME}")
+        if beside.single_file:
+            return beside.location
+    return files.path(MANIFEST_NAME)
 
 
-def checkpoint_files(path: str | Path, manifest: Path) -> dict[str, Path]:
+def checkpoint_files(files: CheckpointFiles, manifest: Path | str) -> list[str]:
     """The files a manifest covers, by name relative to the checkpoint: every file of a folder (recursively),
     or the file itself (none when it is gone). Manifests (and their temporary siblings) are never part of it."""
-    path = Path(path)
-    if path.is_file():
-        return {path.name: path}
-    if not path.is_dir():
-        return {}
-    skip = manifest.resolve()
-    return {item.relative_to(path).as_posix(): item for item in sorted(path.rglob("*"))
-            if item.is_file() and MANIFEST_NAME not in item.name and item.resolve() != skip}
+    if files.single_file:
+        return [files.single_file]
+    if not files.is_dir():
+        return []
+    skip = _resolved(manifest)
+    return [name for name in files.all_names()
+            if MANIFEST_NAME not in name and _resolved(files.path(name)) != skip]
+
+
+def _resolved(location: Path | str) -> Path | str:
+    return location.resolve() if isinstance(location, Path) else location
 
 
 @dataclass
@@ -118,9 +126,10 @@ class _Hasher:
         self.bytes = 0
         self._count_lock = threading.Lock()
 
-    def run(self, files: dict[str, Path], checkpoint: Checkpoint | None, tensors: dict[str, TensorInfo],
-            scan_nonfinite: bool = False) -> tuple[dict[str, str], dict[str, TensorDigest]]:
-        """File hashes by name and tensor digests by name; a tensor that cannot be read gets its error."""
+    def run(self, files: CheckpointFiles | None, names: list[str], checkpoint: Checkpoint | None,
+            tensors: dict[str, TensorInfo], scan_nonfinite: bool = False) -> tuple[dict[str, str], dict[str, TensorDigest]]:
+        """Hashes of the files ``names`` of ``files`` and digests of ``tensors``, by name; a tensor that cannot be
+        read gets its error."""
         digests = {name: TensorDigest() for name in tensors}
         for name, tensor in tensors.items():
             try:
@@ -129,16 +138,16 @@ class _Hasher:
                 digests[name].error = str(exc)
         readable = {name: t for name, t in tensors.items() if digests[name].error is None}
         size = buffer_size(self.max_memory, readable.values(), self.threads)
-        if files:
+        if names:
             size = max(size, min(self.max_memory // self.threads, FILE_READ_SIZE))
         self._local = threading.local()  # fresh per run: buffer sizes differ between runs
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcptool-hash") as pool:
             # Largest first, so that one big item does not start last and run alone.
-            file_jobs = {name: pool.submit(self._hash_file, path, size)
-                         for name, path in sorted(files.items(), key=lambda item: -item[1].stat().st_size)}
+            file_jobs = {name: pool.submit(self._hash_file, files, name, size)
+                         for name in sorted(names, key=lambda name: -files.size(name))}
             tensor_jobs = {name: pool.submit(self._hash_tensor, checkpoint, tensor, size, scan_nonfinite)
                            for name, tensor in sorted(readable.items(), key=lambda item: -item[1].nbytes)}
-            file_hashes = {name: file_jobs[name].result() for name in files}
+            file_hashes = {name: file_jobs[name].result() for name in names}
             for name, job in tensor_jobs.items():
                 digests[name] = job.result()
         return file_hashes, digests
@@ -154,13 +163,15 @@ class _Hasher:
             self.bytes += count
         self.progress(count)
 
-    def _hash_file(self, path: Path, size: int) -> str:
+    def _hash_file(self, files: CheckpointFiles, name: str, size: int) -> str:
         hasher = blake3.blake3()
         view = memoryview(self._buffer(size))[:FILE_READ_SIZE]
-        with open(path, "rb", buffering=0) as stream:
-            while count := stream.readinto(view):
-                hasher.update(view[:count])
-                self._count(count)
+        total = files.size(name)
+        for offset in range(0, total, len(view)):
+            piece = view[:min(len(view), total - offset)]
+            files.read_into(name, offset, piece)
+            hasher.update(piece)
+            self._count(len(piece))
         return hasher.hexdigest()
 
     def _hash_tensor(self, checkpoint: Checkpoint, tensor: TensorInfo, size: int, scan: bool) -> TensorDigest:
@@ -181,10 +192,9 @@ class _Hasher:
 
 
 def _open_before_threads(checkpoint: Checkpoint, tensor: TensorInfo) -> None:
-    """Resolve the tensor's chunks and open its files now: the checkpoint's caches are not filled safely from threads."""
+    """Resolve the tensor's chunks now: the checkpoint's cache of resolved chunks is not filled safely from threads."""
     for chunk in tensor.chunks:
         checkpoint.raw_bytes(tensor, chunk)
-        checkpoint.files.read(chunk.file, 0, 0)  # opens the file descriptor, reading nothing
 
 
 # IEEE-style float formats by (exponent bits, mantissa bits): an all-ones exponent is Inf (zero mantissa) or NaN.
@@ -234,11 +244,13 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
     """
     started = time.perf_counter()
     target = manifest_path(path, manifest)
+    if is_remote(target):
+        raise UsageError(f"{target}: writing to remote storage is not supported yet; give a local --manifest FILE")
     checkpoint = formats.open_checkpoint(path, source_format)
-    files = checkpoint_files(path, target)
+    files = checkpoint_files(checkpoint.files, target)
     with atomic_output(target, overwrite, is_dir=False) as temporary:
         hasher = _Hasher(max_memory, threads, progress)
-        file_hashes, digests = hasher.run(files, checkpoint, checkpoint.tensors, scan_nonfinite)
+        file_hashes, digests = hasher.run(checkpoint.files, files, checkpoint, checkpoint.tensors, scan_nonfinite)
         broken = next((d.error for d in digests.values() if d.error), None)
         if broken:
             raise CheckpointError(broken)
@@ -247,7 +259,7 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
             "hash": HASH,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "format": checkpoint.format,
-            "files": {name: {"bytes": files[name].stat().st_size, "hash": h} for name, h in file_hashes.items()},
+            "files": {name: {"bytes": checkpoint.files.size(name), "hash": h} for name, h in file_hashes.items()},
             "tensors": {key: _tensor_entry(tensor, digests[key]) for key, tensor in checkpoint.tensors.items()},
             "objects": sorted(checkpoint.objects),
         }
@@ -273,13 +285,15 @@ def _nonfinite_problems(digests: dict[str, TensorDigest]) -> list[Problem]:
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """A manifest's contents, refused with one clear line when it is missing or not a dcptool manifest."""
-    path = Path(path)
+    files = CheckpointFiles(path)
+    if not files.single_file:
+        raise CheckpointError(f"{path}: no manifest (write one with dcptool checksum --write)")
     try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no manifest (write one with dcptool checksum --write)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+        document = json.loads(files.read_all(files.single_file))
+    except ValueError as exc:  # UnicodeDecodeError included
         raise CheckpointError(f"{path}: not a dcptool manifest ({exc})") from None
+    finally:
+        files.close()
     if not isinstance(document, dict) or document.get("dcptool_manifest") != MANIFEST_VERSION:
         raise CheckpointError(f"{path}: not a dcptool manifest (version {MANIFEST_VERSION})")
     if document.get("hash") != HASH or not all(isinstance(document.get(k), dict) for k in ("files", "tensors")):
@@ -302,10 +316,11 @@ def check(path: str | Path, manifest: str | Path | None = None, *, source_format
     """
     started = time.perf_counter()
     target = manifest_path(path, manifest)
-    if not Path(path).exists() and not target.is_file():
+    source = CheckpointFiles(path)
+    if not source.exists() and not CheckpointFiles(target).single_file:
         raise CheckpointError(f"{path}: no such file or folder")
     document = read_manifest(target)
-    files = checkpoint_files(path, target)
+    files = checkpoint_files(source, target)
     recorded = document["files"]
     hasher = _Hasher(max_memory, threads, progress)
     result = Result("check", str(path), str(target), files=len(recorded), tensors=len(document["tensors"]))
@@ -315,15 +330,18 @@ def check(path: str | Path, manifest: str | Path | None = None, *, source_format
         if name not in files:
             result.problems.append(Problem("missing file", name, "in the manifest, not on disk"))
             changed.add(name)
-        elif files[name].stat().st_size != entry["bytes"]:
-            size = files[name].stat().st_size
+        elif source.size(name) != entry["bytes"]:
+            size = source.size(name)
             kind = "truncated file" if size < entry["bytes"] else "resized file"
             result.problems.append(Problem(kind, name, f"{size:,} bytes, the manifest says {entry['bytes']:,}"))
             changed.add(name)
     extra = sorted(set(files) - set(recorded))
     result.problems += [Problem("extra file", name, "on disk, not in the manifest") for name in extra]
-    same_size = {name: files[name] for name in recorded if name not in changed}
-    file_hashes, _ = hasher.run(same_size, None, {})
+    same_size = [name for name in recorded if name not in changed]
+    try:
+        file_hashes, _ = hasher.run(source, same_size, None, {})
+    finally:
+        source.close()
     for name, digest in file_hashes.items():
         if digest != recorded[name]["hash"]:
             result.problems.append(Problem("changed file", name, "bytes differ from the manifest"))
@@ -350,7 +368,7 @@ def _check_tensors(checkpoint: Checkpoint, document: dict, changed_files: set[st
     every = scan_nonfinite or any(name not in data_files for name in changed_files if name in document["files"])
     suspects = {key: tensor for key, tensor in checkpoint.tensors.items()
                 if key in recorded and (every or any(c.file in changed_files for c in tensor.chunks))}
-    _, digests = hasher.run({}, checkpoint, suspects, scan_nonfinite)
+    _, digests = hasher.run(None, [], checkpoint, suspects, scan_nonfinite)
     result.compared = len(digests)
     result.problems += _compare_digests(recorded, digests)
     result.problems += _nonfinite_problems(digests)
@@ -410,7 +428,7 @@ def check_against(path: str | Path, other: str | Path, manifest: str | Path | No
     described_differently = {p.name for p in result.problems}
     comparable = {name: tensor for name, tensor in actual.tensors.items()
                   if name in recorded and name not in described_differently}
-    _, digests = hasher.run({}, actual.checkpoint, comparable)
+    _, digests = hasher.run(None, [], actual.checkpoint, comparable)
     result.compared = len(digests)
     result.problems += _compare_digests(recorded, digests)
     result.bytes_hashed = hasher.bytes
@@ -418,7 +436,7 @@ def check_against(path: str | Path, other: str | Path, manifest: str | Path | No
     return result
 
 
-def _described_checkpoint(document: dict, manifest: Path) -> Checkpoint:
+def _described_checkpoint(document: dict, manifest: Path | str) -> Checkpoint:
     """The manifest's tensors as a checkpoint description without data, so prefixes select from it as from any checkpoint."""
     tensors = {}
     for key, entry in document["tensors"].items():
@@ -426,4 +444,4 @@ def _described_checkpoint(document: dict, manifest: Path) -> Checkpoint:
             tensors[key] = TensorInfo(tuple(entry["path"]), entry["dtype"], tuple(entry["shape"]), [])
         except (KeyError, TypeError):
             raise CheckpointError(f"{manifest}: tensor {key}: malformed manifest entry") from None
-    return Checkpoint(document.get("format", "manifest"), manifest, CheckpointFiles(manifest.parent), tensors, {})
+    return Checkpoint(document.get("format", "manifest"), manifest, CheckpointFiles(manifest), tensors, {})

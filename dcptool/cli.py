@@ -17,7 +17,7 @@ from rich.table import Table
 
 from dcptool import checksum as checksums, convert, dtypes, formats, reshard as resharding, verify as verification
 from dcptool.errors import DcptoolError, MismatchError, UsageError
-from dcptool.storage import parse_size
+from dcptool.storage import is_remote, local_path, output_path, parse_size
 
 app = typer.Typer(
     name="dcptool",
@@ -101,7 +101,7 @@ def _grouped(keys, limit: int = 12) -> str:
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="Checkpoint folder or file."),
+    path: str = typer.Argument(..., help="Checkpoint folder or file (or a URL: s3://..., memory://...)."),
     source_format: Optional[str] = FromOption,
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of a table."),
 ) -> None:
@@ -149,8 +149,8 @@ def inspect(
 
 @app.command(name="convert")
 def convert_command(
-    source: Path = typer.Argument(..., help="Checkpoint to read."),
-    destination: Path = typer.Argument(..., help="Output folder (a file for --to torch)."),
+    source: str = typer.Argument(..., help="Checkpoint to read (a path or a URL)."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch)."),
     to: str = typer.Option(..., "--to", help=f"Output format: {', '.join(formats.names())}."),
     source_format: Optional[str] = FromOption,
     dtype: Optional[str] = DtypeOption,
@@ -188,8 +188,8 @@ def _write(checkpoint, destination, to, tensors, objects, options, max_memory, o
 
 @app.command(name="export-hf")
 def export_hf(
-    source: Path = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file)."),
-    destination: Path = typer.Argument(..., help="Output folder for safetensors, index and config."),
+    source: str = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file; a path or a URL)."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config."),
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Folder with config.json and tokenizer files to copy."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
     source_format: Optional[str] = FromOption,
@@ -286,8 +286,8 @@ def _print_plan(result, as_json: bool) -> None:
 
 @app.command()
 def reshard(
-    source: Path = typer.Argument(..., help="Checkpoint to read (DCP, FSDP1 folder, torch.save file, HF folder)."),
-    destination: Path = typer.Argument(..., help="Output folder."),
+    source: str = typer.Argument(..., help="Checkpoint to read (DCP, FSDP1 folder, torch.save file, HF folder; a path or a URL)."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output folder."),
     dp: Optional[int] = DpOption,
     tp: int = TpOption,
     ep: int = EpOption,
@@ -332,8 +332,8 @@ def reshard(
 
 @app.command(name="import-hf")
 def import_hf(
-    source: Path = typer.Argument(..., help="Hugging Face folder with safetensors (and index)."),
-    destination: Path = typer.Argument(..., help="Output DCP folder."),
+    source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path or a URL."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output DCP folder."),
     dp: Optional[int] = typer.Option(None, "--dp", help="FSDP shard degree of the job that will load it (default 1)."),
     tp: int = TpOption,
     ep: int = EpOption,
@@ -359,8 +359,8 @@ def import_hf(
     """
     _check_dtype(dtype)
     mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    if config_dir is None and (source / "config.json").is_file():
-        config_dir = source
+    if config_dir is None and not is_remote(source) and (local_path(source) / "config.json").is_file():
+        config_dir = local_path(source)
     _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,
              max_memory, overwrite, fsync)
 
@@ -373,8 +373,8 @@ JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes
 
 @app.command(name="verify")
 def verify_command(
-    a: Path = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout)."),
-    b: Optional[Path] = typer.Argument(None, metavar="B", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
+    a: str = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout; a path or a URL)."),
+    b: Optional[str] = typer.Argument(None, metavar="B", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
     roundtrip: Optional[str] = typer.Option(None, "--roundtrip", help=f"Convert A to this format and back in a temporary folder ($TMPDIR), and compare with A: {', '.join(formats.names())}."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for floating-point values (default: bitwise)."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance (of A's values) for floating-point values (default: bitwise)."),
@@ -437,6 +437,8 @@ def verify_command(
 def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json) -> None:
     from dcptool import loadcheck
 
+    if is_remote(path):
+        raise UsageError(f"{path}: --load-on runs torch's dcp.load on a local folder; copy the checkpoint here first")
     if not as_json and not _state["quiet"]:
         err.print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
     report = loadcheck.run(path, loadcheck.parse_mesh(mesh), nproc=nproc, backend=backend, plan=plan,
@@ -477,11 +479,11 @@ def _print_verify(report: verification.Report) -> None:
 
 @app.command(name="checksum")
 def checksum_command(
-    path: Path = typer.Argument(..., help="Checkpoint folder or file the manifest belongs to."),
+    path: str = typer.Argument(..., help="Checkpoint folder or file the manifest belongs to (a path or a URL)."),
     write: bool = typer.Option(False, "--write", help="Hash every file and tensor and write the manifest."),
     check: bool = typer.Option(False, "--check", help="Check PATH against its manifest."),
-    against: Optional[Path] = typer.Option(None, "--against", help="Check this other checkpoint (any format or layout) against PATH's manifest, by tensor hashes."),
-    manifest: Optional[Path] = typer.Option(None, "--manifest", help=f"Manifest file (default: {checksums.MANIFEST_NAME} in the folder, <file>.{checksums.MANIFEST_NAME} beside a file)."),
+    against: Optional[str] = typer.Option(None, "--against", help="Check this other checkpoint (any format or layout) against PATH's manifest, by tensor hashes."),
+    manifest: Optional[str] = typer.Option(None, "--manifest", help=f"Manifest file (default: {checksums.MANIFEST_NAME} in the folder, <file>.{checksums.MANIFEST_NAME} beside a file)."),
     scan_nonfinite: bool = typer.Option(False, "--scan-nonfinite", help="Also count NaN and Inf in floating-point tensors; any found exits 1."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="With --against: compare only the manifest's keys under this wrapper, stripped ('auto': the model part)."),
     against_prefix: Optional[str] = typer.Option(None, "--against-prefix", help="With --against: the same for the other checkpoint's keys."),

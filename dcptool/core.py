@@ -95,7 +95,7 @@ class Checkpoint:
     """What a reader found: the format, the tensors and objects, and the files they live in."""
 
     format: str
-    root: Path
+    root: Path | str  # a local path, or the URL it was read from
     files: CheckpointFiles
     tensors: dict[str, TensorInfo]
     objects: dict[str, ObjectInfo]

@@ -11,6 +11,7 @@ from types import ModuleType
 import converters
 from dcptool.core import Checkpoint
 from dcptool.errors import CheckpointError
+from dcptool.storage import CheckpointFiles
 
 
 @cache
@@ -33,26 +34,35 @@ def get(name: str) -> ModuleType:
         raise CheckpointError(f"unknown format {name!r} (known: {', '.join(names())})") from None
 
 
-def detect(path: Path) -> str:
-    """The format of what is at ``path``, judged from the files present."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
-    found = [name for name, module in all_formats().items() if module.detect(path)]
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise CheckpointError(f"{path}: not a checkpoint dcptool recognizes (formats: {', '.join(names())})")
-    raise CheckpointError(f"{path}: looks like several formats ({', '.join(found)}); choose one with --from")
+def detect(path: str | Path) -> str:
+    """The format of the checkpoint at ``path`` (a local path or a URL), judged from the files present."""
+    return _format_of(_files_at(path))
 
 
 def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     """Read the description of the checkpoint at ``path`` (format detected unless given).
 
+    ``path`` is a local path or a URL that fsspec opens (``s3://bucket/step-100`` with s3fs installed).
+
     >>> ckpt = open_checkpoint("step-100")                     # doctest: +SKIP
     >>> ckpt.format, len(ckpt.tensors), ckpt.total_bytes       # doctest: +SKIP
     ('dcp', 291, 16060522496)
     """
-    path = Path(path)
-    name = format or detect(path)
-    return get(name).read(path)
+    files = _files_at(path)
+    return get(format or _format_of(files)).read(files)
+
+
+def _files_at(path: str | Path) -> CheckpointFiles:
+    files = CheckpointFiles(path)
+    if not files.exists():
+        raise CheckpointError(f"{files.location}: no such file or folder")
+    return files
+
+
+def _format_of(files: CheckpointFiles) -> str:
+    found = [name for name, module in all_formats().items() if module.detect(files)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())})")
+    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with --from")

@@ -72,7 +72,7 @@ class Archive:
     def __init__(self, files: CheckpointFiles, relative: str, offset: int = 0, length: int | None = None):
         self.files, self.relative, self.offset = files, relative, offset
         self.length = files.size(relative) - offset if length is None else length
-        self.where = str(files.root / relative) + (f" (record at byte {offset})" if offset else "")
+        self.where = str(files.path(relative)) + (f" (record at byte {offset})" if offset else "")
         self._head = files.read(relative, offset, min(self.length, self.HEAD))
         try:
             self._entries = self._directory()
