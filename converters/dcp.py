@@ -22,6 +22,7 @@ from dcptool.torch_archive import (ArchiveLayout, Global, Reduced, StorageOut, T
 NAME = "dcp"
 WRITES_FOLDER = True
 METADATA = ".metadata"
+COMPLETES = [METADATA]  # uploaded last to remote storage: without it the folder is no checkpoint
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 

@@ -46,6 +46,7 @@ NAME = "fsdp1"
 WRITES_FOLDER = True
 MODEL_ONLY = True  # optimizer state is not converted to per-rank FSDP1 files
 CONFIG = "fsdp_config.json"
+COMPLETES = [CONFIG]  # uploaded last to remote storage
 HF_DIR = "huggingface"
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 

@@ -24,6 +24,7 @@ NAME = "hf"
 WRITES_FOLDER = True
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+COMPLETES = [INDEX]  # uploaded last to remote storage: without it a sharded folder is incomplete
 MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
 # Files that make an export usable by transformers, copied from --config-dir.
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from dcptool import checksum as checksums, convert, dtypes, formats, reshard as resharding, verify as verification
 from dcptool.errors import DcptoolError, MismatchError, UsageError
-from dcptool.storage import is_remote, local_path, output_path, parse_size
+from dcptool.storage import check_destination, is_remote, local_path, output_path, parse_size
 
 app = typer.Typer(
     name="dcptool",
@@ -178,7 +178,7 @@ def convert_command(
 
 def _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync) -> None:
     total = sum(t.nbytes for t in tensors)
-    with _progress(total, f"writing {destination.name}") as advance:
+    with _progress(total, f"writing {Path(str(destination)).name}") as advance:
         report = convert.write_checkpoint(
             checkpoint, destination, to, tensors, objects, overwrite=overwrite, max_memory=_size(max_memory),
             fsync=fsync, progress=advance, writer_options=options,
@@ -239,6 +239,8 @@ def _mesh_options(dp, tp, ep, etp: str, cp, dp_replicate, world_size) -> dict:
 
 def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
              as_json, max_memory, overwrite, fsync) -> None:
+    if not dry_run:
+        check_destination(destination, overwrite)  # before planning prints its warnings
     checkpoint = formats.open_checkpoint(source, source_format)
     result = resharding.prepare(checkpoint, mesh_options, plan, keep_rank_state=keep_rank_state,
                              config_dir=config_dir, dtype=dtype)
@@ -253,7 +255,7 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
     for warning in result.warnings:
         err.print(f"[yellow]warning[/yellow]: {warning}", soft_wrap=True)
     total = sum(layout.tensor.nbytes for layout in result.layouts)
-    with _progress(total, f"writing {destination.name}") as advance:
+    with _progress(total, f"writing {Path(str(destination)).name}") as advance:
         report = resharding.write_plan(checkpoint, destination, result, max_memory=_size(max_memory),
                                     overwrite=overwrite, fsync=fsync, progress=advance)
     _summary(report)

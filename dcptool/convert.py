@@ -21,7 +21,9 @@ its files and rank 0 the index (``dcptool.distributed``); one process writes eve
 from __future__ import annotations
 
 import json
+import posixpath
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,14 +31,14 @@ from typing import Any, Callable
 from dcptool import distributed, dtypes, formats, transfer
 from dcptool.core import Checkpoint, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
-from dcptool.storage import fsync_paths, fsync_tree
+from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
 
 DEFAULT_MAX_MEMORY = 256 * 2**20
 
 
 @dataclass
 class Report:
-    destination: Path
+    destination: Path | str  # a URL for remote outputs
     format: str
     tensors: int = 0
     bytes_written: int = 0
@@ -125,7 +127,7 @@ def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: boo
 
 def write_checkpoint(
     checkpoint: Checkpoint,
-    destination: Path,
+    destination: Path | str,
     to: str,
     tensors: list[OutTensor],
     objects: list[OutObject],
@@ -141,12 +143,17 @@ def write_checkpoint(
 
     Under torchrun (``across_ranks=None``) every rank must call it with the same arguments: each
     writes its share of the output files, and rank 0 the metadata or index (see ``dcptool.distributed``);
-    ``across_ranks=False`` makes this process write everything alone.
+    ``across_ranks=False`` makes this process write everything alone. A URL destination
+    (``s3://bucket/step-100``) is written to a local staging folder, then uploaded through fsspec.
 
     >>> ckpt = formats.open_checkpoint("step-100")                                   # doctest: +SKIP
     >>> write_checkpoint(ckpt, Path("step-100.pt"), "torch", *entries_for(ckpt, "torch"))   # doctest: +SKIP
     """
     module = formats.get(to)
+    if is_remote(destination):
+        return _write_then_upload(checkpoint, str(destination), to, tensors, objects, overwrite=overwrite,
+                                  across_ranks=across_ranks, max_memory=max_memory, progress=progress,
+                                  writer_options=writer_options)
     destination = Path(destination)
     if Path(checkpoint.root).resolve() == destination.resolve():
         raise UsageError(f"{destination}: the output would replace its own source")
@@ -173,6 +180,23 @@ def write_checkpoint(
                 fsync_tree(temporary)
     report.left_out = ranks.from_rank_zero(report.left_out)
     report.bytes_written = sum(piece.nbytes for piece in pieces)
+    return report
+
+
+def _write_then_upload(checkpoint: Checkpoint, url: str, to: str, tensors, objects, *, overwrite: bool,
+                       across_ranks: bool | None, **options) -> Report:
+    """A remote output: written to a local staging folder (under ``TMPDIR``), then uploaded with the
+    files that complete the checkpoint last (the format module's ``COMPLETES``)."""
+    if across_ranks or (across_ranks is None and distributed.under_torchrun()):
+        raise UsageError(f"{url}: under torchrun, write to a filesystem every rank sees, then copy the output there")
+    from dcptool import remote  # fsspec only for URLs
+
+    check_destination(url, overwrite)
+    with tempfile.TemporaryDirectory(prefix="dcptool-staging-") as staging:
+        local = Path(staging) / posixpath.basename(url.rstrip("/"))
+        report = write_checkpoint(checkpoint, local, to, tensors, objects, fsync=False, across_ranks=False, **options)
+        remote.upload(local, url, overwrite, last=getattr(formats.get(to), "COMPLETES", ()))
+    report.destination = url
     return report
 
 
@@ -207,4 +231,4 @@ def convert_checkpoint(
     """
     checkpoint = formats.open_checkpoint(source, source_format)
     tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
-    return write_checkpoint(checkpoint, Path(destination), to, tensors, objects, **options)
+    return write_checkpoint(checkpoint, destination, to, tensors, objects, **options)

@@ -13,11 +13,13 @@ import posixpath
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import fsspec.core
 
 from dcptool.errors import CheckpointError
+from dcptool.storage import check_destination
 
 BLOCK = 256 * 2**10  # reads smaller than this go through the block cache
 CACHED_BLOCKS = 16  # per checkpoint: 4 MiB
@@ -45,6 +47,35 @@ def open_filesystem(url: str):
     except ValueError as exc:  # "Protocol not known: foo"
         raise CheckpointError(f"{url}: {exc} (fsspec has no filesystem of that name; install the package that "
                               f"provides it)") from None
+
+
+def exists(url: str) -> bool:
+    fs, target = open_filesystem(url)
+    with storage_errors(url):
+        return fs.exists(target)
+
+
+def upload(local: Path, url: str, overwrite: bool, last: Iterable[str] = ()) -> None:
+    """Copy a finished local output (a file or a folder) to ``url``.
+
+    Object stores have no atomic rename, so the files named in ``last`` (those that make a checkpoint
+    complete: DCP's ``.metadata``, the safetensors index) go after all others: an interrupted upload
+    never looks like a finished checkpoint. An existing output is removed first when ``overwrite``.
+    """
+    fs, target = open_filesystem(url)
+    with storage_errors(url):
+        if fs.exists(target):
+            check_destination(url, overwrite)
+            fs.rm(target, recursive=True)
+        if local.is_file():
+            fs.put_file(str(local), target)
+            return
+        names = sorted(path.relative_to(local).as_posix() for path in local.rglob("*") if path.is_file())
+        names.sort(key=lambda name: name in set(last))  # stable: everything else keeps its order, first
+        for name in names:
+            destination = f"{target.rstrip('/')}/{name}"
+            fs.makedirs(posixpath.dirname(destination), exist_ok=True)
+            fs.put_file(str(local / name), destination)
 
 
 class RemoteFolder:

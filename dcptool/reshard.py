@@ -260,7 +260,7 @@ def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replica
                     "world_size": world_size}
     if to == "fsdp1":
         tensors, objects, writer_options = fsdp1_entries(checkpoint, resolve_mesh(checkpoint, **mesh_options), dtype)
-        return write_checkpoint(checkpoint, Path(destination), "fsdp1", tensors, objects,
+        return write_checkpoint(checkpoint, destination, "fsdp1", tensors, objects,
                                 writer_options=writer_options, **options)
     if to != "dcp":
         raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
@@ -279,7 +279,7 @@ def prepare(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", **pl
 
 def write_plan(checkpoint: Checkpoint, destination, result: ReshardPlan, **options) -> ReshardReport:
     """Write the planned layout as a DCP folder (streamed, atomic)."""
-    report = write_checkpoint(checkpoint, Path(destination), "dcp", [layout.tensor for layout in result.layouts],
+    report = write_checkpoint(checkpoint, destination, "dcp", [layout.tensor for layout in result.layouts],
                               result.objects, writer_options={"layout": result.layout_of(),
                                                               "world_size": result.mesh.world}, **options)
     return ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name, warnings=result.warnings)

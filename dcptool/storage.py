@@ -38,12 +38,21 @@ def local_path(location: str | Path) -> Path:
     return Path(text[len(_FILE_URL):] if text.startswith(_FILE_URL) else text)
 
 
-def output_path(location: str | Path) -> Path:
-    """Where an output goes, as a local path; remote URLs are refused (only reading from them is supported)."""
+def check_destination(location: str | Path, overwrite: bool) -> None:
+    """Refuse an existing output unless ``overwrite``; commands call it before any work is done."""
     if is_remote(location):
-        raise UsageError(f"{location}: writing to remote storage is not supported yet; write to a local path "
-                         f"and copy it there")
-    return local_path(location)
+        from dcptool.remote import exists  # fsspec only for URLs
+
+        found = exists(str(location))
+    else:
+        found = Path(location).exists()
+    if found and not overwrite:
+        raise UsageError(f"{location}: already exists (pass --overwrite to replace it)")
+
+
+def output_path(location: str | Path) -> Path | str:
+    """Where an output goes: a local path, or a URL as given (written locally first, then uploaded)."""
+    return str(location) if is_remote(location) else local_path(location)
 
 
 class CheckpointFiles:
@@ -297,8 +306,7 @@ def atomic_output(destination: Path, overwrite: bool, is_dir: bool = True) -> It
     An existing ``destination`` is refused unless ``overwrite``, and replaced only after success.
     """
     destination = Path(destination)
-    if destination.exists() and not overwrite:
-        raise UsageError(f"{destination}: already exists (pass --overwrite to replace it)")
+    check_destination(destination, overwrite)
     destination.parent.mkdir(parents=True, exist_ok=True)
     temporary = destination.parent / f".{destination.name}.dcptool-tmp-{uuid.uuid4().hex[:8]}"
     if is_dir:

@@ -237,12 +237,29 @@ def test_unknown_protocol_says_what_to_install():
         refused("inspect", "s3://bucket/step-100", names="s3://bucket/step-100: Install s3fs")
 
 
-def test_remote_destinations_are_refused(local, bucket, tmp_path):
-    for command in (["convert", local["dcp"], f"{bucket}/out", "--to", "torch"],
-                    ["export-hf", local["dcp"], f"{bucket}/out"],
-                    ["reshard", local["dcp"], f"{bucket}/out", "--dp", "1"]):
-        refused(*command, names=f"{bucket}/out: writing to remote storage is not supported")
-    assert not MEMORY.exists(memory_path(bucket))
+@pytest.mark.parametrize("command", [["export-hf", "--max-shard-size", "30KB"], ["convert", "--to", "torch"],
+                                     ["reshard", "--dp", "3"], ["convert", "--to", "fsdp1", "--world-size", "2"]])
+def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, bucket, tmp_path, monkeypatch, command):
+    """Written locally, then uploaded; the file that completes the checkpoint goes up last."""
+    uploaded = []
+    put_file = type(MEMORY).put_file
+    monkeypatch.setattr(type(MEMORY), "put_file", lambda self, lpath, rpath, **kw: (
+        uploaded.append(Path(rpath).name), put_file(self, lpath, rpath, **kw))[1])
+    name, *options = command
+    ok("--quiet", name, local["dcp"], f"{bucket}/out", *options)
+    ok("--quiet", name, local["dcp"], tmp_path / "local", *options)
+    MEMORY.get(memory_path(f"{bucket}/out"), str(tmp_path / "downloaded"), recursive=True)
+    same_tree(tmp_path / "downloaded", tmp_path / "local")
+    completes = {"export-hf": "model.safetensors.index.json", "reshard": ".metadata"}.get(name) or (
+        "fsdp_config.json" if "fsdp1" in options else None)
+    assert len(uploaded) == len(list((tmp_path / "local").rglob("*"))) or (tmp_path / "local").is_file()
+    if completes:
+        assert uploaded[-1] == completes, uploaded
+    refused(name, local["dcp"], f"{bucket}/out", *options, names=f"{bucket}/out: already exists (pass --overwrite")
+    ok("--quiet", name, local["dcp"], f"{bucket}/out", *options, "--overwrite")
+
+
+def test_remote_manifest_and_load_check_are_refused(local, bucket):
     url = remote_copy(local["hf-file"], bucket)
     refused("checksum", url, "--write", names="writing to remote storage is not supported yet; give a local --manifest")
     refused("verify", url, "--load-on", "dp=2", names="--load-on")
