@@ -6,18 +6,21 @@ import json
 import sys
 import traceback
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
 
-from dcptool import checksum as checksums, convert, dtypes, formats, reshard as resharding, verify as verification
+from dcptool import dtypes, formats
 from dcptool.errors import DcptoolError, MismatchError, UsageError
 from dcptool.storage import check_destination, is_remote, local_path, output_path, parse_size
+
+# Each command imports what it runs (convert, reshard, verify, checksum, rich) when it runs, so that
+# `inspect` starts fast (issue 5); these imports are for annotations only.
+if TYPE_CHECKING:
+    from dcptool import checksum as checksums, convert, verify as verification
 
 app = typer.Typer(
     name="dcptool",
@@ -26,8 +29,15 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
-err = Console(stderr=True)
 _state = {"debug": False, "quiet": False}
+
+
+@cache
+def _err():
+    """The rich console on stderr, for progress bars and notes."""
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def _size(text: str) -> int:
@@ -57,11 +67,13 @@ def _global(
 @contextmanager
 def _progress(total: int, what: str):
     """A byte progress bar on a terminal, unless --quiet; yields the callback to advance it."""
-    if _state["quiet"] or not err.is_terminal:
+    if _state["quiet"] or not _err().is_terminal:
         yield lambda n: None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     columns = (TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
+    with Progress(*columns, console=_err(), transient=True) as progress:
         task = progress.add_task(what, total=total)
         yield lambda n: progress.advance(task, n)
 
@@ -85,6 +97,21 @@ def _chunking(tensor) -> str:
     splits = [len({c.offsets[d] for c in tensor.chunks}) for d in range(len(tensor.shape))]
     split = " x ".join(f"{n} along dim {d}" for d, n in enumerate(splits) if n > 1)
     return f"{len(tensor.chunks)} chunks" + (f" ({split})" if split else "")
+
+
+def _aligned(header: tuple[str, ...], rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    """A plain text table, columns padded to their widest cell (``right``: right-aligned columns).
+
+    Plain text rather than a rich table: keys are never cut to the terminal's width, the lines
+    grep and cut well, and 2,000 rows print in milliseconds instead of a second.
+    """
+    widths = [max(map(len, column)) for column in zip(header, *rows)]
+
+    def line(cells):
+        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    return [line(header), *map(line, rows)]
 
 
 def _grouped(keys, limit: int = 12) -> str:
@@ -113,7 +140,11 @@ def inspect(
     files = checkpoint.data_files()
     disk = sum(checkpoint.files.size(f) for f in files)
     ranks_recorded = any(c.rank is not None for t in checkpoint.tensors.values() for c in t.chunks)
-    inferred = resharding.infer_mesh(checkpoint) if ranks_recorded else None
+    inferred = None
+    if ranks_recorded:
+        from dcptool import reshard as resharding
+
+        inferred = resharding.infer_mesh(checkpoint)
     if as_json:
         report = {
             "format": checkpoint.format,
@@ -127,24 +158,19 @@ def inspect(
         }
         print(json.dumps(report, indent=2))
         return
-    console = Console()
-    table = Table(title=f"{path} ({checkpoint.format})")
-    for column in ("key", "dtype", "shape", "bytes", "chunks"):
-        table.add_column(column, justify="right" if column == "bytes" else "left")
-    for key, tensor in checkpoint.tensors.items():
-        table.add_row(key, tensor.dtype, str(list(tensor.shape)), f"{tensor.nbytes:,}", _chunking(tensor))
-    console.print(table)
+    rows = [(key, tensor.dtype, str(list(tensor.shape)), f"{tensor.nbytes:,}", _chunking(tensor))
+            for key, tensor in checkpoint.tensors.items()]
+    lines = [f"{path} ({checkpoint.format})", *_aligned(("key", "dtype", "shape", "bytes", "chunks"), rows, right={3})]
     if checkpoint.objects:
-        console.print(f"non-tensor entries ({len(checkpoint.objects)}): {_grouped(checkpoint.objects)}")
-    console.print(f"{len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes of tensor data; "
-                  f"{len(files)} data files, {disk:,} bytes on disk")
-    for key, value in checkpoint.info.items():
-        if value is not None:
-            console.print(f"{key}: {value}")
+        lines.append(f"non-tensor entries ({len(checkpoint.objects)}): {_grouped(checkpoint.objects)}")
+    lines.append(f"{len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes of tensor data; "
+                 f"{len(files)} data files, {disk:,} bytes on disk")
+    lines += [f"{key}: {value}" for key, value in checkpoint.info.items() if value is not None]
     if inferred:
-        console.print(f"saved on mesh {inferred[0].describe()} (plan {inferred[1].name})")
+        lines.append(f"saved on mesh {inferred[0].describe()} (plan {inferred[1].name})")
     elif ranks_recorded:
-        console.print("saved on a mesh no built-in plan reproduces")
+        lines.append("saved on a mesh no built-in plan reproduces")
+    print("\n".join(lines))
 
 
 @app.command(name="convert")
@@ -169,6 +195,8 @@ def convert_command(
       [cyan]dcptool convert step-1000 hf-out --to hf --dtype bfloat16 --exclude '^optimizer\\.'[/cyan]
       [cyan]dcptool convert global_step_10/actor fsdp1-out --to fsdp1 --world-size 8[/cyan]
     """
+    from dcptool import convert
+
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
     tensors, objects = convert.entries_for(checkpoint, to, dtype, include, exclude)
@@ -177,6 +205,8 @@ def convert_command(
 
 
 def _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync) -> None:
+    from dcptool import convert
+
     total = sum(t.nbytes for t in tensors)
     with _progress(total, f"writing {Path(str(destination)).name}") as advance:
         report = convert.write_checkpoint(
@@ -209,6 +239,8 @@ def export_hf(
 
     [bold]Example[/bold]: [cyan]dcptool export-hf recover_checkpoint hf-out --config-dir base-model --dtype bfloat16[/cyan]
     """
+    from dcptool import convert
+
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
     tensors, config_dir = convert.hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude)
@@ -239,6 +271,8 @@ def _mesh_options(dp, tp, ep, etp: str, cp, dp_replicate, world_size) -> dict:
 
 def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
              as_json, max_memory, overwrite, fsync) -> None:
+    from dcptool import reshard as resharding
+
     if not dry_run:
         check_destination(destination, overwrite)  # before planning prints its warnings
     checkpoint = formats.open_checkpoint(source, source_format)
@@ -251,9 +285,9 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
         return
     resharding.raise_problems(result)
     if not _state["quiet"]:
-        err.print(f"{result.mesh.describe()}; plan {result.plan.name} ({result.plan.description})", soft_wrap=True)
+        _err().print(f"{result.mesh.describe()}; plan {result.plan.name} ({result.plan.description})", soft_wrap=True)
     for warning in result.warnings:
-        err.print(f"[yellow]warning[/yellow]: {warning}", soft_wrap=True)
+        _err().print(f"[yellow]warning[/yellow]: {warning}", soft_wrap=True)
     total = sum(layout.tensor.nbytes for layout in result.layouts)
     with _progress(total, f"writing {Path(str(destination)).name}") as advance:
         report = resharding.write_plan(checkpoint, destination, result, max_memory=_size(max_memory),
@@ -267,6 +301,9 @@ def _print_plan(result, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary, indent=2))
         return
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     table = Table(title=f"{summary['mesh']['description']} (plan {summary['plan']})")
     for column in ("key", "shape", "placement", "chunks"):
@@ -318,6 +355,8 @@ def reshard(
       [cyan]dcptool reshard step-1000 moe-ep --dp 4 --tp 2 --ep 4 --etp 1 --dry-run[/cyan]
       [cyan]dcptool reshard global_step_10/actor fsdp1-w8 --to fsdp1 --world-size 8[/cyan]
     """
+    from dcptool import reshard as resharding
+
     _check_dtype(dtype)
     mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if to == "fsdp1":
@@ -410,6 +449,8 @@ def verify_command(
             raise UsageError("--load-on checks A alone: give no B or --roundtrip")
         _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json)
         return
+    from dcptool import verify as verification
+
     memory = _size(max_memory)
     tolerances = {"atol": atol, "rtol": rtol}
     if roundtrip:
@@ -442,7 +483,7 @@ def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude,
     if is_remote(path):
         raise UsageError(f"{path}: --load-on runs torch's dcp.load on a local folder; copy the checkpoint here first")
     if not as_json and not _state["quiet"]:
-        err.print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
+        _err().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
     report = loadcheck.run(path, loadcheck.parse_mesh(mesh), nproc=nproc, backend=backend, plan=plan,
                            timeout=timeout, include=include, exclude=exclude)
     if as_json:
@@ -485,12 +526,12 @@ def checksum_command(
     write: bool = typer.Option(False, "--write", help="Hash every file and tensor and write the manifest."),
     check: bool = typer.Option(False, "--check", help="Check PATH against its manifest."),
     against: Optional[str] = typer.Option(None, "--against", help="Check this other checkpoint (any format or layout) against PATH's manifest, by tensor hashes."),
-    manifest: Optional[str] = typer.Option(None, "--manifest", help=f"Manifest file (default: {checksums.MANIFEST_NAME} in the folder, <file>.{checksums.MANIFEST_NAME} beside a file)."),
+    manifest: Optional[str] = typer.Option(None, "--manifest", help="Manifest file (default: dcptool.manifest.json in the folder, <file>.dcptool.manifest.json beside a file)."),
     scan_nonfinite: bool = typer.Option(False, "--scan-nonfinite", help="Also count NaN and Inf in floating-point tensors; any found exits 1."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="With --against: compare only the manifest's keys under this wrapper, stripped ('auto': the model part)."),
     against_prefix: Optional[str] = typer.Option(None, "--against-prefix", help="With --against: the same for the other checkpoint's keys."),
     source_format: Optional[str] = typer.Option(None, "--from", help="Format of the checkpoint read (detected when omitted)."),
-    threads: int = typer.Option(0, "--threads", help=f"Hashing threads (default: the CPUs, at most {checksums.MAX_THREADS})."),
+    threads: int = typer.Option(0, "--threads", help="Hashing threads (default: the CPUs, at most 16)."),
     as_json: bool = JsonOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = typer.Option(False, "--overwrite", help="With --write: replace an existing manifest."),
@@ -505,6 +546,8 @@ def checksum_command(
       [cyan]dcptool checksum step-1000 --against hf-out --prefix auto[/cyan]
       [cyan]dcptool checksum model.pt --write --manifest manifests/model.json[/cyan]
     """
+    from dcptool import checksum as checksums
+
     if write + check + (against is not None) != 1:
         raise UsageError("choose one of --write, --check and --against OTHER")
     if (prefix or against_prefix) and against is None:

@@ -311,7 +311,11 @@ def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
         return None
     plan = plans.choose("auto", list(params))
     saved = {name: {(c.offsets, c.sizes): c.rank for c in info.chunks} for name, info in params.items()}
-    experts = {info.shape[0] for name, info in params.items() if (plan.rule_for(name) or DEFAULT_RULE).experts}
+    # Layers repeat: tensors of one rule and shape have one layout per mesh, so each group is laid out once.
+    groups: dict[tuple[plans.Rule, tuple[int, ...]], list[str]] = {}
+    for name, info in params.items():
+        groups.setdefault((plan.rule_for(name) or DEFAULT_RULE, info.shape), []).append(name)
+    experts = {shape[0] for rule, shape in groups if rule.experts}
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     candidates = [Mesh(dp=world // (r * t), tp=t, ep=e, etp=et, dp_replicate=r)
                   for r in divisors for t in divisors if world % (r * t) == 0
@@ -319,18 +323,18 @@ def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
                   for et in sorted({1, t})]
     candidates.sort(key=lambda m: (m.dp_replicate, m.ep, m.tp, m.etp))
 
-    def reproduces(table: _ChunkTable, name: str, info) -> bool:
-        spec = tensor_spec(name, plan.rule_for(name) or DEFAULT_RULE, info.shape, table.mesh)
-        expected = {(o, s): holders for o, s, holders in table(info.shape, spec)}
+    def reproduces(table: _ChunkTable, rule: plans.Rule, shape: tuple[int, ...], names: list[str]) -> bool:
+        spec = tensor_spec(names[0], rule, shape, table.mesh)
+        expected = {(o, s): holders for o, s, holders in table(shape, spec)}
         # each saved chunk must sit in the file of a rank that holds it on this mesh
-        return expected.keys() == saved[name].keys() and all(
-            saved[name][chunk] in holders for chunk, holders in expected.items())
+        return all(expected.keys() == saved[name].keys()
+                   and all(saved[name][chunk] in holders for chunk, holders in expected.items()) for name in names)
 
     for mesh in candidates:
         try:
             mesh.check()
             table = _ChunkTable(mesh)
-            if all(reproduces(table, name, info) for name, info in params.items()):
+            if all(reproduces(table, rule, shape, names) for (rule, shape), names in groups.items()):
                 return mesh, plan
         except (UsageError, Refused, NotRectangular):
             continue

@@ -186,7 +186,7 @@ ALLOWED.update(
         "builtins.slice": slice,
         "builtins.complex": complex,
         "_codecs.encode": _latin1_bytes,
-        "torch.Size": lambda dims=(): tuple(dims),
+        "torch.Size": tuple,
         "torch.device": lambda *args: _Name(":".join(str(a) for a in args)),
         "torch.serialization._get_layout": _Name,
         "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": lambda value: value,

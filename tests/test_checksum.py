@@ -337,6 +337,20 @@ def test_bad_manifest_or_arguments_exit_2(pristine, tmp_path):
     assert result.returncode == 2 and "nothing-here" in result.stderr
 
 
+def test_help_states_the_manifest_name_and_thread_cap():
+    # cli.py writes them out so that the other commands start without importing checksum (and blake3)
+    import os
+    import subprocess
+    import sys
+
+    from dcptool import checksum
+
+    help_text = subprocess.run([sys.executable, "-m", "dcptool", "checksum", "--help"], capture_output=True, text=True,
+                               env={**os.environ, "COLUMNS": "300"}, check=True).stdout  # one line per option
+    assert f"default: {checksum.MANIFEST_NAME} in the folder" in help_text
+    assert f"at most {checksum.MAX_THREADS})" in help_text
+
+
 def test_hashing_streams_within_the_memory_budget(tmp_path):
     """~200 MB of weights (as HF safetensors and as the 4-rank DCP checkpoint import-hf makes) hashed with 16 MiB."""
     import subprocess

@@ -184,6 +184,50 @@ def test_inspect_json(checkpoints):
     assert "train_state" in " ".join(report["objects"])
 
 
+def test_inspect_table_shows_every_tensor_whole(checkpoints):
+    import json
+    import re
+
+    path, _ = checkpoints("fsdp2_dp2_tp2")
+    tensors = json.loads(dcptool("inspect", path, "--json").stdout)["tensors"]
+    lines = dcptool("inspect", path).stdout.splitlines()  # not a terminal: the width must not cut keys
+    header, rows = lines[1], lines[2:2 + len(tensors)]
+    assert lines[0] == f"{path} (dcp)"
+    assert header.split() == ["key", "dtype", "shape", "bytes", "chunks"]
+    cells = [re.split(r" {2,}", row) for row in rows]
+    assert [c[0] for c in cells] == list(tensors)
+    for (key, dtype, shape, nbytes, chunks), row in zip(cells, rows):
+        expected = tensors[key]
+        assert [dtype, shape, nbytes] == [expected["dtype"], str(expected["shape"]), f"{expected['bytes']:,}"]
+        assert chunks.startswith(f"{expected['chunks']} chunk")
+        assert row.index(dtype, len(key)) == header.index("dtype")  # columns aligned
+    o_proj = next(c for c in cells if c[0].endswith("layers.0.self_attn.o_proj.weight"))
+    assert o_proj[4] == "4 chunks (2 along dim 0 x 2 along dim 1)"  # FSDP on dim 0, TP rowwise on dim 1
+    assert lines[-1] == "saved on mesh 4 ranks: dp=2 x tp=2 (plan hf)"
+
+
+def test_inspect_imports_only_what_reading_needs(checkpoints):
+    # Issue 5 wants inspect of 2,000 tensors under 1 s, start-up included (timed by scripts/bench.py):
+    # torch, rich and the modules of the other commands (blake3 with checksum) must stay out of it.
+    import subprocess
+    import sys
+
+    path, _ = checkpoints("fsdp2_dp2_tp2")
+    script = (
+        "import sys\n"
+        "from dcptool.cli import main\n"
+        "try:\n"
+        "    main(['inspect', sys.argv[1]])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "unwanted = ('torch', 'rich', 'blake3', 'dcptool.checksum', 'dcptool.verify', 'dcptool.loadcheck')\n"
+        "print(sorted(m for m in unwanted if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"  # after the report
+
+
 def test_dcp_to_fsdp1_loads_in_a_real_fsdp1_job(checkpoints, tmp_path):
     path, reference = checkpoints("fsdp2_dp2")
     out = tmp_path / "fsdp1"
