@@ -192,7 +192,7 @@ class _Hasher:
 
 
 def _open_before_threads(checkpoint: Checkpoint, tensor: TensorInfo) -> None:
-    """Resolve the tensor's chunks now: the checkpoint's cache of resolved chunks is not filled safely from threads."""
+    """Resolve the tensor's chunks now, so that a broken chunk record marks its tensor before any hashing starts."""
     for chunk in tensor.chunks:
         checkpoint.raw_bytes(tensor, chunk)
 

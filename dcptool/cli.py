@@ -301,26 +301,20 @@ def _print_plan(result, as_json: bool) -> None:
     if as_json:
         print(json.dumps(summary, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    table = Table(title=f"{summary['mesh']['description']} (plan {summary['plan']})")
-    for column in ("key", "shape", "placement", "chunks"):
-        table.add_column(column)
-    for key, tensor in summary["tensors"].items():
-        table.add_row(key, str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
-    console.print(table)
+    print(f"{summary['mesh']['description']} (plan {summary['plan']})")
+    rows = [(key, str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
+            for key, tensor in summary["tensors"].items()]
+    print("\n".join(_aligned(("key", "shape", "placement", "chunks"), rows, right=set())))
     if summary["objects"]:
-        console.print(f"non-tensor entries carried over ({len(summary['objects'])}): {_grouped(summary['objects'])}")
+        print(f"non-tensor entries carried over ({len(summary['objects'])}): {_grouped(summary['objects'])}")
     sizes = list(summary["files"].values())
-    console.print(f"{len(sizes)} files __{{rank}}_0.distcp, {min(sizes):,} to {max(sizes):,} bytes each")
+    print(f"{len(sizes)} files __{{rank}}_0.distcp, {min(sizes):,} to {max(sizes):,} bytes each")
     for warning in summary["warnings"]:
-        console.print(f"[yellow]warning[/yellow]: {warning}")
+        print(f"warning: {warning}")
     for problem in summary["problems"]:
-        console.print(f"[red]problem[/red]: {problem}")
+        print(f"problem: {problem}")
     if not summary["problems"]:
-        console.print("no problems: run without --dry-run to write it")
+        print("no problems: run without --dry-run to write it")
 
 
 @app.command()
