@@ -1,5 +1,6 @@
 """The byte mover (dcptool.transfer) and the archive layout it writes into (torch_archive.ArchiveLayout)."""
 
+import errno
 import os
 import random
 import zipfile
@@ -61,18 +62,21 @@ def _crc_of_zeros(length: int) -> int:
     return crc
 
 
-@pytest.mark.parametrize("kernel_copy", [True, False])
+@pytest.mark.parametrize("kernel_copy", ["yes", "remote source", "across filesystems"])
 def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_path, monkeypatch, kernel_copy):
     """Dim-0 shards go through copy_file_range, TP column blocks are assembled: with a tiny budget
     (many tasks per tensor, CRC-32s combined across them) the torch file still has every CRC right
-    and equals the job's own full state dict; without kernel copies (a remote source) likewise."""
+    and equals the job's own full state dict; likewise where the kernel cannot copy (a remote source
+    has no descriptor; copy_file_range refuses with EXDEV across filesystems)."""
     source, reference = checkpoints("fsdp2_dp2_tp2")
     checkpoint = formats.open_checkpoint(source)
     pieces = formats.get("hf").Writer(tmp_path / "plan").plan(convert.hf_export_entries(checkpoint)[0], [])
     kinds = {transfer.source_runs(checkpoint, piece) is None for piece in pieces}
     assert kinds == {True, False}  # both paths are exercised
-    if not kernel_copy:
+    if kernel_copy == "remote source":
         monkeypatch.setattr(CheckpointFiles, "local_fd", lambda self, relative: None)
+    elif kernel_copy == "across filesystems":
+        monkeypatch.setattr(os, "copy_file_range", _refuse_across_filesystems)
     out = tmp_path / "full.pt"
     convert.convert_checkpoint(source, out, to="torch", max_memory=2**16)
     assert zipfile.ZipFile(out).testzip() is None
@@ -83,6 +87,10 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
     assert len(tensors) == len(checkpoint.tensors)
     for key in tensors:
         assert torch.equal(flat[key], expected[key]), key
+
+
+def _refuse_across_filesystems(*args):
+    raise OSError(errno.EXDEV, "Invalid cross-device link")
 
 
 def _flatten(tree, prefix=""):
