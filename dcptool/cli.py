@@ -176,7 +176,7 @@ def inspect(
 @app.command(name="convert")
 def convert_command(
     source: str = typer.Argument(..., help="Checkpoint to read (a path or a URL)."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch)."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch); a path or a URL."),
     to: str = typer.Option(..., "--to", help=f"Output format: {', '.join(formats.names())}."),
     source_format: Optional[str] = FromOption,
     dtype: Optional[str] = DtypeOption,
@@ -194,6 +194,7 @@ def convert_command(
       [cyan]dcptool convert step-1000 step-1000.pt --to torch[/cyan]
       [cyan]dcptool convert step-1000 hf-out --to hf --dtype bfloat16 --exclude '^optimizer\\.'[/cyan]
       [cyan]dcptool convert global_step_10/actor fsdp1-out --to fsdp1 --world-size 8[/cyan]
+      [cyan]dcptool convert s3://bucket/run-7/step-1000 step-1000.pt --to torch[/cyan]   (with s3fs installed)
     """
     from dcptool import convert
 
@@ -219,7 +220,7 @@ def _write(checkpoint, destination, to, tensors, objects, options, max_memory, o
 @app.command(name="export-hf")
 def export_hf(
     source: str = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file; a path or a URL)."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
     config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Folder with config.json and tokenizer files to copy."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
     source_format: Optional[str] = FromOption,
@@ -320,7 +321,7 @@ def _print_plan(result, as_json: bool) -> None:
 @app.command()
 def reshard(
     source: str = typer.Argument(..., help="Checkpoint to read (DCP, FSDP1 folder, torch.save file, HF folder; a path or a URL)."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output folder."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output folder; a path or a URL."),
     dp: Optional[int] = DpOption,
     tp: int = TpOption,
     ep: int = EpOption,
@@ -368,7 +369,7 @@ def reshard(
 @app.command(name="import-hf")
 def import_hf(
     source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path or a URL."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output DCP folder."),
+    destination: Path = typer.Argument(..., parser=output_path, help="Output DCP folder; a path or a URL."),
     dp: Optional[int] = typer.Option(None, "--dp", help="FSDP shard degree of the job that will load it (default 1)."),
     tp: int = TpOption,
     ep: int = EpOption,
