@@ -115,3 +115,23 @@ def test_dcp_output_records_pass_the_zip_check(checkpoints, tmp_path):
     for file, offset, length in records:
         archive = zipfile.ZipFile(files.window(file, offset, length))
         assert archive.testzip() is None, (file, offset)
+
+
+def test_a_failing_progress_callback_stops_the_remaining_tasks(checkpoints, tmp_path, monkeypatch):
+    """Under torchrun the callback raises when another rank failed: the tasks not yet started are dropped."""
+    source, _ = checkpoints("fsdp2_dp2")
+    checkpoint = formats.open_checkpoint(source)
+    writer = formats.get("hf").Writer(tmp_path)
+    placed = [(piece, *writer.place(piece)) for piece in writer.plan(convert.hf_export_entries(checkpoint)[0], [])]
+    total = len([t for p, f, o in placed for t in transfer.plan_tasks(checkpoint, p, f, o, 2**15)])
+    started = []
+    run = transfer._Mover.run
+    monkeypatch.setattr(transfer._Mover, "run", lambda self, task: (started.append(task), run(self, task))[1])
+
+    def another_rank_failed(nbytes):
+        raise RuntimeError("rank 1 failed")
+
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        transfer.copy_pieces(checkpoint, placed, writer.out, crc=False, max_memory=2**16, threads=2,
+                             on_bytes=another_rank_failed)
+    assert total > 20 and len(started) < total / 2, (len(started), total)
