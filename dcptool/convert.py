@@ -150,16 +150,25 @@ def write_checkpoint(
     >>> write_checkpoint(ckpt, Path("step-100.pt"), "torch", *entries_for(ckpt, "torch"))   # doctest: +SKIP
     """
     module = formats.get(to)
-    if is_remote(destination):
-        return _write_then_upload(checkpoint, str(destination), to, tensors, objects, overwrite=overwrite,
-                                  across_ranks=across_ranks, max_memory=max_memory, progress=progress,
-                                  writer_options=writer_options)
-    destination = Path(destination)
-    if Path(checkpoint.root).resolve() == destination.resolve():
+    upload = _Upload(str(destination), module) if is_remote(destination) else None
+    try:
+        return _write(checkpoint, destination, module, tensors, objects, upload, overwrite=overwrite,
+                      max_memory=max_memory, fsync=fsync and not upload, progress=progress,
+                      writer_options=writer_options, across_ranks=across_ranks)
+    finally:
+        if upload:
+            upload.close()
+
+
+def _write(checkpoint, destination, module, tensors, objects, upload: _Upload | None, *, overwrite, max_memory,
+           fsync, progress, writer_options, across_ranks) -> Report:
+    if upload is None and Path(checkpoint.root).resolve() == Path(destination).resolve():
         raise UsageError(f"{destination}: the output would replace its own source")
     ranks = distributed.ranks_for(progress, across_ranks)
-    report = Report(destination, to, tensors=len(tensors))
-    with ranks.output(destination, overwrite, module.WRITES_FOLDER) as temporary:
+    report = Report(upload.url if upload else Path(destination), module.NAME, tensors=len(tensors))
+    prepare = (lambda: upload.prepare(overwrite)) if upload else None
+    with ranks.output(upload.local if upload else Path(destination), overwrite, module.WRITES_FOLDER,
+                      prepare) as temporary:
         writer = module.Writer(temporary, **(writer_options or {}))
         pieces = writer.plan(tensors, objects)  # the same on every rank
         mine = ranks.my_files(writer.files())
@@ -171,33 +180,49 @@ def write_checkpoint(
             records = writer.finish_files(objects, mine, crcs)
         finally:
             writer.out.close()
-        if fsync and ranks.rank != 0:  # rank 0 flushes the whole folder below
+        if upload:
+            upload.send(writer.out.folder, mine)
+        elif fsync and ranks.rank != 0:  # rank 0 flushes the whole folder below
             fsync_paths(writer.out.folder / name for name in mine)
         every_rank_records = ranks.gather(records)
         if ranks.rank == 0:
             report.left_out = writer.finish_index(objects, every_rank_records) or []
-            if fsync:
+            if upload and module.WRITES_FOLDER:
+                written = (path.relative_to(temporary).as_posix() for path in temporary.rglob("*") if path.is_file())
+                upload.send(temporary, sorted(set(written) - set(writer.files())))
+            elif fsync:
                 fsync_tree(temporary)
     report.left_out = ranks.from_rank_zero(report.left_out)
     report.bytes_written = sum(piece.nbytes for piece in pieces)
     return report
 
 
-def _write_then_upload(checkpoint: Checkpoint, url: str, to: str, tensors, objects, *, overwrite: bool,
-                       across_ranks: bool | None, **options) -> Report:
-    """A remote output: written to a local staging folder (under ``TMPDIR``), then uploaded with the
-    files that complete the checkpoint last (the format module's ``COMPLETES``)."""
-    if across_ranks or (across_ranks is None and distributed.under_torchrun()):
-        raise UsageError(f"{url}: under torchrun, write to a filesystem every rank sees, then copy the output there")
-    from dcptool import remote  # fsspec only for URLs
+class _Upload:
+    """A URL destination: written to a local staging folder (under ``TMPDIR``; one per rank under
+    torchrun), then uploaded through fsspec: every rank its own files, then rank 0 the rest (index,
+    config), the files that complete the checkpoint (the format's ``COMPLETES``) last. Object stores
+    have no atomic rename, so an interrupted upload never looks like a finished checkpoint.
+    """
 
-    check_destination(url, overwrite)
-    with tempfile.TemporaryDirectory(prefix="dcptool-staging-") as staging:
-        local = Path(staging) / posixpath.basename(url.rstrip("/"))
-        report = write_checkpoint(checkpoint, local, to, tensors, objects, fsync=False, across_ranks=False, **options)
-        remote.upload(local, url, overwrite, last=getattr(formats.get(to), "COMPLETES", ()))
-    report.destination = url
-    return report
+    def __init__(self, url: str, module):
+        from dcptool import remote  # fsspec only for URLs
+
+        self.remote, self.url, self.is_dir = remote, url.rstrip("/"), module.WRITES_FOLDER
+        self.completes = getattr(module, "COMPLETES", [])
+        self._staging = tempfile.TemporaryDirectory(prefix="dcptool-staging-")
+        self.local = Path(self._staging.name) / posixpath.basename(self.url)
+
+    def prepare(self, overwrite: bool) -> None:
+        """Before any upload (rank 0): refuse an existing output, or remove it with ``overwrite``."""
+        check_destination(self.url, overwrite)
+        self.remote.remove(self.url)
+
+    def send(self, folder: Path, names) -> None:
+        for name in sorted(names, key=lambda name: name in self.completes):
+            self.remote.put(folder / name, f"{self.url}/{name}" if self.is_dir else self.url)
+
+    def close(self) -> None:
+        self._staging.cleanup()
 
 
 def entries_for(checkpoint: Checkpoint, to: str, dtype=None, include=None, exclude=None):

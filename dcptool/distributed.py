@@ -170,7 +170,11 @@ class OneProcess:
     def __init__(self, progress: Callable[[int], None] | None = None):
         self.progress = progress or (lambda n: None)
 
-    def output(self, destination: Path, overwrite: bool, is_dir: bool):
+    def output(self, destination: Path, overwrite: bool, is_dir: bool, prepare: Callable[[], None] | None = None):
+        """The temporary sibling of ``destination`` (see ``Ranks.output``); ``prepare`` runs first."""
+        if prepare:
+            prepare()
+            return _staging(destination, is_dir)
         return atomic_output(destination, overwrite, is_dir)
 
     def my_files(self, sizes: dict[str, int]) -> set[str]:
@@ -184,6 +188,14 @@ class OneProcess:
 
     def from_rank_zero(self, value: Any) -> Any:
         return value
+
+
+@contextmanager
+def _staging(destination: Path, is_dir: bool) -> Iterator[Path]:
+    """A private local staging place, uploaded from and then deleted: no rename into place needed."""
+    if is_dir:
+        destination.mkdir(parents=True)
+    yield destination
 
 
 class Ranks:
@@ -210,14 +222,23 @@ class Ranks:
         self._next_check = 0.0
 
     @contextmanager
-    def output(self, destination: Path, overwrite: bool, is_dir: bool) -> Iterator[Path]:
+    def output(self, destination: Path, overwrite: bool, is_dir: bool,
+               prepare: Callable[[], None] | None = None) -> Iterator[Path]:
         """The temporary sibling of ``destination`` that rank 0 creates and renames into place on success.
 
         Every rank must name the same ``destination``; the folder must be one all ranks see (for
         several nodes, a shared filesystem). Any rank's failure is published to the others.
+        With ``prepare`` (a remote destination, staged locally: ``convert._Upload``) each rank writes
+        into a temporary folder of its own instead, once rank 0 has run ``prepare``.
         """
         try:
-            if self.rank == 0:
+            if prepare:
+                if self.rank == 0:
+                    prepare()
+                self._broadcast(None)
+                with _staging(destination, is_dir) as temporary:
+                    yield temporary
+            elif self.rank == 0:
                 with atomic_output(destination, overwrite, is_dir) as temporary:
                     self._broadcast((os.path.abspath(destination), temporary))
                     yield temporary

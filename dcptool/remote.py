@@ -14,12 +14,11 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import fsspec.core
 
 from dcptool.errors import CheckpointError
-from dcptool.storage import check_destination
 
 BLOCK = 256 * 2**10  # reads smaller than this go through the block cache
 CACHED_BLOCKS = 16  # per checkpoint: 4 MiB
@@ -55,27 +54,20 @@ def exists(url: str) -> bool:
         return fs.exists(target)
 
 
-def upload(local: Path, url: str, overwrite: bool, last: Iterable[str] = ()) -> None:
-    """Copy a finished local output (a file or a folder) to ``url``.
-
-    Object stores have no atomic rename, so the files named in ``last`` (those that make a checkpoint
-    complete: DCP's ``.metadata``, the safetensors index) go after all others: an interrupted upload
-    never looks like a finished checkpoint. An existing output is removed first when ``overwrite``.
-    """
+def remove(url: str) -> None:
+    """Remove an output (a file or a folder) if it exists."""
     fs, target = open_filesystem(url)
     with storage_errors(url):
         if fs.exists(target):
-            check_destination(url, overwrite)
             fs.rm(target, recursive=True)
-        if local.is_file():
-            fs.put_file(str(local), target)
-            return
-        names = sorted(path.relative_to(local).as_posix() for path in local.rglob("*") if path.is_file())
-        names.sort(key=lambda name: name in set(last))  # stable: everything else keeps its order, first
-        for name in names:
-            destination = f"{target.rstrip('/')}/{name}"
-            fs.makedirs(posixpath.dirname(destination), exist_ok=True)
-            fs.put_file(str(local / name), destination)
+
+
+def put(local: Path, url: str) -> None:
+    """Upload one local file to ``url``."""
+    fs, target = open_filesystem(url)
+    with storage_errors(url):
+        fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        fs.put_file(str(local), target)
 
 
 class RemoteFolder:

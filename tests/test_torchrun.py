@@ -82,6 +82,27 @@ def test_output_is_identical_to_one_process(checkpoints, command, tmp_path):
     assert temporaries(tmp_path) == []
 
 
+@pytest.mark.parametrize("command", ["reshard-dp4", "torch-file"])
+def test_remote_destination_each_rank_uploads_its_files(checkpoints, command, tmp_path):
+    """A URL destination under torchrun: every rank stages and uploads its own files, rank 0 the index
+    last. fsspec's ``local://`` protocol goes through the same upload path as s3:// and is seen by
+    every rank (``memory://`` lives inside one process)."""
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    suffix = ".pt" if command == "torch-file" else ""
+    alone, uploaded = tmp_path / f"alone{suffix}", tmp_path / f"uploaded{suffix}"
+
+    def args(destination):
+        return [arg.format(src=source, dst=destination) for arg in COMMANDS[command]]
+
+    dcptool(*args(alone))
+    (uploaded if not suffix else tmp_path).mkdir(exist_ok=True)
+    if not suffix:
+        (uploaded / "stale.distcp").write_bytes(b"from an earlier run")  # --overwrite removes the old output
+    result = torchrun(*args(f"local://{uploaded}"), "--overwrite")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert contents(uploaded) == contents(alone)
+
+
 def test_bad_source_fails_on_every_rank_with_one_line(tmp_path):
     result = torchrun("convert", tmp_path / "nothing-here", tmp_path / "out", "--to", "dcp")
     assert result.returncode != 0
