@@ -138,9 +138,8 @@ def read(files: CheckpointFiles) -> Checkpoint:
         "extra_state_files": len(ranks["extra_state"].get(world_size, ())),
         "values": ", ".join(sorted(kinds)) or None,
     }
-    # export-hf copies the config from a local folder; a remote checkpoint's is not fetched.
-    if files.local_folder is not None and files.is_file(f"{HF_DIR}/config.json"):
-        info["hf_config_dir"] = files.local_folder / HF_DIR
+    if files.is_file(f"{HF_DIR}/config.json"):  # verl saves the model's config and tokenizer there
+        info["hf_config_dir"] = files.path(HF_DIR)
     infos = {key: TensorInfo(g.path, g.dtype, g.shape, g.chunks) for key, g in tensors.items()}
     checkpoint = Checkpoint(NAME, files.location, files, infos, objects, info)
     checkpoint.validate()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import struct
 from pathlib import Path
 
@@ -115,7 +114,7 @@ class Writer:
 
     NEEDS_CRC = False
 
-    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: Path | None = None):
+    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None):
         self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
         self.out = OutputFiles(folder)
         self._place: dict[str, tuple[str, int]] = {}
@@ -160,19 +159,18 @@ class Writer:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if self.config_dir:
-            copy_config(Path(self.config_dir), self.folder)
+            copy_config(self.config_dir, self.folder)
         return [o.key for o in objects]
 
 
-def copy_config(config_dir: Path, folder: Path) -> list[str]:
-    """Copy the model config, generation config and tokenizer files that sit in ``config_dir``."""
-    if not (config_dir / "config.json").is_file():
+def copy_config(config_dir: str | Path, folder: Path) -> list[str]:
+    """Copy the model config, generation config and tokenizer files that sit in ``config_dir`` (a path or a URL)."""
+    files = CheckpointFiles(config_dir)
+    if not files.is_file("config.json"):
         raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
-    copied = []
-    for name in CONFIG_FILES:
-        if (config_dir / name).is_file():
-            shutil.copyfile(config_dir / name, folder / name)
-            copied.append(name)
+    copied = [name for name in CONFIG_FILES if files.is_file(name)]
+    for name in copied:
+        (folder / name).write_bytes(files.read_all(name))
     return copied
 
 

@@ -15,7 +15,7 @@ import typer
 
 from dcptool import dtypes, formats
 from dcptool.errors import DcptoolError, MismatchError, UsageError
-from dcptool.storage import check_destination, is_remote, local_path, output_path, parse_size
+from dcptool.storage import CheckpointFiles, check_destination, is_remote, output_path, parse_size
 
 # Each command imports what it runs (convert, reshard, verify, checksum, rich) when it runs, so that
 # `inspect` starts fast (issue 5); these imports are for annotations only.
@@ -221,7 +221,7 @@ def _write(checkpoint, destination, to, tensors, objects, options, max_memory, o
 def export_hf(
     source: str = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file; a path or a URL)."),
     destination: Path = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
-    config_dir: Optional[Path] = typer.Option(None, "--config-dir", help="Folder with config.json and tokenizer files to copy."),
+    config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with config.json and tokenizer files to copy."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
     source_format: Optional[str] = FromOption,
     dtype: Optional[str] = DtypeOption,
@@ -258,7 +258,7 @@ CpOption = typer.Option(1, "--cp", help="Context-parallel degree (FSDP shards ov
 DpReplicateOption = typer.Option(1, "--dp-replicate", help="HSDP replicas (each holds the dp shards).")
 WorldSizeOption = typer.Option(None, "--world-size", help="Ranks of the target job; must equal dp_replicate*dp*cp*tp.")
 PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto, hf, torchtitan, fsdp, or a YAML/JSON plan file.")
-ConfigDirOption = typer.Option(None, "--config-dir", help="Folder with the model's config.json: heads, kv heads and experts are checked against tp and ep.")
+ConfigDirOption = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with the model's config.json: heads, kv heads and experts are checked against tp and ep.")
 DryRunOption = typer.Option(False, "--dry-run", help="Print the plan and its problems; write nothing.")
 
 
@@ -332,7 +332,7 @@ def reshard(
     plan: str = PlanOption,
     to: str = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
-    config_dir: Optional[Path] = ConfigDirOption,
+    config_dir: Optional[str] = ConfigDirOption,
     source_format: Optional[str] = FromOption,
     dtype: Optional[str] = DtypeOption,
     dry_run: bool = DryRunOption,
@@ -378,7 +378,7 @@ def import_hf(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    config_dir: Optional[Path] = ConfigDirOption,
+    config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[str] = DtypeOption,
     dry_run: bool = DryRunOption,
     max_memory: str = MaxMemoryOption,
@@ -395,8 +395,8 @@ def import_hf(
     """
     _check_dtype(dtype)
     mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    if config_dir is None and not is_remote(source) and (local_path(source) / "config.json").is_file():
-        config_dir = local_path(source)
+    if config_dir is None and CheckpointFiles(source).is_file("config.json"):
+        config_dir = source
     _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,
              max_memory, overwrite, fsync)
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from dcptool import distributed, dtypes, formats, transfer
 from dcptool.core import Checkpoint, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
-from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
+from dcptool.storage import CheckpointFiles, check_destination, fsync_paths, fsync_tree, is_remote
 
 DEFAULT_MAX_MEMORY = 256 * 2**20
 
@@ -81,7 +81,7 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
     return found
 
 
-def hf_export_entries(checkpoint: Checkpoint, config_dir: Path | None = None, prefix: str | None = None,
+def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
                       dtype: str | None = None, include: str | None = None, exclude: str | None = None):
     """The model weights to export under their HF names, and the config folder to copy (or None).
 
@@ -93,19 +93,20 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: Path | None = None, pr
     if not named:
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with --prefix)")
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    if config_dir is not None and read_config(Path(config_dir)).get("tie_word_embeddings"):
+    if config_dir is not None and read_config(config_dir).get("tie_word_embeddings"):
         named.pop("lm_head.weight", None)
     return out_tensors(named, dtype, keep_paths=False), config_dir
 
 
-def read_config(config_dir: Path) -> dict:
-    """The ``config.json`` of a model folder; a missing or broken file is a usage error naming it."""
+def read_config(config_dir: str | Path) -> dict:
+    """The ``config.json`` of a model folder (a path or a URL); a missing or broken file is a usage error naming it."""
+    files = CheckpointFiles(config_dir)
+    if not files.is_file("config.json"):
+        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
     try:
-        return json.loads((config_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)") from None
+        return json.loads(files.read_all("config.json"))
     except ValueError as exc:
-        raise UsageError(f"{config_dir / 'config.json'}: not valid JSON ({exc})") from None
+        raise UsageError(f"{files.path('config.json')}: not valid JSON ({exc})") from None
 
 
 def select(names: dict[str, Any], include: str | None, exclude: str | None) -> dict[str, Any]:

@@ -229,12 +229,12 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     return ReshardPlan(mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
 
 
-def _config_problems(config_dir: Path | None, mesh: Mesh) -> list[str]:
+def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
     """Heads, kv heads and experts of the model config that tp or ep does not divide."""
     if config_dir is None:
         return []
-    path = Path(config_dir) / "config.json"
-    config = read_config(Path(config_dir))
+    path = f"{str(config_dir).rstrip('/')}/config.json"
+    config = read_config(config_dir)
     config = config.get("text_config", config)  # multimodal configs nest the language model's
     problems = []
     for setting, fields, what in CONFIG_DIVISORS:

@@ -314,3 +314,21 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_config_folders_may_be_urls(local, bucket, tmp_path):
+    """A remote verl folder's huggingface/ config is found and copied, as for a local one, and
+    --config-dir may be a URL; tied embeddings drop lm_head.weight in both cases."""
+    config = {"model_type": "llama", "tie_word_embeddings": True, "num_attention_heads": 4}
+    actor = remote_copy(local["fsdp1"], bucket)
+    MEMORY.pipe(f"{memory_path(actor)}/huggingface/config.json", json.dumps(config).encode())
+    MEMORY.pipe(f"{memory_path(actor)}/huggingface/tokenizer.json", b'{"version": "1.0"}')
+    ok("--quiet", "export-hf", actor, tmp_path / "from-verl-folder")
+    ok("--quiet", "export-hf", local["dcp"], tmp_path / "from-config-dir", "--config-dir", f"{actor}/huggingface")
+    for out in (tmp_path / "from-verl-folder", tmp_path / "from-config-dir"):
+        assert json.loads((out / "config.json").read_text()) == config
+        assert (out / "tokenizer.json").read_bytes() == b'{"version": "1.0"}'
+        tensors = json.loads(ok("inspect", out, "--json"))["tensors"]
+        assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors
+    refused("reshard", local["dcp"], tmp_path / "tp3", "--tp", "3", "--dp", "1", "--config-dir",
+            f"{actor}/huggingface", names=f"{actor}/huggingface/config.json")
