@@ -31,6 +31,10 @@ COMMANDS = {
 }
 
 
+def command_line(command: str, source, destination) -> list[str]:
+    return [arg.format(src=source, dst=destination) for arg in COMMANDS[command]]
+
+
 def torchrun(*args, script: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``dcptool ARGS`` (or ``script ARGS``) on NPROC ranks of a standalone torchrun job."""
     target = [str(script)] if script else ["-m", "dcptool"]
@@ -66,12 +70,8 @@ def test_output_is_identical_to_one_process(checkpoints, command, tmp_path):
     source, _ = checkpoints("fsdp2_dp2_tp2")
     suffix = ".pt" if command == "torch-file" else ""
     alone, shared = tmp_path / f"alone{suffix}", tmp_path / f"shared{suffix}"
-
-    def args(destination):
-        return [arg.format(src=source, dst=destination) for arg in COMMANDS[command]]
-
-    dcptool(*args(alone))
-    result = torchrun(*args(shared))
+    dcptool(*command_line(command, source, alone))
+    result = torchrun(*command_line(command, source, shared))
     assert result.returncode == 0, result.stderr[-3000:]
     expected, got = contents(alone), contents(shared)
     assert sorted(got) == sorted(expected)
@@ -90,15 +90,11 @@ def test_remote_destination_each_rank_uploads_its_files(checkpoints, command, tm
     source, _ = checkpoints("fsdp2_dp2_tp2")
     suffix = ".pt" if command == "torch-file" else ""
     alone, uploaded = tmp_path / f"alone{suffix}", tmp_path / f"uploaded{suffix}"
-
-    def args(destination):
-        return [arg.format(src=source, dst=destination) for arg in COMMANDS[command]]
-
-    dcptool(*args(alone))
-    (uploaded if not suffix else tmp_path).mkdir(exist_ok=True)
+    dcptool(*command_line(command, source, alone))
     if not suffix:
+        uploaded.mkdir()
         (uploaded / "stale.distcp").write_bytes(b"from an earlier run")  # --overwrite removes the old output
-    result = torchrun(*args(f"local://{uploaded}"), "--overwrite")
+    result = torchrun(*command_line(command, source, f"local://{uploaded}"), "--overwrite")
     assert result.returncode == 0, result.stderr[-3000:]
     assert contents(uploaded) == contents(alone)
 
