@@ -112,7 +112,9 @@ def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, tas
         return tasks
     itemsize = dtypes.dtype(piece.tensor.dtype).itemsize
     strides = row_major(piece.sizes)
-    per_element = itemsize + dtypes.dtype(piece.tensor.source.dtype).itemsize  # a cast allocates its result
+    source_itemsize = dtypes.dtype(piece.tensor.source.dtype).itemsize
+    cast = piece.tensor.source.dtype != piece.tensor.dtype
+    per_element = source_itemsize + (itemsize if cast else 0)  # a cast allocates its result beside the buffer
     for offsets, sizes in slabs(piece.sizes, max(1, task_bytes // per_element)):
         start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
         tasks.append(Task(piece, len(tasks), file, offset + start, math.prod(sizes) * itemsize,
