@@ -45,7 +45,10 @@ def read(files: CheckpointFiles) -> Checkpoint:
             if key in tensors:
                 raise CheckpointError(f"{files.path(name)}: tensor {key} is also in {tensors[key].chunks[0].file}")
             tensors[key] = tensor
-    checkpoint = Checkpoint(NAME, files.location, files, tensors, {}, {"files": len(names)})
+    info = {"files": len(names)}
+    if files.is_file("config.json"):  # a model folder: its config is checked by reshard and copied by export-hf
+        info["hf_config_dir"] = files.root
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, {}, info)
     checkpoint.validate()
     return checkpoint
 
@@ -129,9 +132,10 @@ class Writer:
         )
         self.split = split
         self._tensors_of = {f: [by_key[k] for k in keys] for f, keys in split.filename_to_tensors.items()}
+        self._headers = {filename: _header(shard) for filename, shard in self._tensors_of.items()}
         pieces = []
         for filename, shard in self._tensors_of.items():
-            offset = len(_header(shard))
+            offset = len(self._headers[filename])
             for tensor in shard:
                 self._place[tensor.key] = (filename, offset)
                 offset += tensor.nbytes
@@ -148,7 +152,7 @@ class Writer:
     def finish_files(self, objects, files: set[str], crcs) -> dict:
         """Write the headers of ``files``; the plan alone says which tensors went where, so there is nothing to report."""
         for name in files:
-            self.out.write_at(name, 0, _header(self._tensors_of[name]))
+            self.out.write_at(name, 0, self._headers[name])
         return {}
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:

@@ -31,7 +31,7 @@ import numpy as np
 from dcptool import convert, dtypes, formats
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
-from dcptool.storage import CheckpointFiles, atomic_output, is_remote, local_path
+from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
 from dcptool.verify import BLOCK, RegionReader, buffer_size, select_side
 
 MANIFEST_NAME = "dcptool.manifest.json"
@@ -45,7 +45,7 @@ def manifest_path(path: str | Path, manifest: str | Path | None = None) -> Path 
     """Where a checkpoint's manifest is: ``manifest`` when given, else ``dcptool.manifest.json`` inside the
     checkpoint folder, or ``<file>.dcptool.manifest.json`` beside a single-file checkpoint (URLs for remote ones)."""
     if manifest is not None:
-        return str(manifest) if is_remote(manifest) else local_path(manifest)
+        return output_path(manifest)
     files = CheckpointFiles(path)
     if files.single_file:
         return files.path(f"{files.single_file}.{MANIFEST_NAME}")
@@ -130,14 +130,7 @@ class _Hasher:
             tensors: dict[str, TensorInfo], scan_nonfinite: bool = False) -> tuple[dict[str, str], dict[str, TensorDigest]]:
         """Hashes of the files ``names`` of ``files`` and digests of ``tensors``, by name; a tensor that cannot be
         read gets its error."""
-        digests = {name: TensorDigest() for name in tensors}
-        for name, tensor in tensors.items():
-            try:
-                _open_before_threads(checkpoint, tensor)
-            except CheckpointError as exc:
-                digests[name].error = str(exc)
-        readable = {name: t for name, t in tensors.items() if digests[name].error is None}
-        size = buffer_size(self.max_memory, readable.values(), self.threads)
+        size = buffer_size(self.max_memory, tensors.values(), self.threads)
         if names:
             size = max(size, min(self.max_memory // self.threads, FILE_READ_SIZE))
         self._local = threading.local()  # fresh per run: buffer sizes differ between runs
@@ -146,10 +139,9 @@ class _Hasher:
             file_jobs = {name: pool.submit(self._hash_file, files, name, size)
                          for name in sorted(names, key=lambda name: -files.size(name))}
             tensor_jobs = {name: pool.submit(self._hash_tensor, checkpoint, tensor, size, scan_nonfinite)
-                           for name, tensor in sorted(readable.items(), key=lambda item: -item[1].nbytes)}
+                           for name, tensor in sorted(tensors.items(), key=lambda item: -item[1].nbytes)}
             file_hashes = {name: file_jobs[name].result() for name in names}
-            for name, job in tensor_jobs.items():
-                digests[name] = job.result()
+            digests = {name: tensor_jobs[name].result() for name in tensors}
         return file_hashes, digests
 
     def _buffer(self, size: int) -> bytearray:
@@ -189,12 +181,6 @@ class _Hasher:
         except CheckpointError as exc:
             return TensorDigest(error=str(exc))
         return TensorDigest(hasher.hexdigest(), (nan, inf) if floating else None)
-
-
-def _open_before_threads(checkpoint: Checkpoint, tensor: TensorInfo) -> None:
-    """Resolve the tensor's chunks now, so that a broken chunk record marks its tensor before any hashing starts."""
-    for chunk in tensor.chunks:
-        checkpoint.raw_bytes(tensor, chunk)
 
 
 # IEEE-style float formats by (exponent bits, mantissa bits): an all-ones exponent is Inf (zero mantissa) or NaN.

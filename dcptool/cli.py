@@ -15,7 +15,7 @@ import typer
 
 from dcptool import dtypes, formats
 from dcptool.errors import DcptoolError, MismatchError, UsageError
-from dcptool.storage import CheckpointFiles, check_destination, is_remote, output_path, parse_size
+from dcptool.storage import check_destination, is_remote, output_path, parse_size
 
 # Each command imports what it runs (convert, reshard, verify, checksum, rich) when it runs, so that
 # `inspect` starts fast (issue 5); these imports are for annotations only.
@@ -308,8 +308,8 @@ def _print_plan(result, as_json: bool) -> None:
     print("\n".join(_aligned(("key", "shape", "placement", "chunks"), rows, right=set())))
     if summary["objects"]:
         print(f"non-tensor entries carried over ({len(summary['objects'])}): {_grouped(summary['objects'])}")
-    sizes = list(summary["files"].values())
-    print(f"{len(sizes)} files __{{rank}}_0.distcp, {min(sizes):,} to {max(sizes):,} bytes each")
+    names, sizes = list(summary["files"]), list(summary["files"].values())
+    print(f"{len(sizes)} files ({names[0]} to {names[-1]}), {min(sizes):,} to {max(sizes):,} bytes each")
     for warning in summary["warnings"]:
         print(f"warning: {warning}")
     for problem in summary["problems"]:
@@ -395,8 +395,6 @@ def import_hf(
     """
     _check_dtype(dtype)
     mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    if config_dir is None and CheckpointFiles(source).is_file("config.json"):
-        config_dir = source
     _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,
              max_memory, overwrite, fsync)
 
@@ -601,15 +599,12 @@ def main(argv: list[str] | None = None) -> None:
         code = exc.exit_code
     except CLICK_ABORTS:
         code = 130
-    except (DcptoolError, OSError) as exc:
-        if _state["debug"]:
+    except (DcptoolError, OSError, KeyboardInterrupt) as exc:
+        if _state["debug"] and not isinstance(exc, KeyboardInterrupt):
             traceback.print_exc()
         code, message = distributed.describe_failure(exc)
-        print(f"dcptool: error: {message}", file=sys.stderr)
+        print(f"dcptool: {'' if isinstance(exc, KeyboardInterrupt) else 'error: '}{message}", file=sys.stderr)
         error = exc
-    except KeyboardInterrupt as exc:
-        print("dcptool: interrupted; nothing was written", file=sys.stderr)
-        code, error = 130, exc
     except Exception as exc:  # a bug: shown as Python shows it; under torchrun the other ranks must still stop
         traceback.print_exc()
         code, error = 1, exc

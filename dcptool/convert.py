@@ -215,8 +215,10 @@ class _Upload:
 
     def prepare(self, overwrite: bool) -> None:
         """Before any upload (rank 0): refuse an existing output, or remove it with ``overwrite``."""
-        check_destination(self.url, overwrite)
-        self.remote.remove(self.url)
+        if overwrite:
+            self.remote.remove(self.url)
+        else:
+            check_destination(self.url, overwrite)
 
     def send(self, folder: Path, names) -> None:
         for name in sorted(names, key=lambda name: name in self.completes):

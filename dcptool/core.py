@@ -158,6 +158,13 @@ class Checkpoint:
         file, offset, length = obj.blob
         return self.files.read(file, offset, length)
 
+    def region_in(self, tensor: TensorInfo, offsets, sizes, buffer, scratch: memoryview) -> np.ndarray:
+        """A region read into the start of ``buffer`` (reused by the caller), as an unsigned view of shape ``sizes``."""
+        values = np.frombuffer(buffer, dtype=dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize),
+                               count=math.prod(sizes)).reshape(sizes)
+        self.read_region(tensor, offsets, sizes, values, scratch)
+        return values
+
     def read_region(self, tensor: TensorInfo, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         """Fill ``out`` (shape ``sizes``, an unsigned view of the tensor's item size) with a region.
 

@@ -40,13 +40,13 @@ REPORT_WAIT = timedelta(minutes=1)  # how long a failed rank waits for rank 0 to
 EXIT_GRACE = 2.0  # then how long it leaves rank 0 to exit first
 
 
-def under_torchrun(environ=os.environ) -> bool:
+def under_torchrun() -> bool:
     """True in a process that torchrun (or a launcher setting the same variables) started as one of several ranks."""
     try:
-        world_size = int(environ.get("WORLD_SIZE", "1"))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return False
-    return world_size > 1 and "RANK" in environ and "MASTER_ADDR" in environ
+    return world_size > 1 and "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def assign_files(sizes: dict[str, int], world_size: int) -> dict[str, int]:

@@ -58,8 +58,10 @@ def remove(url: str) -> None:
     """Remove an output (a file or a folder) if it exists."""
     fs, target = open_filesystem(url)
     with storage_errors(url):
-        if fs.exists(target):
+        try:
             fs.rm(target, recursive=True)
+        except FileNotFoundError:
+            pass
 
 
 def put(local: Path, url: str) -> None:

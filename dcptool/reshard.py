@@ -23,6 +23,7 @@ from dcptool.convert import Report, entries_for, model_part, read_config, write_
 from dcptool.core import Checkpoint, OutObject, OutTensor
 from dcptool.errors import UsageError
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
+from dcptool.storage import CheckpointFiles
 
 # Entries that belong to one data-parallel rank of the saving job (torchtitan's dataloader state):
 # they have no meaning on another mesh.
@@ -82,7 +83,7 @@ class ReshardPlan:
                 "follows": layout.follows, "chunks": [[list(o), list(s), r] for o, s, r in layout.chunks]}
                 for layout in self.layouts},
             "objects": [obj.key for obj in self.objects],
-            "files": {f"__{rank}_0.distcp": size for rank, size in enumerate(self.rank_bytes)},
+            "files": {formats.get("dcp").data_file(rank): size for rank, size in enumerate(self.rank_bytes)},
             "problems": self.problems,
             "warnings": self.warnings,
         }
@@ -233,7 +234,7 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
     """Heads, kv heads and experts of the model config that tp or ep does not divide."""
     if config_dir is None:
         return []
-    path = f"{str(config_dir).rstrip('/')}/config.json"
+    path = CheckpointFiles(config_dir).path("config.json")
     config = read_config(config_dir)
     config = config.get("text_config", config)  # multimodal configs nest the language model's
     problems = []

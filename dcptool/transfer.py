@@ -238,12 +238,9 @@ class _Mover:
     def _assemble(self, task: Task) -> memoryview:
         piece = task.piece
         source = piece.tensor.source
-        slab, scratch = self._buffers()
         offsets, sizes = task.region
-        values = np.frombuffer(slab, dtype=dtypes.raw_view_type(dtypes.dtype(source.dtype).itemsize),
-                               count=math.prod(sizes)).reshape(sizes)
         region = tuple(o + p for o, p in zip(offsets, piece.offsets))
-        self.checkpoint.read_region(source, region, sizes, values, scratch)
+        values = self.checkpoint.region_in(source, region, sizes, *self._buffers())
         if source.dtype != piece.tensor.dtype:
             values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
         return memoryview(values.reshape(-1)).cast("B")

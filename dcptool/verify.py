@@ -56,11 +56,8 @@ class RegionReader:
 
     def slabs(self, tensor: TensorInfo, max_elements: int | None = None) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
         """``(offsets, values)`` in row-major order; ``values`` is an unsigned view, valid until the next slab."""
-        view_type = dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize)
         for offsets, sizes in transfer.slabs(tensor.shape, max_elements or self.max_elements(tensor)):
-            values = np.frombuffer(self.slab_buffer, dtype=view_type, count=math.prod(sizes)).reshape(sizes)
-            self.checkpoint.read_region(tensor, offsets, sizes, values, self.read_buffer)
-            yield offsets, values
+            yield offsets, self.checkpoint.region_in(tensor, offsets, sizes, self.slab_buffer, self.read_buffer)
 
 
 def buffer_size(max_memory: int, tensors, readers: int = 1) -> int:
