@@ -54,6 +54,13 @@ DtypeOption = typer.Option(None, "--dtype", help="Cast floating-point tensors to
 IncludeOption = typer.Option(None, "--include", help="Only keys matching this regular expression.")
 ExcludeOption = typer.Option(None, "--exclude", help="Leave out keys matching this regular expression.")
 FsyncOption = typer.Option(True, "--fsync/--no-fsync", help="Flush outputs to disk before the final rename.")
+TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names: hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later). Default: the source's.")
+
+
+def _notes(notes: list[str]) -> None:
+    """What an adapter found and left out, on stderr (kept under --quiet: nothing is dropped without a line)."""
+    for note in notes:
+        _err().print(note, soft_wrap=True, markup=False, highlight=False)
 
 
 @app.callback()
@@ -184,22 +191,27 @@ def convert_command(
     exclude: Optional[str] = ExcludeOption,
     world_size: int = typer.Option(1, "--world-size", help="Ranks to write for --to fsdp1."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file for --to hf."),
+    adapter: Optional[str] = TargetAdapterOption,
+    config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json, for --adapter (head counts, experts, tied embeddings)."),
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
 ) -> None:
-    """Convert between formats, keeping every key as saved (nested keys flattened with '.').
+    """Convert between formats, keeping every key as saved (nested keys flattened with '.'), or renamed with --adapter.
 
     [bold]Examples[/bold]:
       [cyan]dcptool convert step-1000 step-1000.pt --to torch[/cyan]
       [cyan]dcptool convert step-1000 hf-out --to hf --dtype bfloat16 --exclude '^optimizer\\.'[/cyan]
       [cyan]dcptool convert global_step_10/actor fsdp1-out --to fsdp1 --world-size 8[/cyan]
       [cyan]dcptool convert s3://bucket/run-7/step-1000 step-1000.pt --to torch[/cyan]   (with s3fs installed)
+      [cyan]dcptool convert archon-step-200 fsdp-engine-step-200 --to dcp --adapter hf[/cyan]   (optimizer state follows)
     """
     from dcptool import convert
 
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
+    checkpoint, notes = convert.adapted(checkpoint, adapter, config_dir=config_dir)
+    _notes(notes)
     tensors, objects = convert.entries_for(checkpoint, to, dtype, include, exclude)
     options = {"fsdp1": {"world_size": world_size}, "hf": {"max_shard_size": _size(max_shard_size)}}.get(to, {})
     _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync)
@@ -228,6 +240,8 @@ def export_hf(
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (the hub's default 5GB)."),
+    adapter: str = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later); the output has HF names."),
+    hf_experts: str = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
@@ -238,13 +252,20 @@ def export_hf(
     {"model": ..., "optim": ...}, or model keys at the top level as in torchtitan); optimizer and
     other state are left out. A verl folder's huggingface/ config is used when --config-dir is not given.
 
-    [bold]Example[/bold]: [cyan]dcptool export-hf recover_checkpoint hf-out --config-dir base-model --dtype bfloat16[/cyan]
+    Archon and torchtitan names (grouped experts, Llama's interleaved q/k rows) become Hugging Face's;
+    the family is detected from the names and printed.
+
+    [bold]Examples[/bold]:
+      [cyan]dcptool export-hf recover_checkpoint hf-out --config-dir base-model --dtype bfloat16[/cyan]
+      [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
     """
     from dcptool import convert
 
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
-    tensors, config_dir = convert.hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude)
+    tensors, config_dir, notes = convert.hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude,
+                                                           adapter, hf_experts)
+    _notes(notes)
     options = {"max_shard_size": _size(max_shard_size), "config_dir": config_dir}
     _write(checkpoint, destination, "hf", tensors, [], options, max_memory, overwrite, fsync)
 
@@ -271,12 +292,15 @@ def _mesh_options(dp, tp, ep, etp: str, cp, dp_replicate, world_size) -> dict:
 
 
 def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
-             as_json, max_memory, overwrite, fsync) -> None:
-    from dcptool import reshard as resharding
+             as_json, max_memory, overwrite, fsync, adapter=None, wrapper=()) -> None:
+    from dcptool import convert, reshard as resharding
 
     if not dry_run:
         check_destination(destination, overwrite)  # before planning prints its warnings
-    checkpoint = formats.open_checkpoint(source, source_format)
+    checkpoint, notes = convert.adapted(formats.open_checkpoint(source, source_format), adapter, config_dir=config_dir,
+                                        wrapper=wrapper)
+    if not as_json:
+        _notes(notes)
     result = resharding.prepare(checkpoint, mesh_options, plan, keep_rank_state=keep_rank_state,
                              config_dir=config_dir, dtype=dtype)
     if dry_run:
@@ -332,6 +356,7 @@ def reshard(
     plan: str = PlanOption,
     to: str = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
+    adapter: Optional[str] = TargetAdapterOption,
     config_dir: Optional[str] = ConfigDirOption,
     source_format: Optional[str] = FromOption,
     dtype: Optional[str] = DtypeOption,
@@ -363,7 +388,7 @@ def reshard(
     if to != "dcp":
         raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
     _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
-             as_json, max_memory, overwrite, fsync)
+             as_json, max_memory, overwrite, fsync, adapter)
 
 
 @app.command(name="import-hf")
@@ -378,6 +403,7 @@ def import_hf(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
+    adapter: str = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: model.<name>, grouped experts) or torchtitan (0.3 and later, keys at the top level)."),
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[str] = DtypeOption,
     dry_run: bool = DryRunOption,
@@ -387,16 +413,21 @@ def import_hf(
 ) -> None:
     """Turn Hugging Face safetensors into a DCP checkpoint that dcp.load reads, laid out for a mesh.
 
-    Without mesh options the weights are one chunk each; with them, chunked as a job on that mesh saves them (see reshard). The folder's config.json is checked against tp and ep.
+    Without mesh options the weights are one chunk each; with them, chunked as a job on that mesh saves them (see reshard). The folder's config.json is checked against tp and ep. With --adapter archon or torchtitan the weights get that family's names and layout (experts grouped, so --ep works), and an Archon or torchtitan job starts from them with dcp.load.
 
     [bold]Examples[/bold]:
       [cyan]dcptool import-hf Qwen3-8B qwen3-dcp[/cyan]
-      [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-dcp --dp 8 --tp 2 --ep 8 --etp 1[/cyan]
+      [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-archon --adapter archon --dp 8 --ep 8[/cyan]
+      [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
     """
+    from dcptool import adapters
+
     _check_dtype(dtype)
     mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
+    if adapter not in adapters.FAMILIES:
+        raise UsageError(f"--adapter {adapter}: choose one of {', '.join(adapters.FAMILIES)}")
     _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,
-             max_memory, overwrite, fsync)
+             max_memory, overwrite, fsync, adapter, adapters.JOB_WRAPPERS[adapter])
 
 
 # verify and checksum: integrity checks (exit 1 when something differs).

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dcptool import distributed, dtypes, formats, transfer
-from dcptool.core import Checkpoint, OutObject, OutTensor, TensorInfo, join_path
+from dcptool import adapters, distributed, dtypes, formats, transfer
+from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
 from dcptool.storage import CheckpointFiles, check_destination, fsync_paths, fsync_tree, is_remote
 
@@ -82,20 +82,61 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
 
 
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
-                      dtype: str | None = None, include: str | None = None, exclude: str | None = None):
-    """The model weights to export under their HF names, and the config folder to copy (or None).
+                      dtype: str | None = None, include: str | None = None, exclude: str | None = None,
+                      adapter: str = "auto", hf_experts: str = "per-expert"):
+    """The model weights to export under their HF names, the config folder to copy (or None), and notes.
 
+    ``adapter`` is the family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
+    Archon and torchtitan names become HF's. ``include`` / ``exclude`` match the names as saved.
     Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
-    ``huggingface/``) is used; a config
-    with ``tie_word_embeddings`` drops ``lm_head.weight``, which transformers recreates from the embedding.
+    ``huggingface/``) is used; a config with ``tie_word_embeddings`` drops ``lm_head.weight``, which
+    transformers recreates from the embedding.
     """
     named = select(model_part(checkpoint, prefix), include, exclude)
     if not named:
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with --prefix)")
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    if config_dir is not None and read_config(config_dir).get("tie_word_embeddings"):
-        named.pop("lm_head.weight", None)
-    return out_tensors(named, dtype, keep_paths=False), config_dir
+    config = read_config(config_dir) if config_dir is not None else None
+    mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts)
+    notes = [note] if note else []
+    if mapping is not None:
+        result = mapping.convert(named)
+        adapters.refuse_unmatched(result.unmatched, mapping, "leave them out with --exclude")
+        named = {name: entry for name, (entry, _) in result.entries.items()}
+        notes += [f"left out {line}" for line in result.dropped]
+    if config is not None and config.get("tie_word_embeddings") and named.pop("lm_head.weight", None):
+        notes.append("left out lm_head.weight: the config ties it to the embedding")
+    return out_tensors(named, dtype, keep_paths=False), config_dir, notes
+
+
+def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto", config_dir: str | Path | None = None,
+            wrapper: tuple[str, ...] = ()) -> tuple[Checkpoint, list[str]]:
+    """The checkpoint with every entry under ``target``'s names (None: the source's family), and notes.
+
+    Model weights and the optimizer state that names them are renamed and laid out as the target
+    family keeps them (views of the same bytes); other entries stay. ``wrapper`` nests every key
+    (``("model",)``: Archon's ``{"model": ...}``).
+    """
+    config_dir = config_dir or checkpoint.info.get("hf_config_dir")
+    config = read_config(config_dir) if config_dir is not None else None
+    params = model_part(checkpoint)
+    mapping, note = adapters.mapping_for(params, target, source, config)
+    notes = [note] if note and (mapping or target) else []
+    if mapping is None and not wrapper:
+        return checkpoint, notes
+    entries = {**checkpoint.tensors, **checkpoint.objects}
+    if mapping is not None:
+        state = adapters.convert_state(mapping, entries, params)
+        adapters.refuse_unmatched(state.unmatched, mapping, "check --adapter and --config-dir")
+        entries = state.entries
+        notes += [f"left out {line}" for line in state.dropped]
+    if wrapper:
+        entries = {join_path(wrapper + (key,)): adapters.with_path(entry, wrapper + entry.path)
+                   for key, entry in entries.items()}
+    tensors = {key: e for key, e in entries.items() if isinstance(e, TensorInfo)}
+    objects = {key: e for key, e in entries.items() if isinstance(e, ObjectInfo)}
+    return Checkpoint(checkpoint.format, checkpoint.root, checkpoint.files, tensors, objects, dict(checkpoint.info),
+                      checkpoint._resolved), notes
 
 
 def read_config(config_dir: str | Path) -> dict:

@@ -32,7 +32,9 @@ class Chunk:
 
     ``encoding`` says how ``[offset, offset+length)`` of ``file`` holds the elements:
     ``"raw"``: the elements themselves, row-major unless ``strides`` (in elements) says otherwise;
-    ``"torch-archive"``: a ``torch.save`` archive of one tensor (DCP's per-chunk records).
+    ``"torch-archive"``: a ``torch.save`` archive of one tensor (DCP's per-chunk records);
+    ``"view"``: elements of another chunk, picked as ``view`` says (renamed, stacked, split or
+    permuted tensors of ``dcptool.views``; ``file``, ``offset``, ``length`` and ``rank`` are the base's).
     """
 
     offsets: tuple[int, ...]
@@ -43,10 +45,25 @@ class Chunk:
     encoding: str = "raw"
     strides: tuple[int, ...] | None = None
     rank: int | None = None  # the rank whose file holds it, where the format records one (DCP)
+    view: ChunkView | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """Where a view chunk's elements lie in a chunk of a stored tensor: element ``i`` (a multi-index
+    of the view chunk) is element ``start + sum(i[d] * steps[d])`` of ``base`` (multi-indices of its box).
+
+    Any selection, stacking, concatenation or row permutation of stored chunks is such an affine map,
+    so a view reads its bytes where they are and is never materialized.
+    """
+
+    base: Chunk
+    start: tuple[int, ...]
+    steps: tuple[tuple[int, ...], ...]  # one base-index step vector per view dim
 
 
 @dataclass
@@ -128,6 +145,11 @@ class Checkpoint:
 
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize
+        if chunk.view is not None:
+            view, base = chunk.view, self.raw_bytes(tensor, chunk.view.base)
+            first = sum(i * s for i, s in zip(view.start, base.strides))
+            strides = tuple(sum(n * s for n, s in zip(step, base.strides)) for step in view.steps)
+            return RawBytes(base.file, base.offset + first * itemsize, chunk.sizes, strides, itemsize)
         if chunk.encoding == "raw":
             strides = chunk.strides or row_major(chunk.sizes)
             raw = RawBytes(chunk.file, chunk.offset, chunk.sizes, strides, itemsize)
@@ -180,21 +202,25 @@ class Checkpoint:
             local_lo = [l - co for l, co in zip(lo, chunk.offsets)]
             # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.
             target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
-            self._copy_box(raw, local_lo, [h - l for l, h in zip(lo, hi)], target, scratch)
+            self._copy_box(raw, local_lo, [h - l for l, h in zip(lo, hi)], target, scratch, chunk.view is not None)
 
-    def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch) -> None:
+    def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch,
+                  split_gaps: bool = False) -> None:
         itemsize = raw.itemsize
         first = sum(l * s for l, s in zip(lo, raw.strides))
         span = (sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1) * itemsize
-        if span > len(scratch) and any(n > 1 for n in extent):
-            dim = next(d for d, n in enumerate(extent) if n > 1)
+        # Split what does not fit, and views that are mostly gaps (rows of a permuted view far apart).
+        sparse = split_gaps and span > 2 * math.prod(extent) * itemsize + 4096
+        if (span > len(scratch) or sparse) and any(n > 1 for n in extent):
+            dim = max((d for d, n in enumerate(extent) if n > 1), key=lambda d: raw.strides[d]) if sparse else \
+                next(d for d, n in enumerate(extent) if n > 1)
             half = extent[dim] // 2
             for start, count in ((0, half), (half, extent[dim] - half)):
                 sub_lo, sub_extent = list(lo), list(extent)
                 sub_lo[dim] += start
                 sub_extent[dim] = count
                 index = tuple(slice(start, start + count) if d == dim else slice(None) for d in range(len(extent)))
-                self._copy_box(raw, sub_lo, sub_extent, target[index], scratch)
+                self._copy_box(raw, sub_lo, sub_extent, target[index], scratch, split_gaps)
             return
         if span > len(scratch):  # a single element larger than the scratch buffer cannot happen in practice
             raise CheckpointError("read buffer smaller than one element")

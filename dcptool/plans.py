@@ -78,16 +78,16 @@ BUILTIN: dict[str, Plan] = {plan.name: plan for plan in (
         (r"experts\.\d+\.w[13]\.weight$", COLWISE),  # Mixtral's per-expert names
         (r"experts\.\d+\.w2\.weight$", ROWWISE),
     )),
-    Plan("torchtitan", "torchtitan names, also AReaL's Archon engine (wq wk wv wo w1 w2 w3, moe.experts)", _table(
+    Plan("torchtitan", "torchtitan names before and after 0.3, also AReaL's Archon engine (wq wk wv wo w1 w2 w3, grouped experts)", _table(
         (r"tok_embeddings\.weight$", COLWISE),
-        (r"(^|\.)output\.weight$", COLWISE),
-        (r"attention\.w[qkv]\.(weight|bias)$", COLWISE),
+        (r"(^|\.)(output|lm_head)\.weight$", COLWISE),
+        (r"attention\.(qkv_linear\.)?w[qkv]\.(weight|bias)$", COLWISE),
         (r"attention\.wo\.weight$", ROWWISE),
-        (r"moe\.experts\.w[13]$", {"tp": "colwise", "experts": True}),
-        (r"moe\.experts\.w2$", {"tp": "rowwise", "experts": True}),
+        (r"moe\.(experts\.w[13]|routed_experts\.inner_experts\.w[13]_EFD)$", {"tp": "colwise", "experts": True}),
+        (r"moe\.(experts\.w2|routed_experts\.inner_experts\.w2_EDF)$", {"tp": "rowwise", "experts": True}),
         (r"(feed_forward|shared_experts?)\.w[13]\.weight$", COLWISE),
         (r"(feed_forward|shared_experts?)\.w2\.weight$", ROWWISE),
-        (r"moe\.(expert_bias|tokens_per_expert)$", {"fsdp": None}),  # buffers: FSDP2 leaves them whole
+        (r"moe\.(expert_bias|tokens_per_expert)(_E)?$", {"fsdp": None}),  # buffers: FSDP2 leaves them whole
     )),
     Plan("fsdp", "data parallel only: every tensor sharded by FSDP on dim 0, nothing split by tp or ep"),
 )}

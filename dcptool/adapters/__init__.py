@@ -1,0 +1,369 @@
+"""Naming families and the adapters between them: Hugging Face, AReaL Archon and torchtitan names.
+
+A model kind (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``: HF's ``model_type``)
+is one module of this package holding ``ROWS``, a table of ``table.Row``: each parameter under
+every family's name and how its layout differs (grouped experts, transformers v5's fused experts,
+Llama's RoPE-interleaved q/k rows). ``Mapping`` turns entries of one family into another's as
+views of the source's chunks (``dcptool.views``), so an adapter costs planning, not bytes.
+
+>>> mapping = Mapping("qwen3_moe", "archon", "hf", config={})                          # doctest: +SKIP
+>>> result = mapping.convert({"layers.0.moe.experts.w1": grouped_w1})                  # doctest: +SKIP
+>>> sorted(result.entries)[:1]                                                          # doctest: +SKIP
+['model.layers.0.mlp.experts.0.gate_proj.weight']
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Union
+
+from dcptool import views
+from dcptool.adapters.table import FAMILIES, Row, compile_pattern
+from dcptool.core import ObjectInfo, TensorInfo
+from dcptool.errors import UsageError
+
+Entry = Union[TensorInfo, ObjectInfo]
+HF_EXPERTS = ("per-expert", "fused")
+# Where each family's training job keeps its model in the state it hands dcp.save (Archon: {"model": ..., "optim": ...}).
+JOB_WRAPPERS = {"hf": (), "archon": ("model",), "torchtitan": ()}
+# Config fields that count routed experts, by model.
+EXPERT_COUNT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+_NOT_KINDS = {"common", "table"}
+
+
+@cache
+def kinds() -> dict[str, list[Row]]:
+    """Every model kind's table, found by listing this package (a new model is one new module)."""
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        if module.name not in _NOT_KINDS:
+            found[module.name] = importlib.import_module(f"{__name__}.{module.name}").ROWS
+    return found
+
+
+@cache
+def _patterns(kind: str, family: str):
+    """``(regex, row, form)`` for every name a family's table knows; form: plain, expert or fused part."""
+    compiled = []
+    for row in kinds()[kind]:
+        name = row.name(family)
+        if name is None:
+            continue
+        form = "expert" if family == "hf" and row.experts else "plain"
+        compiled.append((compile_pattern(name), row, form))
+        if family == "hf" and row.fused:
+            compiled.append((compile_pattern(row.fused[0]), row, "fused"))
+    return compiled
+
+
+def _matches(kind: str, family: str, name: str) -> list[tuple[Row, dict, str]]:
+    """Every row a name matches in a family: one, or the parts of a fused tensor."""
+    hits = []
+    for pattern, row, form in _patterns(kind, family):
+        found = pattern.fullmatch(name)
+        if found:
+            hits.append((row, found.groupdict(), form))
+            if form != "fused":
+                break
+    return hits
+
+
+def detect_family(names) -> str | None:
+    """The family whose tables name the most of ``names`` (torchtitan before 0.3 reads as archon); None if none."""
+    names = list(names)
+    scores = {family: sum(1 for n in names if any(_matches(k, family, n) for k in kinds())) for family in FAMILIES}
+    best = max(FAMILIES, key=lambda f: (scores[f], f == "archon"))  # archon wins its ties with torchtitan
+    return best if scores[best] else None
+
+
+def detect_kind(names, family: str, config: dict | None) -> str:
+    """The model kind: the config's ``model_type`` when there is a config, else judged from the names."""
+    config = _text_config(config)
+    if config.get("model_type"):
+        kind = config["model_type"]
+        if kind not in kinds():
+            raise UsageError(f"config.json: model_type {kind!r} has no naming table (known: {', '.join(kinds())})")
+        return kind
+    text = "\n".join(names)
+    if "wkv_a" in text or "kv_a_proj_with_mqa" in text:
+        return "deepseek_v3"
+    if "experts" in text:
+        return "qwen3_moe"
+    if "q_norm" in text:
+        return "qwen3"
+    if "wq.bias" in text or "q_proj.bias" in text:
+        return "qwen2"
+    return "llama"
+
+
+def _text_config(config: dict | None) -> dict:
+    config = config or {}
+    return config.get("text_config", config)  # multimodal configs nest the language model's
+
+
+@dataclass
+class Result:
+    """What a mapping made: new name -> (entry, the source name it follows), and what it left out, with why."""
+
+    entries: dict[str, tuple[Entry, str]] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+
+
+class Mapping:
+    """Entries of model ``kind`` from family ``source`` to family ``target``.
+
+    ``config`` is the model's HF ``config.json`` (head counts for Llama's RoPE permutation, the
+    expert count, tied embeddings); ``hf_experts="fused"`` writes HF experts in transformers v5's
+    fused layout instead of one tensor per expert, as the hub's checkpoints hold them.
+    """
+
+    def __init__(self, kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert"):
+        for family in (source, target):
+            if family not in FAMILIES:
+                raise UsageError(f"--adapter {family}: choose one of {', '.join(FAMILIES)}")
+        if hf_experts not in HF_EXPERTS:
+            raise UsageError(f"--hf-experts {hf_experts}: choose {' or '.join(HF_EXPERTS)}")
+        self.kind, self.source, self.target = kind, source, target
+        self.config = _text_config(config)
+        self.fused = hf_experts == "fused" and target == "hf"
+
+    def describe(self) -> str:
+        return f"{self.source} -> {self.target} names ({self.kind})"
+
+    def convert(self, entries: dict[str, Entry], model: bool = True) -> Result:
+        """Map ``entries`` (name -> tensor or object). ``model``: these are the weights themselves, so
+        tied embeddings are completed; optimizer state (same names, scalars for ``step``) is not."""
+        result = Result()
+        groups: dict[tuple[Row, str], dict] = {}
+        for name, entry in entries.items():
+            hits = _matches(self.kind, self.source, name)
+            if not hits:
+                result.unmatched.append(name)
+                continue
+            for row, where, form in hits:
+                if row.name(self.target) is None:
+                    result.dropped.append(f"{name} ({self.target} names have no such tensor)")
+                    break
+                group = groups.setdefault((row, where.get("L", "")), {"first": name})
+                if form == "expert":
+                    group.setdefault("experts", {})[int(where["E"])] = entry
+                elif form == "fused":
+                    group["fused"] = entry
+                else:
+                    group["plain"] = entry
+        fused_parts: dict[str, list[tuple[int, TensorInfo]]] = {}
+        for (row, layer), group in groups.items():
+            logical = self._logical(row, layer, group)
+            target = row.name(self.target).replace("{L}", layer)
+            if self.target == "hf" and row.experts and self.fused:
+                fused_parts.setdefault(row.fused[0].replace("{L}", layer), []).append(
+                    (row.fused[1], logical, group["first"]))
+                continue
+            if self.target == "hf" and row.experts:
+                self._split_experts(target, logical, group["first"], result)
+                continue
+            if self.target == "hf" and row.rope_heads:
+                logical = self._permuted(logical, row, to_hf=True)
+            result.entries[target] = (_named(logical, target), group["first"])
+        for name, parts in fused_parts.items():
+            parts.sort(key=lambda part: part[0])
+            ordered = [tensor for _, tensor, _ in parts]
+            combined = ordered[0] if _scalar(ordered[0]) else views.cat(ordered, 1, (name,))
+            result.entries[name] = (_named(combined, name), parts[0][2])
+        if model:
+            self._tie(entries, result)
+        return result
+
+    def _logical(self, row: Row, layer: str, group: dict) -> Entry:
+        """The entry in torchtitan's layout (grouped experts, RoPE-interleaved rows)."""
+        if "plain" in group:
+            entry = group["plain"]
+            return self._permuted(entry, row, to_hf=False) if self.source == "hf" and row.rope_heads else entry
+        if "fused" in group:
+            fused = group["fused"]
+            if _scalar(fused):
+                return fused
+            parts = sum(1 for other in kinds()[self.kind] if other.fused and other.fused[0] == row.fused[0])
+            width = fused.shape[1] // parts
+            return views.narrow(fused, 1, row.fused[1] * width, width, fused.path)
+        experts = group["experts"]
+        count = len(experts)
+        if sorted(experts) != list(range(count)):
+            missing = sorted(set(range(max(experts) + 1)) - set(experts))
+            raise UsageError(f"{group['first']}: experts {missing[:8]} of layer {layer} are missing")
+        self._check_expert_count(count, group["first"])
+        ordered = [experts[e] for e in range(count)]
+        return ordered[0] if _scalar(ordered[0]) else views.stack(ordered, ordered[0].path)
+
+    def _split_experts(self, pattern: str, logical: Entry, first: str, result: Result) -> None:
+        if _scalar(logical):
+            count = self._expert_count()
+            if count is None:
+                raise UsageError(f"{first}: splitting per-expert state needs the expert count (--config-dir)")
+        else:
+            count = logical.shape[0]
+            self._check_expert_count(count, first)
+        for expert in range(count):
+            name = pattern.replace("{E}", str(expert))
+            entry = logical if _scalar(logical) else views.select(logical, 0, expert, (name,))
+            result.entries[name] = (_named(entry, name), first)
+
+    def _expert_count(self) -> int | None:
+        return next((self.config[f] for f in EXPERT_COUNT_FIELDS if isinstance(self.config.get(f), int)), None)
+
+    def _check_expert_count(self, count: int, where: str) -> None:
+        expected = self._expert_count()
+        if expected is not None and expected != count:
+            raise UsageError(f"{where}: {count} experts in the checkpoint, but the config says {expected}")
+
+    def _permuted(self, entry: Entry, row: Row, to_hf: bool) -> Entry:
+        """Llama's q/k rows between HF's rotate-half order and torchtitan's interleaved pairs."""
+        if _scalar(entry):
+            return entry
+        heads = self.config.get(row.rope_heads)
+        if not isinstance(heads, int) or heads <= 0:
+            raise UsageError(f"{entry.key}: {self.kind} q/k rows are permuted between HF and torchtitan, which needs "
+                             f"{row.rope_heads} from the model's config.json (give --config-dir)")
+        rows = entry.shape[0]
+        if rows % heads or (rows // heads) % 2:
+            raise UsageError(f"{entry.key}: {rows} rows do not split into {heads} heads of even size "
+                             f"({row.rope_heads} in config.json)")
+        dim, half = rows // heads, rows // heads // 2
+        if to_hf:  # HF row (h, part, i) is torchtitan row (h, i, part)
+            order = [h * dim + 2 * i + part for h in range(heads) for part in range(2) for i in range(half)]
+        else:
+            order = [h * dim + part * half + i for h in range(heads) for i in range(half) for part in range(2)]
+        return views.permute_rows(entry, order, entry.path)
+
+    def _tie(self, entries: dict[str, Entry], result: Result) -> None:
+        """An HF model with tied embeddings saves no lm_head: torchtitan's names still hold the output weight."""
+        if self.source != "hf" or self.target == "hf" or not self.config.get("tie_word_embeddings"):
+            return
+        head = next((r for r in kinds()[self.kind] if r.tied_to is not None), None)
+        if head is None or head.hf in entries or head.tied_to.hf not in entries:
+            return
+        name = head.name(self.target)
+        result.entries[name] = (_named(entries[head.tied_to.hf], name), head.tied_to.hf)
+
+
+def _scalar(entry: Entry) -> bool:
+    """Optimizer step counters and objects: one per parameter, whatever its shape."""
+    return not isinstance(entry, TensorInfo) or not entry.shape
+
+
+def _named(entry: Entry, name: str) -> Entry:
+    if isinstance(entry, TensorInfo):
+        return views.renamed(entry, (name,))
+    return ObjectInfo((name,), entry.blob, entry.value)
+
+
+@dataclass
+class StateResult:
+    """A whole training state mapped: every entry under its new key (and path), and what was left out."""
+
+    entries: dict[str, Entry]
+    dropped: list[str]
+    unmatched: list[str]
+
+
+def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str, TensorInfo]) -> StateResult:
+    """Map every entry of a checkpoint: model weights and each slot of optimizer state that names them.
+
+    ``params`` are the model's weights by their names (``convert.model_part``). An entry whose key
+    holds a weight's name (``optim.state.<name>.exp_avg``, ``optimizer.param_groups.<name>.lr``)
+    follows that weight's new name and layout; entries that name no weight (``train_state``) stay.
+    """
+    name_of = {id(tensor): name for name, tensor in params.items()}
+    slots: dict[tuple[str, str], dict[str, tuple[str, Entry]]] = {}
+    kept: dict[str, Entry] = {}
+    for key, entry in entries.items():
+        name = name_of.get(id(entry))
+        if name is not None and key.endswith(name):
+            slot = (key[: len(key) - len(name)], "")
+        else:
+            name, slot = _named_inside(key, params)
+            if name is None:
+                kept[key] = entry
+                continue
+        slots.setdefault(slot, {})[name] = (key, entry)
+    out, dropped, unmatched = dict(kept), [], []
+    for (prefix, suffix), named in slots.items():
+        result = mapping.convert({name: entry for name, (_, entry) in named.items()}, model=not suffix)
+        dropped += [f"{prefix}{line}" for line in result.dropped]
+        unmatched += [named[name][0] for name in result.unmatched]
+        for new_name, (entry, first) in result.entries.items():
+            source_key, source_entry = named[first]
+            key = prefix + new_name + suffix
+            out[key] = with_path(entry, _path_for(source_entry.path, source_key, len(prefix), first, new_name, key))
+    return StateResult(out, dropped, unmatched)
+
+
+def _named_inside(key: str, params: dict[str, TensorInfo]) -> tuple[str | None, tuple[str, str]]:
+    """The longest weight name that is a run of ``key``'s dot-separated parts, and the prefix and suffix around it."""
+    parts = key.split(".")
+    best = None
+    for start in range(len(parts)):
+        for stop in range(len(parts), start, -1):
+            if best and stop - start <= best[1] - best[0]:
+                break
+            if ".".join(parts[start:stop]) in params:
+                best = (start, stop)
+                break
+    if best is None:
+        return None, ("", "")
+    start, stop = best
+    prefix = "".join(p + "." for p in parts[:start])
+    suffix = "".join("." + p for p in parts[stop:])
+    return ".".join(parts[start:stop]), (prefix, suffix)
+
+
+def _path_for(path: tuple, key: str, at: int, old: str, new: str, new_key: str) -> tuple:
+    """The nested path of the renamed entry: the path element that held the old name holds the new one."""
+    position = 0
+    for index, part in enumerate(path):
+        text = str(part)
+        if position <= at and at + len(old) <= position + len(text) and isinstance(part, str):
+            inner = at - position
+            return (*path[:index], text[:inner] + new + text[inner + len(old):], *path[index + 1:])
+        position += len(text) + 1
+    return (new_key,)
+
+
+def with_path(entry: Entry, path: tuple) -> Entry:
+    if isinstance(entry, TensorInfo):
+        return views.renamed(entry, path)
+    return ObjectInfo(path, entry.blob, entry.value)
+
+
+def mapping_for(names, target: str | None, source: str = "auto", config: dict | None = None,
+                hf_experts: str = "per-expert") -> tuple[Mapping | None, str | None]:
+    """The mapping from the names' family to ``target`` (None: keep the source's), or None when the
+    names stay as they are; and a line saying which family and kind were found."""
+    names = list(names)
+    family = detect_family(names) if source == "auto" else source
+    if family is None:
+        if source == "auto" and target not in (None, "hf"):
+            shown = ", ".join(names[:5])
+            raise UsageError(f"cannot tell which family names these weights ({shown} ...): give --adapter")
+        return None, None
+    if family not in FAMILIES:
+        raise UsageError(f"--adapter {family}: choose one of auto, {', '.join(FAMILIES)}")
+    target = target or family
+    fused = hf_experts == "fused" and target == "hf"
+    if family == target and not fused:
+        return None, f"names: {family}"
+    kind = detect_kind(names, family, config)
+    mapping = Mapping(kind, family, target, config, hf_experts)
+    return mapping, f"names: {family} ({kind}), written as {target}" + (" with fused experts" if fused else "")
+
+
+def refuse_unmatched(unmatched: list[str], mapping: Mapping, hint: str) -> None:
+    """Keys no row of the table names: refused, so nothing is silently dropped or left misnamed."""
+    if unmatched:
+        shown = ", ".join(unmatched[:5]) + (f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else "")
+        raise UsageError(f"{len(unmatched)} keys match no {mapping.source} name of a {mapping.kind} model: {shown} "
+                         f"({hint})")

@@ -1,0 +1,162 @@
+"""Tensors computed from other tensors' chunks: renamed, selected, narrowed, stacked, concatenated, rows permuted.
+
+Each result is a ``TensorInfo`` whose chunks are views (``core.ChunkView``) of the source's chunks:
+an affine map from the view chunk's elements to a stored chunk's. Nothing is read until the view
+is, and then every byte is read once, from where it is stored, so adapters (``dcptool.adapters``)
+cost planning, not copies, and keep kernel copies, ``--max-memory`` and torchrun scale-out working.
+
+>>> import numpy as np
+>>> from dcptool.core import Chunk, TensorInfo
+>>> w = TensorInfo(("w",), "float32", (4, 2, 3), [Chunk((0, 0, 0), (4, 2, 3), "f", 0, 96, "raw")])
+>>> expert = select(w, 0, 2, ("expert2",))
+>>> expert.shape, expert.chunks[0].view.start
+((2, 3), (2, 0, 0))
+"""
+
+from __future__ import annotations
+
+from dcptool.core import Chunk, ChunkView, TensorInfo
+from dcptool.errors import UsageError
+
+Path = tuple[str | int, ...]
+
+
+def renamed(tensor: TensorInfo, path: Path) -> TensorInfo:
+    """The same tensor under another name (its chunks are shared, not viewed)."""
+    return TensorInfo(path, tensor.dtype, tensor.shape, tensor.chunks)
+
+
+def select(tensor: TensorInfo, dim: int, index: int, path: Path) -> TensorInfo:
+    """``tensor[..., index, ...]`` along ``dim``, which disappears (one expert of grouped experts)."""
+    lo = [0] * len(tensor.shape)
+    lo[dim] = index
+    sizes = list(tensor.shape)
+    sizes[dim] = 1
+    axes = [d for d in range(len(tensor.shape)) if d != dim]
+    shape = tuple(tensor.shape[d] for d in axes)
+    return TensorInfo(path, tensor.dtype, shape, _box(tensor, lo, sizes, axes, (0,) * len(shape)))
+
+
+def narrow(tensor: TensorInfo, dim: int, start: int, length: int, path: Path) -> TensorInfo:
+    """``tensor`` limited to ``[start, start + length)`` along ``dim`` (one half of a fused weight)."""
+    lo = [0] * len(tensor.shape)
+    lo[dim] = start
+    sizes = list(tensor.shape)
+    sizes[dim] = length
+    axes = list(range(len(tensor.shape)))
+    return TensorInfo(path, tensor.dtype, tuple(sizes), _box(tensor, lo, sizes, axes, (0,) * len(sizes)))
+
+
+def stack(tensors: list[TensorInfo], path: Path) -> TensorInfo:
+    """The tensors stacked along a new dim 0 (per-expert weights into grouped experts)."""
+    first = _same(tensors, path, dims=None)
+    chunks = []
+    for index, tensor in enumerate(tensors):
+        ndim = len(tensor.shape)
+        chunks += _box(tensor, [0] * ndim, list(tensor.shape), [None, *range(ndim)], (index,) + (0,) * ndim)
+    return TensorInfo(path, first.dtype, (len(tensors), *first.shape), chunks)
+
+
+def cat(tensors: list[TensorInfo], dim: int, path: Path) -> TensorInfo:
+    """The tensors concatenated along ``dim`` (gate and up projections into a fused ``gate_up_proj``)."""
+    first = _same(tensors, path, dims=dim)
+    chunks, start = [], 0
+    for tensor in tensors:
+        ndim = len(tensor.shape)
+        place = tuple(start if d == dim else 0 for d in range(ndim))
+        chunks += _box(tensor, [0] * ndim, list(tensor.shape), list(range(ndim)), place)
+        start += tensor.shape[dim]
+    shape = tuple(start if d == dim else n for d, n in enumerate(first.shape))
+    return TensorInfo(path, first.dtype, shape, chunks)
+
+
+def permute_rows(tensor: TensorInfo, rows: list[int], path: Path) -> TensorInfo:
+    """Row ``i`` of the view is row ``rows[i]`` of ``tensor`` (dim 0; Llama's RoPE permutation of q and k).
+
+    Rows are grouped into runs of a constant step, so a view chunk covers as many rows as one
+    affine map can: half a head when un-interleaving, two rows when interleaving.
+    """
+    if sorted(rows) != list(range(tensor.shape[0])):
+        raise ValueError("rows must be a permutation of the first dim")
+    chunks = []
+    for first, source, count, step in _runs(rows):
+        for chunk in tensor.chunks:
+            if not chunk.numel:
+                continue
+            low, high = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+            # the run's rows source + j*step that lie in [low, high)
+            j_lo = max(0, -(-(low - source) // step))
+            j_hi = min(count, -(-(high - source) // step))
+            if j_lo >= j_hi:
+                continue
+            ndim = len(tensor.shape)
+            start = (source + j_lo * step - low,) + (0,) * (ndim - 1)
+            steps = [tuple(step if k == 0 else 0 for k in range(ndim))] + [_unit(d, ndim) for d in range(1, ndim)]
+            offsets = (first + j_lo, *chunk.offsets[1:])
+            chunks.append(_viewed(chunk, offsets, (j_hi - j_lo, *chunk.sizes[1:]), start, steps))
+    return TensorInfo(path, tensor.dtype, tensor.shape, chunks)
+
+
+def _runs(rows: list[int]):
+    """``(first view row, first source row, count, step)`` of maximal runs with a constant positive step."""
+    i = 0
+    while i < len(rows):
+        step = rows[i + 1] - rows[i] if i + 1 < len(rows) else 1
+        if step <= 0:
+            step, count = 1, 1
+        else:
+            count = 2
+            while i + count < len(rows) and rows[i + count] - rows[i + count - 1] == step:
+                count += 1
+            count = min(count, len(rows) - i)
+        yield i, rows[i], count, step
+        i += count
+
+
+def _same(tensors: list[TensorInfo], path: Path, dims: int | None) -> TensorInfo:
+    """The first tensor, after checking every tensor has its dtype and shape (but along ``dims``)."""
+    if not tensors:
+        raise ValueError("nothing to combine")
+    first = tensors[0]
+    for tensor in tensors[1:]:
+        other = [n for d, n in enumerate(tensor.shape) if d != dims]
+        if tensor.dtype != first.dtype or len(tensor.shape) != len(first.shape) or \
+                other != [n for d, n in enumerate(first.shape) if d != dims]:
+            raise UsageError(f"{'.'.join(map(str, path))}: cannot combine {first.key} ({first.dtype}"
+                             f"{list(first.shape)}) with {tensor.key} ({tensor.dtype}{list(tensor.shape)})")
+    return first
+
+
+def _unit(dim: int, ndim: int) -> tuple[int, ...]:
+    return tuple(1 if k == dim else 0 for k in range(ndim))
+
+
+def _box(tensor: TensorInfo, lo: list[int], sizes: list[int], axes: list[int | None], place) -> list[Chunk]:
+    """View chunks of the box ``[lo, lo + sizes)`` of ``tensor``: view dim ``d`` runs along tensor dim
+    ``axes[d]`` (None: a new dim of size 1), and the box's first element sits at view offsets ``place``.
+    Tensor dims left out of ``axes`` have size 1 in the box."""
+    ndim = len(tensor.shape)
+    steps = [_unit(a, ndim) if a is not None else (0,) * ndim for a in axes]
+    chunks = []
+    for chunk in tensor.chunks:
+        inner_lo = [max(l, o) for l, o in zip(lo, chunk.offsets)]
+        inner_hi = [min(l + s, o + n) for l, s, o, n in zip(lo, sizes, chunk.offsets, chunk.sizes)]
+        if any(h <= l for l, h in zip(inner_lo, inner_hi)) or not chunk.numel:
+            continue
+        offsets = tuple(p + (inner_lo[a] - lo[a] if a is not None else 0) for p, a in zip(place, axes))
+        extent = tuple(inner_hi[a] - inner_lo[a] if a is not None else 1 for a in axes)
+        start = tuple(l - o for l, o in zip(inner_lo, chunk.offsets))
+        chunks.append(_viewed(chunk, offsets, extent, start, steps))
+    return chunks
+
+
+def _viewed(chunk: Chunk, offsets, sizes, start, steps) -> Chunk:
+    """A view chunk of ``chunk``; a view of a view maps straight to the stored chunk (maps compose)."""
+    if chunk.view is not None:
+        inner = chunk.view
+        start = tuple(b + sum(s * step[k] for s, step in zip(start, inner.steps)) for k, b in enumerate(inner.start))
+        steps = [tuple(sum(m * step[k] for m, step in zip(outer, inner.steps)) for k in range(len(inner.start)))
+                 for outer in steps]
+        chunk = inner.base
+    return Chunk(tuple(offsets), tuple(sizes), chunk.file, chunk.offset, chunk.length, "view", None, chunk.rank,
+                 ChunkView(chunk, tuple(start), tuple(tuple(s) for s in steps)))
