@@ -32,7 +32,7 @@ from dcptool import convert, dtypes, formats
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
-from dcptool.verify import BLOCK, RegionReader, buffer_size, select_side
+from dcptool.verify import BLOCK, RegionReader, align_families, buffer_size, select_side
 
 MANIFEST_NAME = "dcptool.manifest.json"
 MANIFEST_VERSION = 1
@@ -407,6 +407,7 @@ def check_against(path: str | Path, other: str | Path, manifest: str | Path | No
     document = read_manifest(target)
     expected = select_side(_described_checkpoint(document, target), prefix)
     actual = select_side(formats.open_checkpoint(other, other_format), other_prefix)
+    expected, actual, _ = align_families(expected, actual)  # an export in HF names against an Archon manifest
     recorded = {name: document["tensors"][tensor.key] for name, tensor in expected.tensors.items()}
     hasher = _Hasher(max_memory, threads, progress)
     result = Result("against", str(other), str(target), tensors=len(actual.tensors))

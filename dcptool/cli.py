@@ -152,6 +152,7 @@ def inspect(
         from dcptool import reshard as resharding
 
         inferred = resharding.infer_mesh(checkpoint)
+    names = _naming(checkpoint)
     if as_json:
         report = {
             "format": checkpoint.format,
@@ -162,6 +163,7 @@ def inspect(
             "files": {"count": len(files), "bytes": disk},
             "info": {k: str(v) if isinstance(v, Path) else v for k, v in checkpoint.info.items()},
             "mesh": None if inferred is None else inferred[0].as_dict() | {"plan": inferred[1].name},
+            "names": names,
         }
         print(json.dumps(report, indent=2))
         return
@@ -173,11 +175,29 @@ def inspect(
     lines.append(f"{len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes of tensor data; "
                  f"{len(files)} data files, {disk:,} bytes on disk")
     lines += [f"{key}: {value}" for key, value in checkpoint.info.items() if value is not None]
+    if names:
+        lines.append(f"names: {names['family']}" + (f" ({names['kind']})" if names["kind"] else ""))
     if inferred:
         lines.append(f"saved on mesh {inferred[0].describe()} (plan {inferred[1].name})")
     elif ranks_recorded:
         lines.append("saved on a mesh no built-in plan reproduces")
     print("\n".join(lines))
+
+
+def _naming(checkpoint) -> dict | None:
+    """The naming family and model kind of the model weights (``dcptool.adapters``), or None for names no table knows."""
+    from dcptool import adapters, convert
+
+    params = convert.model_part(checkpoint)
+    family = adapters.detect_family(params)
+    if family is None:
+        return None
+    config_dir = checkpoint.info.get("hf_config_dir")
+    try:
+        kind = adapters.detect_kind(params, family, convert.read_config(config_dir) if config_dir else None)
+    except UsageError:  # a model type with no table: the family is still worth showing
+        kind = None
+    return {"family": family, "kind": kind}
 
 
 @app.command(name="convert")
@@ -449,6 +469,8 @@ def verify_command(
     prefix_b: Optional[str] = typer.Option(None, "--prefix-b", help=PrefixHelp.format(side="B")),
     from_a: Optional[str] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
     from_b: Optional[str] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
+    adapter_a: str = typer.Option("auto", "--adapter-a", help="Naming family of A's weights (auto, hf, archon, torchtitan); when A and B differ, B's weights are compared under A's names."),
+    adapter_b: str = typer.Option("auto", "--adapter-b", help="Naming family of B's weights (auto, hf, archon, torchtitan)."),
     load_on: Optional[str] = typer.Option(None, "--load-on", help="Load A with torch's dcp.load in a real multi-process job on this mesh (dp=2,tp=2[,ep=2,etp=tp]) and check every rank's shard against the files."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="With --load-on: processes to start (default: the mesh's world size)."),
     backend: str = typer.Option("auto", "--backend", help="With --load-on: auto (nccl when GPUs are present, else gloo), gloo or nccl."),
@@ -466,6 +488,7 @@ def verify_command(
       [cyan]dcptool verify recover_checkpoint hf-out --prefix-a dcp.model --json > verify.json[/cyan]
       [cyan]dcptool verify step-1000 hf-bf16 --prefix-a auto --atol 1e-2 --rtol 1e-2[/cyan]
       [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
+      [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
     """
     if load_on:
@@ -488,6 +511,9 @@ def verify_command(
             raise UsageError("give the checkpoint B to compare A with, or --roundtrip FORMAT")
         side_a = verification.select_side(formats.open_checkpoint(a, from_a), prefix_a, include, exclude)
         side_b = verification.select_side(formats.open_checkpoint(b, from_b), prefix_b, include, exclude)
+        side_a, side_b, note = verification.align_families(side_a, side_b, adapter_a, adapter_b, include, exclude)
+        if note and not as_json:
+            _notes([note])
         total = sum(t.nbytes for k, t in side_a.tensors.items() if k in side_b.tensors)
         with _progress(total, "comparing") as advance:
             report = verification.compare_sides(side_a, side_b, max_memory=memory, progress=advance, **tolerances)

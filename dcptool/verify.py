@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dcptool import convert, dtypes, formats, transfer
+from dcptool import adapters, convert, dtypes, formats, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 
@@ -100,6 +100,29 @@ def select_side(checkpoint: Checkpoint, prefix: str | None = None, include: str 
     return Side(checkpoint, convert.select(tensors, include, exclude), convert.select(objects, include, exclude), label)
 
 
+def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "auto",
+                   include: str | None = None, exclude: str | None = None) -> tuple[Side, Side, str | None]:
+    """Sides whose model weights use different naming families (an Archon checkpoint and its HF
+    export): both reduced to their model parts, B's mapped to A's names (``dcptool.adapters``), and a
+    line saying so. Sides of one family come back as they are, with no line."""
+    params_a, params_b = convert.model_part(a.checkpoint), convert.model_part(b.checkpoint)
+    found_a = adapters.detect_family(params_a) if family_a == AUTO else family_a
+    found_b = adapters.detect_family(params_b) if family_b == AUTO else family_b
+    if found_a is None or found_b is None or found_a == found_b:
+        return a, b, None
+    config_dir = b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
+    config = convert.read_config(config_dir) if config_dir is not None else None
+    mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config)
+    result = mapping.convert(params_b)
+    adapters.refuse_unmatched(result.unmatched, mapping, "check --adapter-a / --adapter-b")
+    mapped = {name: entry for name, (entry, _) in result.entries.items()}
+    if config is not None and config.get("tie_word_embeddings") and found_a == "hf":
+        params_a = {k: v for k, v in params_a.items() if k != "lm_head.weight"}
+    side_a = Side(a.checkpoint, convert.select(params_a, include, exclude), {}, f"{a.label}, model weights")
+    side_b = Side(b.checkpoint, convert.select(mapped, include, exclude), {}, f"{b.label}, model weights as {found_a}")
+    return side_a, side_b, f"comparing model weights across families: B's {found_b} names ({mapping.kind}) as {found_a}"
+
+
 @dataclass
 class Difference:
     """One way the two sides differ at one key."""
@@ -165,6 +188,7 @@ def compare(a: str | Path, b: str | Path, *, format_a: str | None = None, format
     """
     side_a = select_side(formats.open_checkpoint(a, format_a), prefix_a, include, exclude)
     side_b = select_side(formats.open_checkpoint(b, format_b), prefix_b, include, exclude)
+    side_a, side_b, _ = align_families(side_a, side_b, include=include, exclude=exclude)
     return compare_sides(side_a, side_b, **options)
 
 
