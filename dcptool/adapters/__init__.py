@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Union
 
 from dcptool import views
-from dcptool.adapters.table import FAMILIES, Row, compile_pattern
+from dcptool.adapters.table import FAMILIES, Row
 from dcptool.core import ObjectInfo, TensorInfo
 from dcptool.errors import UsageError
 
@@ -44,31 +45,34 @@ def kinds() -> dict[str, list[Row]]:
     return found
 
 
+# A layer or expert number: a whole dot-separated part of a name.
+_NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")
+
+
 @cache
-def _patterns(kind: str, family: str):
-    """``(regex, row, form)`` for every name a family's table knows; form: plain, expert or fused part."""
-    compiled = []
+def _index(kind: str, family: str) -> dict[str, list[tuple[Row, tuple[str, ...], str]]]:
+    """Names of a family's table by their shape (numbers as ``#``): ``(row, what each number is, form)``,
+    form being plain, expert (one HF tensor per expert) or fused (a part of transformers v5's fused tensor).
+    Looking a name up is one dict access, however many rows and names there are."""
+    index: dict[str, list] = {}
     for row in kinds()[kind]:
         name = row.name(family)
         if name is None:
             continue
-        form = "expert" if family == "hf" and row.experts else "plain"
-        compiled.append((compile_pattern(name), row, form))
+        forms = [(name, "expert" if family == "hf" and row.experts else "plain")]
         if family == "hf" and row.fused:
-            compiled.append((compile_pattern(row.fused[0]), row, "fused"))
-    return compiled
+            forms.append((row.fused[0], "fused"))
+        for pattern, form in forms:
+            fields = tuple(re.findall(r"\{(L|E)\}", pattern))
+            index.setdefault(re.sub(r"\{(L|E)\}", "#", pattern), []).append((row, fields, form))
+    return index
 
 
 def _matches(kind: str, family: str, name: str) -> list[tuple[Row, dict, str]]:
     """Every row a name matches in a family: one, or the parts of a fused tensor."""
-    hits = []
-    for pattern, row, form in _patterns(kind, family):
-        found = pattern.fullmatch(name)
-        if found:
-            hits.append((row, found.groupdict(), form))
-            if form != "fused":
-                break
-    return hits
+    found = _index(kind, family).get(_NUMBER.sub("#", name), [])
+    numbers = _NUMBER.findall(name)
+    return [(row, dict(zip(fields, numbers)), form) for row, fields, form in found if len(fields) == len(numbers)]
 
 
 def detect_family(names) -> str | None:

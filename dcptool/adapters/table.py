@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 FAMILIES = ("hf", "archon", "torchtitan")
@@ -31,7 +30,3 @@ class Row:
     def name(self, family: str) -> str | None:
         return getattr(self, family)
 
-
-def compile_pattern(name: str) -> re.Pattern:
-    """``model.layers.{L}.mlp.experts.{E}.up_proj.weight`` as a regular expression with groups L and E."""
-    return re.compile(re.escape(name).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)"))
