@@ -521,7 +521,7 @@ def verify_command(
         print(json.dumps(report.to_json(), indent=2))
     else:
         _print_verify(report)
-        if report.differences and all(d.kind in ("missing", "extra") for d in report.differences):
+        if not report.tensors and report.differences and all(d.kind in ("missing", "extra") for d in report.differences):
             print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
     if not report.equal:
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")

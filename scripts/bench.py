@@ -8,11 +8,14 @@ What it does, per checkpoint size:
    ``fully_shard`` per layer plus TP ``parallelize_module``, then ``dcp.save`` of the
    model state dict (model weights only: no optimizer state, to keep the setup quick).
    ``--model dense`` (default) uses Hugging Face Llama names (embed_tokens, q/k/v/o_proj,
-   gate/up/down_proj, RMSNorm weights, lm_head); ``--model moe`` uses torchtitan names with
-   grouped experts ``[experts, out, in]`` (TP'd along their hidden dim, FSDP on dim 0) and a
-   shared expert. Hidden size and layer count are chosen to hit ``--size``.
-   A second, small checkpoint of about ``--inspect-tensors`` tensors is saved by the same
-   job for the ``inspect`` row.
+   gate/up/down_proj, RMSNorm weights, lm_head); ``--model moe`` is Qwen3-MoE-like in AReaL
+   Archon / torchtitan names: a dense first layer (feed_forward.w1/w2/w3), then layers with a
+   router, routed experts grouped as ``[experts, out, in]`` (TP'd along their hidden dim, FSDP
+   on dim 0) and the f32 ``expert_bias`` buffer; no shared expert (Qwen3-MoE has none).
+   Hidden size and layer count are chosen to hit ``--size``.
+   With ``--model dense`` the same job also saves a ``moe`` checkpoint of the same target size
+   for the ``export-hf-moe`` row, and a small checkpoint of about ``--inspect-tensors``
+   tensors for the ``inspect`` row.
 2. Runs every row below as a separate process, ``--rounds`` times, the order of the rows
    reversed on every other round, and reports the median and range of the wall time and
    of the peak memory of the whole process tree (RSS of the process and all of its
@@ -24,12 +27,19 @@ Rows (id: what runs; the peer is the route users take today for the same job):
 
   cp                   cp -r of the checkpoint folder: the floor
   export-hf            dcptool export-hf SRC DST                 peer: peer-export-hf
+  export-hf-moe        dcptool export-hf MOE_SRC DST             peer: export-hf
+                       (Archon names, grouped experts -> HF names, one tensor per expert,
+                       as views of the source's chunks; the dense export of the same size
+                       is its yardstick; --model dense only: with --model moe every row
+                       already runs on a MoE checkpoint)
   convert-torch        dcptool convert SRC DST --to torch        peer: peer-torch-save
   reshard-dp4          dcptool reshard SRC DST --dp 4 --tp 1     peer: peer-reshard-dp4
   reshard-tp4          dcptool reshard SRC DST --dp 1 --tp 4     peer: peer-reshard-tp4
-  *-nofsync            the four rows above with --no-fsync (the cost of durability)
+  *-nofsync            export-hf, convert-torch and the reshards with --no-fsync (the cost
+                       of durability)
   verify               dcptool verify SRC HF --prefix-a auto     peer: peer-verify
-                       (the checkpoint against its own HF export, made before timing)
+                       (the checkpoint against its own HF export, made before timing;
+                       --model moe: an export that keeps the Archon names, --adapter hf)
   checksum             dcptool checksum SRC --write --manifest F peer: sha256sum
   inspect              dcptool inspect SMALL (~2,000 tensors)    peer: peer-inspect
   peer-torch-save      torch.distributed.checkpoint.format_utils.dcp_to_torch_save
@@ -45,7 +55,8 @@ Rows (id: what runs; the peer is the route users take today for the same job):
   peer-inspect         FileSystemReader(SRC).read_metadata(), printing every key
 
 Output (``--out``, default bench-out/): results.json (every row at every size: times,
-peak memory, ratios to cp -r and to the peer, machine info, targets of issue 5), results.md
+peak memory, ratios to cp -r and to the peer per tensor byte of the checkpoint each row reads
+(plain time ratios but for export-hf-moe), machine info, targets), results.md
 (the table) and bench.png (time and peak memory; peak memory against size with --sizes).
 The chart needs matplotlib: ``pip install -e '.[bench]'``; without it everything else is
 still written and a message says so.
@@ -83,6 +94,7 @@ SAMPLE_S = 0.02  # RSS sampling period
 TARGET_RATIO_TO_CP = 2.0
 TARGET_PEAK_MB = 512
 TARGET_INSPECT_S = 1.0
+TARGET_MOE_RATIO = 1.10  # export-hf of an Archon MoE checkpoint against the dense one, per tensor byte
 
 
 def parse_size(text: str) -> int:
@@ -115,7 +127,14 @@ def round_up(x: float, m: int) -> int:
 
 @dataclass
 class Shape:
-    """A Llama-like (dense) or torchtitan-like (moe) transformer; every TP-split dim divisible by 4."""
+    """A Llama-like (dense, HF names) or Qwen3-MoE-like (moe, AReaL Archon / torchtitan names) transformer;
+    every TP-split dim divisible by 4.
+
+    moe: the first ``dense_layers`` layers have a dense FFN (``feed_forward.w1/w2/w3``); the others a
+    router (``moe.router.gate``), routed experts grouped as ``[experts, out, in]`` (``moe.experts.w1/w2/w3``)
+    and the load-balancing ``moe.expert_bias`` buffer (f32), and no shared expert: Qwen3-MoE has none,
+    so ``dcptool export-hf`` maps every name to Hugging Face's (``expert_bias`` is left out with a note).
+    """
 
     model: str
     hidden: int
@@ -170,9 +189,6 @@ class Shape:
                         (p + "moe.experts.w1", (E, M, H), "bf16"),
                         (p + "moe.experts.w2", (E, H, M), "bf16"),
                         (p + "moe.experts.w3", (E, M, H), "bf16"),
-                        (p + "moe.shared_experts.w1.weight", (M, H), "bf16"),
-                        (p + "moe.shared_experts.w2.weight", (H, M), "bf16"),
-                        (p + "moe.shared_experts.w3.weight", (M, H), "bf16"),
                         (p + "moe.expert_bias", (E,), "f32")]
         out += [("norm.weight", (H,), "bf16"), ("output.weight", (V, H), "bf16")]
         return out
@@ -184,7 +200,8 @@ class Shape:
         text = (f"{self.model}: {self.layers} layers, hidden {self.hidden}, intermediate "
                 f"{self.intermediate}, vocab {self.vocab}, heads {self.heads}/{self.kv_heads} kv")
         if self.model == "moe":
-            text += f", {self.experts} experts of {self.moe_intermediate} (+1 shared), {self.dense_layers} dense layer"
+            text += (f", {self.experts} experts of {self.moe_intermediate} (no shared expert), "
+                     f"{self.dense_layers} dense layer")
         return text + f"; {len(self.tensors())} tensors, {human(self.nbytes())} bf16"
 
 
@@ -272,9 +289,7 @@ def _build_model(shape: Shape, dp: int, tp: int):
                     experts = container(w1=nn.Parameter(torch.empty(E, M, H)),
                                         w2=nn.Parameter(torch.empty(E, H, M)),
                                         w3=nn.Parameter(torch.empty(E, M, H)))
-                    block.moe = container(router=container(gate=linear(H, E)), experts=experts,
-                                          shared_experts=container(w1=linear(H, M), w2=linear(M, H),
-                                                                   w3=linear(H, M)))
+                    block.moe = container(router=container(gate=linear(H, E)), experts=experts)
                     block.moe.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
                 blocks.append(block)
             model = container(tok_embeddings=nn.Embedding(V, H),
@@ -299,13 +314,13 @@ def _build_model(shape: Shape, dp: int, tp: int):
                 "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
                 "norm": SequenceParallel(), "output": ColwiseParallel()})
             for i, block in enumerate(blocks):
-                ffn = "feed_forward" if i < shape.dense_layers else "moe.shared_experts"
-                parallelize_module(block, tp_mesh, {
-                    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                    "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-                    "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                    f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w2": RowwiseParallel(),
-                    f"{ffn}.w3": ColwiseParallel()})
+                plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                        "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+                if i < shape.dense_layers:  # the dense FFN; MoE layers: router replicated, experts below
+                    plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+                                 "feed_forward.w3": ColwiseParallel()})
+                parallelize_module(block, tp_mesh, plan)
                 if i >= shape.dense_layers:
                     distribute_module(block.moe.router.gate, tp_mesh)
                     experts = block.moe.experts
@@ -566,9 +581,12 @@ class Row:
     cpus: list[float] = field(default_factory=list)
     failures: int = 0
     peaks: list[int] = field(default_factory=list)
+    source: dict | None = None  # the checkpoint it reads when not the size's main one (export-hf-moe)
 
 
-def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path, small_tensors: int = 0) -> list[Row]:
+def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path, small_tensors: int = 0,
+              moe: tuple[Path, dict] | None = None) -> list[Row]:
+    """Every row; ``moe``: (folder, size info) of the MoE checkpoint saved beside a dense one, for export-hf-moe."""
     py = sys.executable
     dcptool = [py, "-m", "dcptool"]
     shape_json = json.dumps(asdict(shape))
@@ -590,6 +608,11 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
                 dcptool + ["reshard", str(src), str(outdir / f"tp4{fsync}"), "--dp", "1", "--tp", "4"] + extra,
                 outdir / f"tp4{fsync}", [src]),
         ]
+    if moe is not None:
+        moe_src, moe_info = moe
+        rows.append(Row("export-hf-moe", "dcptool export-hf (Archon MoE -> HF per-expert)", "dcptool", "export-hf",
+                        dcptool + ["export-hf", str(moe_src), str(outdir / "hf-moe")], outdir / "hf-moe", [moe_src],
+                        source=moe_info))
     manifest = outdir / "manifest.json"
     rows += [
         Row("verify", "dcptool verify (DCP vs its HF export)", "dcptool", "peer-verify",
@@ -620,10 +643,10 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
                 [py, str(SCRIPT), "_peer", "inspect", str(small)], None, [small]),
         ]
     # Each dcptool row next to its peer (in the table, the chart and the order of a round).
-    order = ["cp", "export-hf", "export-hf-nofsync", "peer-export-hf", "convert-torch", "convert-torch-nofsync",
-             "peer-torch-save", "reshard-dp4", "reshard-dp4-nofsync", "peer-reshard-dp4", "reshard-tp4",
-             "reshard-tp4-nofsync", "peer-reshard-tp4", "verify", "peer-verify", "checksum", "sha256sum",
-             "inspect", "peer-inspect"]
+    order = ["cp", "export-hf", "export-hf-moe", "export-hf-nofsync", "peer-export-hf", "convert-torch",
+             "convert-torch-nofsync", "peer-torch-save", "reshard-dp4", "reshard-dp4-nofsync", "peer-reshard-dp4",
+             "reshard-tp4", "reshard-tp4-nofsync", "peer-reshard-tp4", "verify", "peer-verify", "checksum",
+             "sha256sum", "inspect", "peer-inspect"]
     return sorted(rows, key=lambda r: order.index(r.id))
 
 
@@ -634,6 +657,12 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def checkpoint_info(path: Path, shape: Shape) -> dict:
+    """Size and shape of a saved checkpoint, as results.json records them."""
+    return {"size_bytes": dir_bytes(path), "tensor_bytes": shape.nbytes(), "tensors": len(shape.tensors()),
+            "files": len(list(path.iterdir())), "model": shape.describe()}
 
 
 def save_checkpoints(jobs: list[tuple[Path, Shape]], dp: int, tp: int, logdir: Path) -> None:
@@ -701,8 +730,13 @@ def machine_info() -> dict:
 
 
 def summarize(rows: list[Row], size: dict) -> list[dict]:
+    """One result per row. The ratios to cp -r and to the peer are of time per tensor byte of the checkpoint
+    each row reads: plain time ratios but for export-hf-moe, whose MoE checkpoint is near, not at, the
+    dense checkpoint's size."""
     by_id = {r.id: r for r in rows}
     med = {r.id: statistics.median(r.times) for r in rows}
+    nbytes = {r.id: (r.source or size)["tensor_bytes"] for r in rows}
+    per_byte = {rid: med[rid] / nbytes[rid] for rid in med}
     out = []
     for r in rows:
         peaks_mb = [p / 1e6 for p in r.peaks]
@@ -714,8 +748,9 @@ def summarize(rows: list[Row], size: dict) -> list[dict]:
             "cpu_s": statistics.median(r.cpus), "cpus_s": r.cpus, "failed_runs": r.failures,
             "peak_mb": statistics.median(peaks_mb), "peak_mb_median": statistics.median(peaks_mb),
             "peak_mb_min": min(peaks_mb), "peak_mb_max": max(peaks_mb), "peaks_mb": peaks_mb,
-            "ratio_to_cp": med[r.id] / med["cp"] if "cp" in med else float("nan"),
-            "ratio_to_peer": med[r.id] / med[peer] if peer else None,
+            "ratio_to_cp": per_byte[r.id] / per_byte["cp"] if "cp" in med else float("nan"),
+            "ratio_to_peer": per_byte[r.id] / per_byte[peer] if peer else None,
+            "input_tensor_bytes": nbytes[r.id], "source": r.source,
             **size,
         })
     return out
@@ -742,6 +777,12 @@ def targets(results: list[dict], main_size: str) -> list[dict]:
             v = rows[rid]["ratio_to_cp"]
             out.append({"target": f"{rid}: wall time <= {TARGET_RATIO_TO_CP}x cp -r", "value": round(v, 2),
                         "met": v <= TARGET_RATIO_TO_CP})
+    if "export-hf-moe" in rows and "export-hf" in rows:
+        moe, dense = rows["export-hf-moe"], rows["export-hf"]
+        v = (moe["median_s"] / moe["input_tensor_bytes"]) / (dense["median_s"] / dense["input_tensor_bytes"])
+        out.append({"target": f"export-hf-moe: time per tensor byte <= {TARGET_MOE_RATIO}x export-hf's "
+                              "(Archon grouped experts -> HF per-expert vs dense HF names)",
+                    "value": round(v, 3), "met": v <= TARGET_MOE_RATIO})
     for rid, r in rows.items():
         if r["kind"] == "dcptool" and rid != "inspect":
             out.append({"target": f"{rid}: peak memory <= {TARGET_PEAK_MB} MB", "value": round(r["peak_mb"]),
@@ -945,8 +986,11 @@ def main(argv: list[str] | None = None) -> int:
     main_size = human(sizes[-1])
     small_shape = inspect_shape(args.inspect_tensors) if args.inspect_tensors > 0 else None
     want = re.compile(args.only) if args.only else None
+    # export-hf-moe: beside a dense checkpoint, a MoE one of the same size in Archon names (--model moe
+    # already benchmarks every row on a MoE checkpoint: no second one).
+    with_moe = args.model == "dense" and (want is None or bool(want.search("export-hf-moe")))
     results: list[dict] = []
-    shapes = {}
+    shapes, moe_shapes = {}, {}
     for target in sizes:
         shape = choose_shape(args.model, target, args.max_hidden)
         shapes[human(target)] = shape
@@ -954,25 +998,38 @@ def main(argv: list[str] | None = None) -> int:
         src = work / f"ckpt-{tag}"
         small = work / f"ckpt-inspect-{small_shape.layers}l-dp{args.dp}tp{args.tp}" if small_shape else None
         print(f"\n== {human(target)}: {shape.describe()}", flush=True)
-        jobs = [(src, shape)] + ([(small, small_shape)] if small_shape else [])
+        jobs = [(src, shape)]
+        moe_src = None
+        if with_moe:
+            moe_shapes[human(target)] = moe_shape = choose_shape("moe", target, args.max_hidden)
+            moe_src = work / f"ckpt-moe-{human(target)}-dp{args.dp}tp{args.tp}"
+            jobs.append((moe_src, moe_shape))
+            print(f"   and {moe_shape.describe()}", flush=True)
+        jobs += [(small, small_shape)] if small_shape else []
         save_checkpoints(jobs, args.dp, args.tp, logs)
-        # The HF export that verify compares the checkpoint with (made once, not timed).
-        hf = work / f"hf-{tag}"
+        # The HF export that verify compares the checkpoint with (made once, not timed). A MoE checkpoint's
+        # keeps its Archon names (--adapter hf: no renaming, expert_bias kept), so that verify and its peer
+        # compare the same names on both sides, as with the dense model's HF names.
+        keep_names = ["--adapter", "hf"] if shape.model == "moe" else []
+        hf = work / (f"hf-{tag}" + ("-archon-names" if keep_names else ""))
         if not Path(f"{hf}.done").is_file():
             remove(hf)
-            subprocess.run([sys.executable, "-m", "dcptool", "export-hf", str(src), str(hf), "--no-fsync"],
-                           check=True, capture_output=True)
+            subprocess.run([sys.executable, "-m", "dcptool", "export-hf", str(src), str(hf), "--no-fsync",
+                            *keep_names], check=True, capture_output=True)
             Path(f"{hf}.done").write_text("")
         outdir = work / "out"
         remove(outdir)
         outdir.mkdir()
-        rows = [r for r in make_rows(src, hf, small, shape, outdir, len(small_shape.tensors()) if small_shape else 0)
+        moe_info = checkpoint_info(moe_src, moe_shapes[human(target)]) if moe_src else None
+        rows = [r for r in make_rows(src, hf, small, shape, outdir, len(small_shape.tensors()) if small_shape else 0,
+                                     (moe_src, moe_info) if moe_src else None)
                 if r.id == "cp" or want is None or want.search(r.id)]
-        size_info = {"size": human(target), "target_bytes": target, "size_bytes": dir_bytes(src),
-                     "tensor_bytes": shape.nbytes(), "tensors": len(shape.tensors()),
-                     "files": len(list(src.iterdir())), "model": shape.describe(),
-                     "inspect_tensors": len(small_shape.tensors()) if small_shape else None}
+        size_info = {"size": human(target), "target_bytes": target, **checkpoint_info(src, shape),
+                     "inspect_tensors": len(small_shape.tensors()) if small_shape else None,
+                     "moe_checkpoint": moe_info}
         print(f"  checkpoint {src}: {human(size_info['size_bytes'])} in {size_info['files']} files", flush=True)
+        if moe_info:
+            print(f"  checkpoint {moe_src}: {human(moe_info['size_bytes'])} in {moe_info['files']} files", flush=True)
         for rnd in range(args.rounds):
             order = rows if rnd % 2 == 0 else rows[::-1]
             if args.jobs > 1:
@@ -983,7 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
                     run_row(row, rnd, args, logs, human(target))
         results += summarize(rows, size_info)
         if not args.keep:
-            for path in (src, Path(f"{src}.done"), hf, Path(f"{hf}.done")):
+            for path in (src, Path(f"{src}.done"), hf, Path(f"{hf}.done")) + ((moe_src, Path(f"{moe_src}.done"))
+                                                                           if moe_src else ()):
                 remove(path)
         remove(outdir)
     if small_shape and not args.keep:
@@ -995,6 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"model": args.model, "mesh": {"dp": args.dp, "tp": args.tp}, "rounds": args.rounds,
                      "sizes": [human(s) for s in sizes], "main_size": main_size,
                      "shapes": {k: asdict(v) for k, v in shapes.items()},
+                     "moe_shapes": {k: asdict(v) for k, v in moe_shapes.items()},
                      "inspect_shape": asdict(small_shape) if small_shape else None,
                      "command": " ".join([Path(sys.executable).name, "scripts/bench.py", *(argv or sys.argv[1:])])},
         "rows": results,
@@ -1002,7 +1061,11 @@ def main(argv: list[str] | None = None) -> int:
     report["targets"] = targets(results, main_size)
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     md = [f"{main_size} {shapes[main_size].describe()}, saved by a {args.dp * args.tp}-process gloo job "
-          f"(dp={args.dp}, tp={args.tp}); {args.rounds} round(s).", "", table(main_rows)]
+          f"(dp={args.dp}, tp={args.tp}); {args.rounds} round(s)."]
+    if main_size in moe_shapes:
+        md += ["", f"export-hf-moe: {moe_shapes[main_size].describe()} (Archon names), saved by the same job; "
+                   "its ratios are per tensor byte."]
+    md += ["", table(main_rows)]
     for other in sizes[:-1]:
         md += ["", f"{human(other)}:", "", table([r for r in results if r["size"] == human(other)])]
     md += ["", "| target (issue 5) | value | met |", "|---|---|---|"]

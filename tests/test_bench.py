@@ -2,8 +2,8 @@
 two rows at a time (--jobs 2: quicker on a 2-core CI machine; the timings are not meant to mean anything).
 
 Proves that the benchmark runs end to end and that results.json holds every row (each dcptool
-command, each peer route, cp -r) with numeric fields. No timing assertions: targets live in the
-benchmark, not in tests.
+command, each peer route, cp -r, and export-hf of the MoE checkpoint in Archon names saved beside the
+dense one) with numeric fields. No timing assertions: targets live in the benchmark, not in tests.
 """
 
 import importlib.util
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DCPTOOL_ROWS = {"export-hf", "convert-torch", "reshard-dp4", "reshard-tp4",
+DCPTOOL_ROWS = {"export-hf", "export-hf-moe", "convert-torch", "reshard-dp4", "reshard-tp4",
                 "export-hf-nofsync", "convert-torch-nofsync", "reshard-dp4-nofsync", "reshard-tp4-nofsync",
                 "verify", "checksum", "inspect"}
 PEER_ROWS = {"peer-export-hf", "peer-torch-save", "peer-reshard-dp4", "peer-reshard-tp4", "peer-verify",
@@ -42,10 +42,25 @@ def test_bench_smoke(tmp_path):
         assert row["min_s"] <= row["median_s"] <= row["max_s"]
         assert row["peak_mb"] > 0 and len(row["times_s"]) == 1
         assert row["size"] == "2MB" and row["name"] and row["command"]
-    for rid in DCPTOOL_ROWS:
+    for rid in DCPTOOL_ROWS - {"export-hf-moe"}:
         assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
     assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
     assert rows["checksum"]["peer"] == "sha256sum" and rows["export-hf"]["peer"] == "peer-export-hf"
+
+    # The MoE row: its yardstick is the dense export, per tensor byte of the checkpoint each reads.
+    moe, dense = rows["export-hf-moe"], rows["export-hf"]
+    assert moe["kind"] == "dcptool" and moe["peer"] == "export-hf"
+    assert moe["source"] == moe["moe_checkpoint"] and moe["source"]["model"].startswith("moe:")
+    assert moe["input_tensor_bytes"] == moe["source"]["tensor_bytes"] != dense["input_tensor_bytes"]
+    assert dense["input_tensor_bytes"] == dense["tensor_bytes"] and dense["source"] is None
+    per_byte = (moe["median_s"] / moe["input_tensor_bytes"]) / (dense["median_s"] / dense["input_tensor_bytes"])
+    assert math.isclose(moe["ratio_to_peer"], per_byte)
+    assert report["settings"]["moe_shapes"]["2MB"]["model"] == "moe"
+    goals = {t["target"].split(":")[0] + (" peak" if "peak" in t["target"] else "") for t in report["targets"]}
+    assert {"export-hf-moe", "export-hf-moe peak"} <= goals
+    # Archon names detected and mapped to HF's (a shared expert would have been refused), expert_bias dropped.
+    log = (out / "logs" / "export-hf-moe-2MB-r0.log").read_text()
+    assert "archon (qwen3_moe)" in log and "left out layers.1.moe.expert_bias" in log, log
 
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["python"] and machine["torch"]
@@ -53,9 +68,35 @@ def test_bench_smoke(tmp_path):
     assert any("--jobs 2" in note for note in report["notes"])  # flagged as not a measurement
     assert report["targets"] and all(isinstance(t["met"], bool) for t in report["targets"])
     assert "| dcptool export-hf |" in (out / "results.md").read_text()
+    assert "| dcptool export-hf (Archon MoE -> HF per-expert) |" in (out / "results.md").read_text()
 
     if importlib.util.find_spec("matplotlib") is not None:
         png = out / "bench.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:  # the chart needs the bench extra; everything else is written and the user is told
         assert "matplotlib is not installed" in proc.stdout
+
+
+def test_moe_shape_is_qwen3_moe_in_archon_names():
+    """The moe model: dense first layer, then router + grouped experts + expert_bias; no shared expert."""
+    spec = importlib.util.spec_from_file_location("dcptool_bench_script", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
+    shape = bench.choose_shape("moe", 2 * 10**9)
+    names = {name: (dims, dtype) for name, dims, dtype in shape.tensors()}
+    assert not any("shared" in n for n in names) and "no shared expert" in shape.describe()
+    assert {f"layers.0.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")} <= set(names)
+    assert not any(n.startswith("layers.0.moe.") for n in names)
+    E, M, H = shape.experts, shape.moe_intermediate, shape.hidden
+    for i in range(shape.dense_layers, shape.layers):
+        assert names[f"layers.{i}.moe.experts.w1"] == ((E, M, H), "bf16")
+        assert names[f"layers.{i}.moe.experts.w2"] == ((E, H, M), "bf16")
+        assert names[f"layers.{i}.moe.router.gate.weight"] == ((E, H), "bf16")
+        assert names[f"layers.{i}.moe.expert_bias"] == ((E,), "f32")
+        assert not any(n.startswith(f"layers.{i}.feed_forward") for n in names)
+    dense = bench.choose_shape("dense", 2 * 10**9)
+    assert abs(shape.nbytes() / dense.nbytes() - 1) < 0.1  # the same size as the dense rows, near enough
