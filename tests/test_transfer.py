@@ -3,6 +3,7 @@
 import errno
 import os
 import random
+import threading
 import zipfile
 import zlib
 
@@ -118,20 +119,33 @@ def test_dcp_output_records_pass_the_zip_check(checkpoints, tmp_path):
 
 
 def test_a_failing_progress_callback_stops_the_remaining_tasks(checkpoints, tmp_path, monkeypatch):
-    """Under torchrun the callback raises when another rank failed: the tasks not yet started are dropped."""
+    """Under torchrun the callback raises when another rank failed: the tasks not yet started are dropped.
+
+    Every task after the first waits until the callback has raised, so however the threads are
+    scheduled, at most one task per thread can have started besides the first (no timing involved).
+    """
     source, _ = checkpoints("fsdp2_dp2")
     checkpoint = formats.open_checkpoint(source)
     writer = formats.get("hf").Writer(tmp_path)
     placed = [(piece, *writer.place(piece)) for piece in writer.plan(convert.hf_export_entries(checkpoint)[0], [])]
     total = len([t for p, f, o in placed for t in transfer.plan_tasks(checkpoint, p, f, o, 2**15)])
-    started = []
+    started, failed = [], threading.Event()
     run = transfer._Mover.run
-    monkeypatch.setattr(transfer._Mover, "run", lambda self, task: (started.append(task), run(self, task))[1])
+
+    def run_after_the_failure(self, task):
+        started.append(task)
+        if len(started) > 1:
+            failed.wait()
+        return run(self, task)
+
+    monkeypatch.setattr(transfer._Mover, "run", run_after_the_failure)
 
     def another_rank_failed(nbytes):
+        failed.set()
         raise RuntimeError("rank 1 failed")
 
+    threads = 2
     with pytest.raises(RuntimeError, match="rank 1 failed"):
-        transfer.copy_pieces(checkpoint, placed, writer.out, crc=False, max_memory=2**16, threads=2,
+        transfer.copy_pieces(checkpoint, placed, writer.out, crc=False, max_memory=2**16, threads=threads,
                              on_bytes=another_rank_failed)
-    assert total > 20 and len(started) < total / 2, (len(started), total)
+    assert total > 20 and len(started) <= 1 + threads, (len(started), total)
