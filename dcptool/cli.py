@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import sys
 import traceback
 from contextlib import contextmanager
@@ -30,14 +32,53 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 _state = {"debug": False, "quiet": False}
+# Control characters and lone surrogates, which a key read from a file may hold: shown as escapes,
+# so a name cannot move the cursor, recolour the terminal or forge a line of output.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(name: str) -> str:
+    """A name from a checkpoint as one printable line: ``"a\\nb\\x1b[31m"`` for ``"a\nb\x1b[31m"``."""
+    return _CONTROL_OR_NEWLINE.sub(_escape, name)
+
+
+class _EscapingStream(io.TextIOBase):
+    """stdout or stderr with control characters escaped (newlines and tabs of our own output kept)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(_CONTROL.sub(_escape, text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.stream, "encoding", "utf-8")
 
 
 @cache
 def _err():
-    """The rich console on stderr, for progress bars and notes."""
+    """The rich console on stderr, for progress bars and notes (its own escape codes must pass unescaped)."""
     from rich.console import Console
 
-    return Console(stderr=True)
+    stderr = sys.stderr.stream if isinstance(sys.stderr, _EscapingStream) else sys.stderr
+    return Console(file=stderr)
 
 
 def _size(text: str) -> int:
@@ -60,7 +101,7 @@ TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights 
 def _notes(notes: list[str]) -> None:
     """What an adapter found and left out, on stderr (kept under --quiet: nothing is dropped without a line)."""
     for note in notes:
-        _err().print(note, soft_wrap=True, markup=False, highlight=False)
+        _err().print(shown(note), soft_wrap=True, markup=False, highlight=False)
 
 
 @app.callback()
@@ -69,6 +110,8 @@ def _global(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
 ) -> None:
     _state["debug"], _state["quiet"] = debug, quiet
+    if not isinstance(sys.stdout, _EscapingStream):
+        sys.stdout, sys.stderr = _EscapingStream(sys.stdout), _EscapingStream(sys.stderr)
 
 
 @contextmanager
@@ -123,6 +166,7 @@ def _aligned(header: tuple[str, ...], rows: list[tuple[str, ...]], right: set[in
 
 def _grouped(keys, limit: int = 12) -> str:
     """Keys as a short line: long lists are grouped by their first two parts (``optimizer.param_groups.* (230)``)."""
+    keys = [shown(key) for key in keys]
     if len(keys) <= limit:
         return ", ".join(keys)
     groups: dict[str, int] = {}
@@ -167,7 +211,7 @@ def inspect(
         }
         print(json.dumps(report, indent=2))
         return
-    rows = [(key, tensor.dtype, str(list(tensor.shape)), f"{tensor.nbytes:,}", _chunking(tensor))
+    rows = [(shown(key), tensor.dtype, str(list(tensor.shape)), f"{tensor.nbytes:,}", _chunking(tensor))
             for key, tensor in checkpoint.tensors.items()]
     lines = [f"{path} ({checkpoint.format})", *_aligned(("key", "dtype", "shape", "bytes", "chunks"), rows, right={3})]
     if checkpoint.objects:
@@ -332,7 +376,7 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
     if not _state["quiet"]:
         _err().print(f"{result.mesh.describe()}; plan {result.plan.name} ({result.plan.description})", soft_wrap=True)
     for warning in result.warnings:
-        _err().print(f"[yellow]warning[/yellow]: {warning}", soft_wrap=True)
+        _err().print("[yellow]warning[/yellow]: " + shown(warning).replace("[", "\\["), soft_wrap=True)
     total = sum(layout.tensor.nbytes for layout in result.layouts)
     with _progress(total, f"writing {Path(str(destination)).name}") as advance:
         report = resharding.write_plan(checkpoint, destination, result, max_memory=_size(max_memory),
@@ -347,7 +391,7 @@ def _print_plan(result, as_json: bool) -> None:
         print(json.dumps(summary, indent=2))
         return
     print(f"{summary['mesh']['description']} (plan {summary['plan']})")
-    rows = [(key, str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
+    rows = [(shown(key), str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
             for key, tensor in summary["tensors"].items()]
     print("\n".join(_aligned(("key", "shape", "placement", "chunks"), rows, right=set())))
     if summary["objects"]:
@@ -558,11 +602,11 @@ def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude,
 def _print_verify(report: verification.Report) -> None:
     print(f"A: {report.a}\nB: {report.b}")
     for difference in report.differences:
-        print(f"{difference.kind:<8} {difference.key}: {difference.detail}")
+        print(f"{difference.kind:<8} {shown(difference.key)}: {difference.detail}")
     differing = {d.key for d in report.differences}
     for key, (most_abs, most_rel) in report.closeness.items():
         if key not in differing and (most_abs or most_rel):
-            print(f"{'close':<8} {key}: max abs {most_abs:.3g}, max rel {most_rel:.3g}")
+            print(f"{'close':<8} {shown(key)}: max abs {most_abs:.3g}, max rel {most_rel:.3g}")
     if report.left_out:
         print(f"left out (the round trip's format cannot hold them): {_grouped(report.left_out)}")
     if report.not_compared:
@@ -626,7 +670,7 @@ def checksum_command(
 
 def _print_checksum(result: checksums.Result) -> None:
     for problem in result.problems:
-        print(f"{problem.kind:<17} {problem.name}: {problem.detail}")
+        print(f"{problem.kind:<17} {shown(problem.name)}: {problem.detail}")
     rate = f"{result.bytes_hashed / max(result.seconds, 1e-9) / 1e6:,.0f} MB/s"
     if result.action == "write":
         print(f"wrote {result.manifest}: {result.files} files and {result.tensors} tensors hashed "
