@@ -275,13 +275,13 @@ def convert_command(
     _check_dtype(dtype)
     checkpoint = formats.open_checkpoint(source, source_format)
     checkpoint, notes = convert.adapted(checkpoint, adapter, config_dir=config_dir)
-    _notes(notes)
     tensors, objects = convert.entries_for(checkpoint, to, dtype, include, exclude)
     options = {"fsdp1": {"world_size": world_size}, "hf": {"max_shard_size": _size(max_shard_size)}}.get(to, {})
-    _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync)
+    _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync, notes)
 
 
-def _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync) -> None:
+def _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync, notes=()) -> None:
+    """Write and summarize; the adapter's notes come after the summary, once the output exists."""
     from dcptool import convert
 
     total = sum(t.nbytes for t in tensors)
@@ -291,6 +291,7 @@ def _write(checkpoint, destination, to, tensors, objects, options, max_memory, o
             fsync=fsync, progress=advance, writer_options=options,
         )
     _summary(report)
+    _notes(notes)
 
 
 @app.command(name="export-hf")
@@ -329,9 +330,8 @@ def export_hf(
     checkpoint = formats.open_checkpoint(source, source_format)
     tensors, config_dir, notes = convert.hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude,
                                                            adapter, hf_experts)
-    _notes(notes)
     options = {"max_shard_size": _size(max_shard_size), "config_dir": config_dir}
-    _write(checkpoint, destination, "hf", tensors, [], options, max_memory, overwrite, fsync)
+    _write(checkpoint, destination, "hf", tensors, [], options, max_memory, overwrite, fsync, notes)
 
 
 # Mesh options shared by reshard and import-hf.
@@ -363,12 +363,12 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
         check_destination(destination, overwrite)  # before planning prints its warnings
     checkpoint, notes = convert.adapted(formats.open_checkpoint(source, source_format), adapter, config_dir=config_dir,
                                         wrapper=wrapper)
-    if not as_json:
-        _notes(notes)
     result = resharding.prepare(checkpoint, mesh_options, plan, keep_rank_state=keep_rank_state,
                              config_dir=config_dir, dtype=dtype)
     if dry_run:
         _print_plan(result, as_json)
+        if not as_json:
+            _notes(notes)
         if result.problems:
             raise typer.Exit(2)
         return
@@ -382,6 +382,7 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
         report = resharding.write_plan(checkpoint, destination, result, max_memory=_size(max_memory),
                                     overwrite=overwrite, fsync=fsync, progress=advance)
     _summary(report)
+    _notes(notes)
 
 
 def _print_plan(result, as_json: bool) -> None:
