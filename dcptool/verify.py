@@ -116,11 +116,18 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     result = mapping.convert(params_b)
     adapters.refuse_unmatched(result.unmatched, mapping, "check --adapter-a / --adapter-b")
     mapped = {name: entry for name, (entry, _) in result.entries.items()}
+    # A's tensors that B's family has no place for (Qwen3-MoE's expert_bias in HF names) cannot be in B.
+    no_place = adapters.Mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
     if config is not None and config.get("tie_word_embeddings") and found_a == "hf":
-        params_a = {k: v for k, v in params_a.items() if k != "lm_head.weight"}
+        no_place.append("lm_head.weight")
+    params_a = {k: v for k, v in params_a.items() if k not in no_place}
     side_a = Side(a.checkpoint, convert.select(params_a, include, exclude), {}, f"{a.label}, model weights")
     side_b = Side(b.checkpoint, convert.select(mapped, include, exclude), {}, f"{b.label}, model weights as {found_a}")
-    return side_a, side_b, f"comparing model weights across families: B's {found_b} names ({mapping.kind}) as {found_a}"
+    note = f"comparing model weights across families: B's {found_b} names ({mapping.kind}) as {found_a}"
+    if no_place:
+        note += f"; not compared, {found_b} names have no place for them: {', '.join(no_place[:4])}" + \
+            (f" and {len(no_place) - 4} more" if len(no_place) > 4 else "")
+    return side_a, side_b, note
 
 
 @dataclass

@@ -134,6 +134,8 @@ class Mapping:
         self.kind, self.source, self.target = kind, source, target
         self.config = _text_config(config)
         self.fused = hf_experts == "fused" and target == "hf"
+        # Experts per (row, layer), from the weights: per-expert optimizer counters follow them.
+        self._experts: dict[tuple[Row, str], int] = {}
 
     def describe(self) -> str:
         return f"{self.source} -> {self.target} names ({self.kind})"
@@ -168,7 +170,7 @@ class Mapping:
                     (row.fused[1], logical, group["first"]))
                 continue
             if self.target == "hf" and row.experts:
-                self._split_experts(target, logical, group["first"], result)
+                self._split_experts(target, logical, self._experts.get((row, layer)), group["first"], result)
                 continue
             if self.target == "hf" and row.rope_heads:
                 logical = self._permuted(logical, row, to_hf=True)
@@ -186,26 +188,38 @@ class Mapping:
         """The entry in torchtitan's layout (grouped experts, RoPE-interleaved rows)."""
         if "plain" in group:
             entry = group["plain"]
-            return self._permuted(entry, row, to_hf=False) if self.source == "hf" and row.rope_heads else entry
+            if self.source == "hf" and row.rope_heads:
+                return self._permuted(entry, row, to_hf=False)
+            return self._remember_experts(row, layer, entry)
         if "fused" in group:
             fused = group["fused"]
             if _scalar(fused):
                 return fused
             parts = sum(1 for other in kinds()[self.kind] if other.fused and other.fused[0] == row.fused[0])
             width = fused.shape[1] // parts
-            return views.narrow(fused, 1, row.fused[1] * width, width, fused.path)
+            return self._remember_experts(row, layer, views.narrow(fused, 1, row.fused[1] * width, width, fused.path))
         experts = group["experts"]
         count = len(experts)
         if sorted(experts) != list(range(count)):
             missing = sorted(set(range(max(experts) + 1)) - set(experts))
             raise UsageError(f"{group['first']}: experts {missing[:8]} of layer {layer} are missing")
         self._check_expert_count(count, group["first"])
+        self._experts[(row, layer)] = count
         ordered = [experts[e] for e in range(count)]
         return ordered[0] if _scalar(ordered[0]) else views.stack(ordered, ordered[0].path)
 
-    def _split_experts(self, pattern: str, logical: Entry, first: str, result: Result) -> None:
+    def _remember_experts(self, row: Row, layer: str, entry: Entry) -> Entry:
+        if row.experts and not _scalar(entry):
+            self._experts[(row, layer)] = entry.shape[0]
+        return entry
+
+    def untranslatable(self, names) -> list[str]:
+        """The names whose tensors the target family has no place for (dropped by ``convert``)."""
+        return [n for n in names if any(row.name(self.target) is None for row, _, _ in _matches(self.kind, self.source, n))]
+
+    def _split_experts(self, pattern: str, logical: Entry, seen: int | None, first: str, result: Result) -> None:
         if _scalar(logical):
-            count = self._expert_count()
+            count = seen or self._expert_count()
             if count is None:
                 raise UsageError(f"{first}: splitting per-expert state needs the expert count (--config-dir)")
         else:
@@ -295,7 +309,8 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
                 continue
         slots.setdefault(slot, {})[name] = (key, entry)
     out, dropped, unmatched = dict(kept), [], []
-    for (prefix, suffix), named in slots.items():
+    # The weights first: the optimizer state after them takes their expert counts.
+    for (prefix, suffix), named in sorted(slots.items(), key=lambda slot: bool(slot[0][1])):
         result = mapping.convert({name: entry for name, (_, entry) in named.items()}, model=not suffix)
         dropped += [f"{prefix}{line}" for line in result.dropped]
         unmatched += [named[name][0] for name in result.unmatched]

@@ -1,0 +1,373 @@
+"""Naming-family adapters (hf, archon, torchtitan) against an independent oracle and real gloo jobs.
+
+The oracle is tests/family_models.py (plain torch renames, stacks and the Llama
+RoPE permutation, checked here against RoPE itself); the checkpoints come from
+scripts/family_jobs.py (real FSDP2 + EP on gloo, one AdamW step); the tests after
+the oracle's run dcptool's --adapter options and family detection on them.
+
+Checkpoint and output folders have neutral names (m0, s0, e0, ...) so that
+finding a family or kind name in dcptool's output never matches a path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from itertools import count
+
+import pytest
+import torch
+from conftest import dcptool
+from family_models import (
+    FAMILIES,
+    MODELS,
+    family_to_hf,
+    hf_config,
+    hf_to_family,
+    layout_keys,
+    load_hf_state,
+    logits,
+    model_part,
+    permute_to_titan,
+    read_config,
+    save_hf,
+    write_hf,
+)
+from jobs import FAMILY_JOBS, run_job
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+HF_SEED = 7
+# Mesh of every save-family job (2 ranks): the MoE also splits its experts over ep.
+MESH = {name: ["--dp", "2"] for name in MODELS} | {"qwen3_moe": ["--dp", "2", "--ep", "2"]}
+# (model, family) pairs saved by real jobs: experts with EP, MLA + dense/MoE mix, the RoPE
+# permutation, tied embeddings.
+SAVED = [("qwen3_moe", "archon"), ("deepseek_v3", "archon"), ("llama", "torchtitan"),
+         ("qwen3_tied", "archon")]
+
+
+def kind_of(name: str) -> str:
+    return MODELS[name][0]
+
+
+def family_job(*args, check: bool = True):
+    return run_job(2, *args, script=FAMILY_JOBS, check=check)
+
+
+def lazily(make):
+    """A session-cached ``get(*key)`` that calls ``make(*key)`` once per key."""
+    made = {}
+
+    def get(*key):
+        if key not in made:
+            made[key] = make(*key)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf(tmp_path_factory):
+    """HF folder (save_pretrained) of a model name in MODELS."""
+    root, n = tmp_path_factory.mktemp("hf"), count()
+    return lazily(lambda name: save_hf(name, root / f"m{next(n)}", seed=HF_SEED))
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory, hf):
+    """save-family checkpoint of (model, family) on MESH[model]; OUT.reference/ lies beside it."""
+    root, n = tmp_path_factory.mktemp("saved"), count()
+
+    def make(name, family):
+        out = root / f"s{next(n)}"
+        family_job("save-family", out, "--kind", kind_of(name), "--family", family,
+                   "--hf", hf(name), *MESH[name])
+        return out
+
+    return lazily(make)
+
+
+@pytest.fixture(scope="session")
+def trained_hf(tmp_path_factory, hf, saved):
+    """HF folder (by the oracle) of the weights a save-family checkpoint holds after its step."""
+    root, n = tmp_path_factory.mktemp("trained"), count()
+
+    def make(name, family):
+        full = torch.load(f"{saved(name, family)}.reference/full.pt", weights_only=True)
+        state = family_to_hf(model_part(full, family), kind_of(name), family, read_config(hf(name)))
+        return write_hf(state, root / f"t{next(n)}", hf(name))
+
+    return lazily(make)
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, hf, saved):
+    """(CompletedProcess, folder) of ``dcptool export-hf --adapter auto`` of a save-family checkpoint."""
+    root, n = tmp_path_factory.mktemp("exports"), count()
+
+    def make(name, family):
+        out = root / f"e{next(n)}"
+        result = dcptool("export-hf", saved(name, family), out, "--adapter", "auto",
+                         "--config-dir", hf(name))
+        return result, out
+
+    return lazily(make)
+
+
+def assert_same(actual: dict, expected: dict):
+    """Same keys, and every tensor bitwise equal (dtype and shape included)."""
+    assert sorted(actual) == sorted(expected)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype and actual[key].shape == value.shape, key
+        assert torch.equal(actual[key], value), key
+
+
+def flat(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def read_dcp(path, tmp_path) -> dict:
+    """Every entry of a DCP checkpoint, flattened, read by torch itself."""
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    return dict(flat(torch.load(tmp_path / "whole.pt", weights_only=True)))
+
+
+def chunk_layout(path) -> dict:
+    """{tensor key: sorted (offsets, sizes) of its saved chunks} from a DCP .metadata."""
+    md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks)
+            for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def mentions(output: str, word: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(word)}(?![\w.])", output) is not None
+
+
+# ---------------------------------------------------------------------------
+# The oracle itself
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_oracle_round_trip_is_identity(hf, name, family):
+    state = load_hf_state(hf(name))
+    config = read_config(hf(name))
+    names = hf_to_family(state, kind_of(name), family, config)
+    assert not any(k.startswith("model.") for k in names)
+    assert_same(family_to_hf(names, kind_of(name), family, config), state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_oracle_stacks_experts_in_order(hf, name, family):
+    state = load_hf_state(hf(name))
+    names = hf_to_family(state, kind_of(name), family, read_config(hf(name)))
+    prefix = "layers.1.moe.experts." if family == "archon" else "layers.1.moe.routed_experts.inner_experts."
+    suffixes = ("w1", "w3", "w2") if family == "archon" else ("w1_EFD", "w3_EFD", "w2_EDF")
+    for suffix, proj, shape in zip(suffixes, ("gate_proj", "up_proj", "down_proj"),
+                                   ((4, 32, 64), (4, 32, 64), (4, 64, 32))):
+        stacked = names[prefix + suffix]
+        assert tuple(stacked.shape) == shape
+        for e in range(4):
+            assert torch.equal(stacked[e], state[f"model.layers.1.mlp.experts.{e}.{proj}.weight"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_keeps_tied_output_projection(hf, family):
+    state = load_hf_state(hf("qwen3_tied"))
+    assert "lm_head.weight" not in state
+    names = hf_to_family(state, "qwen3", family, read_config(hf("qwen3_tied")))
+    output = "output.weight" if family == "archon" else "lm_head.weight"
+    assert torch.equal(names[output], names["tok_embeddings.weight"])
+
+
+def test_llama_permutation_matches_rope():
+    """torchtitan's RoPE (complex rotation of adjacent pairs) on permuted wq/wk gives the
+    attention scores of transformers' rotate_half RoPE on the HF weights."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = hf_config("llama")
+    heads, kv_heads, head_dim, dim, seq = 4, 2, 16, 64, 10
+    gen = torch.Generator().manual_seed(0)
+    wq = 0.1 * torch.randn(heads * head_dim, dim, generator=gen)
+    wk = 0.1 * torch.randn(kv_heads * head_dim, dim, generator=gen)
+    x = torch.randn(1, seq, dim, generator=gen)
+
+    def scores(q, k):  # [1, H, S, d] x [1, KV, S, d] -> [1, H, S, S], kv heads shared as GQA does
+        return q @ k.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2)
+
+    q = (x @ wq.T).view(1, seq, heads, head_dim).transpose(1, 2)
+    k = (x @ wk.T).view(1, seq, kv_heads, head_dim).transpose(1, 2)
+    cos, sin = LlamaRotaryEmbedding(config)(x, torch.arange(seq)[None])
+    expected = scores(*apply_rotary_pos_emb(q, k, cos, sin))
+
+    theta = config.rope_parameters["rope_theta"]
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs_cis = torch.polar(torch.ones(seq, head_dim // 2), torch.outer(torch.arange(seq).float(), freqs))
+
+    def titan(w, n):  # torchtitan's apply_rotary_emb on x @ w.T, heads first
+        xq = (x @ w.T).view(1, seq, n, head_dim)
+        rotated = torch.view_as_complex(xq.reshape(1, seq, n, head_dim // 2, 2)) * freqs_cis[:, None, :]
+        return torch.view_as_real(rotated).flatten(3).transpose(1, 2)
+
+    got = scores(titan(permute_to_titan(wq, heads, head_dim), heads),
+                 titan(permute_to_titan(wk, kv_heads, head_dim), kv_heads))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    unpermuted = scores(titan(wq, heads), titan(wk, kv_heads))
+    assert not torch.allclose(unpermuted, expected, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------
+# The gloo jobs (scripts/family_jobs.py)
+# ---------------------------------------------------------------------------
+
+
+def test_save_family_archon_layout(saved):
+    ckpt = saved("qwen3_moe", "archon")
+    layout = chunk_layout(ckpt)
+    md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert md["model.layers.1.moe.experts.w1"].size == torch.Size([4, 32, 64])
+    assert md["model.layers.1.moe.experts.w2"].size == torch.Size([4, 64, 32])
+    for key in ("model.layers.0.moe.expert_bias", "model.output.weight",
+                "optim.state.layers.1.moe.experts.w1.exp_avg", "optim.param_groups.layers.1.moe.experts.w1.lr"):
+        assert key in md, key
+    assert not any(k.startswith(("optimizer.", "train_state")) for k in md)
+    # EP splits the 4 experts over 2 ranks; dense weights are FSDP row shards.
+    assert layout["model.layers.1.moe.experts.w1"] == [((0, 0, 0), (2, 32, 64)), ((2, 0, 0), (2, 32, 64))]
+    placements = json.loads((ckpt.parent / f"{ckpt.name}.reference" / "reference.json").read_text())["placements"]
+    assert placements["layers.1.moe.experts.w1"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def test_save_family_torchtitan_layout(saved):
+    md = FileSystemReader(str(saved("llama", "torchtitan"))).read_metadata().state_dict_metadata
+    for key in ("layers.0.attention.qkv_linear.wq.weight", "lm_head.weight", "tok_embeddings.weight",
+                "optimizer.state.layers.0.attention.qkv_linear.wq.weight.exp_avg_sq",
+                "optimizer.param_groups.lm_head.weight.lr", "train_state.step", "lr_scheduler.last_epoch"):
+        assert key in md, key
+    assert not any(k.startswith(("model.", "optim.")) for k in md)
+
+
+def test_load_family_checks_every_shard(saved, trained_hf, hf):
+    """load-family passes on the weights the checkpoint holds and fails on others (the pre-step ones)."""
+    ckpt = saved("qwen3_moe", "archon")
+    args = ["load-family", ckpt, "--kind", "qwen3_moe", "--family", "archon", *MESH["qwen3_moe"]]
+    assert "OK: " in family_job(*args, "--expect", trained_hf("qwen3_moe", "archon")).stdout
+    before_step = family_job(*args, "--expect", hf("qwen3_moe"), check=False)
+    assert before_step.returncode == 1 and "MISMATCH" in before_step.stdout
+
+
+# ---------------------------------------------------------------------------
+# dcptool with adapters
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,family", SAVED)
+def test_export_hf_detects_family_and_reproduces_the_model(exported, trained_hf, name, family):
+    result, out = exported(name, family)
+    output = result.stdout + result.stderr
+    assert mentions(output, family) and mentions(output, kind_of(name)), output
+    expected = trained_hf(name, family)
+    assert_same(load_hf_state(out), load_hf_state(expected))
+    assert torch.equal(logits(out), logits(expected))
+
+
+def test_export_hf_fused_experts(tmp_path, saved, trained_hf, hf):
+    out = tmp_path / "fused"
+    dcptool("export-hf", saved("qwen3_moe", "archon"), out, "--config-dir", hf("qwen3_moe"),
+            "--hf-experts", "fused")
+    state = load_hf_state(out)
+    expected = load_hf_state(trained_hf("qwen3_moe", "archon"))
+    assert not any(".experts.0." in k for k in state)
+    for layer in range(2):
+        experts = f"model.layers.{layer}.mlp.experts"
+        gate_up = torch.stack([torch.cat([expected[f"{experts}.{e}.gate_proj.weight"],
+                                          expected[f"{experts}.{e}.up_proj.weight"]]) for e in range(4)])
+        down = torch.stack([expected[f"{experts}.{e}.down_proj.weight"] for e in range(4)])
+        assert torch.equal(state[f"{experts}.gate_up_proj"], gate_up)
+        assert torch.equal(state[f"{experts}.down_proj"], down)
+    assert torch.equal(logits(out), logits(trained_hf("qwen3_moe", "archon")))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_import_then_export_is_bitwise(tmp_path, hf, name, family):
+    """import-hf writes exactly the oracle's family names and values; export-hf gives the HF files back."""
+    source = hf(name)
+    state = load_hf_state(source)
+    dcptool("import-hf", source, tmp_path / "a", "--adapter", family)
+    expected = layout_keys(hf_to_family(state, kind_of(name), family, read_config(source)), family)
+    assert_same(read_dcp(tmp_path / "a", tmp_path), expected)
+    dcptool("export-hf", tmp_path / "a", tmp_path / "b", "--config-dir", source)
+    assert_same(load_hf_state(tmp_path / "b"), state)
+
+
+@pytest.mark.parametrize("name,family", [("qwen3_moe", "archon"), ("llama", "torchtitan")])
+def test_import_hf_on_a_mesh_loads_in_a_real_job(tmp_path, hf, saved, name, family):
+    """import-hf --dp/--ep lays the family's checkpoint out as the job on that mesh saves it, and dcp.load
+    on that mesh gives every rank the oracle's values."""
+    out = tmp_path / "imported"
+    dcptool("import-hf", hf(name), out, "--adapter", family, *MESH[name])
+    family_job("load-family", out, "--kind", kind_of(name), "--family", family, "--expect", hf(name),
+               *MESH[name])
+    imported, by_job = chunk_layout(out), chunk_layout(saved(name, family))
+    assert imported.keys() <= by_job.keys()
+    assert {k: by_job[k] for k in imported} == imported
+
+
+def test_convert_to_hf_names_and_back_is_bitwise(tmp_path, saved):
+    """Model and optimizer state renamed to HF names (experts split one by one, the per-expert step
+    counters counted from the weights, no config needed) and back."""
+    ckpt = saved("deepseek_v3", "archon")
+    dcptool("convert", ckpt, tmp_path / "hf_names", "--to", "dcp", "--adapter", "hf")
+    keys = chunk_layout(tmp_path / "hf_names").keys()
+    assert any(k.endswith("mlp.experts.3.down_proj.weight") for k in keys)
+    assert any(k.endswith("mlp.experts.3.down_proj.weight.exp_avg") for k in keys)
+    assert not any("tok_embeddings" in k or "moe.experts" in k for k in keys)
+    dcptool("convert", tmp_path / "hf_names", tmp_path / "back", "--to", "dcp", "--adapter", "archon")
+    result = dcptool("verify", ckpt, tmp_path / "back", check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_verify_compares_across_families(exported, saved, hf):
+    ckpt = saved("deepseek_v3", "archon")
+    _, out = exported("deepseek_v3", "archon")
+    result = dcptool("verify", ckpt, out, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The weights before the training step differ: the cross-family compare looks at values.
+    assert dcptool("verify", ckpt, hf("deepseek_v3"), check=False).returncode == 1
+
+
+def test_verify_leaves_out_what_hf_names_have_no_place_for(exported, saved):
+    """Qwen3-MoE's load-balancing expert_bias exists only in Archon names: named, not reported missing."""
+    ckpt = saved("qwen3_moe", "archon")
+    _, out = exported("qwen3_moe", "archon")
+    result = dcptool("verify", ckpt, out, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "not compared" in result.stderr and "moe.expert_bias" in result.stderr
+
+
+def test_inspect_names_family_kind_and_mesh(saved):
+    output = dcptool("inspect", saved("llama", "torchtitan")).stdout
+    assert any(mentions(line, "torchtitan") and mentions(line, "llama") for line in output.splitlines()), output
+    mesh = [line for line in output.splitlines() if line.startswith("saved on mesh")]
+    assert mesh and "dp=2" in mesh[0], output
+
+
+def test_refusals_are_one_line(tmp_path, hf):
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    for file in hf("llama").glob("*.safetensors"):
+        shutil.copy(file, no_config)
+    for args in (["import-hf", no_config, tmp_path / "x", "--adapter", "torchtitan"],
+                 ["import-hf", hf("qwen3"), tmp_path / "y", "--adapter", "megatron"]):
+        result = dcptool(*args, check=False)
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
