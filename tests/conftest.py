@@ -67,3 +67,20 @@ def read_tensor(checkpoint, key):
     out = np.empty(tensor.shape, dtype=dtypes.raw_view_type(itemsize))
     checkpoint.read_region(tensor, (0,) * len(tensor.shape), tensor.shape, out, memoryview(bytearray(4096)))
     return torch.from_numpy(out).view(getattr(torch, tensor.dtype))
+
+
+def read_dcp(path: Path, scratch: Path) -> dict:
+    """Every entry of a DCP checkpoint, flattened with '.', as torch itself reads it (``dcp_to_torch_save``)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    whole = scratch / "whole.pt"
+    dcp_to_torch_save(path, whole)
+    return dict(flat(torch.load(whole, weights_only=True)))

@@ -18,7 +18,7 @@ from itertools import count
 
 import pytest
 import torch
-from conftest import dcptool
+from conftest import dcptool, read_dcp
 from family_models import (
     FAMILIES,
     MODELS,
@@ -36,7 +36,6 @@ from family_models import (
 )
 from jobs import FAMILY_JOBS, run_job
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 HF_SEED = 7
@@ -122,20 +121,6 @@ def assert_same(actual: dict, expected: dict):
     for key, value in expected.items():
         assert actual[key].dtype == value.dtype and actual[key].shape == value.shape, key
         assert torch.equal(actual[key], value), key
-
-
-def flat(tree, prefix=""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from flat(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
-def read_dcp(path, tmp_path) -> dict:
-    """Every entry of a DCP checkpoint, flattened, read by torch itself."""
-    dcp_to_torch_save(path, tmp_path / "whole.pt")
-    return dict(flat(torch.load(tmp_path / "whole.pt", weights_only=True)))
 
 
 def chunk_layout(path) -> dict:

@@ -145,8 +145,9 @@ class Mapping:
         tied embeddings are completed; optimizer state (same names, scalars for ``step``) is not."""
         result = Result()
         groups: dict[tuple[Row, str], dict] = {}
+        main_layers = self._main_layers(entries)
         for name, entry in entries.items():
-            hits = _matches(self.kind, self.source, name)
+            hits = self._hits(name, main_layers)
             if not hits:
                 result.unmatched.append(name)
                 continue
@@ -164,7 +165,7 @@ class Mapping:
         fused_parts: dict[str, list[tuple[int, TensorInfo]]] = {}
         for (row, layer), group in groups.items():
             logical = self._logical(row, layer, group)
-            target = row.name(self.target).replace("{L}", layer)
+            target = row.name(self.target).replace("{L}", self._target_layer(row, layer, main_layers, group["first"]))
             if self.target == "hf" and row.experts and self.fused:
                 fused_parts.setdefault(row.fused[0].replace("{L}", layer), []).append(
                     (row.fused[1], logical, group["first"]))
@@ -183,6 +184,35 @@ class Mapping:
         if model:
             self._tie(entries, result)
         return result
+
+    def _main_layers(self, entries) -> int | None:
+        """The main decoder layers, after which HF numbers the prediction layers: the config's
+        ``num_hidden_layers``, else (torchtitan names, which keep them apart) those the names hold."""
+        if isinstance(self.config.get("num_hidden_layers"), int):
+            return self.config["num_hidden_layers"]
+        if self.source == "hf":
+            if any(row.mtp for row in kinds()[self.kind]):
+                raise UsageError(f"{self.kind} weights in HF names: telling prediction layers from main ones needs "
+                                 "num_hidden_layers from the model's config.json (give --config-dir)")
+            return None
+        numbers = {name.split(".")[1] for name in entries if name.startswith("layers.")}
+        return len(numbers) or None
+
+    def _hits(self, name: str, main_layers: int | None) -> list[tuple[Row, dict, str]]:
+        """The rows a name matches; an HF layer is a prediction layer when it comes after the main ones."""
+        hits = _matches(self.kind, self.source, name)
+        if self.source != "hf":
+            return hits
+        return [(row, where, form) for row, where, form in hits
+                if row.mtp == (main_layers is not None and "L" in where and int(where["L"]) >= main_layers)]
+
+    def _target_layer(self, row: Row, layer: str, main_layers: int | None, name: str) -> str:
+        if not row.mtp or (self.source != "hf" and self.target != "hf"):
+            return layer
+        if main_layers is None:
+            raise UsageError(f"{name}: numbering prediction layers after the main ones needs num_hidden_layers "
+                             "from the model's config.json (give --config-dir)")
+        return str(int(layer) - main_layers if self.source == "hf" else int(layer) + main_layers)
 
     def _logical(self, row: Row, layer: str, group: dict) -> Entry:
         """The entry in torchtitan's layout (grouped experts, RoPE-interleaved rows)."""
@@ -215,7 +245,8 @@ class Mapping:
 
     def untranslatable(self, names) -> list[str]:
         """The names whose tensors the target family has no place for (dropped by ``convert``)."""
-        return [n for n in names if any(row.name(self.target) is None for row, _, _ in _matches(self.kind, self.source, n))]
+        main_layers = self._main_layers(names)
+        return [n for n in names if any(row.name(self.target) is None for row, _, _ in self._hits(n, main_layers))]
 
     def _split_experts(self, pattern: str, logical: Entry, seen: int | None, first: str, result: Result) -> None:
         if _scalar(logical):

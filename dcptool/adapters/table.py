@@ -16,7 +16,8 @@ class Row:
     per expert; ``fused``: transformers v5's fused HF tensor and this row's part of it (dim 1).
     ``rope_heads``: the config field with the head count of a weight whose rows torchtitan
     interleaves for its RoPE (Llama's q and k). ``tied_to``: the row it equals when the config ties
-    embeddings.
+    embeddings. ``mtp``: a multi-token-prediction layer, which torchtitan numbers apart
+    (``mtp_layers.{L}``) and HF after the main layers (``model.layers.{num_hidden_layers + L}``).
     """
 
     hf: str | None
@@ -26,6 +27,7 @@ class Row:
     fused: tuple[str, int] | None = None
     rope_heads: str | None = None
     tied_to: Row | None = None
+    mtp: bool = False
 
     def name(self, family: str) -> str | None:
         return getattr(self, family)
