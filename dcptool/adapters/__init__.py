@@ -137,9 +137,6 @@ class Mapping:
         # Experts per (row, layer), from the weights: per-expert optimizer counters follow them.
         self._experts: dict[tuple[Row, str], int] = {}
 
-    def describe(self) -> str:
-        return f"{self.source} -> {self.target} names ({self.kind})"
-
     def convert(self, entries: dict[str, Entry], model: bool = True) -> Result:
         """Map ``entries`` (name -> tensor or object). ``model``: these are the weights themselves, so
         tied embeddings are completed; optimizer state (same names, scalars for ``step``) is not."""
@@ -165,9 +162,10 @@ class Mapping:
         fused_parts: dict[str, list[tuple[int, TensorInfo]]] = {}
         for (row, layer), group in groups.items():
             logical = self._logical(row, layer, group)
-            target = row.name(self.target).replace("{L}", self._target_layer(row, layer, main_layers, group["first"]))
+            target_layer = self._target_layer(row, layer, main_layers, group["first"])
+            target = row.name(self.target).replace("{L}", target_layer)
             if self.target == "hf" and row.experts and self.fused:
-                fused_parts.setdefault(row.fused[0].replace("{L}", layer), []).append(
+                fused_parts.setdefault(row.fused[0].replace("{L}", target_layer), []).append(
                     (row.fused[1], logical, group["first"]))
                 continue
             if self.target == "hf" and row.experts:
