@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a demo checkpoint made here: a real 4-process gloo job saves an FSDP2 + TP model
 # (dp=2, tp=2) as DCP; dcptool inspects it, exports it to Hugging Face safetensors, and checks
-# the export against the full state dict the training job gathered itself.
+# the export against the full state dict the training job gathered itself; then lays the weights out
+# in torchtitan names for a 2-rank job and compares them across the two naming families.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${DCPTOOL_VENV:-.venv}"
@@ -36,3 +37,8 @@ for key, value in exported.items():
 model = AutoModelForCausalLM.from_pretrained(f"{out}/hf")
 print(f"{len(exported)} tensors equal bitwise; transformers loaded {type(model).__name__}")
 PY
+
+echo "== the same weights for a torchtitan job on 2 ranks (its names, q/k rows in its RoPE order), and back"
+dcptool import-hf "$OUT/hf" "$OUT/titan" --adapter torchtitan --dp 2
+dcptool inspect "$OUT/titan" | tail -2
+dcptool verify "$OUT/titan" "$OUT/hf" | tail -1
