@@ -1,3 +1,17 @@
-from dcptool.cli import main
+"""``python -m dcptool`` and the ``dcptool`` command: a Ctrl-C while the CLI's modules are still
+being imported ends with the same one line as one later on (``cli.main`` takes over from there)."""
 
-main()
+import sys
+
+
+def run() -> None:
+    try:
+        from dcptool.cli import main
+    except KeyboardInterrupt:
+        print("dcptool: interrupted", file=sys.stderr)
+        sys.exit(130)
+    main()
+
+
+if __name__ == "__main__":
+    run()

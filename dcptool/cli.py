@@ -689,28 +689,60 @@ CLICK_ABORTS = tuple({click.exceptions.Abort, typer.Abort})
 
 
 def main(argv: list[str] | None = None) -> None:
-    from dcptool import distributed
+    """Run the command line; exits 0, 1 (a check found a difference), 2 (bad input, with one line
+    naming the file), 3 (a bug in dcptool: please report it) or 130 (interrupted, with one line)."""
+    import atexit
+    import os
+    import signal
 
-    distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
-    command = typer.main.get_command(app)
+    from dcptool import storage
+
+    handling = storage.handle_interrupts() is not None  # Ctrl-C from here on: one line and exit 130, click or not
+    if handling:  # ignored once the interpreter exits, past the last Python code that could act on it
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     error = None
     try:
+        from dcptool import distributed
+
+        distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
+        command = typer.main.get_command(app)
         code = command.main(args=argv, prog_name="dcptool", standalone_mode=False)
+        if code == 130:  # typer's exit for a KeyboardInterrupt raised by other means than Ctrl-C
+            print(f"dcptool: {distributed.describe_failure(KeyboardInterrupt())[1]}", file=sys.stderr)
     except CLICK_ERRORS as exc:
         exc.show()
         code = exc.exit_code
     except CLICK_ABORTS:
+        from dcptool import distributed
+
+        print(f"dcptool: {distributed.describe_failure(KeyboardInterrupt())[1]}", file=sys.stderr)
         code = 130
-    except (DcptoolError, OSError, KeyboardInterrupt) as exc:
-        if _state["debug"] and not isinstance(exc, KeyboardInterrupt):
-            traceback.print_exc()
+    except SystemExit:
+        raise
+    except BaseException as exc:  # DcptoolError, OSError, Ctrl-C, and bugs (exit 3); under torchrun the other ranks stop too
+        from dcptool import distributed  # again: a Ctrl-C may have cut the first import short
+
         code, message = distributed.describe_failure(exc)
-        print(f"dcptool: {'' if isinstance(exc, KeyboardInterrupt) else 'error: '}{message}", file=sys.stderr)
+        if _state["debug"] and code != 130:
+            traceback.print_exc()
+        if code == distributed.EXIT_INTERNAL:
+            hint = "a bug in dcptool: please report it, with the traceback above" if _state["debug"] else distributed.BUG_HINT
+            print(f"dcptool: {message} ({hint})", file=sys.stderr)
+        else:
+            print(f"dcptool: {'' if code == 130 else 'error: '}{message}", file=sys.stderr)
         error = exc
-    except Exception as exc:  # a bug: shown as Python shows it; under torchrun the other ranks must still stop
-        traceback.print_exc()
-        code, error = 1, exc
     code = code if isinstance(code, int) else 0
+    if handling:  # the outcome is decided and told: from now on Ctrl-C ends the process at once, with it
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: Python reports it at exit, as it would have
+                pass
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
+        if signal.getsignal(signal.SIGTERM) is storage.raise_interrupted:  # torchrun stopping the job, likewise
+            signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
+    from dcptool import distributed
+
     distributed.leave(code, error)
     del error  # its traceback holds a failed writer's open files: close them now, not during interpreter shutdown
     sys.exit(code)

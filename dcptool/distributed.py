@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -31,8 +32,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dcptool import storage
 from dcptool.errors import DcptoolError, UsageError
-from dcptool.storage import atomic_output
+from dcptool.storage import Interrupted, atomic_output
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 CHECK_SECONDS = 0.1  # how often a writing rank reports its bytes and looks for failures of others
@@ -82,15 +84,57 @@ class _RemoteTraceback(Exception):
         return "\n" + self.args[0]
 
 
+INTERRUPTS = (KeyboardInterrupt, Interrupted)
+EXIT_INTERNAL = 3  # a bug in dcptool (1: a check found a difference, 2: bad input, 130: interrupted)
+BUG_HINT = "a bug in dcptool: please report it; rerun with --debug for the traceback"
+
+
 def describe_failure(exc: BaseException) -> tuple[int, str]:
-    """The exit code and one-line message the CLI gives an exception."""
+    """The exit code and one-line message the CLI gives an exception.
+
+    >>> describe_failure(ZeroDivisionError("division by zero"))
+    (3, 'internal error: ZeroDivisionError: division by zero')
+    """
     if isinstance(exc, DcptoolError):
         return exc.exit_code, str(exc)
+    if _caused_by_interrupt(exc):
+        return 130, _interrupted()
     if isinstance(exc, OSError):
-        return 2, f"{exc.filename or ''}: {exc.strerror or exc}"
-    if isinstance(exc, KeyboardInterrupt):
-        return 130, "interrupted; nothing was written"
-    return 1, f"{type(exc).__name__}: {exc}"
+        return 2, _os_error(exc)
+    return EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _caused_by_interrupt(exc: BaseException | None) -> bool:
+    """An interrupt, or an error raised by one (Python wraps an error in ``__set_name__`` as RuntimeError)."""
+    for _ in range(8):
+        if exc is None:
+            return False
+        if isinstance(exc, INTERRUPTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _interrupted() -> str:
+    """What an interrupt left: the output being written is not there (its temporary is removed)."""
+    state = storage.output_state()
+    if state is None:
+        return "interrupted"
+    destination, in_place = state
+    return f"interrupted after {destination} was written" if in_place else f"interrupted; {destination} not written"
+
+
+def _os_error(exc: OSError) -> str:
+    """``writing OUT/model-00002-of-00004.safetensors at byte 1,024: No space left on device``."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    operation = getattr(exc, "dcptool_operation", None)
+    if operation:
+        return f"{operation} {exc.filename}{getattr(exc, 'dcptool_where', '')}: {reason}"
+    if exc.filename is not None and exc.filename2 is not None:
+        return f"{exc.filename} -> {exc.filename2}: {reason}"
+    if exc.filename is not None:
+        return f"{exc.filename}: {reason}"
+    return reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +291,8 @@ class Ranks:
                 if expected != os.path.abspath(destination):
                     raise UsageError(f"{destination}: under torchrun every rank writes the same output, and rank 0 "
                                      f"writes {expected} (pass across_ranks=False to write alone)")
-                yield temporary
+                with storage.showing(temporary, destination):  # errors name destination/FILE
+                    yield temporary
         except BaseException as exc:
             self.group.publish_failure(self.index, exc)
             raise
@@ -336,7 +381,8 @@ def quiet_other_ranks() -> None:
     SIGTERM (torchrun stopping the job) unwinds like Ctrl-C, so rank 0 removes its temporary output."""
     if not under_torchrun():
         return
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    ours = threading.current_thread() is threading.main_thread() and storage.interrupts_handled()
+    signal.signal(signal.SIGTERM, storage.raise_interrupted if ours else signal.default_int_handler)
     if os.environ["RANK"] != "0":
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
@@ -359,5 +405,5 @@ def leave(exit_code: int, error: BaseException | None) -> None:
     try:
         group.store.wait(["reported"], REPORT_WAIT)
         time.sleep(EXIT_GRACE)
-    except KeyboardInterrupt:  # torchrun stopping the job once rank 0 has exited: exit with this rank's code
+    except INTERRUPTS:  # torchrun stopping the job once rank 0 has exited: exit with this rank's code
         pass

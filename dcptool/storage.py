@@ -7,17 +7,25 @@ through ``CheckpointFiles.path``, which refuses anything that leaves the checkpo
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fnmatch
+import hashlib
 import io
 import os
+import platform
 import re
+import secrets
 import shutil
+import signal
+import socket
 import stat
+import sys
 import threading
-import uuid
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from dcptool.errors import CheckpointError, UsageError
 
@@ -218,6 +226,8 @@ class LocalFolder:
                     fd = os.open(self.path(relative), os.O_RDONLY)
                 except FileNotFoundError:
                     raise CheckpointError(f"{self.path(relative)}: missing file") from None
+                except OSError as exc:
+                    raise _annotate(exc, "opening", self.path(relative)) from None
                 self._fds[relative] = fd
         return fd
 
@@ -225,7 +235,10 @@ class LocalFolder:
         fd = self.fd(relative)
         done = 0
         while done < len(buffer):
-            got = os.preadv(fd, [buffer[done:]], offset + done)
+            try:
+                got = os.preadv(fd, [buffer[done:]], offset + done)
+            except OSError as exc:
+                raise _annotate(exc, "reading", self.path(relative), f" at byte {offset + done:,}") from None
             if got <= 0:
                 raise CheckpointError(f"{self.path(relative)}: file shrank while reading at byte {offset + done}")
             done += got
@@ -283,13 +296,22 @@ class OutputFiles:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
-                fd = self._fds[name] = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                path = self.folder / name
+                fd = self._fds[name] = _attempt(
+                    "creating", path, lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
             return fd
 
     def write_at(self, name: str, offset: int, data) -> None:
         fd, view, done = self.fd(name), memoryview(data).cast("B"), 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
+        try:
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            raise self.failed(exc, name, offset + done) from None
+
+    def failed(self, exc: OSError, name: str, at: int, operation: str = "writing") -> OSError:
+        """``exc`` naming the file (as in the destination) and where: ``writing OUT/x.safetensors at byte 1,024``."""
+        return _annotate(exc, operation, self.folder / name, f" at byte {at:,}")
 
     def close(self) -> None:
         with self._lock:
@@ -298,31 +320,382 @@ class OutputFiles:
             self._fds.clear()
 
 
+# ---------------------------------------------------------------------------------------------
+# Outputs: written under a temporary sibling name, then put in place by one rename
+
+
 @contextmanager
 def atomic_output(destination: Path, overwrite: bool, is_dir: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling of ``destination`` to write into; rename it into place only on success.
 
     An interrupted or failed run leaves nothing that looks like a checkpoint at ``destination``.
     An existing ``destination`` is refused unless ``overwrite``, and replaced only after success.
+    Without ``overwrite``, the final rename refuses to replace anything that appeared at
+    ``destination`` meanwhile (another run writing the same output): of two runs, one wins and the
+    other raises ``UsageError``. The temporary's name carries this host and process id
+    (``.NAME.dcptool-tmp-HOST-PID-XXXXXXXX``), so that a later run removes what a killed one left.
     """
     destination = Path(destination)
+    remove_stale_temporaries(destination)
     check_destination(destination, overwrite)
     destination.parent.mkdir(parents=True, exist_ok=True)
-    temporary = destination.parent / f".{destination.name}.dcptool-tmp-{uuid.uuid4().hex[:8]}"
-    if is_dir:
-        temporary.mkdir()
+    temporary = _sibling(destination, "tmp")
+    shown = str(destination)
+    _OUTPUTS.pop(shown, None)  # the last one started comes last
+    _OUTPUTS[shown] = False
+    committed = False
+    with showing(temporary, destination):
+        try:
+            if is_dir:
+                _attempt("creating", temporary, temporary.mkdir)
+            yield temporary
+            with deferred_interrupts():  # a Ctrl-C now is raised once the output is in place, or not
+                left_over = _commit(temporary, destination, overwrite)
+                committed = _OUTPUTS[shown] = True
+                if left_over is not None:  # the output that was replaced
+                    _remove(left_over)
+        except BaseException as exc:
+            if not committed:
+                with deferred_interrupts():
+                    _remove(temporary)
+            if isinstance(exc, OSError) and getattr(exc, "dcptool_operation", None) is None:
+                if exc.filename is None:  # e.g. a writer's own write() on a full disk
+                    _annotate(exc, "writing", destination)
+                else:
+                    exc.filename = shown_path(exc.filename)
+            raise
+
+
+def output_state() -> tuple[str, bool] | None:
+    """The last output this process started: ``(destination, whether it is in place)``; None before any."""
+    return next(reversed(_OUTPUTS.items()), None)
+
+
+_OUTPUTS: dict[str, bool] = {}  # outputs started by this process, as given -> in place yet
+_SHOWN: dict[str, str] = {}  # temporary -> destination, to name files in messages as the user knows them
+
+
+@contextmanager
+def showing(temporary: Path | str, destination: Path | str) -> Iterator[None]:
+    """While writing: messages name ``destination/FILE`` instead of ``temporary/FILE``."""
+    key = str(temporary)
+    _SHOWN[key] = str(destination)
     try:
-        yield temporary
-        if destination.exists():
-            old = destination.parent / f".{destination.name}.dcptool-old-{uuid.uuid4().hex[:8]}"
-            destination.rename(old)
-            temporary.rename(destination)
+        yield
+    finally:
+        _SHOWN.pop(key, None)
+
+
+def shown_path(path: Path | str) -> str:
+    """``path`` as the user knows it: a file in a temporary output is named in its destination.
+
+    >>> with showing("out/.step.dcptool-tmp-h-1-00000000", "out/step"):
+    ...     shown_path("out/.step.dcptool-tmp-h-1-00000000/model.safetensors")
+    'out/step/model.safetensors'
+    """
+    text = os.fspath(path)
+    for temporary, destination in list(_SHOWN.items()):
+        if text == temporary or text.startswith(temporary + os.sep):
+            return destination + text[len(temporary):]
+    return text
+
+
+def _annotate(exc: OSError, operation: str, path: Path | str, where: str = "") -> OSError:
+    """Name the file and the operation in an OSError, as the CLI prints it (``distributed.describe_failure``)."""
+    if getattr(exc, "dcptool_operation", None) is None:  # the innermost names it
+        exc.filename = shown_path(path)
+        exc.dcptool_operation = operation
+        exc.dcptool_where = where
+    return exc
+
+
+def _attempt(operation: str, path: Path | str, action: Callable[[], object]):
+    try:
+        return action()
+    except OSError as exc:
+        raise _annotate(exc, operation, path) from None
+
+
+# Temporaries: ``.NAME.dcptool-tmp-HOST-PID-XXXXXXXX`` (``-old-`` for a replaced output set aside).
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:40] or "host"
+_OWNER = re.compile(r"(?P<kind>tmp|old)-(?P<host>.+)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+
+def _stem(destination: Path) -> str:
+    """The start of the temporaries' names of ``destination``: long names are shortened to fit NAME_MAX."""
+    name = destination.name
+    if len(os.fsencode(name)) <= 150:
+        return f".{name}.dcptool-"
+    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:24]}.dcptool-"
+
+
+def _sibling(destination: Path, kind: str) -> Path:
+    return destination.parent / f"{_stem(destination)}{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_temporaries(destination: Path) -> list[Path]:
+    """Remove the temporaries that writers of ``destination`` on this host left when they died (kill -9).
+
+    Only those whose process is gone: a live writer's (another run writing the same output) stays,
+    and so does one from another host (a shared filesystem: its process cannot be checked here) or
+    one of an older dcptool whose name carries no process. A replaced output set aside
+    (``-old-``) is removed only while ``destination`` exists: otherwise it is the only copy left.
+    """
+    destination = Path(destination)
+    stem = _stem(destination)
+    try:
+        names = [name for name in os.listdir(destination.parent) if name.startswith(stem)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        owner = _OWNER.fullmatch(name[len(stem):])
+        if owner is None or owner["host"] != _HOST:
+            continue
+        if owner["kind"] == "old" and not os.path.lexists(destination):
+            continue
+        if _process_gone(int(owner["pid"])):
+            _remove(destination.parent / name)
+            removed.append(destination.parent / name)
+    return removed
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this host (a zombie, killed but not yet reaped, counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: another user's process, alive
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as status:
+            text = status.read()
+        return text[text.rindex(b")") + 2:][:1] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return False
+
+
+def _commit(temporary: Path, destination: Path, overwrite: bool) -> Path | None:
+    """Put ``temporary`` in place at ``destination``; returns what is left to remove (a replaced output).
+
+    Without ``overwrite`` nothing that appeared at ``destination`` is replaced (``UsageError``).
+    With it, an existing output is swapped with the new one in one step where the system can
+    (``renameat2(RENAME_EXCHANGE)``), else set aside, and removed by the caller.
+    """
+    if not overwrite:
+        try:
+            _attempt("renaming into place", temporary, lambda: _rename_noreplace(temporary, destination))
+        except FileExistsError:
+            raise UsageError(f"{destination}: appeared while writing; not replaced (use --overwrite)") from None
+        return None
+    for _ in range(10):  # only another writer, putting its output in place at the same moment, makes it loop
+        if not os.path.lexists(destination):
+            try:
+                _attempt("renaming into place", temporary, lambda: _rename_noreplace(temporary, destination))
+                return None
+            except FileExistsError:
+                continue
+        try:
+            if _attempt("renaming into place", temporary, lambda: _rename2(temporary, destination, exchange=True)):
+                return temporary  # now holds the replaced output
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        if temporary.is_file() and not destination.is_dir():
+            _attempt("renaming into place", temporary, lambda: os.replace(temporary, destination))
+            return None
+        old = _sibling(destination, "old")
+        try:
+            os.rename(destination, old)
+        except FileNotFoundError:
+            continue
+        try:
+            _attempt("renaming into place", temporary, lambda: _rename_noreplace(temporary, destination))
+        except FileExistsError:  # another writer's output, put in place in between: replace it in turn
             _remove(old)
-        else:
-            temporary.rename(destination)
-    except BaseException:
-        _remove(temporary)
+            continue
+        return old
+    raise UsageError(f"{destination}: other runs keep replacing it; not replaced")
+
+
+def _rename_noreplace(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` unless something is at ``target`` (``FileExistsError``), in one step.
+
+    ``renameat2(RENAME_NOREPLACE)`` on Linux (``renamex_np(RENAME_EXCL)`` on macOS); where the system
+    or the filesystem lacks it, a file is linked at ``target`` (which fails if anything is there) and
+    unlinked at ``source``, and a folder is renamed: ``rename`` does not replace a folder that is
+    not empty, nor a file, and outputs are never empty folders.
+    """
+    if _rename2(source, target, exchange=False):
+        return
+    if not source.is_dir():
+        try:
+            os.link(source, target, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK):
+                raise
+            if os.path.lexists(target):  # no hard links here: check, then rename
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target)) from None
+            os.rename(source, target)
+            return
+        os.unlink(source)
+        return
+    if os.path.lexists(target):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+    try:
+        os.rename(source, target)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target)) from None
         raise
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # <linux/fs.h>
+_RENAME_SWAP, _RENAME_EXCL = 2, 4  # macOS <stdio.h>
+_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276, "riscv64": 276, "ppc64le": 357,
+                  "s390x": 347, "i686": 353, "i386": 353}
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+@cache
+def _renameat2() -> Callable[[bytes, bytes, bool], int] | None:
+    """A call ``(source, target, exchange) -> 0 or -1`` (errno set) for the system's rename with flags; None without."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    if sys.platform == "darwin":
+        function = getattr(libc, "renamex_np", None)
+        if function is None:
+            return None
+        function.argtypes, function.restype = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint], ctypes.c_int
+        return lambda source, target, exchange: function(source, target, _RENAME_SWAP if exchange else _RENAME_EXCL)
+    if not sys.platform.startswith("linux"):
+        return None
+    function = getattr(libc, "renameat2", None)  # glibc 2.28 and later, musl 1.2.2
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+        return lambda source, target, exchange: function(
+            _AT_FDCWD, source, _AT_FDCWD, target, _RENAME_EXCHANGE if exchange else _RENAME_NOREPLACE)
+    number, syscall = _SYS_RENAMEAT2.get(platform.machine().lower()), getattr(libc, "syscall", None)
+    if number is None or syscall is None:
+        return None
+    syscall.restype = ctypes.c_long
+    return lambda source, target, exchange: syscall(
+        ctypes.c_long(number), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(source), ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(target), ctypes.c_uint(_RENAME_EXCHANGE if exchange else _RENAME_NOREPLACE))
+
+
+def _rename2(source: Path, target: Path, exchange: bool) -> bool:
+    """Rename without replacing (or, with ``exchange``, swap the two); False where unsupported.
+
+    Raises ``FileExistsError`` when not replacing and ``target`` exists, ``FileNotFoundError``
+    when exchanging and it does not, and the other OSErrors as they come.
+    """
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(os.fsencode(source), os.fsencode(target), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(source), None, str(target))
+
+
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) in the command line, raised by the handler that ``handle_interrupts`` installs.
+
+    Not a KeyboardInterrupt, which click and typer turn into an exit of their own (and an empty
+    line): this one passes through them to ``cli.main``, which prints one line and exits 130.
+    Like KeyboardInterrupt, ``except Exception`` does not catch it.
+    """
+
+
+def handle_interrupts() -> Callable | int | None:
+    """Make Ctrl-C raise ``Interrupted`` (from the main thread); returns the handler it replaces.
+
+    Python runs the handler between any two instructions, also inside code whose exceptions it
+    drops (a weakref callback of the import system, a ``__del__``), printing "Exception ignored":
+    there, the interrupt is delivered again, to be raised at an instruction that can raise it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if not getattr(sys.unraisablehook, "_dcptool", False):
+        sys.unraisablehook = _redeliver_interrupt(sys.unraisablehook)
+    return signal.signal(signal.SIGINT, raise_interrupted)
+
+
+_redelivering = 0  # > 0 while handing back an interrupt that Python dropped
+
+
+def _redeliver_interrupt(hook: Callable) -> Callable:
+    def unraisable(info) -> None:
+        global _redelivering
+        if not isinstance(info.exc_value, Interrupted):
+            hook(info)
+            return
+        _redelivering += 1
+        try:
+            _interrupt_again()
+        finally:
+            _redelivering -= 1
+
+    unraisable._dcptool = True
+    return unraisable
+
+
+def _interrupt_again() -> None:
+    """SIGINT to the main thread again, from another thread, once the code that dropped it has returned.
+
+    A signal rather than ``_thread.interrupt_main``, which would run the handler at once, still in
+    the hook; a signal also ends a blocking call at once. Should it come while still in the hook,
+    ``raise_interrupted`` sends another.
+    """
+    timer = threading.Timer(0.005, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.daemon = True
+    timer.start()
+
+
+def interrupts_handled() -> bool:
+    return signal.getsignal(signal.SIGINT) is raise_interrupted
+
+
+def raise_interrupted(signum, frame) -> None:
+    if _redelivering:  # in the hook, where it would be dropped again
+        _interrupt_again()
+        return
+    raise Interrupted()
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Run a block that Ctrl-C must not cut in half: a SIGINT during it is acted on at its end.
+
+    Also SIGTERM where Python handles it (torchrun stopping the job: ``distributed.quiet_other_ranks``).
+    Only in the main thread, where Python runs signal handlers; elsewhere the block runs as it is.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+        previous = {number: handler for number, handler in previous.items() if callable(handler)}
+    caught: list[tuple[int, object]] = []
+    try:
+        for number in previous:
+            signal.signal(number, lambda signum, frame: caught.append((signum, frame)))
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if caught:
+            number, frame = caught[0]
+            previous[number](number, frame)
 
 
 def fsync_tree(path: Path) -> None:
@@ -333,18 +706,30 @@ def fsync_tree(path: Path) -> None:
 def fsync_paths(paths) -> None:
     """Flush files (or folders) to disk: on a shared filesystem, each writer must flush its own files."""
     for item in paths:
-        fd = os.open(item, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(item, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _annotate(exc, "flushing", item) from None
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()
+    """Remove a file or a folder, whatever it holds; a folder that threads still add to is tried again."""
+    for _ in range(3):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return
+        if not os.path.lexists(path):
+            return
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

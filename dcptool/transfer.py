@@ -18,18 +18,22 @@ import errno
 import math
 import mmap
 import os
+import queue
+import signal
 import threading
+import time
 import zlib
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from dcptool import dtypes
 from dcptool.core import Checkpoint, Piece
 from dcptool.errors import CheckpointError, UsageError
-from dcptool.storage import OutputFiles
+from dcptool.storage import OutputFiles, deferred_interrupts
 from dcptool.torch_archive import row_major
 
 # Threads moving bytes: beyond the cores, extra threads still overlap waiting on the disk.
@@ -41,6 +45,10 @@ CRC_WINDOW = 8 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
 # copy_file_range cannot copy between these filesystems or files: fall back to read and write.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
+# Errors of the output's side: a copy that fails with one of these names the output file alone.
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+# Once stopped (a failure, Ctrl-C), how long to wait for the threads to finish the task each has.
+JOIN_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -76,18 +84,10 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     mover = _Mover(checkpoint, out, crc, buffer_bytes, _start_writeback() if flush else None)
     parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
     report = on_bytes or (lambda n: None)
-    with ThreadPoolExecutor(threads, thread_name_prefix="dcptool-io") as pool:
-        pending = {pool.submit(mover.run, task): task for task in tasks}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    task = pending.pop(future)
-                    parts[task.piece].append((task.index, future.result(), task.nbytes))
-                    report(task.nbytes)
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+    with _Workers(mover.run, tasks, threads) as finished:
+        for task, value in finished:
+            parts[task.piece].append((task.index, value, task.nbytes))
+            report(task.nbytes)
     if not crc:
         return {}
     result = {}
@@ -97,6 +97,88 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
             value = crc32_combine(value, part_crc, nbytes)
         result[piece] = value
     return result
+
+
+class _Workers:
+    """Threads running tasks; ``with _Workers(run, tasks, n) as finished:`` iterates ``(task, result)``.
+
+    Stopping is safe wherever it comes from (a task's error, raised here; the caller's, e.g. another
+    rank failed; Ctrl-C, at any instant): the main thread waits only on a ``SimpleQueue``, which an
+    interrupt cannot leave locked (``concurrent.futures.wait`` can: it takes every future's lock in
+    turn, and the workers then block on them for ever); a Ctrl-C tells the workers to stop before
+    it is raised; they take no task once told, and are joined with a bound (each finishes the task
+    it has, at most ``TASK_BYTES``). They are daemons: one stuck in the kernel past the bound cannot
+    keep the process from exiting.
+    """
+
+    def __init__(self, run: Callable[[Task], int], tasks: list[Task], threads: int):
+        self._run, self._count, self._wanted = run, len(tasks), max(1, min(threads, len(tasks)))
+        self._tasks = deque(tasks)
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Iterator[tuple[Task, int]]:
+        self._interrupts = _stopping_on_interrupt(self._stop)
+        self._interrupts.__enter__()
+        try:
+            for number in range(self._wanted):
+                thread = threading.Thread(target=self._work, name=f"dcptool-io-{number}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self._finished()
+
+    def _finished(self) -> Iterator[tuple[Task, int]]:
+        for _ in range(self._count):
+            task, value, error = self._results.get()
+            if error is not None:
+                raise error
+            yield task, value
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            try:
+                task = self._tasks.popleft()
+            except IndexError:
+                return
+            try:
+                self._results.put((task, self._run(task), None))
+            except BaseException as exc:
+                self._stop.set()
+                self._results.put((task, None, exc))
+                return
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        try:
+            with deferred_interrupts():  # a second Ctrl-C waits until the threads are stopped
+                deadline = time.monotonic() + JOIN_SECONDS
+                for thread in self._threads:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            self._interrupts.__exit__(None, None, None)
+
+
+@contextmanager
+def _stopping_on_interrupt(stop: threading.Event) -> Iterator[None]:
+    """While it lasts, Ctrl-C sets ``stop`` before the usual handler raises (in the main thread)."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(previous):
+        yield
+        return
+
+    def handler(signum, frame):
+        stop.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, task_bytes: int) -> list[Task]:
@@ -228,7 +310,8 @@ class _Mover:
             except OSError as exc:
                 if exc.errno in _NO_KERNEL_COPY and done == 0:
                     return False
-                raise
+                operation = "writing" if exc.errno in _FULL else f"copying {self.checkpoint.files.path(file)} to"
+                raise self.out.failed(exc, task.file, task.offset + done, operation) from None
             if copied == 0:
                 raise CheckpointError(f"{self.checkpoint.files.path(file)}: file shrank while reading at byte "
                                       f"{source_offset + done}")
