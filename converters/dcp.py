@@ -12,9 +12,10 @@ import math
 import re
 from pathlib import Path
 
-from dcptool import safe_pickle
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo
-from dcptool.errors import CheckpointError
+from dcptool import dtypes, safe_pickle
+from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
+from dcptool.errors import (SIZE_LIMIT, CheckpointError, file_name_problem, printable, shape_problem, utf8_problem,
+                            with_article)
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import (ArchiveLayout, Global, Reduced, StorageOut, TensorOut, archive_bytes, dumps,
                                    new_object, torch_size)
@@ -43,59 +44,147 @@ def read(files: CheckpointFiles) -> Checkpoint:
     if not files.is_file(METADATA):
         raise CheckpointError(f"{where}: missing (a DCP checkpoint folder needs its .metadata file)")
     metadata = safe_pickle.load_bytes(files.read_all(METADATA), where)
-    if type(metadata).__name__ != "Metadata" or not hasattr(metadata, "state_dict_metadata"):
-        raise CheckpointError(f"{where}: not DCP metadata (holds {type(metadata).__name__})")
-
-    storage: dict[tuple[str, tuple[int, ...] | None], object] = {}
-    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        offset = getattr(index, "offset", None)
-        storage[(index.fqn, tuple(offset) if offset is not None else None)] = info
+    if not _is(metadata, "Metadata") or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{where}: not DCP metadata (holds {_kind(metadata)})")
+    storage = _storage_index(metadata, where)
     planner_data = getattr(metadata, "planner_data", None) or {}
+    if not isinstance(planner_data, dict):
+        raise CheckpointError(f"{where}: planner_data is {_kind(planner_data)}, not a dict")
+    version = getattr(metadata, "version", None)
+    if version is not None and not (isinstance(version, str) and version.isprintable() and len(version) <= 64):
+        shown = printable(repr(version), 40) if isinstance(version, str) else _kind(version)
+        raise CheckpointError(f"{where}: version {shown} is not a version string")
 
     tensors: dict[str, TensorInfo] = {}
     objects: dict[str, ObjectInfo] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        nested = tuple(planner_data.get(key, (key,)))
-        kind = type(entry).__name__
-        if kind == "BytesStorageMetadata":
-            info = _storage_info(storage, key, None, where)
-            objects[key] = ObjectInfo(nested, blob=(info.relative_path, info.offset, info.length))
-        elif kind == "TensorStorageMetadata":
+        problem = utf8_problem(key)
+        if problem:
+            raise CheckpointError(f"{where}: a key of state_dict_metadata {problem}")
+        nested = _nested_path(planner_data.get(key, (key,)), key, where)
+        if _is(entry, "BytesStorageMetadata"):
+            file, offset, length = _storage_info(files, storage, key, None, where)
+            objects[key] = ObjectInfo(nested, blob=(file, offset, length))
+        elif _is(entry, "TensorStorageMetadata"):
+            dtype = _dtype_of(getattr(entry, "properties", None), key, where)
+            itemsize = dtypes.dtype(dtype).itemsize
+            shape = _dims(getattr(entry, "size", None), f"{where}: {printable(key)}: size", itemsize)
+            chunk_list = getattr(entry, "chunks", None)
+            if not isinstance(chunk_list, list):
+                raise CheckpointError(f"{where}: {printable(key)}: chunks is {_kind(chunk_list)}, not a list")
             chunks = []
-            for chunk in entry.chunks:
-                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-                info = _storage_info(storage, key, offsets, where)
-                chunks.append(Chunk(offsets, sizes, info.relative_path, info.offset, info.length, "torch-archive",
-                                    rank=saving_rank(info.relative_path)))
-            tensors[key] = TensorInfo(nested, _dtype_of(entry.properties, key, where), tuple(entry.size), chunks)
+            for chunk in chunk_list:
+                if not _is(chunk, "ChunkStorageMetadata"):
+                    raise CheckpointError(f"{where}: {printable(key)}: a chunk is {_kind(chunk)}, not ChunkStorageMetadata")
+                at = f"{where}: {printable(key)}: chunk"
+                offsets = _dims(getattr(chunk, "offsets", None), f"{at} offsets")
+                sizes = _dims(getattr(chunk, "sizes", None), f"{at} sizes", itemsize)
+                file, offset, length = _storage_info(files, storage, key, offsets, where)
+                if length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
+                    raise CheckpointError(f"{at} at {list(offsets)}: a record of {length:,} bytes cannot hold "
+                                          f"{dtype}{list(sizes)}")
+                chunks.append(Chunk(offsets, sizes, file, offset, length, "torch-archive", rank=saving_rank(file)))
+            tensors[key] = TensorInfo(nested, dtype, shape, chunks)
         else:
-            raise CheckpointError(f"{where}: {key}: unknown entry type {kind}")
+            raise CheckpointError(f"{where}: {printable(key)}: unknown entry type {_kind(entry)}")
 
     ranks = {int(m.group(1)) for name in files.names("*.distcp") if (m := _DATA_FILE.match(name))}
-    info = {"version": getattr(metadata, "version", None), "world_size": len(ranks) or None}  # one data file per saving rank
+    info = {"version": version, "world_size": len(ranks) or None}  # one data file per saving rank
     checkpoint = Checkpoint(NAME, files.location, files, tensors, objects, info)
     checkpoint.validate()
     return checkpoint
 
 
-def _storage_info(storage, key, offsets, where):
+def _is(obj, name: str) -> bool:
+    """Whether ``obj`` is the stand-in of DCP's metadata class ``name`` (``_StorageInfo`` lives in filesystem)."""
+    module = "torch.distributed.checkpoint.filesystem" if name == "_StorageInfo" else _METADATA_MODULE
+    return isinstance(obj, safe_pickle.Record) and type(obj).qualname == f"{module}.{name}"
+
+
+def _kind(obj) -> str:
+    """What a pickled ``obj`` is, with its article: "a TensorStorageMetadata", "a list", "None"."""
+    if obj is None:
+        return "None"
+    name = type(obj).qualname.rsplit(".", 1)[-1] if isinstance(obj, safe_pickle.Record) else type(obj).__name__
+    return with_article(name)
+
+
+def _dims(value, what: str, itemsize: int = 1) -> tuple[int, ...]:
+    """A size or offsets of the metadata (a ``torch.Size``): a tuple of integers torch can hold."""
+    if not isinstance(value, (tuple, list)):
+        raise CheckpointError(f"{what} is {_kind(value)}, not a list of integers")
+    problem = shape_problem(value, itemsize)
+    if problem:
+        raise CheckpointError(f"{what} {problem}")
+    return tuple(value)
+
+
+def _nested_path(path, key: str, where: str) -> tuple:
+    """The nested path planner_data records for ``key``: strings and list indices that join to the key."""
+    if not (isinstance(path, (tuple, list)) and path and len(path) <= 256
+            and all(type(p) is str or type(p) is int for p in path)):
+        raise CheckpointError(f"{where}: planner_data[{printable(key)!r}] is not a path of names and indices")
+    path = tuple(path)
+    if join_path(path) != key:
+        raise CheckpointError(f"{where}: planner_data[{printable(key)!r}] is {printable(join_path(path))!r}, "
+                              "which is not the key it is stored under")
+    return path
+
+
+def _storage_index(metadata, where: str) -> dict:
+    """storage_data as ``(fqn, offsets or None) -> _StorageInfo``, its keys checked as data."""
+    records = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(records, dict):
+        raise CheckpointError(f"{where}: storage_data is {_kind(records)}, not a dict")
+    storage: dict[tuple[str, tuple[int, ...] | None], object] = {}
+    for index, info in records.items():
+        fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
+        if not _is(index, "MetadataIndex") or not isinstance(fqn, str):
+            raise CheckpointError(f"{where}: a key of storage_data is {_kind(index)}, not a MetadataIndex")
+        place = (fqn, None if offset is None else _dims(offset, f"{where}: {printable(fqn)}: storage record offset"))
+        if place in storage:
+            raise CheckpointError(f"{where}: {printable(fqn)} has two storage records for one chunk")
+        storage[place] = info
+    return storage
+
+
+def _storage_info(files, storage, key, offsets, where) -> tuple[str, int, int]:
+    """``(file, offset, length)`` of a record, checked against the folder and the file's size."""
     info = storage.get((key, offsets))
+    at = f"{where}: {printable(key)}" + (f" chunk at {list(offsets)}" if offsets is not None else "")
     if info is None:
-        at = f" chunk at {list(offsets)}" if offsets is not None else ""
-        raise CheckpointError(f"{where}: {key}{at} has no storage record (metadata is incomplete)")
+        raise CheckpointError(f"{at} has no storage record (metadata is incomplete)")
+    if not _is(info, "_StorageInfo"):
+        raise CheckpointError(f"{at}: storage record is {_kind(info)}, not a _StorageInfo")
     transforms = getattr(info, "transform_descriptors", None)
     if transforms:
-        raise CheckpointError(f"{where}: {key} is stored with transforms {list(transforms)}, not supported yet")
-    if not isinstance(info.relative_path, str) or not isinstance(info.offset, int) or not isinstance(info.length, int):
-        raise CheckpointError(f"{where}: {key}: malformed storage record")
-    return info
+        shown = ", ".join(printable(t, 40) for t in transforms[:4]) if isinstance(transforms, (list, tuple)) \
+            else _kind(transforms)
+        raise CheckpointError(f"{at} is stored with transforms [{shown}], not supported yet")
+    file, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+    problem = file_name_problem(file)
+    if problem:
+        raise CheckpointError(f"{at}: relative_path {problem}")
+    if not (type(offset) is int and type(length) is int and 0 <= offset < SIZE_LIMIT and 0 <= length < SIZE_LIMIT):
+        raise CheckpointError(f"{at}: storage record offset and length are not byte counts")
+    if not files.is_file(file):
+        raise CheckpointError(f"{at}: its data file {files.path(file)} is missing")
+    size = files.size(file)
+    if offset + length > size:
+        raise CheckpointError(f"{files.path(file)}: truncated: {printable(key)} needs bytes {offset:,}..{offset + length:,}, "
+                              f"the file has {size:,}")
+    return file, offset, length
 
 
 def _dtype_of(properties, key: str, where: str) -> str:
-    value = properties.state[0] if hasattr(properties, "state") else getattr(properties, "dtype", None)
-    if not isinstance(value, str):
-        raise CheckpointError(f"{where}: {key}: no dtype in tensor properties")
-    return str(value)
+    state = getattr(properties, "state", None)
+    value = state[0] if isinstance(state, tuple) and state else getattr(properties, "dtype", None)
+    if not _is(properties, "TensorProperties") or not isinstance(value, str):
+        raise CheckpointError(f"{where}: {printable(key)}: no dtype in tensor properties")
+    try:
+        return dtypes.dtype(value).name
+    except CheckpointError:
+        raise CheckpointError(f"{where}: {printable(key)}: dtype {printable(value, 40)} is not one dcptool reads") from None
 
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"

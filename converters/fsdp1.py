@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import (CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem,
+                            with_article)
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, dumps, new_object,
@@ -48,6 +50,7 @@ MODEL_ONLY = True  # optimizer state is not converted to per-rank FSDP1 files
 CONFIG = "fsdp_config.json"
 COMPLETES = [CONFIG]  # uploaded last to remote storage
 HF_DIR = "huggingface"
+MAX_CONFIG = 2**20  # fsdp_config.json holds two numbers
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 
 _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
@@ -74,17 +77,19 @@ def read(files: CheckpointFiles) -> Checkpoint:
         match = _RANK_FILE.match(name)
         if match:
             ranks[match.group(1)].setdefault(int(match.group(2)), set()).add(int(match.group(3)))
-    world_size = _world_size(files, ranks["model"])
-    expected = set(range(world_size))
+    world_size, from_config = _world_size(files, ranks["model"])
+    # Checked against the files present before anything is sized by it (a world size of 10**9 is one line).
     found = ranks["model"].get(world_size, set())
-    missing = sorted(expected - found)
-    if missing:
-        names = ", ".join(file_name("model", world_size, r) for r in missing)
+    missing = next(r for r in range(len(found) + 1) if r not in found)
+    if missing < world_size:
+        count = world_size - sum(1 for r in found if r < world_size)
+        shown = [file_name("model", world_size, r) for r in range(missing, min(world_size, missing + 3)) if r not in found]
+        said = f"{CONFIG} says world size {world_size}" if from_config else f"a world size {world_size} FSDP1 checkpoint"
         raise CheckpointError(
-            f"{files.path(file_name('model', world_size, missing[0]))}: missing (a world size {world_size} FSDP1 "
-            f"checkpoint needs one model file per rank; missing: {names})"
+            f"{files.path(file_name('model', world_size, missing))}: missing ({said}, which needs one model file "
+            f"per rank; {count:,} missing: {', '.join(shown)}{' ...' if count > len(shown) else ''})"
         )
-    extra = sorted(found - expected)
+    extra = sorted(r for r in found if r >= world_size)
     if extra:
         raise CheckpointError(
             f"{files.path(file_name('model', world_size, extra[0]))}: rank {extra[0]} is outside world size {world_size}"
@@ -100,17 +105,20 @@ def read(files: CheckpointFiles) -> Checkpoint:
         root = archive.load()
         if not isinstance(root, dict):
             raise CheckpointError(f"{archive.where}: holds a {type(root).__name__}, not a state dict")
-        tensor_keys = []
-        for nested, value in flatten(root):
+        tensor_keys, seen = [], set()
+        for nested, value in flatten(root, where=archive.where):
             key = join_path(nested)
+            if key in seen:
+                raise CheckpointError(f"{archive.where}: two entries flatten to the key {printable(key)}")
+            seen.add(key)
             local = _local_chunks(archive, key, value)
             if local is None:
                 if key in tensors:
-                    raise CheckpointError(f"{archive.where}: {key} is a tensor in other ranks' files, not here")
+                    raise CheckpointError(f"{archive.where}: {printable(key)} is a tensor in other ranks' files, not here")
                 objects.setdefault(key, ObjectInfo(nested, value=value))
                 continue
             if key in objects:
-                raise CheckpointError(f"{archive.where}: {key} is a tensor here but not in other ranks' files")
+                raise CheckpointError(f"{archive.where}: {printable(key)} is a tensor here but not in other ranks' files")
             kind, dtype, shape, chunks = local
             kinds.add(kind)
             tensor_keys.append(key)
@@ -119,7 +127,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
                 gathered = tensors[key] = _Gathered(nested, dtype, shape, relative)
             elif (gathered.dtype, gathered.shape) != (dtype, shape):
                 raise CheckpointError(
-                    f"{archive.where}: {key} is {dtype}{list(shape)}, but {gathered.first_file} says "
+                    f"{archive.where}: {printable(key)} is {dtype}{list(shape)}, but {gathered.first_file} says "
                     f"{gathered.dtype}{list(gathered.shape)}"
                 )
             gathered.add(chunks)
@@ -129,7 +137,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
             differ = sorted(set(tensor_keys) ^ set(keys_of_rank0))
             raise CheckpointError(
                 f"{archive.where}: holds different tensors than {file_name('model', world_size, 0)} "
-                f"(e.g. {differ[0]})"
+                f"(e.g. {printable(differ[0])})"
             )
 
     info: dict[str, Any] = {
@@ -146,22 +154,26 @@ def read(files: CheckpointFiles) -> Checkpoint:
     return checkpoint
 
 
-def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> int:
+def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> tuple[int, bool]:
+    """The world size, and whether fsdp_config.json gave it (else the file names did)."""
     config = files.path(CONFIG)
     if files.is_file(CONFIG):
-        try:
-            value = json.loads(files.read_all(CONFIG)).get("world_size")
-        except (ValueError, AttributeError) as exc:
-            raise CheckpointError(f"{config}: unreadable ({exc})") from None
-        if isinstance(value, int) and value > 0:
-            return value
-        raise CheckpointError(f"{config}: no positive integer world_size")
+        if files.size(CONFIG) > MAX_CONFIG:
+            raise CheckpointError(f"{config}: {files.size(CONFIG):,} bytes is too large for an FSDP config")
+        settings = parse_json(files.read_all(CONFIG), config)
+        if not isinstance(settings, dict):
+            raise CheckpointError(f"{config}: holds {json_kind(settings)}, not an object")
+        value = settings.get("world_size")
+        if type(value) is not int or value <= 0:
+            shown = json.dumps(value) if value is None or isinstance(value, (str, int, float)) else json_kind(value)
+            raise CheckpointError(f"{config}: world_size is {printable(shown, 40)}, not a positive integer")
+        return value, True
     if not model_ranks:
         raise CheckpointError(f"{files.location}: no model_world_size_*_rank_*.pt files")
     if len(model_ranks) > 1:
         sizes = ", ".join(str(w) for w in sorted(model_ranks))
         raise CheckpointError(f"{files.location}: model files of several world sizes ({sizes}); keep one set")
-    return next(iter(model_ranks))
+    return next(iter(model_ranks)), False
 
 
 class _Gathered:
@@ -183,17 +195,18 @@ class _Gathered:
 
 def _local_chunks(archive: Archive, key: str, value: Any):
     """``(kind, dtype, global shape, chunks)`` of one rank's value, or None when it is not a tensor."""
+    at = f"{archive.where}: {printable(key)}"
     if isinstance(value, SubclassRef):
         if value.qualname == _SHARDED_TENSOR or _is_sharded_tensor_state(value.state):
-            return _sharded_tensor(archive, key, value)
+            return _sharded_tensor(archive, at, value)
         if value.qualname.endswith("DTensor"):
-            return _dtensor(archive, key, value, _slots_state(value.state))
-        raise CheckpointError(f"{archive.where}: {key} is a {value.qualname}, not an FSDP1 value")
+            return _dtensor(archive, at, value, _slots_state(value.state))
+        raise CheckpointError(f"{at} is a {printable(value.qualname)}, not an FSDP1 value")
     if isinstance(value, TensorRef):
         if value.subclass:
             if not value.subclass.endswith("DTensor"):
-                raise CheckpointError(f"{archive.where}: {key} is a {value.subclass}, not an FSDP1 value")
-            return _dtensor(archive, key, value, _slots_state(value.subclass_state))
+                raise CheckpointError(f"{at} is a {printable(value.subclass)}, not an FSDP1 value")
+            return _dtensor(archive, at, value, _slots_state(value.subclass_state))
         return "plain tensor", value.dtype.name, value.shape, [_chunk(archive, value, (0,) * len(value.shape))]
     return None
 
@@ -209,42 +222,63 @@ def _is_sharded_tensor_state(state: Any) -> bool:
     return isinstance(state, tuple) and len(state) == 5 and isinstance(state[0], list)
 
 
-def _chunk(archive: Archive, ref: TensorRef, offsets) -> Chunk:
+def _chunk(archive: Archive, ref: TensorRef, offsets: tuple[int, ...]) -> Chunk:
     raw = archive.raw_bytes(ref)
-    return Chunk(tuple(int(o) for o in offsets), raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
+    return Chunk(offsets, raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
 
 
-def _sharded_tensor(archive: Archive, key: str, value: SubclassRef):
+def _dims(at: str, what: str, value: Any, itemsize: int = 1) -> tuple[int, ...]:
+    """A shape, size or offsets from a pickled state: a list or tuple of integers torch can hold."""
+    problem = shape_problem(value, itemsize) if isinstance(value, (tuple, list)) else \
+        f"is {with_article(type(value).__name__)}, not a list of integers"
+    if problem:
+        raise CheckpointError(f"{at}: {what} {problem}")
+    return tuple(value)
+
+
+def _dtype_name(at: str, name: Any) -> str:
+    if isinstance(name, str):
+        try:
+            return dtypes.dtype(name).name
+        except CheckpointError:
+            pass
+    shown = printable(repr(name), 40) if isinstance(name, str) else with_article(type(name).__name__)
+    raise CheckpointError(f"{at}: dtype {shown} is not one dcptool reads")
+
+
+def _sharded_tensor(archive: Archive, at: str, value: SubclassRef):
     """ShardedTensor state: ``(local_shards, ShardedTensorMetadata, pg_state, sharding_spec, init_rrefs)``."""
-    where = f"{archive.where}: {key}"
     if not _is_sharded_tensor_state(value.state):
-        raise CheckpointError(f"{where}: ShardedTensor with an unexpected pickled state")
+        raise CheckpointError(f"{at}: ShardedTensor with an unexpected pickled state")
     local_shards, metadata = value.state[0], value.state[1]
-    shape = getattr(metadata, "size", None)
-    if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise CheckpointError(f"{where}: ShardedTensor metadata has no global size")
     dtype = _property_dtype(metadata)
     chunks = []
     for shard in local_shards:
         tensor, meta = getattr(shard, "tensor", None), getattr(shard, "metadata", None)
         offsets, sizes = getattr(meta, "shard_offsets", None), getattr(meta, "shard_sizes", None)
         if not isinstance(tensor, TensorRef) or tensor.subclass or offsets is None or sizes is None:
-            raise CheckpointError(f"{where}: local shard without a tensor and its ShardMetadata")
-        if tuple(tensor.shape) != tuple(sizes) or len(offsets) != len(shape):
-            raise CheckpointError(
-                f"{where}: local shard holds {list(tensor.shape)}, "
-                f"but its metadata says {list(sizes)} at {list(offsets)}"
-            )
+            raise CheckpointError(f"{at}: local shard without a tensor and its ShardMetadata")
         if dtype is None:
             dtype = tensor.dtype.name
-        elif tensor.dtype.name != dtype:
-            raise CheckpointError(f"{where}: local shard is {tensor.dtype.name}, the tensor's properties say {dtype}")
+        offsets, sizes = _dims(at, "shard offsets", offsets), _dims(at, "shard sizes", sizes)
+        if tensor.shape != sizes:
+            raise CheckpointError(f"{at}: local shard holds {list(tensor.shape)}, but its metadata says {list(sizes)} "
+                                  f"at {list(offsets)}")
         chunks.append(_chunk(archive, tensor, offsets))
-    if dtype is None and value.args:
-        dtype = str(value.args[0])
+    if dtype is None and value.args and isinstance(value.args[0], str):
+        dtype = value.args[0]
     if dtype is None:
-        raise CheckpointError(f"{where}: ShardedTensor without a dtype")
-    return "ShardedTensor", dtype, tuple(shape), chunks
+        raise CheckpointError(f"{at}: ShardedTensor without a dtype")
+    dtype = _dtype_name(at, dtype)
+    shape = _dims(at, "ShardedTensor metadata size", getattr(metadata, "size", None), dtypes.dtype(dtype).itemsize)
+    for chunk in chunks:
+        if len(chunk.offsets) != len(shape):
+            raise CheckpointError(f"{at}: local shard at {list(chunk.offsets)} does not have the {len(shape)} "
+                                  f"dimensions of the tensor's size {list(shape)}")
+    for shard in local_shards:
+        if shard.tensor.dtype.name != dtype:
+            raise CheckpointError(f"{at}: local shard is {shard.tensor.dtype.name}, the tensor's properties say {dtype}")
+    return "ShardedTensor", dtype, shape, chunks
 
 
 def _property_dtype(metadata) -> str | None:
@@ -256,63 +290,79 @@ def _property_dtype(metadata) -> str | None:
     return str(value) if isinstance(value, str) else None
 
 
-def _dtensor(archive: Archive, key: str, value, state: dict):
+def _dtensor(archive: Archive, at: str, value, state: dict):
     """DTensor state: ``_local_tensor`` and ``_spec`` (mesh, placements, tensor_meta with the global shape)."""
-    where = f"{archive.where}: {key}"
     local = state.get("_local_tensor", value if isinstance(value, TensorRef) else None)
     spec = state.get("_spec")
-    if not isinstance(local, TensorRef) or spec is None:
-        raise CheckpointError(f"{where}: DTensor without its local tensor and spec")
+    if not isinstance(local, TensorRef) or local.subclass or spec is None:
+        raise CheckpointError(f"{at}: DTensor without its local tensor and spec")
     meta = getattr(spec, "tensor_meta", None)
     shape = getattr(meta, "shape", None)
-    if shape is None and getattr(meta, "args", None):
-        shape = meta.args[0]
-    if not isinstance(shape, tuple):
-        raise CheckpointError(f"{where}: DTensor spec without the global shape (tensor_meta)")
-    placements = tuple(getattr(spec, "placements", ()) or ())
-    mesh = getattr(spec, "mesh", None)
-    offsets, sizes = _dtensor_box(where, shape, placements, mesh)
-    if tuple(local.shape) != sizes:
+    args = getattr(meta, "args", None)
+    if shape is None and isinstance(args, tuple) and args:
+        shape = args[0]
+    if not isinstance(shape, (tuple, list)):
+        raise CheckpointError(f"{at}: DTensor spec without the global shape (tensor_meta)")
+    shape = _dims(at, "DTensor global shape", shape, local.dtype.itemsize)
+    placements = getattr(spec, "placements", None) or ()
+    if not isinstance(placements, (tuple, list)):
+        raise CheckpointError(f"{at}: DTensor placements are {with_article(type(placements).__name__)}, not a list")
+    offsets, sizes = _dtensor_box(at, shape, tuple(placements), getattr(spec, "mesh", None))
+    if local.shape != sizes:
         raise CheckpointError(
-            f"{where}: local tensor is {list(local.shape)}, but placements {_names(placements)} give {list(sizes)}"
+            f"{at}: local tensor is {list(local.shape)}, but placements {_names(placements)} give {list(sizes)}"
         )
-    return "DTensor", local.dtype.name, tuple(shape), [_chunk(archive, local, offsets)]
+    return "DTensor", local.dtype.name, shape, [_chunk(archive, local, offsets)]
 
 
 def _names(placements) -> list[str]:
-    return [type(p).__name__ for p in placements]
+    return [type(p).__name__ for p in placements[:8]] + (["..."] if len(placements) > 8 else [])
 
 
-def _dtensor_box(where: str, shape: tuple, placements: tuple, mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _dtensor_box(at: str, shape: tuple, placements: tuple, mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The global region a rank's local tensor covers: ``Shard(d)`` splits dim ``d`` torch.chunk style per mesh dim."""
     coordinate = getattr(mesh, "_coordinate_on_dim", None)
     mesh_sizes = _mesh_sizes(mesh)
-    if coordinate is None or mesh_sizes is None or not len(coordinate) == len(mesh_sizes) == len(placements):
-        raise CheckpointError(f"{where}: DTensor mesh does not say this rank's coordinate in it")
+    if not (isinstance(coordinate, (list, tuple)) and mesh_sizes is not None
+            and len(coordinate) == len(mesh_sizes) == len(placements)
+            and all(type(i) is int and 0 <= i < n for i, n in zip(coordinate, mesh_sizes))):
+        raise CheckpointError(f"{at}: DTensor mesh does not say this rank's coordinate in it")
     offsets, sizes = [0] * len(shape), list(shape)
     for placement, count, index in zip(placements, mesh_sizes, coordinate):
         kind = type(placement).__name__
         if kind == "Replicate":
             continue
         dim = getattr(placement, "dim", None)
-        if kind != "Shard" or not isinstance(dim, int) or not 0 <= dim < len(shape):
-            raise CheckpointError(f"{where}: placement {kind} is not supported (placements {_names(placements)})")
-        pieces = _torch_chunk(sizes[dim], count)
-        start, length = pieces[index] if index < len(pieces) else (sizes[dim], 0)  # past the last chunk: empty
+        if kind != "Shard" or type(dim) is not int or not 0 <= dim < len(shape):
+            raise CheckpointError(f"{at}: placement {kind} is not supported (placements {_names(placements)})")
+        start, length = _torch_chunk_piece(sizes[dim], count, index)
         offsets[dim] += start
         sizes[dim] = length
     return tuple(offsets), tuple(sizes)
 
 
 def _mesh_sizes(mesh) -> tuple[int, ...] | None:
+    """The size of each mesh dim, or None when the pickled mesh does not say (or says nonsense)."""
     layout = getattr(mesh, "_layout", None)
     axes = getattr(layout, "axes", None)
     if isinstance(axes, tuple):  # torch >= 2.9: a _MeshLayout of _FlatLayout axes
-        return tuple(math.prod(getattr(axis, "shape", ())) for axis in axes)
-    tensor = getattr(mesh, "mesh", None)
-    if isinstance(tensor, TensorRef):  # older torch: the mesh tensor itself
-        return tuple(tensor.shape)
-    return None
+        shapes = [getattr(axis, "shape", None) for axis in axes]
+        if not all(isinstance(s, (tuple, list)) and shape_problem(s) is None for s in shapes):
+            return None
+        sizes = tuple(math.prod(s) for s in shapes)
+    else:
+        tensor = getattr(mesh, "mesh", None)
+        if not isinstance(tensor, TensorRef):  # older torch: the mesh tensor itself
+            return None
+        sizes = tensor.shape
+    return sizes if all(n > 0 for n in sizes) else None
+
+
+def _torch_chunk_piece(length: int, count: int, index: int) -> tuple[int, int]:
+    """``(start, size)`` of piece ``index`` of ``torch.chunk(length, count)`` (empty past the last piece)."""
+    step = -(-length // count)
+    start = min(index * step, length)
+    return start, min(step, length - start)
 
 
 def _torch_chunk(length: int, count: int) -> list[tuple[int, int]]:

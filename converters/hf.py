@@ -16,7 +16,8 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
+                            shape_problem, utf8_problem)
 from dcptool.storage import CheckpointFiles, OutputFiles
 
 NAME = "hf"
@@ -43,7 +44,8 @@ def read(files: CheckpointFiles) -> Checkpoint:
     for name in names:
         for key, tensor in _read_header(files, name).items():
             if key in tensors:
-                raise CheckpointError(f"{files.path(name)}: tensor {key} is also in {tensors[key].chunks[0].file}")
+                raise CheckpointError(f"{files.path(name)}: tensor {printable(key)} is also in "
+                                      f"{tensors[key].chunks[0].file}")
             tensors[key] = tensor
     info = {"files": len(names)}
     if files.is_file("config.json"):  # a model folder: its config is checked by reshard and copied by export-hf
@@ -54,48 +56,93 @@ def read(files: CheckpointFiles) -> Checkpoint:
 
 
 def _listed_files(files: CheckpointFiles) -> list[str]:
-    index = files.path(INDEX)
+    """The shard files the index names (checked as data: an object whose weight_map maps names to file names)."""
+    where = files.path(INDEX)
     if not files.is_file(INDEX):
         return files.names("*.safetensors")
-    try:
-        weight_map = json.loads(files.read_all(INDEX))["weight_map"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+    if files.size(INDEX) > MAX_HEADER:
+        raise CheckpointError(f"{where}: {files.size(INDEX):,} bytes is too large for a safetensors index")
+    index = parse_json(files.read_all(INDEX), where)
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{where}: not a safetensors index ({json_kind(index)}, not an object)")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where}: weight_map is {'missing' if weight_map is None else json_kind(weight_map)}, "
+                              "not an object of tensor names to file names")
+    for key, name in weight_map.items():
+        problem = utf8_problem(key) or file_name_problem(name)
+        if problem:
+            raise CheckpointError(f"{where}: weight_map[{printable(key)!r}] {problem}")
     names = sorted(set(weight_map.values()))
     for name in names:
         if not files.is_file(name):
-            raise CheckpointError(f"{index}: names {name!r}, which does not exist")
+            raise CheckpointError(f"{where}: names {printable(name)!r}, which does not exist")
     return names
 
 
 def _read_header(files: CheckpointFiles, name: str) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header checked as data against the file's size."""
     where = files.path(name)
+    size = files.size(name)
+    if size < 8:
+        raise CheckpointError(f"{where}: truncated: {size} bytes, too short for a safetensors header")
     (length,) = struct.unpack("<Q", files.read(name, 0, 8))
     if length > MAX_HEADER:
-        raise CheckpointError(f"{where}: header of {length} bytes is not a safetensors header")
-    try:
-        header = json.loads(files.read(name, 8, length))
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: corrupt safetensors header ({exc})") from None
+        raise CheckpointError(f"{where}: header of {length:,} bytes is not a safetensors header")
+    if 8 + length > size:
+        raise CheckpointError(f"{where}: truncated: a header of {length:,} bytes, "
+                              f"the file has {size - 8:,} after its length")
+    header = parse_json(files.read(name, 8, length), f"{where}: safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: safetensors header is {json_kind(header)}, not an object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise CheckpointError(f"{where}: __metadata__ is not an object of strings")
     start = 8 + length
-    size = files.size(name)
-    tensors = {}
+    tensors, spans = {}, []
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype = dtypes.BY_SAFETENSORS[entry["dtype"]]
-            shape = tuple(int(n) for n in entry["shape"])
-            begin, end = (int(n) for n in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{where}: {key}: malformed header entry {entry!r:.100}") from None
+        problem = utf8_problem(key)
+        if problem:
+            raise CheckpointError(f"{where}: tensor name {problem}")
+        dtype, shape, (begin, end) = _entry(where, key, entry)
         if end - begin != math.prod(shape) * dtype.itemsize:
-            raise CheckpointError(f"{where}: {key}: {end - begin} bytes cannot hold {dtype.name}{list(shape)}")
+            raise CheckpointError(f"{where}: {printable(key)}: {end - begin} bytes cannot hold {dtype.name}{list(shape)}")
         if start + end > size:
-            raise CheckpointError(f"{where}: truncated: {key} needs bytes up to {start + end}, the file has {size}")
+            raise CheckpointError(f"{where}: truncated: {printable(key)} needs bytes up to {start + end}, "
+                                  f"the file has {size}")
+        if end > begin:
+            spans.append((begin, end, key))
         chunk = Chunk(tuple(0 for _ in shape), shape, name, start + begin, end - begin)
         tensors[key] = TensorInfo((key,), dtype.name, shape, [chunk])
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise CheckpointError(f"{where}: the data of {printable(a)} and {printable(b)} overlap (data_offsets)")
     return tensors
+
+
+def _entry(where, key: str, entry) -> tuple[dtypes.DType, tuple[int, ...], tuple[int, int]]:
+    """One header entry checked as data: ``{"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}``."""
+    at = f"{where}: {printable(key)}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{at}: header entry is {json_kind(entry)}, not an object")
+    name = entry.get("dtype")
+    dtype = dtypes.BY_SAFETENSORS.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        shown = printable(json.dumps(name), 40) if name is None or isinstance(name, (str, int, float)) else json_kind(name)
+        said = "is missing" if "dtype" not in entry else f"{shown} is not a safetensors dtype"
+        raise CheckpointError(f"{at}: dtype {said}")
+    shape = entry.get("shape")
+    problem = shape_problem(shape, dtype.itemsize) if isinstance(shape, list) else f"is {json_kind(shape)}, not an array"
+    if problem:
+        raise CheckpointError(f"{at}: shape {problem}")
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+            and 0 <= offsets[0] <= offsets[1] < SIZE_LIMIT):
+        raise CheckpointError(f"{at}: data_offsets is not two integers [begin, end] with 0 <= begin <= end")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
 def _header(tensors) -> bytes:

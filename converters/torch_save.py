@@ -8,12 +8,13 @@ tensor bytes are read in place from the archive. The writer produces a file that
 from __future__ import annotations
 
 import math
+import struct
 import zipfile
 from pathlib import Path
 
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError
-from dcptool.safe_pickle import TensorRef, walk
+from dcptool.errors import CheckpointError, UsageError, printable, utf8_problem
+from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut, dumps
 
@@ -25,7 +26,10 @@ def detect(files: CheckpointFiles) -> bool:
     name = files.single_file
     if not name or name.endswith(".safetensors"):
         return False
-    return zipfile.is_zipfile(files.window(name, 0, files.size(name)))
+    try:
+        return zipfile.is_zipfile(files.window(name, 0, files.size(name)))
+    except (zipfile.BadZipFile, ValueError, struct.error):  # a zip directory that says nonsense: read() says what
+        return True
 
 
 def read(files: CheckpointFiles) -> Checkpoint:
@@ -38,11 +42,14 @@ def read(files: CheckpointFiles) -> Checkpoint:
         raise CheckpointError(f"{path}: holds a {type(root).__name__}, not a state dict")
     tensors: dict[str, TensorInfo] = {}
     objects: dict[str, ObjectInfo] = {}
-    for nested, value in flatten(root):
+    for nested, value in flatten(root, where=path):
         key = join_path(nested)
+        if key in tensors or key in objects:
+            raise CheckpointError(f"{path}: two entries flatten to the key {printable(key)}")
         if isinstance(value, TensorRef):
             if value.subclass:
-                raise CheckpointError(f"{path}: {key} is a {value.subclass}; per-rank files are read with --from fsdp1")
+                raise CheckpointError(f"{path}: {printable(key)} is a {printable(value.subclass)}; "
+                                      "per-rank files are read with --from fsdp1")
             raw = archive.raw_bytes(value)
             chunk = Chunk(tuple(0 for _ in raw.shape), raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
             tensors[key] = TensorInfo(nested, value.dtype.name, raw.shape, [chunk])
@@ -53,22 +60,44 @@ def read(files: CheckpointFiles) -> Checkpoint:
     return checkpoint
 
 
-def flatten(obj, prefix: tuple[str, ...] = ()):
-    """Yield ``(path, leaf)`` as DCP flattens a state dict: into dicts, and into lists that hold tensors."""
+def flatten(obj, prefix: tuple[str, ...] = (), where: object = "state dict"):
+    """Yield ``(path, leaf)`` as DCP flattens a state dict: into dicts, and into lists that hold tensors.
+
+    Keys become their ``str``, as in DCP; one that is not UTF-8 text is refused, naming ``where``.
+    ``obj`` comes from ``safe_pickle.load_bytes``, which bounds its nesting and size.
+    """
+    yield from _flatten(obj, prefix, where, {})
+
+
+def _flatten(obj, prefix: tuple, where, holds: dict):
     if isinstance(obj, dict) and obj:
         for key, value in obj.items():
-            yield from flatten(value, prefix + (str(key),))
-    elif isinstance(obj, (list, tuple)) and prefix and _holds_tensor(obj):
+            name = key if type(key) is str else str(key)
+            problem = utf8_problem(name)
+            if problem:
+                raise CheckpointError(f"{where}: the key under {printable(join_path(prefix)) or 'the top level'} {problem}")
+            yield from _flatten(value, prefix + (name,), where, holds)
+    elif isinstance(obj, (list, tuple)) and prefix and _holds_tensor(obj, holds):
         for index, value in enumerate(obj):
-            yield from flatten(value, prefix + (index,))
+            yield from _flatten(value, prefix + (index,), where, holds)
     else:
         yield prefix, obj
 
 
-def _holds_tensor(obj) -> bool:
-    found = []
-    walk(obj, lambda item: found.append(True) if isinstance(item, TensorRef) else None)
-    return bool(found)
+def _holds_tensor(obj, seen: dict[int, bool]) -> bool:
+    """Whether a tensor is nested in ``obj``'s dicts, lists and tuples (each shared container looked at once)."""
+    found = seen.get(id(obj))
+    if found is None:
+        if isinstance(obj, TensorRef):
+            found = True
+        elif isinstance(obj, dict):
+            found = any(_holds_tensor(value, seen) for value in obj.values())
+        elif isinstance(obj, (list, tuple)):
+            found = any(_holds_tensor(value, seen) for value in obj)
+        else:
+            found = False
+        seen[id(obj)] = found  # obj lives as long as the state dict it is in: its id stays its own
+    return found
 
 
 def nest(entries: dict[tuple, object]) -> dict:

@@ -22,6 +22,7 @@ import numpy as np
 
 from dcptool import dtypes
 from dcptool.errors import CheckpointError
+from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive, RawBytes, row_major
 
@@ -158,7 +159,7 @@ class Checkpoint:
         if chunk.encoding == "torch-archive":
             archive = Archive(self.files, chunk.file, chunk.offset, chunk.length)
             ref = archive.load()
-            if not hasattr(ref, "storage") or tuple(ref.shape) != chunk.sizes or ref.dtype.name != tensor.dtype:
+            if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes or ref.dtype.name != tensor.dtype:
                 raise CheckpointError(
                     f"{archive.where}: holds {_describe(ref)}, but the metadata says {tensor.key} chunk at "
                     f"{list(chunk.offsets)} is {tensor.dtype}{list(chunk.sizes)}"
@@ -280,7 +281,7 @@ class Piece:
 
 
 def _describe(obj: Any) -> str:
-    if hasattr(obj, "storage"):
+    if isinstance(obj, TensorRef):
         return f"{obj.dtype.name}{list(obj.shape)}"
     return type(obj).__name__
 
@@ -301,11 +302,14 @@ def check_cover(tensor: TensorInfo, where: str) -> None:
         if chunk.numel:
             boxes.append(chunk)
             filled += chunk.numel
-    # Sweep along dim 0: only chunks whose dim-0 ranges overlap can overlap.
-    boxes.sort(key=lambda c: c.offsets[:1])
+    # Sweep along the dim that separates the chunks most: only chunks whose ranges there overlap can
+    # overlap (sweeping dim 0 of 20,000 chunks of one row would compare every pair).
+    dim = max(range(len(shape)), key=lambda d: len({c.offsets[d] for c in boxes}), default=0)
+    boxes.sort(key=lambda c: c.offsets[dim:dim + 1])
     for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if shape and b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+        for j in range(i + 1, len(boxes)):
+            b = boxes[j]
+            if shape and b.offsets[dim] >= a.offsets[dim] + a.sizes[dim]:
                 break
             if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
                 raise CheckpointError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class DcptoolError(Exception):
     """Base class of every error dcptool raises on purpose."""
@@ -29,3 +31,103 @@ class MismatchError(DcptoolError):
     """A check found a difference (exit code 1)."""
 
     exit_code = 1
+
+
+# Checks of what a file says, shared by the readers: every name and size read from a file goes
+# through them before it is used, and every message quotes names through ``printable``.
+
+MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+SIZE_LIMIT = 2**63  # sizes, element and byte counts: what torch's int64 and the formats can hold
+
+
+def printable(text, limit: int = 200) -> str:
+    """``text`` safe for a one-line message: non-printable characters (newlines, NUL, lone surrogates)
+    escaped as ``\\n``, ``\\x00``, ``\\ud800``, and cut to about ``limit`` characters.
+
+    >>> printable("a\\ud800b\\n")
+    'a\\\\ud800b\\\\n'
+    """
+    text = text if isinstance(text, str) else str(text)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def utf8_problem(name) -> str | None:
+    """Why ``name`` cannot be a tensor name or file name (None when it can): not a string, or lone surrogates."""
+    if not isinstance(name, str):
+        return f"is {json_kind(name)}, not a string"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{printable(name)!s} is not valid UTF-8 text (it holds a lone surrogate)"
+    return None
+
+
+def shape_problem(shape, itemsize: int = 1) -> str | None:
+    """Why ``shape`` (a list or tuple read from a file) cannot be a tensor's shape, or None when it can:
+    at most ``MAX_DIMS`` integers, each in ``[0, 2**63)``, with ``numel * itemsize < 2**63``.
+
+    >>> shape_problem([0, 2**70, 2**70])
+    'has dimension 2**70 (each must be below 2**63)'
+    >>> shape_problem([2**40, 2**40], itemsize=2)
+    'holds 2**80 elements of 2 bytes (at most 2**63 bytes)'
+    """
+    if len(shape) > MAX_DIMS:
+        return f"has {len(shape)} dimensions (at most {MAX_DIMS})"
+    numel = 1
+    for n in shape:
+        if type(n) is not int:
+            return f"has a dimension that is a {type(n).__name__}, not an integer"
+        if not 0 <= n < SIZE_LIMIT:
+            return f"has dimension {_magnitude(n)} (each must be below 2**63)"
+        numel *= n
+    if numel * itemsize >= SIZE_LIMIT:
+        return f"holds {_magnitude(numel)} elements of {itemsize} bytes (at most 2**63 bytes)"
+    return None
+
+
+def _magnitude(n: int) -> str:
+    """A number as it reads best in a message: ``2**70`` for large powers of two, ``about 2**99`` for huge ones."""
+    if n >= 2**32 and n & (n - 1) == 0:
+        return f"2**{n.bit_length() - 1}"
+    if abs(n) < 10**30:
+        return str(n)
+    return f"{'-' if n < 0 else ''}about 2**{abs(n).bit_length() - 1}"
+
+
+def json_kind(value) -> str:
+    """What a parsed value is, with its article, as JSON names it ("an object", "an array", "a string",
+    "a number", "a boolean", "null"); other values by their Python type ("a Record")."""
+    if value is None:
+        return "null"
+    names = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+    return with_article(names.get(type(value), type(value).__name__))
+
+
+def with_article(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def parse_json(data: bytes, where) -> object:
+    """JSON read from a file; CheckpointError (naming ``where``) for text that is not JSON or nests too deeply."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise CheckpointError(f"{where}: not valid JSON ({printable(str(exc), 120)})") from None
+
+
+def file_name_problem(name) -> str | None:
+    """Why ``name``, a file name read from a checkpoint's own index or metadata, cannot name one of its
+    files (None when it can): not a string, empty, a NUL byte, or text that is not UTF-8."""
+    if not isinstance(name, str):
+        return f"is {json_kind(name)}, not a file name"
+    if not name:
+        return "is an empty file name"
+    if "\x00" in name:
+        return f"{printable(name)!s} holds a NUL byte"
+    return utf8_problem(name)

@@ -7,6 +7,16 @@ attribute names, dtypes become their names, tensors inside ``torch.save`` archiv
 ``TensorRef`` descriptions of where their bytes are. Any other global is refused with
 ``UnsafePickleError`` before anything is called.
 
+It is its own small pickle machine (not ``pickle.Unpickler``), so that a pickle of N bytes costs
+O(N) memory and time whatever it says: memo indices, string and byte lengths are checked against
+the pickle's size before anything is allocated; the calls it allows, BUILD and hashing of keys are
+charged to a work budget proportional to N; dict and set keys are hashed only when shallow, and
+never more than ``MAX_SAME_HASH`` distinct keys with one hash go into one container (hash
+flooding). The result is checked before it is returned: no cycles, at most ``MAX_LEVELS`` levels
+of nesting, and at most a budget of objects when shared containers are counted at every place
+they appear, so that code walking it (flattening, comparing, pickling it again) stays linear and
+within Python's recursion limit too.
+
 >>> load_bytes(pickle.dumps({"a": 1}), "x.pkl")
 {'a': 1}
 >>> load_bytes(pickle.dumps(print), "x.pkl")
@@ -16,14 +26,25 @@ dcptool.errors.UnsafePickleError: x.pkl: refuses to unpickle builtins.print, whi
 
 from __future__ import annotations
 
+import codecs
 import collections
-import io
-import pickle
+import gc
+import pickle  # noqa: F401 (the doctests)
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dcptool.dtypes import BY_STORAGE_CLASS, DType, dtype
-from dcptool.errors import CheckpointError, UnsafePickleError
+from dcptool.errors import SIZE_LIMIT, CheckpointError, UnsafePickleError, printable, shape_problem
+
+MAX_DEPTH = 64  # dict and set keys nested deeper than this are refused (hashing them recurses in C)
+MAX_LEVELS = 128  # levels of objects in a result (a record's attributes are one or two below it)
+WORK_PER_BYTE = 16  # work units (items copied, hashed, set) a pickle may ask for, per byte of it
+NODES_PER_BYTE = 16  # objects reachable from the result, shared containers counted where they appear
+BASE_ALLOWANCE = 1 << 16  # added to both, so that small pickles with some sharing pass
+MAX_INT_BYTES = 1024  # integers larger than 8192 bits are no checkpoint field
+MAX_SAME_HASH = 32  # distinct non-string keys with one hash in one dict or set (more is hash flooding)
+_LIMIT = SIZE_LIMIT  # sizes, offsets and strides: what torch and the formats can hold
 
 
 class Record:
@@ -39,9 +60,21 @@ class Record:
         else:
             self.state = state
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
-        return f"{self.qualname.rsplit('.', 1)[-1]}({fields})"
+    def __repr__(self) -> str:  # shallow: a record may share (or nest) other records
+        fields = ", ".join(f"{printable(k, 40)}={_brief(v)}" for k, v in list(self.__dict__.items())[:12])
+        return f"{type(self).qualname.rsplit('.', 1)[-1]}({fields})"
+
+
+def _brief(value: Any) -> str:
+    """A short description of a value that never walks into it (for messages and reprs)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        text = repr(value) if not isinstance(value, int) or value.bit_length() < 256 else "<large int>"
+        return text
+    if isinstance(value, (str, bytes)):
+        return printable(repr(value), 60)
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return f"<{type(value).__name__}>"
 
 
 def _record_class(qualname: str) -> type[Record]:
@@ -92,48 +125,77 @@ class SubclassRef:
         self.state = state
 
 
-def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
-    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
-
-
-def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
-    return data
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    # torch pickles tensor subclasses (DTensor, Parameter subclasses) as "rebuild base, then set type and state".
-    base = func(*args)
-    if isinstance(base, TensorRef):
-        base.subclass = getattr(new_type, "qualname", str(new_type))
-        base.subclass_state = state
-        return base
-    if isinstance(base, SubclassRef):
-        base.state = state
-        return base
-    raise CheckpointError(f"unexpected tensor subclass payload {type(base).__name__}")
+class _Bad(Exception):
+    """What is wrong with a pickle, without the file's name (``load_bytes`` adds it)."""
 
 
 class _Name(str):
     """A torch object that pickles by name (a dtype, a layout, a memory format): kept as its name."""
 
 
+_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
+def _count(what: str, value: Any, high: int = _LIMIT) -> int:
+    """A size, offset or stride read from a pickle: an int in ``[0, high)``."""
+    if type(value) is not int or not 0 <= value < high:
+        raise _Bad(f"{what} is {_brief(value)}, not an integer in [0, {high})")
+    return value
+
+
+def _dims(what: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)):
+        raise _Bad(f"{what} is {_brief(value)}, not a list of integers")
+    problem = shape_problem(value)
+    if problem:
+        raise _Bad(f"{what} {problem}")
+    return tuple(value)
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if not isinstance(storage, StorageRef):
+        raise _Bad(f"tensor rebuilt from a {_brief(storage)}, not a storage")
+    shape, strides = _dims("tensor size", size), _dims("tensor stride", stride)
+    if len(shape) != len(strides):
+        raise _Bad(f"tensor size has {len(shape)} dimensions but its stride {len(strides)}")
+    problem = shape_problem(shape, storage.dtype.itemsize)
+    if problem:
+        raise _Bad(f"tensor size {problem}")
+    return TensorRef(storage, _count("storage offset", storage_offset), shape, strides)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
 def _path(*parts: str) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise _Bad("a path made of something other than strings")
     return "/".join(p.strip("/") if i else p.rstrip("/") or "/" for i, p in enumerate(parts))
 
 
-def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
-    # torch pickles ShardedTensor and DTensor as an empty wrapper shell whose state comes afterwards.
-    qualname = "torch.distributed._shard.sharded_tensor.api.ShardedTensor" if cls is SubclassRef else getattr(cls, "qualname", None)
-    if qualname is None:
-        raise CheckpointError(f"unexpected tensor subclass {cls!r:.80}")
-    return SubclassRef(qualname, args=(dtype, tuple(size), tuple(stride), storage_offset))
+def _latin1_bytes(text: Any, encoding: str = "latin1") -> bytes:
+    """How protocol-2 pickles store ``bytes`` (``_codecs.encode(text, "latin1")``, e.g. torchtitan's
+    pickled dataloader state); any other use of ``_codecs.encode`` is refused."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise CheckpointError(f"_codecs.encode({type(text).__name__}, {_brief(encoding)}) is not bytes as pickled by torch")
+    return text.encode("latin1")
 
 
-def _getattr(owner, name):
-    # Protocol 2 names a nested class as getattr(outer, name); only ShardedTensor.ProcessGroupState is allowed.
-    if owner is SubclassRef and name == "ProcessGroupState":
-        return ALLOWED["torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"]
-    raise UnsafePickleError(f"refuses getattr({owner!r:.60}, {name!r:.60}) (nothing was executed)")
+def _device(*args) -> _Name:
+    if not 1 <= len(args) <= 2 or not all(type(a) is str and len(a) < 256 or type(a) is int for a in args):
+        raise _Bad("torch.device with arguments other than a name and an index")
+    return _Name(":".join(str(a) for a in args))
+
+
+def _layout(name) -> _Name:
+    if type(name) is not str:
+        raise _Bad(f"layout {_brief(name)} is not a name")
+    return _Name(name)
+
+
+def _same(value):
+    return value
 
 
 _RECORDS = [
@@ -169,13 +231,7 @@ _RECORDS = [
     "torch.distributed._mesh_layout._FlatLayout",
 ]
 
-def _latin1_bytes(text: Any, encoding: str = "latin1") -> bytes:
-    """How protocol-2 pickles store ``bytes`` (``_codecs.encode(text, "latin1")``, e.g. torchtitan's
-    pickled dataloader state); any other use of ``_codecs.encode`` is refused."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise CheckpointError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not bytes as pickled by torch")
-    return text.encode("latin1")
-
+_DTENSOR = _record_class("torch.distributed.tensor.DTensor")
 
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
 ALLOWED.update(
@@ -187,23 +243,22 @@ ALLOWED.update(
         "builtins.complex": complex,
         "_codecs.encode": _latin1_bytes,
         "torch.Size": tuple,
-        "torch.device": lambda *args: _Name(":".join(str(a) for a in args)),
-        "torch.serialization._get_layout": _Name,
-        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": lambda value: value,
+        "torch.device": _device,
+        "torch.serialization._get_layout": _layout,
+        "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": _same,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-        "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
-        "__builtin__.getattr": _getattr,
-        "builtins.getattr": _getattr,
+        "torch._tensor._rebuild_from_type_v2": "rebuild_from_type",  # methods of the machine, below
+        "torch._utils._rebuild_wrapper_subclass": "rebuild_wrapper_subclass",
+        "builtins.getattr": "getattr",
         "torch.distributed._shard.sharded_tensor.api.ShardedTensor": SubclassRef,
         "pathlib.PosixPath": _path,
         "pathlib.WindowsPath": _path,
         "pathlib.PurePosixPath": _path,
         "pathlib.Path": _path,
-        "torch.distributed.tensor.DTensor": _record_class("torch.distributed.tensor.DTensor"),
-        "torch.distributed.tensor._api.DTensor": _record_class("torch.distributed.tensor.DTensor"),
+        "torch.distributed.tensor.DTensor": _DTENSOR,
+        "torch.distributed.tensor._api.DTensor": _DTENSOR,
     }
 )
 for _d in BY_STORAGE_CLASS.values():
@@ -216,47 +271,649 @@ ALLOWED["torch.storage.UntypedStorage"] = dtype("uint8")
 ALLOWED["torch.UntypedStorage"] = dtype("uint8")
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """Unpickles only what ``ALLOWED`` names; storages become ``StorageRef`` (no bytes are read)."""
+class _Method(str):
+    """A global that the machine itself implements (it needs the machine: calls of other callables, budgets)."""
 
-    def __init__(self, file, source: str):
-        super().__init__(file)
-        self.source = source
 
-    def find_class(self, module: str, name: str) -> Any:
+for _name, _value in list(ALLOWED.items()):
+    if type(_value) is str:
+        ALLOWED[_name] = _Method(_value)
+
+# Callables a pickle may call (REDUCE, NEWOBJ, OBJ), by identity; Record classes are callable too.
+_FUNCTIONS = {id(f) for f in (_latin1_bytes, _device, _layout, _same, _rebuild_tensor, _rebuild_parameter, _path)}
+_RECORD_TYPES = frozenset(value for value in ALLOWED.values() if isinstance(value, type) and issubclass(value, Record))
+# What ``check`` walks into: everything else is a leaf (strings, numbers, dtypes, storages, classes).
+_CONTAINERS = frozenset({list, tuple, dict, set, frozenset, collections.OrderedDict, SubclassRef, TensorRef,
+                         *_RECORD_TYPES})
+
+
+def _number(text: bytes) -> int:
+    """An integer written as text (protocol 0), at most ``MAX_INT_BYTES`` long."""
+    if len(text) > 3 * MAX_INT_BYTES:
+        raise _Bad(f"an integer of {len(text):,} digits")
+    value = int(text, 0)
+    if value.bit_length() > 8 * MAX_INT_BYTES:
+        raise _Bad(f"an integer of more than {MAX_INT_BYTES} bytes")
+    return value
+
+
+_HOLE = object()  # a memo index never set
+
+
+def _put(memo: list, index: int, value: Any) -> int:
+    """``memo[index] = value``, growing the list with holes; returns 1 when the index was not set before.
+    The caller has bounded ``index`` by the pickle's length."""
+    if index < len(memo):
+        new = memo[index] is _HOLE
+        memo[index] = value
+        return int(new)
+    memo.extend([_HOLE] * (index - len(memo)))
+    memo.append(value)
+    return 1
+
+
+def _frame_unpack(fmt: str) -> Callable:
+    return struct.Struct(fmt).unpack_from
+
+
+_U1, _U2, _U4, _U8 = (_frame_unpack(f) for f in ("<B", "<H", "<I", "<Q"))
+_I4 = _frame_unpack("<i")
+_F8 = _frame_unpack(">d")
+
+
+class _Machine:
+    """One run of the restricted pickle machine over ``data``."""
+
+    def __init__(self, data: bytes, source: str):
+        self.data, self.source = data, source
+        self.work = 0
+        self.budget = WORK_PER_BYTE * len(data) + BASE_ALLOWANCE
+        # Hash cost and nesting of the tuples and frozensets made here, kept alive so ids stay theirs.
+        self.hashing: dict[int, tuple[Any, int, int]] = {}
+        # Per dict or set: how many non-string keys share each hash.
+        self.hashes: dict[int, tuple[Any, dict[int, int]]] = {}
+
+    # -- budgets ---------------------------------------------------------------------------
+
+    def charge(self, units: int) -> None:
+        self.work += units
+        if self.work > self.budget:
+            raise _Bad(f"asks for more work than a pickle of {len(self.data):,} bytes can "
+                       "(shared containers copied or hashed over and over)")
+
+    def hash_cost(self, key: Any) -> tuple[int, int]:
+        """What hashing ``key`` costs (items visited, shared items counted each time) and how deep it nests.
+
+        Tuples and frozensets are measured once each, bottom up without recursion (a pickle can nest
+        them a million deep in two bytes a level), and remembered.
+        """
+        kind = type(key)
+        if kind is int:
+            return 1 + key.bit_length() // 1024, 1
+        if kind is not tuple and kind is not frozenset:
+            return 1, 1
+        known = self.hashing
+        todo: list[tuple[Any, bool]] = [(key, False)]
+        while todo:
+            obj, ready = todo.pop()
+            entry = known.get(id(obj))
+            if entry is not None and entry[0] is obj:
+                continue
+            if not ready:
+                todo.append((obj, True))
+                todo.extend((item, False) for item in obj if type(item) is tuple or type(item) is frozenset)
+                continue
+            cost, depth = 1, 1
+            for item in obj:
+                if type(item) is tuple or type(item) is frozenset:
+                    _, item_cost, item_depth = known[id(item)]
+                    cost += item_cost
+                    depth = max(depth, item_depth + 1)
+                else:
+                    cost += 1 + item.bit_length() // 1024 if type(item) is int else 1
+            known[id(obj)] = (obj, min(cost, _LIMIT), depth)  # holding obj keeps its id its own
+        _, cost, depth = known[id(key)]
+        return cost, depth
+
+    def key(self, container: Any, key: Any) -> None:
+        """Check (and pay for) hashing ``key`` into ``container`` before it is done."""
+        kind = type(key)
+        if kind is str or kind is bytes or kind is _Name:
+            return  # randomized hashes, cached: cheap and not floodable
+        cost, depth = self.hash_cost(key)
+        if depth > MAX_DEPTH:
+            raise _Bad(f"a dict or set key nests more than {MAX_DEPTH} levels")
+        entry = self.hashes.get(id(container))
+        if entry is None or entry[0] is not container:
+            entry = self.hashes[id(container)] = (container, {})
+        counts = entry[1]
+        self.charge(cost)
+        value = hash(key)  # TypeError for unhashable keys
+        seen = counts.get(value, 0) + 1
+        if seen > MAX_SAME_HASH:
+            raise _Bad(f"more than {MAX_SAME_HASH} keys of one dict or set share a hash (hash flooding)")
+        counts[value] = seen
+        self.charge(cost * seen)  # the comparisons with the keys that share it
+
+    def set_item(self, target: Any, key: Any, value: Any) -> None:
+        if not isinstance(target, dict):
+            raise _Bad(f"sets an item of a {_brief(target)}, not of a dict")
+        self.key(target, key)
+        target[key] = value
+
+    def add_items(self, target: set, items) -> None:
+        for item in items:
+            self.key(target, item)
+            target.add(item)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def call(self, func: Any, args: Any, kwargs: Any = None) -> Any:
+        """``func(*args)`` for the callables a checkpoint may use, each with its arguments checked."""
+        if type(args) is not tuple:
+            raise _Bad(f"call arguments are a {_brief(args)}, not a tuple")
+        if kwargs:
+            raise _Bad("keyword arguments in a call")
+        self.charge(len(args) + 1)
+        if func is tuple or func is set or func is frozenset:  # tuple: torch.Size, in every tensor's pickle
+            if len(args) > 1 or args and not isinstance(args[0], (list, tuple)):
+                raise _Bad(f"{func.__name__}() of something other than a list")
+            items = args[0] if args else ()
+            self.charge(len(items))
+            if func is tuple:
+                return tuple(items)
+            made: set = set()
+            self.add_items(made, items)
+            return frozenset(made) if func is frozenset else made
+        if type(func) is _Method:
+            return getattr(self, "_" + func)(*args)
+        if id(func) in _FUNCTIONS:
+            if func is _latin1_bytes or func is _path:
+                self.charge(sum(len(a) for a in args if isinstance(a, str)))
+            return func(*args)
+        if type(func) is type and func in _RECORD_TYPES:
+            return func.__new__(func, *args)
+        if func is SubclassRef:
+            return SubclassRef(_SHARDED_TENSOR, args=args)
+        if func is collections.OrderedDict:
+            if args:
+                raise _Bad("OrderedDict made with arguments (pickles give it its items afterwards)")
+            return collections.OrderedDict()
+        if func is slice:
+            if not 1 <= len(args) <= 3 or not all(a is None or type(a) is int and a.bit_length() < 64 for a in args):
+                raise _Bad("slice of something other than small integers")
+            return slice(*args)
+        if func is complex:
+            numbers = all(type(a) is float or type(a) is int and a.bit_length() < 1024 for a in args)
+            if len(args) > 2 or not numbers:
+                raise _Bad("complex of something other than two numbers")
+            return complex(*args)
+        raise _Bad(f"calls a {_brief(func)}, which is not a checkpoint constructor")
+
+    def new_object(self, cls: Any, args: Any, kwargs: Any = None) -> Any:
+        """NEWOBJ: ``cls.__new__(cls, *args)`` for the classes ``call`` allows."""
+        if isinstance(cls, type) and issubclass(cls, Record):
+            if type(args) is not tuple:
+                raise _Bad(f"NEWOBJ arguments are a {_brief(args)}, not a tuple")
+            self.charge(len(args) + 1)
+            return cls.__new__(cls, *args)
+        if cls is set or cls is collections.OrderedDict:
+            return cls()  # __new__ ignores its arguments; the items come afterwards
+        if not isinstance(cls, type):
+            raise _Bad(f"NEWOBJ of a {_brief(cls)}, which is not a class")
+        return self.call(cls, args, kwargs)
+
+    def build(self, inst: Any, state: Any) -> None:
+        """BUILD: give an object its pickled state."""
+        if isinstance(state, dict):
+            self.charge(len(state) + 1)
+        elif isinstance(state, tuple) and len(state) == 2:
+            self.charge(sum(len(s) for s in state if isinstance(s, dict)) + 1)
+        if isinstance(inst, Record):
+            Record.__setstate__(inst, state)  # through the class: an attribute named __setstate__ is data
+        elif type(inst) is SubclassRef:
+            SubclassRef.__setstate__(inst, state)
+        elif type(inst) is collections.OrderedDict and isinstance(state, dict) and all(type(k) is str for k in state):
+            inst.__dict__.update(state)  # a state dict's _metadata
+        else:
+            raise _Bad(f"gives state to a {_brief(inst)}")
+
+    def _rebuild_from_type(self, func, new_type, args, state):
+        # torch pickles tensor subclasses (DTensor, Parameter subclasses) as "rebuild base, then set type and state".
+        if not (new_type is SubclassRef or isinstance(new_type, type) and issubclass(new_type, Record)):
+            raise _Bad(f"tensor subclass {_brief(new_type)} is not a checkpoint type")
+        if type(func) is _Method and func == "rebuild_from_type":  # the base is a tensor, never a subclass
+            raise _Bad("a tensor subclass rebuilt from another")
+        base = self.call(func, args)
+        if isinstance(base, TensorRef):
+            base.subclass = _SHARDED_TENSOR if new_type is SubclassRef else new_type.qualname
+            base.subclass_state = state
+            return base
+        if isinstance(base, SubclassRef):
+            base.state = state
+            return base
+        raise _Bad(f"unexpected tensor subclass payload {_brief(base)}")
+
+    def _rebuild_wrapper_subclass(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+        # torch pickles ShardedTensor and DTensor as an empty wrapper shell whose state comes afterwards.
+        if cls is SubclassRef:
+            qualname = _SHARDED_TENSOR
+        elif isinstance(cls, type) and issubclass(cls, Record):
+            qualname = cls.qualname
+        else:
+            raise _Bad(f"unexpected tensor subclass {_brief(cls)}")
+        if not isinstance(dtype, str):
+            raise _Bad(f"tensor subclass with dtype {_brief(dtype)}")
+        shape, strides = _dims("tensor size", size), _dims("tensor stride", stride)
+        return SubclassRef(qualname, args=(dtype, shape, strides, storage_offset))
+
+    def _getattr(self, owner, name):
+        # Protocol 2 names a nested class as getattr(outer, name); only ShardedTensor.ProcessGroupState is allowed.
+        if owner is SubclassRef and name == "ProcessGroupState":
+            return ALLOWED["torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"]
+        raise UnsafePickleError(f"{self.source}: refuses getattr({_brief(owner)}, {_brief(name)}) (nothing was executed)")
+
+    def find_class(self, module: Any, name: Any) -> Any:
+        if type(module) is not str or type(name) is not str:
+            raise _Bad("a global named by something other than strings")
+        if module == "__builtin__":  # protocols 0-2 name builtins as Python 2 did (pickle maps them too)
+            module = "builtins"
         qualname = f"{module}.{name}"
         try:
             return ALLOWED[qualname]
         except KeyError:
             raise UnsafePickleError(
-                f"{self.source}: refuses to unpickle {qualname}, which is not a checkpoint type "
+                f"{self.source}: refuses to unpickle {printable(qualname, 120)}, which is not a checkpoint type "
                 "(nothing was executed)"
             ) from None
 
     def persistent_load(self, pid: Any) -> StorageRef:
         # torch.save: ('storage', storage_type, key, location, numel)
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], DType)):
-            raise CheckpointError(f"{self.source}: unexpected persistent id {pid!r:.80}")
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], DType)):
+            raise _Bad(f"unexpected persistent id {_brief(pid)}")
         _, storage_dtype, key, _location, numel = pid
-        return StorageRef(storage_dtype, str(key), int(numel))
+        if type(key) is int:
+            key = str(key)
+        if type(key) is not str or not key.isprintable() or len(key) > 256:
+            raise _Bad(f"storage key {_brief(key)} is not a short name")
+        numel = _count("storage size", numel)
+        if numel * storage_dtype.itemsize >= _LIMIT:
+            raise _Bad(f"storage of {numel} elements is larger than torch can hold")
+        return StorageRef(storage_dtype, key, numel)
+
+    # -- the machine -------------------------------------------------------------------------
+
+    def take(self, pos: int, count: int) -> bytes:
+        """``count`` bytes from ``pos``, refused when the pickle is shorter (nothing is allocated first)."""
+        if count < 0 or count > len(self.data) - pos:
+            raise _Bad(f"truncated: needs {count:,} bytes at byte {pos:,}, the pickle has {len(self.data) - pos:,} left")
+        return self.data[pos:pos + count]
+
+    def line(self, pos: int) -> bytes:
+        stop = self.data.find(b"\n", pos)
+        if stop < 0:
+            raise _Bad(f"truncated: a line at byte {pos:,} has no end")
+        return self.data[pos:stop]
+
+    def run(self) -> Any:
+        """Interpret the pickle. One flat loop with the frequent opcodes first: this runs per opcode."""
+        data = self.data
+        end = len(data)
+        # The memo as a list (a dict would cost ten times the memory): ``_HOLE`` marks indices never
+        # set; PUT indices are bounded by the pickle's length, so holes cost O(N) at most.
+        memo: list = []
+        filled = 0  # indices set: MEMOIZE puts at this one, as pickle does
+        stack: list = []
+        marks: list[list] = []
+        pos = 0
+        records = _RECORD_TYPES
+        while True:
+            op = data[pos]  # IndexError past the end: load_bytes says "truncated"
+            pos += 1
+            if op == 0x94:  # MEMOIZE
+                if filled == len(memo):
+                    memo.append(stack[-1])
+                    filled += 1
+                else:
+                    filled += _put(memo, filled, stack[-1])
+            elif op == 0x71:  # BINPUT
+                filled += _put(memo, data[pos], stack[-1])
+                pos += 1
+            elif op == 0x68:  # BINGET
+                value = memo[data[pos]]  # IndexError for an index never set: "unreadable"
+                if value is _HOLE:
+                    raise _Bad(f"memo index {data[pos]} was never set")
+                stack.append(value)
+                pos += 1
+            elif op == 0x6A:  # LONG_BINGET
+                value = memo[_U4(data, pos)[0]]
+                if value is _HOLE:
+                    raise _Bad(f"memo index {_U4(data, pos)[0]:,} was never set")
+                stack.append(value)
+                pos += 4
+            elif op == 0x4B:  # BININT1
+                stack.append(data[pos])
+                pos += 1
+            elif op == 0x28:  # MARK
+                marks.append(stack)
+                stack = []
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(())
+            elif op == 0x81:  # NEWOBJ
+                args = stack.pop()
+                cls = stack[-1]
+                if type(cls) is type and cls in records and type(args) is tuple:
+                    self.work += len(args)
+                    if self.work > self.budget:
+                        self.charge(0)
+                    stack[-1] = cls.__new__(cls, *args)
+                else:
+                    stack[-1] = self.new_object(cls, args)
+            elif op == 0x62:  # BUILD
+                state = stack.pop()
+                inst = stack[-1]
+                if type(state) is dict and isinstance(inst, Record):
+                    self.work += len(state)
+                    if self.work > self.budget:
+                        self.charge(0)
+                    inst.__dict__.update(state)
+                else:
+                    self.build(inst, state)
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = (stack[-1],)
+            elif op == 0x75:  # SETITEMS
+                items = stack
+                stack = marks.pop()
+                target = stack[-1]
+                if len(items) % 2 or not isinstance(target, dict):
+                    raise _Bad("SETITEMS with a key and no value" if len(items) % 2 else
+                               f"sets items of a {_brief(target)}, not of a dict")
+                for i in range(0, len(items), 2):
+                    key = items[i]
+                    if type(key) is not str:
+                        self.key(target, key)
+                    target[key] = items[i + 1]
+            elif op == 0x7D:  # EMPTY_DICT
+                stack.append({})
+            elif op == 0x52:  # REDUCE
+                args = stack.pop()
+                stack[-1] = self.call(stack[-1], args)
+            elif op == 0x86:  # TUPLE2
+                second = stack.pop()
+                stack[-1] = (stack[-1], second)
+            elif op == 0x89:  # NEWFALSE
+                stack.append(False)
+            elif op == 0x88:  # NEWTRUE
+                stack.append(True)
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                count = data[pos]
+                text = data[pos + 1:pos + 1 + count]
+                if len(text) != count:
+                    self.take(pos + 1, count)
+                pos += 1 + count
+                stack.append(str(text, "utf-8", "surrogatepass"))
+            elif op == 0x58:  # BINUNICODE
+                count = _U4(data, pos)[0]
+                text = self.take(pos + 4, count)
+                pos += 4 + count
+                stack.append(str(text, "utf-8", "surrogatepass"))
+            elif op == 0x4D:  # BININT2
+                stack.append(_U2(data, pos)[0])
+                pos += 2
+            elif op == 0x4A:  # BININT
+                stack.append(_I4(data, pos)[0])
+                pos += 4
+            elif op == 0x74:  # TUPLE
+                items = stack
+                stack = marks.pop()
+                stack.append(tuple(items))
+            elif op == 0x5D:  # EMPTY_LIST
+                stack.append([])
+            elif op == 0x61:  # APPEND
+                value = stack.pop()
+                target = stack[-1]
+                if type(target) is not list:
+                    raise _Bad(f"appends to a {_brief(target)}, not to a list")
+                target.append(value)
+            elif op == 0x65:  # APPENDS
+                items = stack
+                stack = marks.pop()
+                target = stack[-1]
+                if type(target) is not list:
+                    raise _Bad(f"appends to a {_brief(target)}, not to a list")
+                target.extend(items)
+            elif op == 0x4E:  # NONE
+                stack.append(None)
+            elif op == 0x87:  # TUPLE3
+                third = stack.pop()
+                second = stack.pop()
+                stack[-1] = (stack[-1], second, third)
+            elif op == 0x72:  # LONG_BINPUT
+                index = _U4(data, pos)[0]
+                pos += 4
+                if index > end:
+                    raise _Bad(f"memo index {index:,} is beyond what a pickle of {end:,} bytes can hold")
+                filled += _put(memo, index, stack[-1])
+            elif op == 0x93:  # STACK_GLOBAL
+                name = stack.pop()
+                stack[-1] = self.find_class(stack[-1], name)
+            elif op == 0x63:  # GLOBAL
+                module = self.line(pos)
+                pos += len(module) + 1
+                name = self.line(pos)
+                pos += len(name) + 1
+                stack.append(self.find_class(module.decode("utf-8"), name.decode("utf-8")))
+            elif op == 0x51:  # BINPERSID
+                stack[-1] = self.persistent_load(stack[-1])
+            elif op == 0x8A:  # LONG1
+                count = data[pos]
+                stack.append(int.from_bytes(self.take(pos + 1, count), "little", signed=True))
+                pos += 1 + count
+            elif op == 0x47:  # BINFLOAT
+                stack.append(_F8(data, pos)[0])
+                pos += 8
+            elif op == 0x95:  # FRAME: a buffering hint; its length must fit the pickle
+                size = _U8(data, pos)[0]
+                pos += 8
+                if size > end - pos:
+                    raise _Bad(f"truncated: a frame of {size:,} bytes at byte {pos:,}, the pickle has {end - pos:,} left")
+            elif op == 0x80:  # PROTO
+                if data[pos] > 5:
+                    raise _Bad(f"pickle protocol {data[pos]} is unknown")
+                pos += 1
+            elif op == 0x2E:  # STOP
+                return stack.pop()
+            elif op == 0x8B:  # LONG4
+                count = _I4(data, pos)[0]
+                if count > MAX_INT_BYTES:
+                    raise _Bad(f"an integer of {count:,} bytes (at most {MAX_INT_BYTES})")
+                stack.append(int.from_bytes(self.take(pos + 4, count), "little", signed=True))
+                pos += 4 + count
+            elif op == 0x6C:  # LIST
+                items = stack
+                stack = marks.pop()
+                stack.append(items)
+            elif op == 0x64:  # DICT
+                items = stack
+                stack = marks.pop()
+                if len(items) % 2:
+                    raise _Bad("DICT with a key and no value")
+                made: dict = {}
+                for i in range(0, len(items), 2):
+                    self.set_item(made, items[i], items[i + 1])
+                stack.append(made)
+            elif op == 0x73:  # SETITEM
+                value = stack.pop()
+                key = stack.pop()
+                self.set_item(stack[-1], key, value)
+            elif op == 0x8F:  # EMPTY_SET
+                stack.append(set())
+            elif op == 0x90:  # ADDITEMS
+                items = stack
+                stack = marks.pop()
+                target = stack[-1]
+                if type(target) is not set:
+                    raise _Bad(f"adds items to a {_brief(target)}, not to a set")
+                self.add_items(target, items)
+            elif op == 0x91:  # FROZENSET
+                items = stack
+                stack = marks.pop()
+                made_set: set = set()
+                self.add_items(made_set, items)
+                stack.append(frozenset(made_set))
+            elif op == 0x92:  # NEWOBJ_EX
+                kwargs = stack.pop()
+                args = stack.pop()
+                if type(kwargs) is not dict:
+                    raise _Bad("NEWOBJ_EX keyword arguments are not a dict")
+                stack[-1] = self.new_object(stack[-1], args, kwargs)
+            elif op == 0x50:  # PERSID
+                text = self.line(pos)
+                pos += len(text) + 1
+                stack.append(self.persistent_load(text.decode("ascii")))
+            elif op == 0x30:  # POP
+                if stack:
+                    stack.pop()
+                else:
+                    stack = marks.pop()
+            elif op == 0x31:  # POP_MARK
+                stack = marks.pop()
+            elif op == 0x32:  # DUP
+                stack.append(stack[-1])
+            elif op == 0x43:  # SHORT_BINBYTES
+                count = data[pos]
+                stack.append(self.take(pos + 1, count))
+                pos += 1 + count
+            elif op == 0x42:  # BINBYTES
+                count = _U4(data, pos)[0]
+                stack.append(self.take(pos + 4, count))
+                pos += 4 + count
+            elif op == 0x8E or op == 0x96 or op == 0x8D:  # BINBYTES8, BYTEARRAY8, BINUNICODE8
+                count = _U8(data, pos)[0]
+                value = self.take(pos + 8, count)
+                pos += 8 + count
+                stack.append(bytearray(value) if op == 0x96 else str(value, "utf-8", "surrogatepass") if op == 0x8D
+                             else value)
+            elif op == 0x55:  # SHORT_BINSTRING (a Python 2 str)
+                count = data[pos]
+                stack.append(self.take(pos + 1, count).decode("ascii"))
+                pos += 1 + count
+            elif op == 0x54:  # BINSTRING
+                count = _I4(data, pos)[0]
+                stack.append(self.take(pos + 4, count).decode("ascii"))
+                pos += 4 + count
+            elif op == 0x53:  # STRING
+                text = self.line(pos)
+                pos += len(text) + 1
+                if len(text) < 2 or text[0] != text[-1] or text[0] not in b"\"'":
+                    raise _Bad("the STRING opcode argument must be quoted")
+                stack.append(codecs.escape_decode(text[1:-1])[0].decode("ascii"))
+            elif op == 0x56:  # UNICODE
+                text = self.line(pos)
+                pos += len(text) + 1
+                stack.append(str(text, "raw-unicode-escape"))
+            elif op == 0x49:  # INT
+                text = self.line(pos)
+                pos += len(text) + 1
+                stack.append(False if text == b"00" else True if text == b"01" else _number(text))
+            elif op == 0x4C:  # LONG
+                text = self.line(pos)
+                pos += len(text) + 1
+                stack.append(_number(text[:-1] if text.endswith(b"L") else text))
+            elif op == 0x46:  # FLOAT
+                text = self.line(pos)
+                pos += len(text) + 1
+                stack.append(float(text))
+            elif op == 0x67:  # GET
+                text = self.line(pos)
+                pos += len(text) + 1
+                index = _number(text)
+                value = memo[index] if 0 <= index < len(memo) else _HOLE
+                if value is _HOLE:
+                    raise _Bad(f"memo index {index:,} was never set")
+                stack.append(value)
+            elif op == 0x70:  # PUT
+                text = self.line(pos)
+                pos += len(text) + 1
+                index = _number(text)
+                if not 0 <= index <= end:
+                    raise _Bad(f"memo index {index:,} is beyond what a pickle of {end:,} bytes can hold")
+                filled += _put(memo, index, stack[-1])
+            elif op == 0x69:  # INST
+                module = self.line(pos)
+                pos += len(module) + 1
+                name = self.line(pos)
+                pos += len(name) + 1
+                cls = self.find_class(module.decode("utf-8"), name.decode("utf-8"))
+                items = stack
+                stack = marks.pop()
+                stack.append(self.call(cls, tuple(items)))
+            elif op == 0x6F:  # OBJ
+                items = stack
+                stack = marks.pop()
+                if not items:
+                    raise _Bad("OBJ without a class")
+                stack.append(self.call(items[0], tuple(items[1:])))
+            else:
+                names = {0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER"}
+                if op in names:
+                    raise _Bad(f"uses opcode {names[op]} at byte {pos - 1:,}, which checkpoints never use")
+                raise _Bad(f"unknown opcode {op:#04x} at byte {pos - 1:,}")
+
+    def check(self, root: Any) -> None:
+        """Refuse results that code walking them would choke on: cycles, deep nesting, exponential sharing.
+
+        Walks the result level by level with ``gc.get_referents`` (C speed), counting shared containers
+        at every place they appear, up to a budget proportional to the pickle's size; a cycle shows as
+        nesting without end. A record's attributes are one level below it, its ``__dict__`` between.
+        """
+        limit = NODES_PER_BYTE * len(self.data) + BASE_ALLOWANCE
+        containers = _CONTAINERS
+        level = [root] if type(root) in containers else []
+        depth = total = 0
+        while level:
+            depth += 1
+            if depth > MAX_LEVELS:
+                raise _Bad(f"nests objects more than {MAX_LEVELS} levels deep, or holds a reference cycle")
+            found = gc.get_referents(*level)
+            total += len(found)
+            if total > limit:
+                raise _Bad(f"holds more than {limit:,} objects once shared containers are counted where they appear")
+            level = [item for item in found if type(item) in containers]
 
 
 def load_bytes(data: bytes, source: str) -> Any:
     """Unpickle ``data`` with the allowlist; ``source`` names the file in error messages."""
+    machine = _Machine(bytes(data), source)
     try:
-        return SafeUnpickler(io.BytesIO(data), source).load()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a truncated or malformed pickle
-        raise CheckpointError(f"{source}: unreadable pickle ({type(exc).__name__}: {exc})") from exc
+        result = machine.run()
+        machine.check(result)
+        return result
+    except CheckpointError as exc:
+        text = str(exc)
+        if text.startswith(source):
+            raise
+        raise type(exc)(f"{source}: {printable(text, 300)}") from None
+    except _Bad as exc:
+        raise CheckpointError(f"{source}: not a valid checkpoint pickle ({printable(str(exc), 200)})") from None
+    except struct.error:  # an opcode's argument cut off by the end
+        raise CheckpointError(f"{source}: unreadable pickle (truncated: an argument runs past the end)") from None
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError,
+            MemoryError) as exc:  # a malformed pickle: stack underflow, wrong types, bad text
+        message = printable(f"{type(exc).__name__}: {exc}", 160)
+        raise CheckpointError(f"{source}: unreadable pickle ({message})") from None
+    finally:
+        machine.hashing.clear()
+        machine.hashes.clear()
 
 
 def walk(obj: Any, visit: Callable[[Any], None]) -> None:
-    """Call ``visit`` on ``obj`` and everything nested in its dicts, lists and tuples."""
-    visit(obj)
-    if isinstance(obj, dict):
-        for value in obj.values():
-            walk(value, visit)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            walk(value, visit)
+    """Call ``visit`` on ``obj`` and everything nested in its dicts, lists and tuples (``load_bytes`` bounds the depth)."""
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        visit(item)
+        if isinstance(item, dict):
+            todo.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            todo.extend(reversed(item))

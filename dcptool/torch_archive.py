@@ -18,7 +18,7 @@ from typing import Any
 from dcptool import dtypes as dtype_table
 from dcptool import safe_pickle
 from dcptool.safe_pickle import Record, SubclassRef, TensorRef
-from dcptool.errors import CheckpointError
+from dcptool.errors import CheckpointError, printable
 from dcptool.storage import CheckpointFiles
 
 # Zip structures (stored entries only; torch.save never compresses), as in the zip specification (APPNOTE).
@@ -73,11 +73,13 @@ class Archive:
         self.files, self.relative, self.offset = files, relative, offset
         self.length = files.size(relative) - offset if length is None else length
         self.where = str(files.path(relative)) + (f" (record at byte {offset})" if offset else "")
+        files.check_range(relative, offset, self.length)  # offsets and lengths from metadata, before any read
         self._head = files.read(relative, offset, min(self.length, self.HEAD))
         try:
             self._entries = self._directory()
-        except (struct.error, UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip directory: {exc})") from None
+        except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip directory: "
+                                  f"{printable(str(exc), 120)})") from None
         pickles = sorted((n for n in self._entries if n.endswith("data.pkl")), key=len)
         if not pickles:
             raise CheckpointError(f"{self.where}: not a torch.save archive (no data.pkl)")
@@ -100,6 +102,8 @@ class Archive:
             raise ValueError("no end of central directory")
         _, _, _, _, count, size, start, _ = _END.unpack_from(tail, end)
         if _FIELD_LIMIT in (size, start) or count == 0xFFFF:  # the real values are in the zip64 record
+            if end < _LOCATOR64.size:
+                raise ValueError("no zip64 end of central directory locator")
             _, _, end64, _ = _LOCATOR64.unpack_from(tail, end - _LOCATOR64.size)
             signature, *_, count, size, start = _END64.unpack(self._read(end64, _END64.size))
             if signature != b"PK\x06\x06":
@@ -124,19 +128,19 @@ class Archive:
         """Absolute file offset and size of a stored (uncompressed) zip entry."""
         entry = self._entries.get(self.prefix + name)
         if entry is None:
-            raise CheckpointError(f"{self.where}: archive has no entry {name!r}")
+            raise CheckpointError(f"{self.where}: archive has no entry {printable(name)!r}")
         header, size, compression = entry
         if compression != 0:
-            raise CheckpointError(f"{self.where}: entry {name!r} is compressed; torch.save never compresses")
+            raise CheckpointError(f"{self.where}: entry {printable(name)!r} is compressed; torch.save never compresses")
         try:
             fields = _LOCAL_HEADER.unpack(self._read(header, _LOCAL_HEADER.size))
         except ValueError:
             fields = (b"",)
         if fields[0] != b"PK\x03\x04":
-            raise CheckpointError(f"{self.where}: corrupt zip entry {name!r}")
+            raise CheckpointError(f"{self.where}: corrupt zip entry {printable(name)!r}")
         start = header + _LOCAL_HEADER.size + fields[-2] + fields[-1]  # after the name and extra field
         if start + size > self.length:
-            raise CheckpointError(f"{self.where}: truncated: entry {name!r} ends past the archive")
+            raise CheckpointError(f"{self.where}: truncated: entry {printable(name)!r} ends past the archive")
         return self.offset + start, size
 
     def load(self) -> Any:
@@ -150,7 +154,7 @@ class Archive:
         itemsize = tensor.dtype.itemsize
         raw = RawBytes(self.relative, start + tensor.storage_offset * itemsize, tensor.shape, tensor.stride, itemsize)
         if tensor.storage_offset * itemsize + raw.span > size or size < tensor.storage.numel * itemsize:
-            raise CheckpointError(f"{self.where}: tensor bytes lie outside storage data/{tensor.storage.key}")
+            raise CheckpointError(f"{self.where}: tensor bytes lie outside storage data/{printable(tensor.storage.key)}")
         return raw
 
 

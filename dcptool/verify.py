@@ -336,8 +336,12 @@ def _compare_objects(a: Side, b: Side, report: Report) -> None:
             report.not_compared.append(key)
             continue
         report.objects += 1
-        if value_a != value_b:
+        if value_a != value_b and not (_is_nan(value_a) and _is_nan(value_b)):
             report.differences.append(Difference(key, "object", f"A {value_a!r:.80}, B {value_b!r:.80}"))
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 _OPAQUE = object()  # a value that is not compared: outside the unpickler's allowlist, or not plain data
@@ -391,7 +395,8 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
     formats.get(via)  # an unknown format is refused before anything is read
     checkpoint = formats.open_checkpoint(source, source_format)
     if via == "hf":
-        tensors, config_dir = convert.hf_export_entries(checkpoint, include=include, exclude=exclude)
+        # Names stay as saved (adapter "hf": no renaming), so the way back compares key for key.
+        tensors, config_dir, _ = convert.hf_export_entries(checkpoint, include=include, exclude=exclude, adapter="hf")
         objects, there = [], {"config_dir": config_dir}
     else:
         tensors, objects = convert.entries_for(checkpoint, via, include=include, exclude=exclude)

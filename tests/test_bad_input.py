@@ -155,3 +155,18 @@ def test_unknown_option_is_a_usage_error(tmp_path):
     result = dcptool("inspect", tmp_path, "--no-such-option", check=False)
     assert result.returncode == 2
     assert "No such option: --no-such-option" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_index_whose_weight_map_holds_numbers(sharded_hf, tmp_path):
+    index = json.loads((sharded_hf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["b"] = 3
+    (sharded_hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = refused(sharded_hf, names="model.safetensors.index.json", tmp_path=tmp_path)
+    assert "weight_map['b'] is a number, not a file name" in line
+
+
+def test_safetensors_header_that_is_a_list(sharded_hf, tmp_path):
+    shard = sharded_hf / "model-00002-of-00002.safetensors"
+    shard.write_bytes(len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]")
+    line = refused(sharded_hf, names="model-00002-of-00002.safetensors", tmp_path=tmp_path)
+    assert "safetensors header is an array, not an object" in line
