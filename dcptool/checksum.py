@@ -135,13 +135,17 @@ class _Hasher:
             size = max(size, min(self.max_memory // self.threads, FILE_READ_SIZE))
         self._local = threading.local()  # fresh per run: buffer sizes differ between runs
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcptool-hash") as pool:
-            # Largest first, so that one big item does not start last and run alone.
-            file_jobs = {name: pool.submit(self._hash_file, files, name, size)
-                         for name in sorted(names, key=lambda name: -files.size(name))}
-            tensor_jobs = {name: pool.submit(self._hash_tensor, checkpoint, tensor, size, scan_nonfinite)
-                           for name, tensor in sorted(tensors.items(), key=lambda item: -item[1].nbytes)}
-            file_hashes = {name: file_jobs[name].result() for name in names}
-            digests = {name: tensor_jobs[name].result() for name in tensors}
+            try:
+                # Largest first, so that one big item does not start last and run alone.
+                file_jobs = {name: pool.submit(self._hash_file, files, name, size)
+                             for name in sorted(names, key=lambda name: -files.size(name))}
+                tensor_jobs = {name: pool.submit(self._hash_tensor, checkpoint, tensor, size, scan_nonfinite)
+                               for name, tensor in sorted(tensors.items(), key=lambda item: -item[1].nbytes)}
+                file_hashes = {name: file_jobs[name].result() for name in names}
+                digests = {name: tensor_jobs[name].result() for name in tensors}
+            except BaseException:  # Ctrl-C or a failure: what has not started is not hashed
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
         return file_hashes, digests
 
     def _buffer(self, size: int) -> bytearray:
