@@ -77,8 +77,9 @@ def _matches(kind: str, family: str, name: str) -> list[tuple[Row, dict, str]]:
 
 def detect_family(names) -> str | None:
     """The family whose tables name the most of ``names`` (torchtitan before 0.3 reads as archon); None if none."""
-    names = list(names)
-    scores = {family: sum(1 for n in names if any(_matches(k, family, n) for k in kinds())) for family in FAMILIES}
+    shapes = [_NUMBER.sub("#", name) for name in names]
+    known = {family: set().union(*(_index(kind, family) for kind in kinds())) for family in FAMILIES}
+    scores = {family: sum(shape in known[family] for shape in shapes) for family in FAMILIES}
     best = max(FAMILIES, key=lambda f: (scores[f], f == "archon"))  # archon wins its ties with torchtitan
     return best if scores[best] else None
 
