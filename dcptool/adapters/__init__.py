@@ -186,14 +186,14 @@ class Mapping:
 
     def _main_layers(self, entries) -> int | None:
         """The main decoder layers, after which HF numbers the prediction layers: the config's
-        ``num_hidden_layers``, else (torchtitan names, which keep them apart) those the names hold."""
+        ``num_hidden_layers``, else those the names hold (in HF names, the layers before the first
+        with a prediction layer's own tensors; None: no prediction layers)."""
         if isinstance(self.config.get("num_hidden_layers"), int):
             return self.config["num_hidden_layers"]
-        if self.source == "hf":
-            if any(row.mtp for row in kinds()[self.kind]):
-                raise UsageError(f"{self.kind} weights in HF names: telling prediction layers from main ones needs "
-                                 "num_hidden_layers from the model's config.json (give --config-dir)")
-            return None
+        if self.source == "hf":  # the first layer holding what only prediction layers have (enorm, eh_proj)
+            only_mtp = [(row, where) for name in entries for row, where, _ in _matches(self.kind, "hf", name)
+                        if row.mtp and not any(not other.mtp for other, _, _ in _matches(self.kind, "hf", name))]
+            return min((int(where["L"]) for _, where in only_mtp), default=None)
         numbers = {name.split(".")[1] for name in entries if name.startswith("layers.")}
         return len(numbers) or None
 
