@@ -11,7 +11,7 @@ from types import ModuleType
 import converters
 from dcptool.core import Checkpoint
 from dcptool.errors import CheckpointError
-from dcptool.storage import CheckpointFiles
+from dcptool.storage import CheckpointFiles, stale_temporaries
 
 
 @cache
@@ -64,5 +64,8 @@ def _format_of(files: CheckpointFiles) -> str:
     if len(found) == 1:
         return found[0]
     if not found:
-        raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())})")
+        stale = stale_temporaries(files.local_folder) if files.local_folder and not files.single_file else []
+        left = (f"; it holds {len(stale)} temporaries of dcptool runs that died ({', '.join(stale[:3])}"
+                f"{' ...' if len(stale) > 3 else ''}), which the next run writing there removes") if stale else ""
+        raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())}){left}")
     raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with --from")

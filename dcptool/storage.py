@@ -450,14 +450,31 @@ def remove_stale_temporaries(destination: Path) -> list[Path]:
     removed = []
     for name in names:
         owner = _OWNER.fullmatch(name[len(stem):])
-        if owner is None or owner["host"] != _HOST:
+        if owner is None or (owner["kind"] == "old" and not os.path.lexists(destination)):
             continue
-        if owner["kind"] == "old" and not os.path.lexists(destination):
-            continue
-        if _process_gone(int(owner["pid"])):
+        if _left_by_a_dead_writer(owner):
             _remove(destination.parent / name)
             removed.append(destination.parent / name)
     return removed
+
+
+def stale_temporaries(folder: Path) -> list[str]:
+    """Names of the temporaries in ``folder`` that dead writers on this host left (``inspect`` lists them)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        start = name.find(".dcptool-")
+        owner = _OWNER.fullmatch(name[start + len(".dcptool-"):]) if name.startswith(".") and start > 0 else None
+        if owner is not None and _left_by_a_dead_writer(owner):
+            found.append(name)
+    return found
+
+
+def _left_by_a_dead_writer(owner: re.Match) -> bool:
+    return owner["host"] == _HOST and _process_gone(int(owner["pid"]))
 
 
 def _process_gone(pid: int) -> bool:

@@ -217,6 +217,19 @@ def test_stale_temporaries_of_dead_writers_are_removed_and_only_those(made, tmp_
             process.wait()
 
 
+def test_inspect_of_the_parent_lists_the_temporaries_of_dead_writers(tmp_path):
+    from dcptool.storage import _HOST
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    dead = f".out.dcptool-tmp-{_HOST}-{pid_max + 1}-0badc0de"  # a pid no process can have
+    live = f".out.dcptool-tmp-{_HOST}-{os.getpid()}-00c0ffee"
+    for name in (dead, live):
+        (tmp_path / name).mkdir()
+    result = run("inspect", tmp_path)
+    assert result.returncode == 2 and dead in result.stderr and live not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_kill_9_at_any_moment_leaves_no_partial_output_and_the_next_run_cleans_up(made, tmp_path):
     """SIGKILL at random moments of a run: DST is whole or absent; what the killed run left is
     removed by the next run on the same DST (which also replaces a whole DST with --overwrite)."""
