@@ -36,7 +36,7 @@ from typing import Any
 
 from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
-from dcptool.errors import (CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem,
+from dcptool.errors import (CheckpointError, UsageError, json_kind, printable, shape_problem,
                             with_article)
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
@@ -158,11 +158,7 @@ def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> tup
     """The world size, and whether fsdp_config.json gave it (else the file names did)."""
     config = files.path(CONFIG)
     if files.is_file(CONFIG):
-        if files.size(CONFIG) > MAX_CONFIG:
-            raise CheckpointError(f"{config}: {files.size(CONFIG):,} bytes is too large for an FSDP config")
-        settings = parse_json(files.read_all(CONFIG), config)
-        if not isinstance(settings, dict):
-            raise CheckpointError(f"{config}: holds {json_kind(settings)}, not an object")
+        settings = files.read_json_object(CONFIG, MAX_CONFIG, "an FSDP config")
         value = settings.get("world_size")
         if type(value) is not int or value <= 0:
             shown = json.dumps(value) if value is None or isinstance(value, (str, int, float)) else json_kind(value)

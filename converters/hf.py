@@ -60,11 +60,7 @@ def _listed_files(files: CheckpointFiles) -> list[str]:
     where = files.path(INDEX)
     if not files.is_file(INDEX):
         return files.names("*.safetensors")
-    if files.size(INDEX) > MAX_HEADER:
-        raise CheckpointError(f"{where}: {files.size(INDEX):,} bytes is too large for a safetensors index")
-    index = parse_json(files.read_all(INDEX), where)
-    if not isinstance(index, dict):
-        raise CheckpointError(f"{where}: not a safetensors index ({json_kind(index)}, not an object)")
+    index = files.read_json_object(INDEX, MAX_HEADER, "a safetensors index")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{where}: weight_map is {'missing' if weight_map is None else json_kind(weight_map)}, "

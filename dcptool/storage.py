@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json
 
 # ``scheme://...`` or fsspec's chained ``blockcache::s3://...``; ``file://`` URLs are read as local paths.
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*(://|::)")
@@ -158,6 +158,17 @@ class CheckpointFiles:
 
     def read_all(self, relative: str) -> bytes:
         return self.read(relative, 0, self.size(relative))
+
+    def read_json_object(self, relative: str, max_bytes: int, what: str) -> dict:
+        """A JSON object file of the checkpoint (an index, a config), read only when at most ``max_bytes``;
+        CheckpointError naming the file for anything else (``what`` says what it should be)."""
+        where = self.path(relative)
+        if self.size(relative) > max_bytes:
+            raise CheckpointError(f"{where}: {self.size(relative):,} bytes is too large for {what}")
+        value = parse_json(self.read_all(relative), where)
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: not {what} ({json_kind(value)}, not an object)")
+        return value
 
     def window(self, relative: str, offset: int, length: int) -> "FileWindow":
         """A seekable read-only file object over ``[offset, offset+length)`` of a file (for zipfile)."""
