@@ -129,7 +129,7 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto", co
         state = adapters.convert_state(mapping, entries, params)
         adapters.refuse_unmatched(state.unmatched, mapping, "check --adapter and --config-dir")
         entries = state.entries
-        notes += [f"left out {line}" for line in state.dropped]
+        notes += [f"left out {line}" for line in state.dropped] + [f"made {line}" for line in state.made]
     if wrapper:
         entries = {join_path(wrapper + (key,)): adapters.with_path(entry, wrapper + entry.path)
                    for key, entry in entries.items()}

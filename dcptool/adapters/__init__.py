@@ -116,6 +116,7 @@ class Result:
     entries: dict[str, tuple[Entry, str]] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
+    made: list[str] = field(default_factory=list)  # entries the source has no bytes of its own for
 
 
 class Mapping:
@@ -296,6 +297,7 @@ class Mapping:
             return
         name = head.name(self.target)
         result.entries[name] = (_named(entries[head.tied_to.hf], name), head.tied_to.hf)
+        result.made.append(f"{name} from {head.tied_to.hf} (the config ties them)")
 
 
 def _scalar(entry: Entry) -> bool:
@@ -316,6 +318,7 @@ class StateResult:
     entries: dict[str, Entry]
     dropped: list[str]
     unmatched: list[str]
+    made: list[str]
 
 
 def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str, TensorInfo]) -> StateResult:
@@ -338,17 +341,18 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
                 kept[key] = entry
                 continue
         slots.setdefault(slot, {})[name] = (key, entry)
-    out, dropped, unmatched = dict(kept), [], []
+    out, dropped, unmatched, made = dict(kept), [], [], []
     # The weights first: the optimizer state after them takes their expert counts.
     for (prefix, suffix), named in sorted(slots.items(), key=lambda slot: bool(slot[0][1])):
         result = mapping.convert({name: entry for name, (_, entry) in named.items()}, model=not suffix)
         dropped += [f"{prefix}{line}" for line in result.dropped]
+        made += [f"{prefix}{line}" for line in result.made]
         unmatched += [named[name][0] for name in result.unmatched]
         for new_name, (entry, first) in result.entries.items():
             source_key, source_entry = named[first]
             key = prefix + new_name + suffix
             out[key] = with_path(entry, _path_for(source_entry.path, source_key, len(prefix), first, new_name, key))
-    return StateResult(out, dropped, unmatched)
+    return StateResult(out, dropped, unmatched, made)
 
 
 def _named_inside(key: str, params: dict[str, TensorInfo]) -> tuple[str | None, tuple[str, str]]:
