@@ -42,7 +42,7 @@ from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, dumps, new_object,
                                    row_major, torch_size)
-from converters.torch_save import flatten, nest
+from dcptool.converters.torch_save import flatten, nest
 
 NAME = "fsdp1"
 WRITES_FOLDER = True

@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-import converters
+from dcptool import converters
 from dcptool.core import Checkpoint
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles, stale_temporaries
@@ -18,7 +18,7 @@ from dcptool.storage import CheckpointFiles, stale_temporaries
 def all_formats() -> dict[str, ModuleType]:
     modules = {}
     for found in pkgutil.iter_modules(converters.__path__):
-        module = importlib.import_module(f"converters.{found.name}")
+        module = importlib.import_module(f"dcptool.converters.{found.name}")
         modules[module.NAME] = module
     return modules
 
