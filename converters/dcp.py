@@ -12,10 +12,13 @@ import math
 import re
 from pathlib import Path
 
-from dcptool import dtypes, safe_pickle
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
-from dcptool.errors import (SIZE_LIMIT, CheckpointError, file_name_problem, printable, shape_problem, utf8_problem,
-                            with_article)
+import numpy as np
+
+from dcptool import compression, dtypes, safe_pickle
+from dcptool.compression import DecompressingFiles
+from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, Piece, TensorInfo, join_path
+from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, printable, shape_problem,
+                            utf8_problem, with_article)
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import (ArchiveLayout, Global, Reduced, StorageOut, TensorOut, archive_bytes, dumps,
                                    new_object, torch_size)
@@ -63,7 +66,10 @@ def read(files: CheckpointFiles) -> Checkpoint:
             raise CheckpointError(f"{where}: a key of state_dict_metadata {problem}")
         nested = _nested_path(planner_data.get(key, (key,)), key, where)
         if _is(entry, "BytesStorageMetadata"):
-            file, offset, length = _storage_info(files, storage, key, None, where)
+            file, offset, length, encoding = _storage_info(files, storage, key, None, where)
+            if encoding == "zstd-archive":  # objects are small: decompressed now, then read as plain records
+                files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
+                (file, length), offset = files.decompressed(file, offset, length), 0
             objects[key] = ObjectInfo(nested, blob=(file, offset, length))
         elif _is(entry, "TensorStorageMetadata"):
             dtype = _dtype_of(getattr(entry, "properties", None), key, where)
@@ -72,18 +78,24 @@ def read(files: CheckpointFiles) -> Checkpoint:
             chunk_list = getattr(entry, "chunks", None)
             if not isinstance(chunk_list, list):
                 raise CheckpointError(f"{where}: {printable(key)}: chunks is {_kind(chunk_list)}, not a list")
+            table = _chunk_table(files, storage, key, chunk_list, dtype, where)
+            if table is not None:
+                tensors[key] = TensorInfo(nested, dtype, shape, table)
+                continue
             chunks = []
-            for chunk in chunk_list:
+            for chunk in safe_pickle.each_record(chunk_list):
                 if not _is(chunk, "ChunkStorageMetadata"):
                     raise CheckpointError(f"{where}: {printable(key)}: a chunk is {_kind(chunk)}, not ChunkStorageMetadata")
                 at = f"{where}: {printable(key)}: chunk"
                 offsets = _dims(getattr(chunk, "offsets", None), f"{at} offsets")
                 sizes = _dims(getattr(chunk, "sizes", None), f"{at} sizes", itemsize)
-                file, offset, length = _storage_info(files, storage, key, offsets, where)
-                if length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
+                file, offset, length, encoding = _storage_info(files, storage, key, offsets, where)
+                if encoding == "zstd-archive":  # decompressed on first read (dcptool.compression)
+                    files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
+                elif length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
                     raise CheckpointError(f"{at} at {list(offsets)}: a record of {length:,} bytes cannot hold "
                                           f"{dtype}{list(sizes)}")
-                chunks.append(Chunk(offsets, sizes, file, offset, length, "torch-archive", rank=saving_rank(file)))
+                chunks.append(Chunk(offsets, sizes, file, offset, length, encoding, rank=saving_rank(file)))
             tensors[key] = TensorInfo(nested, dtype, shape, chunks)
         else:
             raise CheckpointError(f"{where}: {printable(key)}: unknown entry type {_kind(entry)}")
@@ -131,13 +143,157 @@ def _nested_path(path, key: str, where: str) -> tuple:
     return path
 
 
-def _storage_index(metadata, where: str) -> dict:
-    """storage_data as ``(fqn, offsets or None) -> _StorageInfo``, its keys checked as data."""
+class _Storage:
+    """storage_data: ``get((fqn, offsets or None))`` gives a record's ``_StorageInfo``; the records the
+    unpickler kept as rows (``StorageRows``) are also columns, grouped by tensor (``rows_of``)."""
+
+    def __init__(self, records: dict, rows: list[safe_pickle.StorageRows]):
+        self.records = records
+        self.record_fqns = {fqn for fqn, _ in records}
+        fqn = [name for part in rows for name in part.fqn]
+        codes: dict[str, int] = {}
+        numbers = np.fromiter((codes.setdefault(name, len(codes)) for name in fqn), np.int64, len(fqn))
+        paths: dict[str, int] = {}
+        self.path = np.fromiter((paths.setdefault(p, len(paths)) for part in rows for p in part.path), np.int64, len(fqn))
+        self.path_names, self._paths = list(paths), paths
+        self._sizes: dict[str, int] = {}  # data files checked, with their sizes
+        self.ranks = {name: saving_rank(name) for name in paths}
+        join = (lambda name: np.concatenate([getattr(part, name) for part in rows])) if rows else \
+            (lambda name: np.zeros((0, 3) if name == "key" else 0, np.int64))
+        self.key, self.key_ndim, self.offset, self.length = join("key"), join("key_ndim"), join("offset"), join("length")
+        order = np.argsort(numbers, kind="stable")
+        bounds = np.searchsorted(numbers[order], np.arange(len(codes) + 1))
+        self._rows = {name: order[bounds[code]:bounds[code + 1]] for name, code in codes.items()}
+
+    def file_size(self, files, name: str, at: str) -> int:
+        """The size of a data file the records name, checked once: a plain name in the folder, present."""
+        size = self._sizes.get(name)
+        if size is None:
+            problem = file_name_problem(name)
+            if problem:
+                raise CheckpointError(f"{at}: relative_path {problem}")
+            if not files.is_file(name):
+                raise CheckpointError(f"{at}: its data file {files.path(name)} is missing")
+            size = self._sizes[name] = files.size(name)
+            self.ranks.setdefault(name, saving_rank(name))
+        return size
+
+    def path_code(self, name: str) -> int:
+        """The number of a data file name among ``path_names`` (added when new)."""
+        if name not in self._paths:
+            self._paths[name] = len(self.path_names)
+            self.path_names.append(name)
+        return self._paths[name]
+
+    def rows_of(self, fqn: str) -> np.ndarray:
+        return self._rows.get(fqn, _NO_ROWS)
+
+    def get(self, place):
+        info = self.records.get(place)
+        if info is not None or place[1] is None:
+            return info
+        fqn, offsets = place
+        for row in self.rows_of(fqn).tolist():
+            if self.key_ndim[row] == len(offsets) and tuple(self.key[row, :len(offsets)].tolist()) == offsets:
+                return safe_pickle._record(safe_pickle.ALLOWED["torch.distributed.checkpoint.filesystem._StorageInfo"], {
+                    "relative_path": self.path_names[self.path[row]], "offset": int(self.offset[row]),
+                    "length": int(self.length[row])})
+        return None
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def _chunk_table(files, storage: _Storage, key: str, chunk_list: list, dtype: str, where: str) -> ChunkTable | None:
+    """The chunks of a tensor as columns when the unpickler kept its records as rows; None leaves the
+    tensor to the record-by-record reading (records of other shapes, transforms)."""
+    rows = [item for item in chunk_list if type(item) is safe_pickle.ChunkRows]
+    if not rows or any(type(item) is not safe_pickle.ChunkRows and not _is(item, "ChunkStorageMetadata")
+                       for item in chunk_list):
+        return None
+    itemsize = dtypes.dtype(dtype).itemsize
+    at = f"{where}: {printable(key)}: chunk"
+    parts = []
+    for item in chunk_list:
+        if type(item) is safe_pickle.ChunkRows:
+            parts.append((item.offsets, item.sizes))
+        else:
+            offsets = _dims(getattr(item, "offsets", None), f"{at} offsets")
+            sizes = _dims(getattr(item, "sizes", None), f"{at} sizes", itemsize)
+            parts.append((np.array([offsets], np.int64).reshape(1, -1), np.array([sizes], np.int64).reshape(1, -1)))
+    if len({part[0].shape[1] for part in parts}) != 1:
+        return None
+    offsets, sizes = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    ndim = offsets.shape[1]
+    wrong = np.flatnonzero(np.any((offsets < 0) | (offsets >= SIZE_LIMIT) | (sizes < 0) | (sizes >= SIZE_LIMIT), axis=1))
+    if len(wrong):
+        raise CheckpointError(f"{at} at {offsets[wrong[0]].tolist()} of size {sizes[wrong[0]].tolist()}: "
+                              "offsets and sizes must be integers in [0, 2**63)")
+    # Each chunk's storage record: found among the rows of its tensor, matching the chunk offsets.
+    candidates = storage.rows_of(key)
+    candidates = candidates[storage.key_ndim[candidates] == ndim]
+    if not len(candidates):
+        return None
+    void = np.dtype((np.void, 8 * ndim))
+    keys = np.ascontiguousarray(storage.key[candidates, :ndim]).view(void).ravel()
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    if len(keys) > 1 and np.any(keys[1:] == keys[:-1]):
+        raise CheckpointError(f"{where}: {printable(key)} has two storage records for one chunk")
+    wanted = np.ascontiguousarray(offsets).view(void).ravel()
+    found = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    hit = keys[found] == wanted
+    rows = candidates[order[found]]
+    path, offset, length = storage.path[rows], storage.offset[rows], storage.length[rows]
+    if key in storage.record_fqns:  # some records of this tensor were read one by one: fill those in
+        for number, chunk_offsets in enumerate(offsets.tolist()):
+            info = storage.records.get((key, tuple(chunk_offsets)))
+            if info is None:
+                continue
+            if hit[number]:
+                raise CheckpointError(f"{where}: {printable(key)} has two storage records for one chunk")
+            if not _is(info, "_StorageInfo") or getattr(info, "transform_descriptors", None) or \
+                    not isinstance(getattr(info, "relative_path", None), str):
+                return None  # the record-by-record reading says what is wrong, or reads the transforms
+            values = (getattr(info, n, None) for n in ("offset", "length"))
+            offset[number], length[number] = (v if type(v) is int and 0 <= v < SIZE_LIMIT else -1 for v in values)
+            path[number] = storage.path_code(info.relative_path)
+            hit[number] = True
+    if not np.all(hit):
+        return None  # the record-by-record reading says which record is missing
+    bad = np.flatnonzero((offset < 0) | (length < 0) | (offset >= SIZE_LIMIT) | (length >= SIZE_LIMIT))
+    if len(bad):
+        raise CheckpointError(f"{at} at {offsets[bad[0]].tolist()}: storage record offset and length are not byte counts")
+    used = np.unique(path)
+    names = [storage.path_names[p] for p in used.tolist()]
+    sizes_on_disk = [storage.file_size(files, name, at) for name in names]
+    file_index = np.searchsorted(used, path)
+    past = np.flatnonzero(offset + length > np.array(sizes_on_disk, np.int64)[file_index])
+    if len(past):
+        first = int(past[0])
+        name = names[file_index[first]]
+        raise CheckpointError(f"{files.path(name)}: truncated: {printable(key)} needs bytes {int(offset[first]):,}.."
+                              f"{int(offset[first] + length[first]):,}, the file has {files.size(name):,}")
+    small = np.flatnonzero(length < np.prod(sizes, axis=1) * itemsize)  # each record is an archive of its chunk's bytes
+    if len(small):
+        first = int(small[0])
+        raise CheckpointError(f"{at} at {offsets[first].tolist()}: a record of {int(length[first]):,} bytes cannot hold "
+                              f"{dtype}{sizes[first].tolist()}")
+    return ChunkTable(offsets, sizes, names, file_index, offset, length, "torch-archive",
+                      [storage.ranks[n] for n in names])
+
+
+def _storage_index(metadata, where: str) -> _Storage:
+    """storage_data, its keys checked as data: records one by one, rows as columns."""
     records = getattr(metadata, "storage_data", None) or {}
     if not isinstance(records, dict):
         raise CheckpointError(f"{where}: storage_data is {_kind(records)}, not a dict")
     storage: dict[tuple[str, tuple[int, ...] | None], object] = {}
+    rows = []
     for index, info in records.items():
+        if type(index) is safe_pickle.StorageRows:
+            rows.append(index)
+            continue
         fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
         if not _is(index, "MetadataIndex") or not isinstance(fqn, str):
             raise CheckpointError(f"{where}: a key of storage_data is {_kind(index)}, not a MetadataIndex")
@@ -145,22 +301,18 @@ def _storage_index(metadata, where: str) -> dict:
         if place in storage:
             raise CheckpointError(f"{where}: {printable(fqn)} has two storage records for one chunk")
         storage[place] = info
-    return storage
+    return _Storage(storage, rows)
 
 
-def _storage_info(files, storage, key, offsets, where) -> tuple[str, int, int]:
-    """``(file, offset, length)`` of a record, checked against the folder and the file's size."""
+def _storage_info(files, storage, key, offsets, where) -> tuple[str, int, int, str]:
+    """``(file, offset, length, chunk encoding)`` of a record, checked against the folder and the file's size."""
     info = storage.get((key, offsets))
     at = f"{where}: {printable(key)}" + (f" chunk at {list(offsets)}" if offsets is not None else "")
     if info is None:
         raise CheckpointError(f"{at} has no storage record (metadata is incomplete)")
     if not _is(info, "_StorageInfo"):
         raise CheckpointError(f"{at}: storage record is {_kind(info)}, not a _StorageInfo")
-    transforms = getattr(info, "transform_descriptors", None)
-    if transforms:
-        shown = ", ".join(printable(t, 40) for t in transforms[:4]) if isinstance(transforms, (list, tuple)) \
-            else _kind(transforms)
-        raise CheckpointError(f"{at} is stored with transforms [{shown}], not supported yet")
+    encoding = compression.encoding_of(getattr(info, "transform_descriptors", None), at)
     file, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
     problem = file_name_problem(file)
     if problem:
@@ -173,7 +325,7 @@ def _storage_info(files, storage, key, offsets, where) -> tuple[str, int, int]:
     if offset + length > size:
         raise CheckpointError(f"{files.path(file)}: truncated: {printable(key)} needs bytes {offset:,}..{offset + length:,}, "
                               f"the file has {size:,}")
-    return file, offset, length
+    return file, offset, length, encoding
 
 
 def _dtype_of(properties, key: str, where: str) -> str:
@@ -207,8 +359,10 @@ class Writer:
 
     NEEDS_CRC = True
 
-    def __init__(self, folder: Path, layout=None, world_size: int = 1):
-        self.folder = folder
+    def __init__(self, folder: Path, layout=None, world_size: int = 1, compress: str | None = None):
+        if compress not in (None, "zstd"):
+            raise UsageError(f"--compress {compress}: choose zstd")
+        self.folder, self.compress = folder, compress
         self.out = OutputFiles(folder)
         self.world_size = world_size
         self.layout = layout or (lambda t: [(tuple(0 for _ in t.shape), tuple(t.shape), 0)])
@@ -269,6 +423,12 @@ class Writer:
                 end += len(blob)
         for name in files:
             self.out.fd(name)  # every rank's file exists, even an empty one
+        if self.compress:  # each record becomes one zstd stream, as torch's ZStandard extension writes it
+            for name in files:
+                mine = sorted((where[1], where[2], place) for place, where in records.items() if where[0] == name)
+                placed = compression.compress_records(self.folder, name, [(start, length) for start, length, _ in mine])
+                for (_, _, place), (start, length) in zip(mine, placed):
+                    records[place] = (name, start, length)
         return records
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
@@ -289,8 +449,10 @@ class Writer:
             position = None if offsets is None else [p.offsets for p in chunks_of[key]].index(offsets)
             index = new_object(_METADATA_MODULE, "MetadataIndex", {
                 "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})
-            storage[index] = new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo",
-                                        {"relative_path": file, "offset": start, "length": length})
+            info = {"relative_path": file, "offset": start, "length": length}
+            if self.compress:
+                info["transform_descriptors"] = [compression.ZSTD]
+            storage[index] = new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo", info)
         for tensor in self.tensors:
             properties = new_object(_METADATA_MODULE, "TensorProperties", (
                 Global("torch", tensor.dtype),

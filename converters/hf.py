@@ -26,6 +26,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 COMPLETES = [INDEX]  # uploaded last to remote storage: without it a sharded folder is incomplete
 MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the __metadata__ entry of torch's HF-storage DCP files
 # Files that make an export usable by transformers, copied from --config-dir.
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -34,18 +35,35 @@ CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "toke
 
 def detect(files: CheckpointFiles) -> bool:
     if files.single_file:
-        return files.single_file.endswith(".safetensors")
-    return files.is_dir() and (files.is_file(INDEX) or bool(files.names("*.safetensors")))
+        return files.single_file.endswith(".safetensors") and not dcp_sharded(files, files.single_file)
+    if not files.is_dir():
+        return False
+    shards = files.names("*.safetensors")
+    # Files of torch's HuggingFaceStorageWriter carry DCP sharding info: they are format hf-dcp.
+    return (files.is_file(INDEX) or bool(shards)) and not (shards and dcp_sharded(files, shards[0]))
+
+
+def dcp_sharded(files: CheckpointFiles, name: str) -> bool:
+    """Whether a safetensors file's ``__metadata__`` holds DCP sharding info (a save by torch's
+    ``HuggingFaceStorageWriter``); False for anything unreadable, which ``read`` then reports."""
+    try:
+        _, metadata = read_header(files, name)
+    except CheckpointError:
+        return False
+    return DCP_SHARDING_INFO in metadata
 
 
 def read(files: CheckpointFiles) -> Checkpoint:
     names = [files.single_file] if files.single_file else _listed_files(files)
     tensors: dict[str, TensorInfo] = {}
     for name in names:
-        for key, tensor in _read_header(files, name).items():
+        found, metadata = read_header(files, name)
+        for key, tensor in found.items():
             if key in tensors:
+                chunks = (" (chunks of torch's HuggingFaceStorageWriter: format hf-dcp, which reshard and convert read)"
+                          if DCP_SHARDING_INFO in metadata else "")
                 raise CheckpointError(f"{files.path(name)}: tensor {printable(key)} is also in "
-                                      f"{tensors[key].chunks[0].file}")
+                                      f"{tensors[key].chunks[0].file}{chunks}")
             tensors[key] = tensor
     info = {"files": len(names)}
     if files.is_file("config.json"):  # a model folder: its config is checked by reshard and copied by export-hf
@@ -76,8 +94,9 @@ def _listed_files(files: CheckpointFiles) -> list[str]:
     return names
 
 
-def _read_header(files: CheckpointFiles, name: str) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, from its header checked as data against the file's size."""
+def read_header(files: CheckpointFiles, name: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The tensors of one safetensors file and its ``__metadata__``, from its header checked as data
+    against the file's size."""
     where = files.path(name)
     size = files.size(name)
     if size < 8:
@@ -116,7 +135,7 @@ def _read_header(files: CheckpointFiles, name: str) -> dict[str, TensorInfo]:
     for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
         if begin_b < end_a:
             raise CheckpointError(f"{where}: the data of {printable(a)} and {printable(b)} overlap (data_offsets)")
-    return tensors
+    return tensors, metadata or {}
 
 
 def _entry(where, key: str, entry) -> tuple[dtypes.DType, tuple[int, ...], tuple[int, int]]:
@@ -141,12 +160,14 @@ def _entry(where, key: str, entry) -> tuple[dtypes.DType, tuple[int, ...], tuple
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
-def _header(tensors) -> bytes:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for tensor in tensors:
-        header[tensor.key] = {"dtype": dtypes.dtype(tensor.dtype).safetensors, "shape": list(tensor.shape),
-                              "data_offsets": [offset, offset + tensor.nbytes]}
-        offset += tensor.nbytes
+def header_bytes(entries, metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors header for ``(name, dtype, shape)`` entries whose bytes follow it in that order."""
+    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtypes.dtype(dtype).itemsize
+        header[key] = {"dtype": dtypes.dtype(dtype).safetensors, "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
     return struct.pack("<Q", len(encoded)) + encoded
@@ -160,8 +181,10 @@ class Writer:
 
     NEEDS_CRC = False
 
-    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None):
+    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
+                 config: dict | None = None):
         self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
+        self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
         self.out = OutputFiles(folder)
         self._place: dict[str, tuple[str, int]] = {}
 
@@ -175,7 +198,8 @@ class Writer:
         )
         self.split = split
         self._tensors_of = {f: [by_key[k] for k in keys] for f, keys in split.filename_to_tensors.items()}
-        self._headers = {filename: _header(shard) for filename, shard in self._tensors_of.items()}
+        self._headers = {filename: header_bytes([(t.key, t.dtype, t.shape) for t in shard])
+                         for filename, shard in self._tensors_of.items()}
         pieces = []
         for filename, shard in self._tensors_of.items():
             offset = len(self._headers[filename])
@@ -206,18 +230,22 @@ class Writer:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if self.config_dir:
-            copy_config(self.config_dir, self.folder)
+            copy_config(self.config_dir, self.folder, self.config)
         return [o.key for o in objects]
 
 
-def copy_config(config_dir: str | Path, folder: Path) -> list[str]:
-    """Copy the model config, generation config and tokenizer files that sit in ``config_dir`` (a path or a URL)."""
+def copy_config(config_dir: str | Path, folder: Path, config: dict | None = None) -> list[str]:
+    """Copy the model config, generation config and tokenizer files that sit in ``config_dir`` (a path or a URL);
+    ``config``, when given, is written as config.json instead of the folder's."""
     files = CheckpointFiles(config_dir)
     if not files.is_file("config.json"):
         raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
     copied = [name for name in CONFIG_FILES if files.is_file(name)]
     for name in copied:
-        (folder / name).write_bytes(files.read_all(name))
+        if name == "config.json" and config is not None:
+            (folder / name).write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            (folder / name).write_bytes(files.read_all(name))
     return copied
 
 

@@ -7,7 +7,7 @@ releases the GIL) on a thread pool, each thread with its share of the memory bud
 
 >>> write_manifest("step-1000").tensors                                   # doctest: +SKIP
 84
->>> check("step-1000").problems                                           # doctest: +SKIP
+>>> check_manifest("step-1000").problems                                 # doctest: +SKIP
 []
 >>> check_against("step-1000", "hf-out", prefix="dcp.model").problems      # doctest: +SKIP
 []
@@ -260,6 +260,27 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
     return result
 
 
+def run(path: str | Path, *, write: bool = False, check: bool = False, against: str | Path | None = None,
+        manifest: str | Path | None = None, source_format: str | None = None, scan_nonfinite: bool = False,
+        prefix: str | None = None, against_prefix: str | None = None, overwrite: bool = False,
+        max_memory: int = convert.DEFAULT_MAX_MEMORY, threads: int | None = None,
+        progress: Callable[[int], None] | None = None) -> Result:
+    """``dcptool checksum``: one of ``write_manifest`` (``write``), ``check_manifest`` (``check``) and
+    ``check_against`` (``against``), refusing options that do not go with the one chosen."""
+    if write + check + (against is not None) != 1:
+        raise UsageError("choose one of --write, --check and --against OTHER")
+    if (prefix or against_prefix) and against is None:
+        raise UsageError("--prefix and --against-prefix go with --against")
+    options = {"max_memory": max_memory, "threads": threads, "progress": progress}
+    if write:
+        return write_manifest(path, manifest, source_format=source_format, scan_nonfinite=scan_nonfinite,
+                              overwrite=overwrite, **options)
+    if check:
+        return check_manifest(path, manifest, source_format=source_format, scan_nonfinite=scan_nonfinite, **options)
+    return check_against(path, against, manifest, other_format=source_format, prefix=prefix,
+                         other_prefix=against_prefix, **options)
+
+
 def _tensor_entry(tensor: TensorInfo, digest: TensorDigest) -> dict[str, Any]:
     entry = {"path": list(tensor.path), "dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes,
              "hash": digest.hash}
@@ -291,9 +312,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return document
 
 
-def check(path: str | Path, manifest: str | Path | None = None, *, source_format: str | None = None,
-          scan_nonfinite: bool = False, max_memory: int = convert.DEFAULT_MAX_MEMORY, threads: int | None = None,
-          progress: Callable[[int], None] | None = None) -> Result:
+def check_manifest(path: str | Path, manifest: str | Path | None = None, *, source_format: str | None = None,
+                   scan_nonfinite: bool = False, max_memory: int = convert.DEFAULT_MAX_MEMORY,
+                   threads: int | None = None, progress: Callable[[int], None] | None = None) -> Result:
     """Check the checkpoint at ``path`` against its manifest: every file, then the tensors a change touches.
 
     Files are compared first (missing, extra, truncated, changed bytes). When any differ, the
@@ -301,7 +322,7 @@ def check(path: str | Path, manifest: str | Path | None = None, *, source_format
     index changed) are hashed, so the problems name the tensors too; a checkpoint that can no longer
     be read is a problem of its own.
 
-    >>> [(p.kind, p.name) for p in check("step-1000").problems]            # doctest: +SKIP
+    >>> [(p.kind, p.name) for p in check_manifest("step-1000").problems]   # doctest: +SKIP
     [('changed file', '__2_0.distcp'), ('changed values', 'model.layers.0.mlp.up_proj.weight')]
     """
     started = time.perf_counter()

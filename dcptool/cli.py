@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
 import traceback
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import click
 import typer
 
-from dcptool import dtypes, formats
-from dcptool.errors import DcptoolError, MismatchError, UsageError
+from dcptool import dtypes, formats, hub
+from dcptool.adapters.table import FAMILIES
+from dcptool.errors import DcptoolError, MismatchError, UsageError, counted
 from dcptool.storage import check_destination, is_remote, output_path, parse_size
 
 # Each command imports what it runs (convert, reshard, verify, checksum, rich) when it runs, so that
@@ -30,7 +32,14 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+# Choices as Literal types, so that help lists them and click refuses anything else with exit 2.
+FormatName = Literal[tuple(formats.names())]
+OutputFormat = Literal[tuple(formats.writable())]
+CastDtype = Literal[dtypes.CASTABLE]
+Family = Literal[FAMILIES]
+FamilyOrAuto = Literal[("auto", *FAMILIES)]
 _state = {"debug": False, "quiet": False}
 # Control characters and lone surrogates, which a key read from a file may hold: shown as escapes,
 # so a name cannot move the cursor, recolour the terminal or forge a line of output.
@@ -88,13 +97,16 @@ def _size(text: str) -> int:
         raise typer.BadParameter(str(exc)) from None
 
 
-FromOption = typer.Option(None, "--from", help=f"Source format (detected when omitted): {', '.join(formats.names())}.")
+FromOption = typer.Option(None, "--from", help="Source format (detected when omitted).")
 OverwriteOption = typer.Option(False, "--overwrite", help="Replace DST if it exists (only once the new output is complete).")
 MaxMemoryOption = typer.Option("256MB", "--max-memory", help="Budget for data buffers; larger tensors move in pieces.")
-DtypeOption = typer.Option(None, "--dtype", help="Cast floating-point tensors to bfloat16, float16 or float32.")
+DtypeOption = typer.Option(None, "--dtype", help="Cast floating-point tensors to this dtype.")
 IncludeOption = typer.Option(None, "--include", help="Only keys matching this regular expression.")
 ExcludeOption = typer.Option(None, "--exclude", help="Leave out keys matching this regular expression.")
 FsyncOption = typer.Option(True, "--fsync/--no-fsync", help="Flush outputs to disk before the final rename.")
+RevisionOption = typer.Option(None, "--revision", metavar="REV", help="Branch, tag or commit of a source that is a Hugging Face hub repo (ORG/NAME; or hf://ORG/NAME@REVISION).")
+DequantizeOption = typer.Option(False, "--dequantize", help="Turn block-scaled float8 weights (X.weight + X.weight_scale_inv, block size from config.json's quantization_config) into --dtype (default bfloat16); the scales are left out.")
+CompressOption = typer.Option(None, "--compress", help="Compress DCP records as torch's zstd extension does (dcp.load reads them; needs the zstandard package).")
 TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names: hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later). Default: the source's.")
 
 
@@ -104,12 +116,26 @@ def _notes(notes: list[str]) -> None:
         _err().print(shown(note), soft_wrap=True, markup=False, highlight=False)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"dcptool {version('dcptool')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("dcptool (not installed: no version recorded)")
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors (also after the command name)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also after the command name)."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
 ) -> None:
     _state["debug"], _state["quiet"] = debug, quiet
+    if quiet or not sys.stderr.isatty():  # huggingface_hub's bars (hub downloads, uploads), like ours; read at its import
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     if not isinstance(sys.stdout, _EscapingStream):
         sys.stdout, sys.stderr = _EscapingStream(sys.stdout), _EscapingStream(sys.stderr)
 
@@ -128,17 +154,23 @@ def _progress(total: int, what: str):
         yield lambda n: progress.advance(task, n)
 
 
-def _check_dtype(dtype: Optional[str]) -> None:
-    if dtype and dtype not in dtypes.CASTABLE:
-        raise UsageError(f"--dtype {dtype}: choose {', '.join(dtypes.CASTABLE)}")
+def _summary(report: convert.Report, dropped: dict[str, list[str]] | None = None, why: str = "") -> None:
+    """The written line, and one line of everything the output does not hold, each kind with why.
 
-
-def _summary(report: convert.Report) -> None:
-    line = f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {report.bytes_written:,} bytes"
-    print(line)
-    if report.left_out:
-        shown = ", ".join(report.left_out[:8]) + (" ..." if len(report.left_out) > 8 else "")
-        print(f"left out {len(report.left_out)} non-tensor entries the format cannot hold: {shown}")
+    ``dropped``: the source's entries planning did not choose (``convert.left_out``), for ``why``;
+    the objects the writer could not hold (``report.left_out``) are said apart.
+    """
+    print(f"wrote {report.destination} ({report.format}): {counted(report.tensors, 'tensor')}, {report.bytes_written:,} bytes")
+    singular = {"non-tensor entries": "non-tensor entry", "optimizer tensors": "optimizer tensor", "other tensors": "other tensor"}
+    chosen_out = {kind: [k for k in keys if k not in report.left_out] for kind, keys in (dropped or {}).items()}
+    groups = [(counts, reason) for counts, reason in (
+        (", ".join(counted(len(keys), singular[kind], kind) for kind, keys in chosen_out.items() if keys), why or "not chosen"),
+        (counted(len(report.left_out), "non-tensor entry", "non-tensor entries") if report.left_out else "",
+         f"{report.format} cannot hold them"),
+    ) if counts]
+    if groups:
+        keys = [key for keys in chosen_out.values() for key in keys] + list(report.left_out)
+        print(f"left out: {'; '.join(f'{counts} ({reason})' for counts, reason in groups)}: {_grouped(keys)}")
 
 
 def _chunking(tensor) -> str:
@@ -179,15 +211,37 @@ def _grouped(keys, limit: int = 12) -> str:
 
 @app.command()
 def inspect(
-    path: str = typer.Argument(..., help="Checkpoint folder or file (or a URL: s3://..., memory://...)."),
-    source_format: Optional[str] = FromOption,
+    path: str = typer.Argument(..., help="Checkpoint folder or file (or a URL: s3://..., memory://...; or a hub repo ORG/NAME)."),
+    source_format: Optional[FormatName] = FromOption,
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of a table."),
+    revision: Optional[str] = RevisionOption,
+    include: Optional[str] = IncludeOption,
+    show_all: bool = typer.Option(False, "--all", "--no-collapse", help="One row per key (by default numbered layers of one dtype, shape and chunking fold into one row)."),
+    with_stats: bool = typer.Option(False, "--stats", help="Read every tensor: min, max, mean, std, L2 norm, zeros, NaN, Inf; flag all-zero tensors and experts, NaN/Inf, identical tensors."),
+    layout_key: Optional[str] = typer.Option(None, "--layout", metavar="KEY", help="Draw which rank holds which block of this tensor."),
+    mesh: Optional[str] = typer.Option(None, "--mesh", help="With --layout: lay it out on this mesh (dp=2,tp=4[,ep=..,etp=..,cp=..,dp_replicate=..]) as reshard would, instead of as saved."),
+    plan: str = typer.Option("auto", "--plan", help="With --mesh: placement plan (auto, hf, torchtitan, fsdp, or a YAML/JSON plan file)."),
+    svg: Optional[Path] = typer.Option(None, "--svg", help="With --layout: also write the picture to this SVG file (replaced if it exists)."),
+    threads: int = typer.Option(0, "--threads", help="With --stats: reading threads (default: the CPUs, at most 4)."),
+    max_memory: str = MaxMemoryOption,
 ) -> None:
-    """Show a checkpoint's format, tensors (dtype, shape, bytes, chunking), other entries and files.
+    """Show a checkpoint's format, tensors (dtype, shape, bytes, chunking), parameter count, other entries and files.
 
-    [bold]Example[/bold]: [cyan]dcptool inspect checkpoints/step-1000 --json[/cyan]
+    [bold]Examples[/bold]:
+      [cyan]dcptool inspect checkpoints/step-1000 --json[/cyan]
+      [cyan]dcptool inspect step-1000 --stats --include 'layers\\.1[0-9]\\.'[/cyan]
+      [cyan]dcptool inspect step-1000 --layout model.layers.0.self_attn.q_proj.weight --mesh dp=2,tp=4 --svg q.svg[/cyan]
     """
+    from dcptool import stats
+
+    path, = hub.with_revision(path, revision=revision)
     checkpoint = formats.open_checkpoint(path, source_format)
+    if layout_key is not None:
+        _draw_layout(checkpoint, layout_key, mesh, plan, svg, as_json)
+        return
+    if mesh or svg:
+        raise UsageError("--mesh and --svg go with --layout KEY")
+    tensors, objects = stats.included(checkpoint.tensors, include), stats.included(checkpoint.objects, include)
     files = checkpoint.data_files()
     disk = sum(checkpoint.files.size(f) for f in files)
     ranks_recorded = any(c.rank is not None for t in checkpoint.tensors.values() for c in t.chunks)
@@ -197,27 +251,39 @@ def inspect(
 
         inferred = resharding.infer_mesh(checkpoint)
     names = _naming(checkpoint)
+    parameters = stats.parameter_counts(checkpoint, tensors)
+    summary = _read_stats(checkpoint, tensors, threads, max_memory) if with_stats else None
     if as_json:
         report = {
             "format": checkpoint.format,
             "tensors": {k: {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "chunks": len(t.chunks)}
-                        for k, t in checkpoint.tensors.items()},
-            "objects": list(checkpoint.objects),
-            "total_bytes": checkpoint.total_bytes,
+                        for k, t in tensors.items()},
+            "objects": list(objects),
+            "total_bytes": sum(t.nbytes for t in tensors.values()),
             "files": {"count": len(files), "bytes": disk},
             "info": {k: str(v) if isinstance(v, Path) else v for k, v in checkpoint.info.items()},
             "mesh": None if inferred is None else inferred[0].as_dict() | {"plan": inferred[1].name},
             "names": names,
+            "parameters": parameters,
         }
+        if summary:
+            report["stats"] = summary.to_json()
         print(json.dumps(report, indent=2))
         return
-    rows = [(shown(key), tensor.dtype, str(list(tensor.shape)), f"{tensor.nbytes:,}", _chunking(tensor))
-            for key, tensor in checkpoint.tensors.items()]
+
+    def describe(key):
+        return tensors[key].dtype, str(list(tensors[key].shape)), _chunking(tensors[key])
+
+    rows = []  # numbered keys that agree fold into one row (model.layers.{0..79}.mlp.up_proj.weight), unless --all
+    for name, keys in stats.folded_rows(list(tensors), describe, minimum=len(tensors) + 1 if show_all else 3):
+        dtype, shape, chunking = describe(keys[0])
+        rows.append((shown(name), dtype, shape, f"{sum(tensors[k].nbytes for k in keys):,}", chunking))
     lines = [f"{path} ({checkpoint.format})", *_aligned(("key", "dtype", "shape", "bytes", "chunks"), rows, right={3})]
-    if checkpoint.objects:
-        lines.append(f"non-tensor entries ({len(checkpoint.objects)}): {_grouped(checkpoint.objects)}")
-    lines.append(f"{len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes of tensor data; "
-                 f"{len(files)} data files, {disk:,} bytes on disk")
+    lines += stats.parameter_lines(parameters, shown)
+    if objects:
+        lines.append(f"non-tensor entries ({len(objects)}): {_grouped(objects)}")
+    lines.append(f"{counted(len(tensors), 'tensor')}, {sum(t.nbytes for t in tensors.values()):,} bytes of tensor data; "
+                 f"{counted(len(files), 'data file')}, {disk:,} bytes on disk")
     lines += [f"{key}: {value}" for key, value in checkpoint.info.items() if value is not None]
     if names:
         lines.append(f"names: {names['family']}" + (f" ({names['kind']})" if names["kind"] else ""))
@@ -225,7 +291,28 @@ def inspect(
         lines.append(f"saved on mesh {inferred[0].describe()} (plan {inferred[1].name})")
     elif ranks_recorded:
         lines.append("saved on a mesh no built-in plan reproduces")
+    if summary:
+        lines += _aligned(stats.STATS_HEADER, stats.stats_rows(summary, shown), right=set(range(1, 9)))
+        lines += stats.summary_lines(summary, shown)
     print("\n".join(lines))
+
+
+def _read_stats(checkpoint, tensors, threads: int, max_memory: str):
+    """inspect --stats: every tensor read once, with a progress bar."""
+    from dcptool import stats
+
+    with _progress(sum(t.nbytes for t in tensors.values()), "reading") as advance:
+        return stats.compute(checkpoint, tensors, max_memory=_size(max_memory), threads=threads or None, progress=advance)
+
+
+def _draw_layout(checkpoint, key: str, mesh: Optional[str], plan: str, svg: Optional[Path], as_json: bool) -> None:
+    """inspect --layout KEY: the text grid (or JSON) of who holds what, and the SVG picture when asked."""
+    from dcptool import layout
+
+    picture = layout.planned_layout(checkpoint, key, mesh, plan) if mesh else layout.saved_layout(checkpoint, key)
+    if svg:
+        layout.write_svg(picture, svg)
+    print(json.dumps(picture.to_json(), indent=2) if as_json else "\n".join(map(shown, layout.text_grid(picture))))
 
 
 def _naming(checkpoint) -> dict | None:
@@ -246,17 +333,21 @@ def _naming(checkpoint) -> dict | None:
 
 @app.command(name="convert")
 def convert_command(
-    source: str = typer.Argument(..., help="Checkpoint to read (a path or a URL)."),
+    source: str = typer.Argument(..., help="Checkpoint to read (a path, a URL or a hub repo ORG/NAME)."),
     destination: Path = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch); a path or a URL."),
-    to: str = typer.Option(..., "--to", help=f"Output format: {', '.join(formats.names())}."),
-    source_format: Optional[str] = FromOption,
-    dtype: Optional[str] = DtypeOption,
+    to: OutputFormat = typer.Option(..., "--to", help="Output format."),
+    source_format: Optional[FormatName] = FromOption,
+    dtype: Optional[CastDtype] = DtypeOption,
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
     world_size: int = typer.Option(1, "--world-size", help="Ranks to write for --to fsdp1."),
+    keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="With --to fsdp1: give each new rank the state its source rank saved of its own (RNG) instead of dropping it."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file for --to hf."),
-    adapter: Optional[str] = TargetAdapterOption,
+    adapter: Optional[Family] = TargetAdapterOption,
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json, for --adapter (head counts, experts, tied embeddings)."),
+    revision: Optional[str] = RevisionOption,
+    dequantize: bool = DequantizeOption,
+    compress: Optional[Literal["zstd"]] = CompressOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
@@ -272,26 +363,37 @@ def convert_command(
     """
     from dcptool import convert
 
-    _check_dtype(dtype)
-    checkpoint = formats.open_checkpoint(source, source_format)
-    checkpoint, notes = convert.adapted(checkpoint, adapter, config_dir=config_dir)
-    tensors, objects = convert.entries_for(checkpoint, to, dtype, include, exclude)
-    options = {"fsdp1": {"world_size": world_size}, "hf": {"max_shard_size": _size(max_shard_size)}}.get(to, {})
-    _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync, notes)
+    source, = hub.with_revision(source, revision=revision)
+    if compress and to != "dcp":
+        raise UsageError(f"--compress {compress} goes with --to dcp")
+    checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
+    conversion = convert.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
+                                      config_dir=config_dir, world_size=world_size, max_shard_size=_size(max_shard_size),
+                                      keep_rank_state=keep_rank_state)
+    conversion.notes += quant_notes
+    if compress:
+        conversion.writer_options["compress"] = compress
+    _write(conversion, destination, max_memory, overwrite, fsync)
 
 
-def _write(checkpoint, destination, to, tensors, objects, options, max_memory, overwrite, fsync, notes=()) -> None:
+def _dequantized(checkpoint, dequantize: bool, config_dir, dtype):
+    """With --dequantize, the checkpoint with its block-scaled float8 weights as ``dtype`` ones (dcptool.quant), and notes."""
+    if not dequantize:
+        return checkpoint, []
+    from dcptool import quant
+
+    return quant.dequantized(checkpoint, config_dir, dtype)
+
+
+def _write(conversion: convert.Conversion, destination, max_memory, overwrite, fsync) -> None:
     """Write and summarize; the adapter's notes come after the summary, once the output exists."""
     from dcptool import convert
 
-    total = sum(t.nbytes for t in tensors)
-    with _progress(total, f"writing {Path(str(destination)).name}") as advance:
-        report = convert.write_checkpoint(
-            checkpoint, destination, to, tensors, objects, overwrite=overwrite, max_memory=_size(max_memory),
-            fsync=fsync, progress=advance, writer_options=options,
-        )
-    _summary(report)
-    _notes(notes)
+    with _progress(conversion.total_bytes, f"writing {Path(str(destination)).name}") as advance:
+        report = conversion.write(destination, overwrite=overwrite, max_memory=_size(max_memory), fsync=fsync,
+                                  progress=advance)
+    _summary(report, convert.left_out(conversion.checkpoint, conversion.tensors, conversion.objects), conversion.why_left_out)
+    _notes([*report.notes, *(conversion.checkpoint.info.get("not_read") or [])])  # files of the source no reader used
 
 
 @app.command(name="export-hf")
@@ -300,13 +402,18 @@ def export_hf(
     destination: Path = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with config.json and tokenizer files to copy."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
-    source_format: Optional[str] = FromOption,
-    dtype: Optional[str] = DtypeOption,
+    source_format: Optional[FormatName] = FromOption,
+    dtype: Optional[CastDtype] = DtypeOption,
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (the hub's default 5GB)."),
-    adapter: str = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later); the output has HF names."),
-    hf_experts: str = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
+    adapter: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later); the output has HF names."),
+    hf_experts: Literal["per-expert", "fused"] = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Then upload the export to this Hugging Face hub model repo (created if missing)."),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),
+    hub_branch: Optional[str] = typer.Option(None, "--revision", metavar="BRANCH", help="With --push-to-hub: the branch to upload to, created if missing (e.g. one per step)."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", metavar="MESSAGE", help="With --push-to-hub: the commit message."),
+    dequantize: bool = DequantizeOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
@@ -323,15 +430,30 @@ def export_hf(
     [bold]Examples[/bold]:
       [cyan]dcptool export-hf recover_checkpoint hf-out --config-dir base-model --dtype bfloat16[/cyan]
       [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
+      [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --revision step-1000[/cyan]
     """
     from dcptool import convert
 
-    _check_dtype(dtype)
-    checkpoint = formats.open_checkpoint(source, source_format)
-    tensors, config_dir, notes = convert.hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude,
-                                                           adapter, hf_experts)
-    options = {"max_shard_size": _size(max_shard_size), "config_dir": config_dir}
-    _write(checkpoint, destination, "hf", tensors, [], options, max_memory, overwrite, fsync, notes)
+    if push_to_hub:  # before the export: a push that cannot start should not cost one
+        hub.check_repo_id(push_to_hub)
+        if is_remote(destination):
+            raise UsageError(f"{destination}: --push-to-hub uploads a local export folder: give a local output folder")
+        hub.check_can_push()
+    elif private or hub_branch or commit_message:
+        raise UsageError("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
+    checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
+    conversion = convert.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype, include=include,
+                                        exclude=exclude, adapter=adapter, hf_experts=hf_experts,
+                                        max_shard_size=_size(max_shard_size))
+    if dequantize:  # a quantization_config left in would make transformers quantize the weights again
+        from dcptool import quant
+
+        conversion.writer_options["config"] = quant.drop_quantization_config(conversion.writer_options.get("config"))
+        conversion.notes += quant_notes
+    _write(conversion, destination, max_memory, overwrite, fsync)
+    if push_to_hub:
+        url = hub.push(destination, push_to_hub, private=private, revision=hub_branch, commit_message=commit_message)
+        print(f"pushed {destination} to {url}")
 
 
 # Mesh options shared by reshard and import-hf.
@@ -347,28 +469,20 @@ ConfigDirOption = typer.Option(None, "--config-dir", help="Folder (a path or a U
 DryRunOption = typer.Option(False, "--dry-run", help="Print the plan and its problems; write nothing.")
 
 
-def _mesh_options(dp, tp, ep, etp: str, cp, dp_replicate, world_size) -> dict:
-    """The mesh sizes as reshard.resolve_mesh takes them; ``--etp tp`` means the tp degree."""
-    if etp != "tp" and not etp.isdigit():
-        raise UsageError(f"--etp {etp}: give 1 or tp")
-    return {"dp": dp, "tp": tp, "ep": ep, "etp": tp if etp == "tp" else int(etp), "cp": cp,
-            "dp_replicate": dp_replicate, "world_size": world_size}
-
-
 def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
-             as_json, max_memory, overwrite, fsync, adapter=None, wrapper=()) -> None:
-    from dcptool import convert, reshard as resharding
+             as_json, max_memory, overwrite, fsync, adapter=None, wrapper=(), dequantize=False, compress=None) -> None:
+    from dcptool import reshard as resharding
 
     if not dry_run:
         check_destination(destination, overwrite)  # before planning prints its warnings
-    checkpoint, notes = convert.adapted(formats.open_checkpoint(source, source_format), adapter, config_dir=config_dir,
-                                        wrapper=wrapper)
-    result = resharding.prepare(checkpoint, mesh_options, plan, keep_rank_state=keep_rank_state,
-                             config_dir=config_dir, dtype=dtype)
+    checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
+    result = resharding.plan_for(checkpoint, mesh_options, plan, adapter=adapter,
+                                 wrapper=wrapper, config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype)
+    result.notes[:0] = quant_notes
     if dry_run:
         _print_plan(result, as_json)
         if not as_json:
-            _notes(notes)
+            _notes(result.notes)
         if result.problems:
             raise typer.Exit(2)
         return
@@ -379,10 +493,10 @@ def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_s
         _err().print("[yellow]warning[/yellow]: " + shown(warning).replace("[", "\\["), soft_wrap=True)
     total = sum(layout.tensor.nbytes for layout in result.layouts)
     with _progress(total, f"writing {Path(str(destination)).name}") as advance:
-        report = resharding.write_plan(checkpoint, destination, result, max_memory=_size(max_memory),
-                                    overwrite=overwrite, fsync=fsync, progress=advance)
+        report = resharding.write_plan(result, destination, compress=compress, max_memory=_size(max_memory),
+                                       overwrite=overwrite, fsync=fsync, progress=advance)
     _summary(report)
-    _notes(notes)
+    _notes(report.notes)
 
 
 def _print_plan(result, as_json: bool) -> None:
@@ -398,7 +512,7 @@ def _print_plan(result, as_json: bool) -> None:
     if summary["objects"]:
         print(f"non-tensor entries carried over ({len(summary['objects'])}): {_grouped(summary['objects'])}")
     names, sizes = list(summary["files"]), list(summary["files"].values())
-    print(f"{len(sizes)} files ({names[0]} to {names[-1]}), {min(sizes):,} to {max(sizes):,} bytes each")
+    print(f"{counted(len(sizes), 'file')} ({names[0]} to {names[-1]}), {min(sizes):,} to {max(sizes):,} bytes each")
     for warning in summary["warnings"]:
         print(f"warning: {warning}")
     for problem in summary["problems"]:
@@ -419,14 +533,15 @@ def reshard(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    to: str = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
+    to: Literal["dcp", "fsdp1"] = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
-    adapter: Optional[str] = TargetAdapterOption,
+    adapter: Optional[Family] = TargetAdapterOption,
     config_dir: Optional[str] = ConfigDirOption,
-    source_format: Optional[str] = FromOption,
-    dtype: Optional[str] = DtypeOption,
+    source_format: Optional[FormatName] = FromOption,
+    dtype: Optional[CastDtype] = DtypeOption,
     dry_run: bool = DryRunOption,
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    compress: Optional[Literal["zstd"]] = CompressOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
@@ -442,23 +557,21 @@ def reshard(
     """
     from dcptool import reshard as resharding
 
-    _check_dtype(dtype)
-    mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
+    mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if to == "fsdp1":
+        if compress:
+            raise UsageError(f"--compress {compress} goes with --to dcp")
         checkpoint = formats.open_checkpoint(source, source_format)
-        mesh = resharding.resolve_mesh(checkpoint, **mesh_options)
-        _write(checkpoint, destination, "fsdp1", *resharding.fsdp1_entries(checkpoint, mesh, dtype),
-               max_memory, overwrite, fsync)
+        _write(resharding.fsdp1_conversion(checkpoint, mesh_options, dtype, keep_rank_state=keep_rank_state),
+               destination, max_memory, overwrite, fsync)
         return
-    if to != "dcp":
-        raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
     _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
-             as_json, max_memory, overwrite, fsync, adapter)
+             as_json, max_memory, overwrite, fsync, adapter, compress=compress)
 
 
 @app.command(name="import-hf")
 def import_hf(
-    source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path or a URL."),
+    source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path, a URL or a hub repo ORG/NAME."),
     destination: Path = typer.Argument(..., parser=output_path, help="Output DCP folder; a path or a URL."),
     dp: Optional[int] = typer.Option(None, "--dp", help="FSDP shard degree of the job that will load it (default 1)."),
     tp: int = TpOption,
@@ -468,10 +581,12 @@ def import_hf(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    adapter: str = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: model.<name>, grouped experts) or torchtitan (0.3 and later, keys at the top level)."),
+    adapter: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: model.<name>, grouped experts) or torchtitan (0.3 and later, keys at the top level)."),
     config_dir: Optional[str] = ConfigDirOption,
-    dtype: Optional[str] = DtypeOption,
+    dtype: Optional[CastDtype] = DtypeOption,
     dry_run: bool = DryRunOption,
+    revision: Optional[str] = RevisionOption,
+    dequantize: bool = DequantizeOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
@@ -484,15 +599,14 @@ def import_hf(
       [cyan]dcptool import-hf Qwen3-8B qwen3-dcp[/cyan]
       [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-archon --adapter archon --dp 8 --ep 8[/cyan]
       [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
+      [cyan]dcptool import-hf Qwen/Qwen3-8B qwen3-dcp --revision main[/cyan]   (a hub repo, through the hub cache)
     """
-    from dcptool import adapters
+    from dcptool import adapters, reshard as resharding
 
-    _check_dtype(dtype)
-    mesh_options = _mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    if adapter not in adapters.FAMILIES:
-        raise UsageError(f"--adapter {adapter}: choose one of {', '.join(adapters.FAMILIES)}")
+    source, = hub.with_revision(source, revision=revision)
+    mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,
-             max_memory, overwrite, fsync, adapter, adapters.JOB_WRAPPERS[adapter])
+             max_memory, overwrite, fsync, adapter, adapters.JOB_WRAPPERS[adapter], dequantize=dequantize)
 
 
 # verify and checksum: integrity checks (exit 1 when something differs).
@@ -503,25 +617,26 @@ JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes
 
 @app.command(name="verify")
 def verify_command(
-    a: str = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout; a path or a URL)."),
+    a: str = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout; a path, a URL or a hub repo ORG/NAME)."),
     b: Optional[str] = typer.Argument(None, metavar="B", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
-    roundtrip: Optional[str] = typer.Option(None, "--roundtrip", help=f"Convert A to this format and back in a temporary folder ($TMPDIR), and compare with A: {', '.join(formats.names())}."),
+    roundtrip: Optional[OutputFormat] = typer.Option(None, "--roundtrip", help="Convert A to this format and back in a temporary folder ($TMPDIR), and compare with A."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for floating-point values (default: bitwise)."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance (of A's values) for floating-point values (default: bitwise)."),
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
     prefix_a: Optional[str] = typer.Option(None, "--prefix-a", help=PrefixHelp.format(side="A")),
     prefix_b: Optional[str] = typer.Option(None, "--prefix-b", help=PrefixHelp.format(side="B")),
-    from_a: Optional[str] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
-    from_b: Optional[str] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
-    adapter_a: str = typer.Option("auto", "--adapter-a", help="Naming family of A's weights (auto, hf, archon, torchtitan); when A and B differ, B's weights are compared under A's names."),
-    adapter_b: str = typer.Option("auto", "--adapter-b", help="Naming family of B's weights (auto, hf, archon, torchtitan)."),
+    from_a: Optional[FormatName] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
+    from_b: Optional[FormatName] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
+    adapter_a: FamilyOrAuto = typer.Option("auto", "--adapter-a", help="Naming family of A's weights; when A and B differ, B's weights are compared under A's names."),
+    adapter_b: FamilyOrAuto = typer.Option("auto", "--adapter-b", help="Naming family of B's weights."),
     load_on: Optional[str] = typer.Option(None, "--load-on", help="Load A with torch's dcp.load in a real multi-process job on this mesh (dp=2,tp=2[,ep=2,etp=tp]) and check every rank's shard against the files."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="With --load-on: processes to start (default: the mesh's world size)."),
-    backend: str = typer.Option("auto", "--backend", help="With --load-on: auto (nccl when GPUs are present, else gloo), gloo or nccl."),
+    backend: Literal["auto", "gloo", "nccl"] = typer.Option("auto", "--backend", help="With --load-on: auto is nccl when GPUs are present, else gloo."),
     plan: str = PlanOption,
     timeout: float = typer.Option(600.0, "--timeout", help="With --load-on: seconds before the job is killed."),
     as_json: bool = JsonOption,
+    revision: Optional[str] = RevisionOption,
     max_memory: str = MaxMemoryOption,
 ) -> None:
     """Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values (bitwise unless --atol/--rtol).
@@ -536,29 +651,25 @@ def verify_command(
       [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
     """
-    if load_on:
-        if b is not None or roundtrip:
-            raise UsageError("--load-on checks A alone: give no B or --roundtrip")
-        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json)
-        return
     from dcptool import verify as verification
 
+    a, b = hub.with_revision(a, b, revision=revision)
+    verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
+    if load_on:
+        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json)
+        return
     memory = _size(max_memory)
     tolerances = {"atol": atol, "rtol": rtol}
     if roundtrip:
-        if b is not None or prefix_a or prefix_b or from_b:
-            raise UsageError("--roundtrip compares A with its own round trip: give no B, --prefix-a/-b or --from-b")
         with _progress(None, f"round trip via {roundtrip}") as advance:
             report = verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
                                             max_memory=memory, progress=advance, **tolerances)
     else:
-        if b is None:
-            raise UsageError("give the checkpoint B to compare A with, or --roundtrip FORMAT")
-        side_a = verification.select_side(formats.open_checkpoint(a, from_a), prefix_a, include, exclude)
-        side_b = verification.select_side(formats.open_checkpoint(b, from_b), prefix_b, include, exclude)
-        side_a, side_b, note = verification.align_families(side_a, side_b, adapter_a, adapter_b, include, exclude)
-        if note and not as_json:
-            _notes([note])
+        side_a, side_b, note = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a,
+                                                  prefix_b=prefix_b, include=include, exclude=exclude,
+                                                  family_a=adapter_a, family_b=adapter_b)
+        if note and not as_json:  # the first line of the output: the comparison is not the one asked for
+            print(shown(note))
         total = sum(t.nbytes for k, t in side_a.tensors.items() if k in side_b.tensors)
         with _progress(total, "comparing") as advance:
             report = verification.compare_sides(side_a, side_b, max_memory=memory, progress=advance, **tolerances)
@@ -575,8 +686,7 @@ def verify_command(
 def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json) -> None:
     from dcptool import loadcheck
 
-    if is_remote(path):
-        raise UsageError(f"{path}: --load-on runs torch's dcp.load on a local folder; copy the checkpoint here first")
+    loadcheck.check_runnable(path)  # before the line announcing the job
     if not as_json and not _state["quiet"]:
         _err().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
     report = loadcheck.run(path, loadcheck.parse_mesh(mesh), nproc=nproc, backend=backend, plan=plan,
@@ -585,10 +695,10 @@ def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude,
         print(json.dumps(report.to_json(), indent=2))
     else:
         load = f"{report.load_seconds:.2f} s" if report.load_seconds is not None else "did not finish"
-        print(f"{path}: {report.nproc} ranks ({report.backend}), dcp.load {load}")
+        print(f"{path}: {counted(report.nproc, 'rank')} ({report.backend}), dcp.load {load}")
         for result in report.ranks:
             state = "error" if result.error else ("FAIL" if result.failures else "ok")
-            print(f"rank {result.rank}: {state}, {result.tensors} tensors checked" + (f"; {result.error}" if result.error else ""))
+            print(f"rank {result.rank}: {state}, {counted(result.tensors, 'tensor')} checked" + (f"; {result.error}" if result.error else ""))
             for failure in result.failures:
                 print(f"  {failure['key']}: {failure['reason']}")
         if report.missing_ranks:
@@ -625,9 +735,10 @@ def checksum_command(
     scan_nonfinite: bool = typer.Option(False, "--scan-nonfinite", help="Also count NaN and Inf in floating-point tensors; any found exits 1."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="With --against: compare only the manifest's keys under this wrapper, stripped ('auto': the model part)."),
     against_prefix: Optional[str] = typer.Option(None, "--against-prefix", help="With --against: the same for the other checkpoint's keys."),
-    source_format: Optional[str] = typer.Option(None, "--from", help="Format of the checkpoint read (detected when omitted)."),
+    source_format: Optional[FormatName] = typer.Option(None, "--from", help="Format of the checkpoint read (detected when omitted)."),
     threads: int = typer.Option(0, "--threads", help="Hashing threads (default: the CPUs, at most 16)."),
     as_json: bool = JsonOption,
+    revision: Optional[str] = RevisionOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = typer.Option(False, "--overwrite", help="With --write: replace an existing manifest."),
 ) -> None:
@@ -643,21 +754,17 @@ def checksum_command(
     """
     from dcptool import checksum as checksums
 
-    if write + check + (against is not None) != 1:
-        raise UsageError("choose one of --write, --check and --against OTHER")
-    if (prefix or against_prefix) and against is None:
-        raise UsageError("--prefix and --against-prefix go with --against")
-    options = {"max_memory": _size(max_memory), "threads": threads or None}
+    path, against = hub.with_revision(path, against, revision=revision)
+    if hub.parse(path):  # the hub cache is huggingface_hub's: no manifest is written into it or read from it
+        if manifest is None:
+            raise UsageError(f"{path}: a hub repo holds no dcptool manifest: give --manifest FILE")
+        if check:
+            path = hub.local_path(path)
     with _progress(None, "hashing") as advance:
-        if write:
-            result = checksums.write_manifest(path, manifest, source_format=source_format, scan_nonfinite=scan_nonfinite,
-                                              overwrite=overwrite, progress=advance, **options)
-        elif check:
-            result = checksums.check(path, manifest, source_format=source_format, scan_nonfinite=scan_nonfinite,
-                                     progress=advance, **options)
-        else:
-            result = checksums.check_against(path, against, manifest, other_format=source_format, prefix=prefix,
-                                             other_prefix=against_prefix, progress=advance, **options)
+        result = checksums.run(path, write=write, check=check, against=against, manifest=manifest,
+                               source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
+                               against_prefix=against_prefix, overwrite=overwrite, max_memory=_size(max_memory),
+                               threads=threads or None, progress=advance)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
     else:
@@ -666,7 +773,7 @@ def checksum_command(
             print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix dcp.model or auto")
     if not result.ok:
         written = " (the manifest was written)" if write else ""
-        raise MismatchError(f"{result.path}: {len(result.problems)} problems against {result.manifest}{written}")
+        raise MismatchError(f"{result.path}: {counted(len(result.problems), 'problem')} against {result.manifest}{written}")
 
 
 def _print_checksum(result: checksums.Result) -> None:
@@ -674,12 +781,63 @@ def _print_checksum(result: checksums.Result) -> None:
         print(f"{problem.kind:<17} {shown(problem.name)}: {problem.detail}")
     rate = f"{result.bytes_hashed / max(result.seconds, 1e-9) / 1e6:,.0f} MB/s"
     if result.action == "write":
-        print(f"wrote {result.manifest}: {result.files} files and {result.tensors} tensors hashed "
+        print(f"wrote {result.manifest}: {counted(result.files, 'file')} and {counted(result.tensors, 'tensor')} hashed "
               f"({result.bytes_hashed:,} bytes in {result.seconds:.2f}s, {rate})")
     elif result.ok and result.action == "check":
-        print(f"{result.path}: intact, {result.files} files match {result.manifest}")
+        print(f"{result.path}: intact, {counted(result.files, 'file')} match {result.manifest}")
     elif result.ok:
-        print(f"{result.path}: {result.tensors} tensors match {result.manifest}")
+        print(f"{result.path}: {counted(result.tensors, 'tensor')} match {result.manifest}")
+
+
+# Options of the whole program that may also follow the command name (moved before it), and
+# command options that may also precede it (moved after it, for the commands that have them).
+GLOBAL_FLAGS = ("--debug", "--quiet", "-q")
+COMMAND_FLAGS_FIRST = ("--json",)
+
+
+def _arranged(group: click.Group, argv: list[str]) -> list[str]:
+    """``argv`` with GLOBAL_FLAGS moved before the command name and COMMAND_FLAGS_FIRST after it.
+
+    Option values are skipped by the command's own options (``--include -q`` keeps ``-q`` as the
+    regular expression), and nothing after ``--`` moves.
+
+    >>> _arranged(typer.main.get_command(app), ["--json", "inspect", "x", "--debug"])
+    ['--debug', 'inspect', '--json', 'x']
+    """
+    at = next((i for i, arg in enumerate(argv) if arg in group.commands), None)
+    if at is None:
+        return argv
+    command = group.commands[argv[at]]
+    takes_value = {name for param in command.params if param.param_type_name == "option" and not param.is_flag
+                   for name in param.opts}
+    before, after, rest = list(argv[:at]), [], argv[at + 1:]
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--":
+            after += rest[i:]
+            break
+        if arg in GLOBAL_FLAGS:
+            before.append(arg)
+        else:
+            after.append(arg)
+            if arg in takes_value and i + 1 < len(rest):
+                after.append(rest[i + 1])
+                i += 1
+        i += 1
+    first = [arg for arg in before if arg in COMMAND_FLAGS_FIRST]
+    return [arg for arg in before if arg not in COMMAND_FLAGS_FIRST] + [argv[at]] + first + after
+
+
+def _command() -> click.Command:
+    """The click command of ``app``, its flags shown without a ``<bool>`` type in help."""
+    command = typer.main.get_command(app)
+    for each in [command, *command.commands.values()]:
+        help_option = each.get_help_option(command.context_class(each, help_option_names=["-h", "--help"]))
+        for param in [*each.params, help_option]:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+    return command
 
 
 # typer >= 0.29 runs on its own copy of click: catch the usage errors of both.
@@ -705,12 +863,19 @@ def main(argv: list[str] | None = None) -> None:
         from dcptool import distributed
 
         distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
-        command = typer.main.get_command(app)
-        code = command.main(args=argv, prog_name="dcptool", standalone_mode=False)
+        command = _command()
+        args = _arranged(command, sys.argv[1:] if argv is None else argv)
+        code = command.main(args=args, prog_name="dcptool", standalone_mode=False)
         if code == 130:  # typer's exit for a KeyboardInterrupt raised by other means than Ctrl-C
             print(f"dcptool: {distributed.describe_failure(KeyboardInterrupt())[1]}", file=sys.stderr)
-    except CLICK_ERRORS as exc:
-        exc.show()
+    except CLICK_ERRORS as exc:  # one line, as every other refusal
+        context = getattr(exc, "ctx", None)
+        hint = f" (see {context.command_path} -h)" if context is not None else ""
+        message = exc.format_message().replace("Value error, ", "")  # typer's prefix for a refused choice
+        if message:
+            print(f"dcptool: error: {message}{hint}", file=sys.stderr)
+        else:  # no arguments: click shows the help
+            exc.show()
         code = exc.exit_code
     except CLICK_ABORTS:
         from dcptool import distributed

@@ -43,6 +43,7 @@ class Report:
     tensors: int = 0
     bytes_written: int = 0
     left_out: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what planning renamed, made or left out, one line each
 
 
 # Wrappers under which checkpoints nest the model, tried in order; the first that holds tensors is the model part.
@@ -159,6 +160,8 @@ def select(names: dict[str, Any], include: str | None, exclude: str | None) -> d
 
 def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: bool) -> list[OutTensor]:
     """Output tensors; ``dtype`` casts floating-point tensors only (integer state such as steps stays)."""
+    if dtype and dtype not in dtypes.CASTABLE:
+        raise UsageError(f"--dtype {dtype}: choose {', '.join(dtypes.CASTABLE)}")
     result = []
     for key, tensor in named.items():
         target = dtype if dtype and tensor.dtype in dtypes.CASTABLE else tensor.dtype
@@ -192,6 +195,8 @@ def write_checkpoint(
     >>> write_checkpoint(ckpt, Path("step-100.pt"), "torch", *entries_for(ckpt, "torch"))   # doctest: +SKIP
     """
     module = formats.get(to)
+    if not hasattr(module, "Writer"):  # read-only formats (accelerate's Trainer folders)
+        raise UsageError(f"--to {to}: dcptool reads {to} checkpoints but does not write them")
     upload = _Upload(str(destination), module) if is_remote(destination) else None
     try:
         return _write(checkpoint, destination, module, tensors, objects, upload, overwrite=overwrite,
@@ -269,10 +274,108 @@ class _Upload:
         self._staging.cleanup()
 
 
+@dataclass
+class Conversion:
+    """A planned write: what goes out of ``checkpoint`` as format ``to``, and notes on what planning renamed or
+    left out. The CLI shows ``total_bytes`` as its progress bar's length, then calls ``write``."""
+
+    checkpoint: Checkpoint
+    to: str
+    tensors: list[OutTensor]
+    objects: list[OutObject]
+    writer_options: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Why entries of the source are not in ``tensors``/``objects``, for the summary's "left out" line.
+    why_left_out: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def write(self, destination: Path | str, **options) -> Report:
+        """Write it (``options``: those of ``write_checkpoint``); the report carries the notes."""
+        report = write_checkpoint(self.checkpoint, destination, self.to, self.tensors, self.objects,
+                                  writer_options=self.writer_options, **options)
+        report.notes = list(self.notes)
+        return report
+
+
+def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, include: str | None = None,
+                 exclude: str | None = None, adapter: str | None = None, config_dir: str | Path | None = None,
+                 world_size: int = 1, max_shard_size: int | str = "5GB", keep_rank_state: bool = False) -> Conversion:
+    """What ``dcptool convert`` writes: every key as saved (or under ``adapter``'s names), for format ``to``.
+
+    ``world_size`` is the ranks of an fsdp1 output (``keep_rank_state``: with each source rank's own
+    state), ``max_shard_size`` the largest file of an hf one.
+    """
+    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
+    if to == "fsdp1":
+        from dcptool.reshard import fsdp1_conversion
+
+        conversion = fsdp1_conversion(checkpoint, {"world_size": world_size}, dtype, include, exclude, keep_rank_state)
+        conversion.notes[:0] = notes
+        return conversion
+    tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
+    options = {"hf": {"max_shard_size": max_shard_size}}.get(to, {})
+    reasons = (f"the {to} output holds model weights only" if getattr(formats.get(to), "MODEL_ONLY", False) else "",
+               "not selected by --include/--exclude" if include or exclude else "")
+    return Conversion(checkpoint, to, tensors, objects, options, notes, " or ".join(filter(None, reasons)))
+
+
+def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
+                   dtype: str | None = None, include: str | None = None, exclude: str | None = None,
+                   adapter: str = "auto", hf_experts: str = "per-expert",
+                   max_shard_size: int | str = "5GB") -> Conversion:
+    """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files.
+
+    A config.json the weights do not fit is refused here, before anything is written (``dcptool.hf_config``).
+    """
+    from dcptool import hf_config
+
+    tensors, config_dir, notes = hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude,
+                                                   adapter, hf_experts)
+    config = hf_config.export_config(config_dir, tensors, dtype)
+    if config_dir is None:
+        notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
+                     "give the model's config folder with --config-dir")
+    options = {"max_shard_size": max_shard_size, "config_dir": config_dir, "config": config}
+    why = "export-hf writes model weights only" + (", as selected by --include/--exclude" if include or exclude else "")
+    return Conversion(checkpoint, "hf", tensors, [], options, notes, why)
+
+
+OPTIMIZER_ROOTS = {"optimizer", "optim", "optimizers"}
+
+
+def left_out(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, list[str]]:
+    """The entries of ``checkpoint`` an output of ``tensors`` and ``objects`` does not hold, by kind:
+    ``{"optimizer tensors": [...], "other tensors": [...], "non-tensor entries": [...]}`` (empty kinds left out).
+
+    Weights an adapter renamed or split are views, not the checkpoint's own entries: when the output
+    holds any, the whole model part counts as carried (the adapter's notes say what it left out).
+    """
+    carried = {id(t.source) for t in tensors} | {id(o.source) for o in objects}
+    carried |= {id(source) for o in objects for source in getattr(o, "merged", ())}  # objects made of several entries
+    own = {id(e) for e in (*checkpoint.tensors.values(), *checkpoint.objects.values())}
+    if not carried <= own:
+        carried |= {id(e) for e in model_part(checkpoint).values()}
+    found: dict[str, list[str]] = {"optimizer tensors": [], "other tensors": [], "non-tensor entries": []}
+    for key, tensor in checkpoint.tensors.items():
+        if id(tensor) not in carried:
+            optimizer = OPTIMIZER_ROOTS & {str(part) for part in tensor.path}
+            found["optimizer tensors" if optimizer else "other tensors"].append(key)
+    found["non-tensor entries"] = [key for key, entry in checkpoint.objects.items() if id(entry) not in carried]
+    return {kind: keys for kind, keys in found.items() if keys}
+
+
 def entries_for(checkpoint: Checkpoint, to: str, dtype=None, include=None, exclude=None):
-    """The output tensors and objects of a plain conversion: every key as saved, or only the model
-    part for formats that hold nothing else (``MODEL_ONLY``, e.g. fsdp1)."""
-    model_only = getattr(formats.get(to), "MODEL_ONLY", False)
+    """The output tensors and objects of a plain conversion: every key as saved, only the model part
+    for formats that hold nothing else (``MODEL_ONLY``), or what a format with its own ``entries``
+    (fsdp1: model, optimizer, extra state) chooses."""
+    module = formats.get(to)
+    if hasattr(module, "entries"):
+        tensors, objects, _ = module.entries(checkpoint, None, dtype, include, exclude)
+        return tensors, objects
+    model_only = getattr(module, "MODEL_ONLY", False)
     source = model_part(checkpoint) if model_only else checkpoint.tensors
     named = select(source, include, exclude)
     if not named:

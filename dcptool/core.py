@@ -14,6 +14,7 @@ bytes. Any rectangular region of a tensor is assembled from the chunks that over
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from dcptool import dtypes
+from dcptool.compression import ARCHIVE_SLACK
 from dcptool.errors import CheckpointError
 from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles
@@ -34,6 +36,7 @@ class Chunk:
     ``encoding`` says how ``[offset, offset+length)`` of ``file`` holds the elements:
     ``"raw"``: the elements themselves, row-major unless ``strides`` (in elements) says otherwise;
     ``"torch-archive"``: a ``torch.save`` archive of one tensor (DCP's per-chunk records);
+    ``"zstd-archive"``: such an archive compressed by torch's zstd extension;
     ``"view"``: elements of another chunk, picked as ``view`` says (renamed, stacked, split or
     permuted tensors of ``dcptool.views``; ``file``, ``offset``, ``length`` and ``rank`` are the base's).
     """
@@ -67,12 +70,85 @@ class ChunkView:
     steps: tuple[tuple[int, ...], ...]  # one base-index step vector per view dim
 
 
+class ChunkTable(Sequence):
+    """A tensor's chunks as columns (checkpoints of thousands of ranks have a million chunks): a
+    sequence of ``Chunk`` made one at a time as they are asked for, and ``overlapping`` to find those
+    a region needs in O(log n) plus what it finds.
+
+    >>> table = ChunkTable(np.array([[0, 0], [2, 0]]), np.array([[2, 4], [2, 4]]), ["__0_0.distcp", "__1_0.distcp"],
+    ...                    np.array([0, 1]), np.array([0, 0]), np.array([900, 900]), "torch-archive", [0, 1])
+    >>> [c.offsets for c in table.overlapping((1, 0), (2, 4))], table[1].file
+    ([(0, 0), (2, 0)], '__1_0.distcp')
+    """
+
+    def __init__(self, offsets: np.ndarray, sizes: np.ndarray, files: list[str], file_index: np.ndarray,
+                 offset: np.ndarray, length: np.ndarray, encoding: str, ranks: list[int | None]):
+        self.offsets, self.sizes = offsets, sizes  # (chunks, dims) int64
+        self.files, self.ranks = files, ranks  # per file: its name and the rank that saved it
+        self.file_index, self.offset, self.length = file_index, offset, length  # per chunk
+        self.encoding = encoding
+        # Along dim 0: chunks by first row, and the tallest, so a region finds its chunks by bisection.
+        starts = offsets[:, 0] if offsets.shape[1] else np.zeros(len(offsets), np.int64)
+        self._order = np.argsort(starts, kind="stable")
+        self._starts = starts[self._order]
+        self._tallest = int(sizes[:, 0].max()) if len(sizes) and sizes.shape[1] else 0
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        file = int(self.file_index[index])
+        return _chunk(tuple(self.offsets[index].tolist()), tuple(self.sizes[index].tolist()), self.files[file],
+                      int(self.offset[index]), int(self.length[index]), self.encoding, self.ranks[file])
+
+    def __iter__(self):
+        files, ranks, encoding = self.files, self.ranks, self.encoding
+        for offsets, sizes, file, offset, length in zip(self.offsets.tolist(), self.sizes.tolist(),
+                                                        self.file_index.tolist(), self.offset.tolist(),
+                                                        self.length.tolist()):
+            yield _chunk(tuple(offsets), tuple(sizes), files[file], offset, length, encoding, ranks[file])
+
+    def overlapping(self, offsets, sizes) -> list[Chunk]:
+        """The chunks holding any element of the region (none for an empty region), in file order."""
+        if not len(self) or not len(offsets):
+            return list(self) if math.prod(sizes) else []
+        first = np.searchsorted(self._starts, offsets[0] - self._tallest, side="right")
+        last = np.searchsorted(self._starts, offsets[0] + sizes[0], side="left")
+        rows = self._order[first:last]
+        lo, hi = np.asarray(offsets), np.asarray(offsets) + np.asarray(sizes)
+        chunk_lo, chunk_hi = self.offsets[rows], self.offsets[rows] + self.sizes[rows]
+        rows = rows[np.all((chunk_lo < hi) & (chunk_hi > lo), axis=1)]
+        rows = rows[np.lexsort((self.offset[rows], self.file_index[rows]))]
+        return [self[int(row)] for row in rows]
+
+
+def _chunk(offsets, sizes, file, offset, length, encoding, rank) -> Chunk:
+    """``Chunk(...)`` without the frozen dataclass's per-field checks (tables make millions of them)."""
+    chunk = object.__new__(Chunk)
+    object.__setattr__(chunk, "__dict__", {"offsets": offsets, "sizes": sizes, "file": file, "offset": offset,
+                                           "length": length, "encoding": encoding, "strides": None, "rank": rank,
+                                           "view": None})
+    return chunk
+
+
+def overlapping(tensor: TensorInfo, offsets, sizes) -> list[Chunk] | Sequence[Chunk]:
+    """The chunks of ``tensor`` that a region overlaps (all chunks of a plain list: callers skip the rest)."""
+    if isinstance(tensor.chunks, ChunkTable):
+        return tensor.chunks.overlapping(offsets, sizes)
+    return tensor.chunks
+
+
 @dataclass
 class TensorInfo:
     path: tuple[str | int, ...]  # nested path as saved; ints index into lists
     dtype: str
     shape: tuple[int, ...]
-    chunks: list[Chunk]
+    chunks: list[Chunk] | ChunkTable
+    # Computes the values from other tensors instead of reading the chunks' bytes (``dcptool.quant``'s
+    # dequantized weights): ``transform.read(checkpoint, offsets, sizes, out, scratch)``; the chunks give the layout.
+    transform: Any = field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -120,6 +196,8 @@ class Checkpoint:
     info: dict[str, Any] = field(default_factory=dict)  # format facts worth showing (world size, ...)
     # Filled from several threads (dcptool.transfer): a race resolves a chunk twice, to the same value.
     _resolved: dict[Chunk, RawBytes] = field(default_factory=dict, repr=False)
+    # (dtype, sizes, record length) -> where a DCP record's elements start in it (see raw_bytes)
+    _layouts: dict[tuple, int] = field(default_factory=dict, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -127,7 +205,8 @@ class Checkpoint:
 
     def data_files(self) -> list[str]:
         """The files the entries' bytes live in, relative to ``root``."""
-        used = {c.file for t in self.tensors.values() for c in t.chunks}
+        used = {f for t in self.tensors.values() for f in
+                (t.chunks.files if isinstance(t.chunks, ChunkTable) else [c.file for c in t.chunks])}
         used |= {o.blob[0] for o in self.objects.values() if o.blob}
         return sorted(used)
 
@@ -137,11 +216,27 @@ class Checkpoint:
             check_cover(tensor, where=str(self.root))
 
     def raw_bytes(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
-        """Where a chunk's elements are, opening its archive the first time it is needed."""
+        """Where a chunk's elements are, opening its archive the first time it is needed.
+
+        ``torch.save`` lays out every archive of one dtype and shape alike, so a DCP record of the same
+        dtype, shape and length as one already opened has its elements at the same place in it: a
+        million chunks cost one archive each of their few shapes, not two reads each."""
         raw = self._resolved.get(chunk)
-        if raw is None:
+        if raw is not None:
+            return raw
+        if chunk.encoding == "torch-archive" and chunk.view is None:
+            shape = (tensor.dtype, chunk.sizes, chunk.length)
+            start = self._layouts.get(shape)
+            if start is not None:
+                itemsize = dtypes.dtype(tensor.dtype).itemsize
+                return RawBytes(chunk.file, chunk.offset + start, chunk.sizes, row_major(chunk.sizes), itemsize)
             raw = self._resolve(tensor, chunk)
-            self._resolved[chunk] = raw
+            if raw.file == chunk.file and raw.strides == row_major(chunk.sizes) and len(self._layouts) < 4096:
+                self._layouts[shape] = raw.offset - chunk.offset
+                return raw
+        else:
+            raw = self._resolve(tensor, chunk)
+        self._resolved[chunk] = raw
         return raw
 
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
@@ -156,8 +251,12 @@ class Checkpoint:
             raw = RawBytes(chunk.file, chunk.offset, chunk.sizes, strides, itemsize)
             self.files.check_range(chunk.file, chunk.offset, raw.span)
             return raw
-        if chunk.encoding == "torch-archive":
-            archive = Archive(self.files, chunk.file, chunk.offset, chunk.length)
+        if chunk.encoding in ("torch-archive", "zstd-archive"):
+            file, offset, length = chunk.file, chunk.offset, chunk.length
+            if chunk.encoding == "zstd-archive":  # decompressed once into a file of its own (dcptool.compression)
+                limit = chunk.numel * dtypes.dtype(tensor.dtype).itemsize + ARCHIVE_SLACK
+                (file, length), offset = self.files.decompressed(file, offset, length, limit), 0
+            archive = Archive(self.files, file, offset, length)
             ref = archive.load()
             if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes or ref.dtype.name != tensor.dtype:
                 raise CheckpointError(
@@ -194,7 +293,10 @@ class Checkpoint:
         The region is assembled from every chunk it overlaps; each file read covers at most
         ``len(scratch)`` bytes, so memory stays bounded however large the chunks are.
         """
-        for chunk in tensor.chunks:
+        if tensor.transform is not None:
+            tensor.transform.read(self, offsets, sizes, out, scratch)
+            return
+        for chunk in overlapping(tensor, offsets, sizes):
             lo = [max(o, co) for o, co in zip(offsets, chunk.offsets)]
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(h <= l for l, h in zip(lo, hi)):
@@ -288,6 +390,8 @@ def _describe(obj: Any) -> str:
 
 def check_cover(tensor: TensorInfo, where: str) -> None:
     """Raise unless the chunks of ``tensor`` lie within it and cover every element exactly once."""
+    if isinstance(tensor.chunks, ChunkTable) and _table_covers(tensor, where):
+        return
     shape = tensor.shape
     filled = 0
     boxes = []
@@ -320,3 +424,31 @@ def check_cover(tensor: TensorInfo, where: str) -> None:
         raise CheckpointError(
             f"{where}: {tensor.key}: chunks cover {filled} of its {total} elements (a chunk is missing)"
         )
+
+
+def _table_covers(tensor: TensorInfo, where: str) -> bool:
+    """The cover check of a chunk table in numpy: True when the chunks are within the tensor and cut one
+    dim into consecutive ranges (as FSDP and TP save); False leaves the check to ``check_cover``."""
+    table, shape = tensor.chunks, np.asarray(tensor.shape, np.int64)
+    offsets, sizes = table.offsets, table.sizes
+    if offsets.shape[1] != len(shape):
+        return False
+    outside = np.flatnonzero(np.any((offsets < 0) | (sizes < 0) | (offsets + sizes > shape), axis=1))
+    if len(outside):
+        chunk = table[int(outside[0])]
+        raise CheckpointError(f"{where}: {tensor.key}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} "
+                              f"lies outside the tensor's shape {list(tensor.shape)}")
+    full = np.all((offsets == 0) & (sizes == shape), axis=0)  # dims no chunk cuts
+    cut = np.flatnonzero(~full)
+    nonempty = np.all(sizes > 0, axis=1)
+    if len(cut) > 1 or not len(shape):
+        return False
+    if not len(cut):
+        return int(nonempty.sum()) == 1  # one whole chunk (and empty ones)
+    dim = int(cut[0])
+    rows = np.flatnonzero(nonempty)
+    if not np.all((offsets[rows][:, full] == 0) & (sizes[rows][:, full] == shape[full])):
+        return False
+    rows = rows[np.argsort(offsets[rows, dim], kind="stable")]
+    starts, ends = offsets[rows, dim], offsets[rows, dim] + sizes[rows, dim]
+    return len(rows) > 0 and starts[0] == 0 and ends[-1] == shape[dim] and bool(np.all(starts[1:] == ends[:-1]))

@@ -16,7 +16,9 @@ from dcptool.errors import CheckpointError
 class DType:
     name: str  # torch's name: "bfloat16"
     itemsize: int
-    storage_class: str  # legacy typed storage class that torch.save pickles: "BFloat16Storage"
+    # Legacy typed storage class that torch.save pickles ("BFloat16Storage"); None where torch has none
+    # (float8, uint16...): torch.save then pickles an UntypedStorage of bytes and the dtype beside it.
+    storage_class: str | None
     safetensors: str  # safetensors header name: "BF16"
     numpy: str | None  # numpy dtype with the same bits, None when numpy has no such type
 
@@ -32,16 +34,20 @@ _TABLE = [
     DType("int8", 1, "CharStorage", "I8", "int8"),
     DType("uint8", 1, "ByteStorage", "U8", "uint8"),
     DType("bool", 1, "BoolStorage", "BOOL", "bool"),
-    DType("uint16", 2, "UInt16Storage", "U16", "uint16"),
-    DType("uint32", 4, "UInt32Storage", "U32", "uint32"),
-    DType("uint64", 8, "UInt64Storage", "U64", "uint64"),
+    DType("uint16", 2, None, "U16", "uint16"),
+    DType("uint32", 4, None, "U32", "uint32"),
+    DType("uint64", 8, None, "U64", "uint64"),
     DType("complex64", 8, "ComplexFloatStorage", "C64", "complex64"),
-    DType("float8_e4m3fn", 1, "Float8_e4m3fnStorage", "F8_E4M3", None),
-    DType("float8_e5m2", 1, "Float8_e5m2Storage", "F8_E5M2", None),
+    # The float8 types torch has, under safetensors' names (F8_E8M0: the MX block-scale type).
+    DType("float8_e4m3fn", 1, None, "F8_E4M3", None),
+    DType("float8_e5m2", 1, None, "F8_E5M2", None),
+    DType("float8_e4m3fnuz", 1, None, "F8_E4M3FNUZ", None),
+    DType("float8_e5m2fnuz", 1, None, "F8_E5M2FNUZ", None),
+    DType("float8_e8m0fnu", 1, None, "F8_E8M0", None),
 ]
 
 BY_NAME = {d.name: d for d in _TABLE}
-BY_STORAGE_CLASS = {d.storage_class: d for d in _TABLE}
+BY_STORAGE_CLASS = {d.storage_class: d for d in _TABLE if d.storage_class}
 BY_SAFETENSORS = {d.safetensors: d for d in _TABLE}
 
 # torch spells some dtypes two ways; checkpoints may carry either.

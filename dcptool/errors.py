@@ -111,6 +111,11 @@ def with_article(noun: str) -> str:
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun, singular for one: ``counted(1, "data file")`` is ``1 data file``, ``counted(2_048, "entry", "entries")`` ``2,048 entries``."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
+
+
 def parse_json(data: bytes, where) -> object:
     """JSON read from a file; CheckpointError (naming ``where``) for text that is not JSON or nests too deeply."""
     try:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import re
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from dcptool import converters
+from dcptool import converters, hub
 from dcptool.core import Checkpoint
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles, stale_temporaries
@@ -27,6 +29,11 @@ def names() -> list[str]:
     return sorted(all_formats())
 
 
+def writable() -> list[str]:
+    """The formats dcptool writes (some, like accelerate's Trainer folders, are read only)."""
+    return [name for name in names() if hasattr(all_formats()[name], "Writer")]
+
+
 def get(name: str) -> ModuleType:
     try:
         return all_formats()[name]
@@ -42,7 +49,8 @@ def detect(path: str | Path) -> str:
 def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     """Read the description of the checkpoint at ``path`` (format detected unless given).
 
-    ``path`` is a local path or a URL that fsspec opens (``s3://bucket/step-100`` with s3fs installed).
+    ``path`` is a local path, a URL that fsspec opens (``s3://bucket/step-100`` with s3fs installed), or a
+    Hugging Face hub repo (``Qwen/Qwen3-8B``, ``hf://Qwen/Qwen3-8B@main``), read through the hub cache (dcptool.hub).
 
     >>> ckpt = open_checkpoint("step-100")                     # doctest: +SKIP
     >>> ckpt.format, len(ckpt.tensors), ckpt.total_bytes       # doctest: +SKIP
@@ -53,10 +61,84 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
 
 
 def _files_at(path: str | Path) -> CheckpointFiles:
-    files = CheckpointFiles(path)
-    if not files.exists():
-        raise CheckpointError(f"{files.location}: no such file or folder")
+    files = CheckpointFiles(hub.local_path(path))  # a hub repo id: its snapshot in the hub cache
+    problem = wrong_path(path, files)
+    if problem:
+        raise CheckpointError(problem)
     return files
+
+
+# One file of a checkpoint that is a folder: DCP's data and metadata files, verl's per-rank files.
+_DCP_PART = re.compile(r"(.*\.distcp|\.metadata)$")
+_RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt$")
+# A Hugging Face hub repo id: one slash, neither part starting with a dot.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_NUMBER = re.compile(r"\d+")
+SHOWN_INSIDE = 5  # checkpoints named when a folder of checkpoints is given
+
+
+def wrong_path(path: str | Path, files: CheckpointFiles, unrecognized: bool = False) -> str | None:
+    """The one-line refusal of a path that is not a checkpoint itself, saying what to pass instead; None if it may be one.
+
+    Checked before the format is detected (a missing path, a hub id, one file of a folder
+    checkpoint) and, with ``unrecognized``, once no format recognized it (a folder of checkpoints).
+
+    >>> wrong_path("run-7/step-100/__0_0.distcp", CheckpointFiles("run-7/step-100/__0_0.distcp"))   # doctest: +SKIP
+    'run-7/step-100/__0_0.distcp: one file of a DCP checkpoint, not a checkpoint: pass its folder run-7/step-100'
+    """
+    where, name = files.location, files.single_file
+    if not files.exists():
+        if _HUB_ID.fullmatch(str(path)):
+            return (f"{path}: no such local folder; it looks like a Hugging Face hub repo id: download it "
+                    f"(hf download {path} --local-dir DIR) and pass DIR")
+        return f"{where}: no such file or folder"
+    if name and _DCP_PART.fullmatch(name):
+        return f"{where}: one file of a DCP checkpoint, not a checkpoint: pass its folder {files.root}"
+    if name and _RANK_FILE.fullmatch(name):
+        return f"{where}: one rank's file of an FSDP1 (verl) checkpoint: pass its folder {files.root}"
+    if unrecognized and files.local_folder and not name:
+        inside = checkpoints_inside(Path(files.local_folder))
+        if inside:
+            shown = ", ".join(inside[:SHOWN_INSIDE]) + (f" and {len(inside) - SHOWN_INSIDE} more" if len(inside) > SHOWN_INSIDE else "")
+            if len(inside) == 1:
+                return f"{where}: a folder holding 1 checkpoint, not a checkpoint: pass {files.root / inside[0]}"
+            return f"{where}: a folder holding {len(inside)} checkpoints, not a checkpoint: pass one of them (newest first): {shown}"
+    return None
+
+
+def checkpoints_inside(folder: Path) -> list[str]:
+    """Checkpoints in ``folder``, one or two levels down (``step-200``, ``global_step_10/actor``), newest first.
+
+    Newest is the largest step number in the name when every name has one, else the latest modified.
+    """
+    found = []
+    for entry in _entries(folder):
+        if _is_checkpoint(entry):
+            found.append(entry.name)
+        elif entry.is_dir():
+            found += [f"{entry.name}/{inner.name}" for inner in _entries(Path(entry.path)) if _is_checkpoint(inner)]
+
+    def step(name: str) -> int:
+        return int(_NUMBER.findall(name.split("/")[0])[-1])
+
+    if all(_NUMBER.search(name.split("/")[0]) for name in found):
+        return sorted(found, key=lambda name: (step(name), name), reverse=True)
+    return sorted(found, key=lambda name: os.path.getmtime(folder / name), reverse=True)
+
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    try:
+        return [entry for entry in os.scandir(folder) if not entry.name.startswith(".")]
+    except OSError:
+        return []
+
+
+def _is_checkpoint(entry: os.DirEntry) -> bool:
+    """A folder some format recognizes, or a torch.save file (``step-100.pt``)."""
+    if entry.is_dir():
+        files = CheckpointFiles(entry.path)
+        return any(module.detect(files) for module in all_formats().values())
+    return entry.name.endswith((".pt", ".pth")) and not _RANK_FILE.fullmatch(entry.name)
 
 
 def _format_of(files: CheckpointFiles) -> str:
@@ -64,6 +146,9 @@ def _format_of(files: CheckpointFiles) -> str:
     if len(found) == 1:
         return found[0]
     if not found:
+        problem = wrong_path(files.location, files, unrecognized=True)
+        if problem:
+            raise CheckpointError(problem)
         stale = stale_temporaries(files.local_folder) if files.local_folder and not files.single_file else []
         left = (f"; it holds {len(stale)} temporaries of dcptool runs that died ({', '.join(stale[:3])}"
                 f"{' ...' if len(stale) > 3 else ''}), which the next run writing there removes") if stale else ""

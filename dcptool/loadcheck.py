@@ -15,6 +15,7 @@ process group is killed on a timeout, on Ctrl-C, and when a rank dies.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -83,12 +84,19 @@ class LoadReport:
 def _backend(requested: str) -> str:
     if requested != "auto":
         return requested
-    try:
-        import torch
+    import torch
 
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "gloo"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_runnable(checkpoint: str | Path) -> None:
+    """Refuse a load job that cannot start: without torch (the light install) or on a URL."""
+    from dcptool.storage import is_remote
+
+    if importlib.util.find_spec("torch") is None:  # torch is the extra dcptool[torch]
+        raise UsageError("--load-on needs torch: pip install 'dcptool[torch]'")
+    if is_remote(checkpoint):
+        raise UsageError(f"{checkpoint}: --load-on runs torch's dcp.load on a local folder; copy the checkpoint here first")
 
 
 def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None, backend: str = "auto",
@@ -97,6 +105,7 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
     from dcptool import formats
     from dcptool.reshard import prepare, raise_problems
 
+    check_runnable(checkpoint)
     checkpoint = Path(checkpoint)
     source = formats.open_checkpoint(checkpoint)
     if source.format != "dcp":

@@ -18,10 +18,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from dcptool import dtypes, formats, plans
-from dcptool.convert import Report, entries_for, model_part, read_config, write_checkpoint
-from dcptool.core import Checkpoint, OutObject, OutTensor
-from dcptool.errors import UsageError
+from dcptool.convert import Conversion, Report, adapted, entries_for, model_part, read_config
+from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
+from dcptool.errors import UsageError, counted
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
 from dcptool.storage import CheckpointFiles
 
@@ -60,6 +62,7 @@ class TensorLayout:
 
 @dataclass
 class ReshardPlan:
+    checkpoint: Checkpoint  # the source, under the names it is written with
     mesh: Mesh
     plan: plans.Plan
     layouts: list[TensorLayout]
@@ -67,6 +70,7 @@ class ReshardPlan:
     rank_bytes: list[int]
     problems: list[str] = field(default_factory=list)  # any of these refuses the reshard
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what renaming the entries (an adapter) made or left out
 
     def layout_of(self):
         """The DCP writer's ``layout`` callable: a tensor's chunks as ``(offsets, sizes, rank)``."""
@@ -87,6 +91,15 @@ class ReshardPlan:
             "problems": self.problems,
             "warnings": self.warnings,
         }
+
+
+def mesh_options(dp: int | None = None, tp: int = 1, ep: int = 1, etp: int | str = 1, cp: int = 1,
+                 dp_replicate: int = 1, world_size: int | None = None) -> dict:
+    """The mesh sizes as ``resolve_mesh`` takes them; ``etp="tp"`` means the tp degree."""
+    if etp != "tp" and not str(etp).isdigit():
+        raise UsageError(f"--etp {etp}: give 1 or tp")
+    return {"dp": dp, "tp": tp, "ep": ep, "etp": tp if etp == "tp" else int(etp), "cp": cp,
+            "dp_replicate": dp_replicate, "world_size": world_size}
 
 
 def resolve_mesh(checkpoint: Checkpoint, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None) -> Mesh:
@@ -188,10 +201,10 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     if rank_state:
         shown = ", ".join(rank_state[:3]) + (" ..." if len(rank_state) > 3 else "")
         if keep_rank_state:
-            warnings.append(f"kept {len(rank_state)} entries of single data-parallel ranks as saved ({shown}); "
+            warnings.append(f"kept {counted(len(rank_state), 'entry', 'entries')} of single data-parallel ranks as saved ({shown}); "
                             "they describe the source job's ranks")
         else:
-            warnings.append(f"dropped {len(rank_state)} entries of single data-parallel ranks ({shown}): they "
+            warnings.append(f"dropped {counted(len(rank_state), 'entry', 'entries')} of single data-parallel ranks ({shown}): they "
                             "cannot be resharded; --keep-rank-state keeps them as saved")
             tensors = [t for t in tensors if not is_rank_state(t.key)]
             objects = [o for o in objects if not is_rank_state(o.key)]
@@ -227,7 +240,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
         problems.append(f"--tp {mesh.tp}: plan {plan.name!r} splits no tensor of this checkpoint; "
                         "choose a plan with --plan")
     # Optimizer state repeats its parameter's problem: report each once.
-    return ReshardPlan(mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
+    return ReshardPlan(checkpoint, mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
 
 
 def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
@@ -248,27 +261,35 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
 
 
 def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None,
-            plan="auto", to="dcp", keep_rank_state=False, config_dir=None, source_format=None, dtype=None,
-            **options) -> Report:
+            plan="auto", to="dcp", keep_rank_state=False, adapter=None, wrapper=(), config_dir=None,
+            source_format=None, dtype=None, **options) -> Report:
     """Reshard ``source`` (any format) into ``destination`` laid out for the mesh.
 
-    ``to="fsdp1"`` writes per-rank FSDP1 files of the model (data parallel only).
+    ``to="fsdp1"`` writes per-rank FSDP1 files of the model (data parallel only). ``options`` go to
+    ``write_checkpoint``.
 
     >>> reshard("step-1000", "step-1000-dp4", dp=4)                # doctest: +SKIP
     """
     checkpoint = formats.open_checkpoint(source, source_format)
-    mesh_options = {"dp": dp, "tp": tp, "ep": ep, "etp": etp, "cp": cp, "dp_replicate": dp_replicate,
-                    "world_size": world_size}
+    sizes = mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if to == "fsdp1":
-        tensors, objects, writer_options = fsdp1_entries(checkpoint, resolve_mesh(checkpoint, **mesh_options), dtype)
-        return write_checkpoint(checkpoint, destination, "fsdp1", tensors, objects,
-                                writer_options=writer_options, **options)
+        return fsdp1_conversion(checkpoint, sizes, dtype, keep_rank_state=keep_rank_state).write(destination, **options)
     if to != "dcp":
         raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
-    result = prepare(checkpoint, mesh_options, plan, keep_rank_state=keep_rank_state, config_dir=config_dir,
-                     dtype=dtype)
+    result = plan_for(checkpoint, sizes, plan, adapter=adapter, wrapper=wrapper, config_dir=config_dir,
+                      keep_rank_state=keep_rank_state, dtype=dtype)
     raise_problems(result)
-    return write_plan(checkpoint, destination, result, **options)
+    return write_plan(result, destination, **options)
+
+
+def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, adapter: str | None = None,
+             wrapper: tuple[str, ...] = (), config_dir: str | Path | None = None, **planning) -> ReshardPlan:
+    """What ``dcptool reshard`` and ``import-hf`` write: the entries under ``adapter``'s names (nested in
+    ``wrapper``), planned for the mesh; problems are listed, not raised (``raise_problems``)."""
+    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir, wrapper=wrapper)
+    result = prepare(checkpoint, mesh_options, plan, config_dir=config_dir, **planning)
+    result.notes = notes
+    return result
 
 
 def prepare(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", **planning) -> ReshardPlan:
@@ -278,26 +299,58 @@ def prepare(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", **pl
     return plan_reshard(checkpoint, mesh, chosen, **planning)
 
 
-def write_plan(checkpoint: Checkpoint, destination, result: ReshardPlan, **options) -> ReshardReport:
-    """Write the planned layout as a DCP folder (streamed, atomic)."""
-    report = write_checkpoint(checkpoint, destination, "dcp", [layout.tensor for layout in result.layouts],
-                              result.objects, writer_options={"layout": result.layout_of(),
-                                                              "world_size": result.mesh.world}, **options)
+def write_plan(result: ReshardPlan, destination, compress: str | None = None, **options) -> ReshardReport:
+    """Write the planned layout as a DCP folder (streamed, atomic; ``compress="zstd"``: records compressed as
+    torch's ZStandard extension does); ``options`` go to ``write_checkpoint``."""
+    writer_options = {"layout": result.layout_of(), "world_size": result.mesh.world, "compress": compress}
+    conversion = Conversion(result.checkpoint, "dcp", [layout.tensor for layout in result.layouts], result.objects,
+                            writer_options, result.notes)
+    report = conversion.write(destination, **options)
     return ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name, warnings=result.warnings)
 
 
-def fsdp1_entries(checkpoint: Checkpoint, mesh: Mesh, dtype: str | None = None):
-    """What ``--to fsdp1`` writes for ``mesh``: the model part, split over its data-parallel ranks."""
+def fsdp1_conversion(checkpoint: Checkpoint, mesh_options: dict, dtype: str | None = None, include: str | None = None,
+                     exclude: str | None = None, keep_rank_state: bool = False) -> Conversion:
+    """What ``--to fsdp1`` writes for the mesh: verl's model, optimizer and extra-state files for each
+    data-parallel rank (``converters/fsdp1.entries``), its ``fsdp_config.json`` and ``huggingface/``."""
+    mesh = resolve_mesh(checkpoint, **mesh_options)
     if mesh.world != mesh.dp:
         raise UsageError(f"--to fsdp1 holds data-parallel shards only; {mesh.describe()} needs --to dcp")
-    tensors, objects = entries_for(checkpoint, "fsdp1", dtype)
-    return tensors, objects, {"world_size": mesh.world}
+    tensors, objects, notes = formats.get("fsdp1").entries(checkpoint, mesh.world, dtype, include, exclude,
+                                                           keep_rank_state)
+    options = {"world_size": mesh.world, "hf_config_dir": checkpoint.info.get("hf_config_dir")}
+    why = f"the fsdp1 output holds {formats.get('fsdp1').HOLDS} only" + (", as selected by --include/--exclude" if include or exclude else "")
+    return Conversion(checkpoint, "fsdp1", tensors, objects, options, notes, why)
 
 
 def raise_problems(result: ReshardPlan) -> None:
     if result.problems:
         more = f" (and {len(result.problems) - 1} more problems; --dry-run lists them)" if len(result.problems) > 1 else ""
         raise UsageError(result.problems[0] + more)
+
+
+def _box_keys(boxes: list, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks ``offsets + sizes`` as sorted comparable keys, and the order that sorts them."""
+    rows = np.zeros((len(boxes), 2 * ndim + 1), np.int64)  # a leading 0 column: 0-d tensors have keys too
+    if boxes:
+        rows[:, 1:] = np.array(boxes, np.int64).reshape(len(boxes), 2 * ndim)
+    keys = rows.view(np.dtype((np.void, rows.shape[1] * 8))).ravel()
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order
+
+
+def _saved_layout(chunks, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The saved chunks as sorted keys (``_box_keys``) and the rank whose file holds each (-1: not recorded)."""
+    if isinstance(chunks, ChunkTable):
+        boxes = np.concatenate([chunks.offsets, chunks.sizes], axis=1).tolist()
+        ranks = np.array([-1 if r is None else r for r in chunks.ranks], np.int64)[chunks.file_index]
+    else:
+        boxes = [c.offsets + c.sizes for c in chunks]
+        ranks = np.array([-1 if c.rank is None else c.rank for c in chunks], np.int64)
+    if any(len(box) != 2 * ndim for box in boxes):
+        return np.zeros(0, np.dtype((np.void, 8))), np.zeros(0, np.int64)  # matches no layout
+    keys, order = _box_keys(boxes, ndim)
+    return keys, ranks[order]
 
 
 def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
@@ -311,7 +364,7 @@ def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
     if not world or not params:
         return None
     plan = plans.choose("auto", list(params))
-    saved = {name: {(c.offsets, c.sizes): c.rank for c in info.chunks} for name, info in params.items()}
+    saved: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per name, made when first compared
     # Layers repeat: tensors of one rule and shape have one layout per mesh, so each group is laid out once.
     groups: dict[tuple[plans.Rule, tuple[int, ...]], list[str]] = {}
     for name, info in params.items():
@@ -326,10 +379,19 @@ def infer_mesh(checkpoint: Checkpoint) -> tuple[Mesh, plans.Plan] | None:
 
     def reproduces(table: _ChunkTable, rule: plans.Rule, shape: tuple[int, ...], names: list[str]) -> bool:
         spec = tensor_spec(names[0], rule, shape, table.mesh)
-        expected = {(o, s): holders for o, s, holders in table(shape, spec)}
-        # each saved chunk must sit in the file of a rank that holds it on this mesh
-        return all(expected.keys() == saved[name].keys()
-                   and all(saved[name][chunk] in holders for chunk, holders in expected.items()) for name in names)
+        layout = table(shape, spec)
+        keys, order = _box_keys([o + s for o, s, _ in layout], len(shape))
+        widest = max(len(h) for _, _, h in layout)
+        holders = np.array([h + [-1] * (widest - len(h)) for _, _, h in layout], np.int64)[order]
+        for name in names:
+            if name not in saved:
+                saved[name] = _saved_layout(params[name].chunks, len(shape))
+            saved_keys, ranks = saved[name]
+            # the same chunks, each in the file of a rank that holds it on this mesh
+            if len(saved_keys) != len(keys) or not np.all(saved_keys == keys) or \
+                    not np.all(np.any(holders == ranks[:, None], axis=1)):
+                return False
+        return True
 
     for mesh in candidates:
         try:

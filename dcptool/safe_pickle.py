@@ -26,15 +26,20 @@ dcptool.errors.UnsafePickleError: x.pkl: refuses to unpickle builtins.print, whi
 
 from __future__ import annotations
 
+import array
+import bisect
 import codecs
 import collections
 import gc
 import pickle  # noqa: F401 (the doctests)
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dcptool.dtypes import BY_STORAGE_CLASS, DType, dtype
+import numpy as np
+
+from dcptool.dtypes import BY_NAME, BY_STORAGE_CLASS, DType, dtype
 from dcptool.errors import SIZE_LIMIT, CheckpointError, UnsafePickleError, printable, shape_problem
 
 MAX_DEPTH = 64  # dict and set keys nested deeper than this are refused (hashing them recurses in C)
@@ -164,6 +169,18 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
     return TensorRef(storage, _count("storage offset", storage_offset), shape, strides)
 
 
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, dtype_name=None,
+                       metadata=None):
+    # Dtypes with no legacy storage class (float8, uint16...): bytes of an UntypedStorage, the dtype beside them.
+    if not isinstance(dtype_name, _Name) or dtype_name not in BY_NAME:
+        raise _Bad(f"tensor of dtype {_brief(dtype_name)}")
+    element = BY_NAME[dtype_name]
+    if not isinstance(storage, StorageRef) or storage.dtype.name != "uint8" or storage.numel % element.itemsize:
+        raise _Bad(f"{element.name} tensor rebuilt from {_brief(storage)}, not an untyped storage of whole elements")
+    typed = StorageRef(element, storage.key, storage.numel // element.itemsize)
+    return _rebuild_tensor(typed, storage_offset, size, stride)
+
+
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
     return data
 
@@ -247,6 +264,7 @@ ALLOWED.update(
         "torch.serialization._get_layout": _layout,
         "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": _same,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+        "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": "rebuild_from_type",  # methods of the machine, below
@@ -263,6 +281,7 @@ ALLOWED.update(
 )
 for _d in BY_STORAGE_CLASS.values():
     ALLOWED[f"torch.{_d.storage_class}"] = _d
+for _d in BY_NAME.values():
     ALLOWED[f"torch.{_d.name}"] = _Name(_d.name)
 for _alias in ("float", "double", "half", "long", "int", "short", "strided", "sparse_coo", "contiguous_format",
                "channels_last", "preserve_format"):
@@ -280,7 +299,8 @@ for _name, _value in list(ALLOWED.items()):
         ALLOWED[_name] = _Method(_value)
 
 # Callables a pickle may call (REDUCE, NEWOBJ, OBJ), by identity; Record classes are callable too.
-_FUNCTIONS = {id(f) for f in (_latin1_bytes, _device, _layout, _same, _rebuild_tensor, _rebuild_parameter, _path)}
+_FUNCTIONS = {id(f) for f in (_latin1_bytes, _device, _layout, _same, _rebuild_tensor, _rebuild_tensor_v3,
+                              _rebuild_parameter, _path)}
 _RECORD_TYPES = frozenset(value for value in ALLOWED.values() if isinstance(value, type) and issubclass(value, Record))
 # What ``check`` walks into: everything else is a leaf (strings, numbers, dtypes, storages, classes).
 _CONTAINERS = frozenset({list, tuple, dict, set, frozenset, collections.OrderedDict, SubclassRef, TensorRef,
@@ -321,6 +341,180 @@ _I4 = _frame_unpack("<i")
 _F8 = _frame_unpack(">d")
 
 
+# -- DCP metadata at scale -----------------------------------------------------------------------
+# A checkpoint saved by thousands of ranks has a million ChunkStorageMetadata records and as many
+# (MetadataIndex -> _StorageInfo) storage records, each a few dozen opcodes that CPython's pickler
+# writes the same way every time. A run of them is recognized one record at a time by a regular
+# expression (C speed) and kept as columns (``ChunkRows``, ``StorageRows``: numpy arrays, a few
+# machine integers per record) instead of Python objects; a record that differs in any way goes
+# through the ordinary opcodes. Memo slots the records would have filled hold ``_LAZY``; a later
+# opcode that refers to one gets the object then (``_Machine.memo_value``).
+
+_CHUNK_CLASS = "torch.distributed.checkpoint.metadata.ChunkStorageMetadata"
+_INDEX_CLASS = "torch.distributed.checkpoint.metadata.MetadataIndex"
+_INFO_CLASS = "torch.distributed.checkpoint.filesystem._StorageInfo"
+_LAZY = object()
+_GET = rb"(h.|j.{4})"
+_INT = (rb"(K.|M..|J.{4}|\x8a\x01.|\x8a\x02..|\x8a\x03.{3}|\x8a\x04.{4}|\x8a\x05.{5}|\x8a\x06.{6}|"
+        rb"\x8a\x07.{7}|\x8a\x08.{8})")
+_OPT = b"(" + _INT[1:-1] + b")?"
+_NEW = rb"\)\x81\x94}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK, then the state's items
+_SIZE_END = rb"\x94\x85\x94R\x94"  # MEMOIZE TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size(tuple)
+_LITERAL = rb"\x8c(.)(.{0,255}?)\x94"  # SHORT_BINUNICODE, memoized (bounded: every try is O(1))
+# A record as parts: bytes as they are; "ref": a memo reference (class, key name, torch.Size) that a
+# run's first record checks and the rest repeat byte for byte; ("dims", name): a torch.Size's
+# integers; ("int", name); ("text", name): a string, memoized text or a memo reference.
+_CHUNK_PARTS = ["ref", _NEW, "ref", "ref", ("dims", "offsets"), "ref", "ref", ("dims", "sizes"), b"ub"]
+_PAIR_PARTS = ["ref", _NEW, "ref", ("text", "fqn"), "ref", ("int", "index"), "ref", "ref", ("dims", "key"), b"ub",
+               "ref", _NEW, "ref", ("text", "path"), "ref", ("int", "offset"), "ref", ("int", "length"), b"ub"]
+# What the references must be, in order: a class, a key name, or torch.Size (``tuple`` here).
+_CHUNK_REFS = [_CHUNK_CLASS, "offsets", tuple, "sizes", tuple]
+_PAIR_REFS = [_INDEX_CLASS, "fqn", "index", "offset", tuple, _INFO_CLASS, "relative_path", "offset", "length"]
+_PATTERNS: dict = {}  # (parts, refs, shape) -> (pattern, group numbers by field); bounded below
+
+
+def _pattern(parts: list, refs: tuple | None = None, shape: dict | None = None) -> tuple[re.Pattern, dict]:
+    """The record's expression and where its fields are among the groups. Without ``refs`` any record
+    of the kind (to learn a run's shape); with ``refs`` (bytes) and ``shape`` (dims per Size, text
+    kind), only records exactly like the run's first."""
+    key = (id(parts), refs, tuple(sorted((shape or {}).items())))
+    found = _PATTERNS.get(key)
+    if found:
+        return found
+    pieces, fields, group, refs_left = [], {}, 0, iter(refs or ())
+    for part in parts:
+        if isinstance(part, bytes):
+            pieces.append(part)
+            continue
+        if part == "ref":
+            piece, count, name = (b"(" + re.escape(next(refs_left)) + b")" if refs else _GET), 1, "refs"
+        else:
+            kind, name = part
+            if kind == "int":
+                piece, count = _INT, 1
+            elif kind == "text":
+                literal = shape[name] if shape else None
+                piece = _LITERAL if literal else _GET if shape else rb"(h.|j.{4}|" + _LITERAL + b")"
+                count = 2 if literal else 1 if shape else 3
+            else:  # 1 to 3 integers (records of one run may differ: 2-D weights and 1-D norms)
+                piece, count = _INT + _OPT + _OPT + rb"([\x85-\x87])" + _SIZE_END, 4
+        fields.setdefault(name, []).extend(range(group, group + count))
+        pieces.append(piece)
+        group += count
+    found = (re.compile(b"".join(pieces), re.DOTALL), fields)
+    if len(_PATTERNS) < 256:
+        _PATTERNS[key] = found
+    return found
+
+
+def _ints(codes: tuple | list) -> np.ndarray:
+    """The values of BININT1 / BININT2 / BININT / LONG1 opcodes with their arguments (b"": 0), as int64."""
+    raw = np.array(codes, dtype="S10").view(np.uint8).reshape(-1, 10).astype(np.int64)
+    values = raw[:, 1] | raw[:, 2] << 8  # BININT1 (padded with a zero) and BININT2
+    wide = np.flatnonzero((raw[:, 0] == 0x4A) | (raw[:, 0] == 0x8A))  # BININT and LONG1
+    if len(wide):
+        rest = raw[wide]
+        word = rest[:, 1] | rest[:, 2] << 8 | rest[:, 3] << 16 | rest[:, 4] << 24
+        word = np.where(word >= 1 << 31, word - (1 << 32), word)
+        count = rest[:, 1]
+        long = np.zeros(len(rest), np.int64)
+        for byte in range(8):
+            long |= rest[:, 2 + byte] << (8 * byte)
+        top = rest[np.arange(len(rest)), np.minimum(count + 1, 9)]  # LONG1's last byte holds the sign
+        negative = (count > 0) & (count < 8) & (top >= 128)  # eight bytes wrapped into int64 are signed already
+        long = np.where(negative, long - np.left_shift(np.int64(1), 8 * np.minimum(count, 7)), long)
+        values[wide] = np.where(rest[:, 0] == 0x4A, word, long)
+    return values
+
+
+def _dims_column(columns: list, groups: list[int], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """A torch.Size field of the first ``count`` records: ``(records, 3)`` integers (missing dims 0) and
+    how many dims each has."""
+    values = [_ints([code or b"" for code in columns[g][:count]]) for g in groups[:3]]
+    ndim = np.frombuffer(b"".join(columns[groups[3]][:count]), np.uint8).astype(np.int64) - 0x84
+    return np.stack(values, axis=1), ndim
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkRows:
+    """ChunkStorageMetadata records of one number of dims, standing in a chunks list for all of them:
+    ``offsets[i]``, ``sizes[i]``."""
+
+    offsets: np.ndarray  # (records, dims) int64
+    sizes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def state(self, row: int) -> dict:
+        return {"offsets": tuple(self.offsets[row].tolist()), "sizes": tuple(self.sizes[row].tolist())}
+
+    def records(self) -> list[Record]:
+        """The records as objects (for code that takes them one by one; large lists use the columns)."""
+        return [_record(_CHUNK_RECORD, self.state(row)) for row in range(len(self))]
+
+
+@dataclass(frozen=True, eq=False)
+class StorageRows:
+    """Storage records, a key of storage_data standing for all of them (its value is None): record ``i`` is
+    ``MetadataIndex(fqn[i], key[i], index[i]) -> _StorageInfo(path[i], offset[i], length[i])``."""
+
+    fqn: list[str]
+    index: np.ndarray
+    key: np.ndarray  # (records, 3): the chunk offsets of each key, ``key_ndim[i]`` of them
+    key_ndim: np.ndarray
+    path: list[str]
+    offset: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.fqn)
+
+    def states(self, row: int) -> tuple[dict, dict]:
+        return ({"fqn": self.fqn[row], "index": int(self.index[row]), "offset": tuple(self.key[row, :self.key_ndim[row]].tolist())},
+                {"relative_path": self.path[row], "offset": int(self.offset[row]), "length": int(self.length[row])})
+
+    def items(self) -> list[tuple[Record, Record]]:
+        """``(MetadataIndex, _StorageInfo)`` records as objects."""
+        made = []
+        for row in range(len(self)):
+            key, info = self.states(row)
+            made.append((_record(ALLOWED[_INDEX_CLASS], key), _record(ALLOWED[_INFO_CLASS], info)))
+        return made
+
+
+def each_record(items: list):
+    """The items of a list, with the records that rows stand for (``ChunkRows``) made into objects one by one."""
+    for item in items:
+        if type(item) is ChunkRows:
+            yield from item.records()
+        else:
+            yield item
+
+
+def each_item(mapping: dict):
+    """The items of a dict, with the storage records that rows stand for (``StorageRows``) made into objects."""
+    for key, value in mapping.items():
+        if type(key) is StorageRows:
+            yield from key.items()
+        else:
+            yield key, value
+
+
+def _memo_index(code: bytes) -> int:
+    return code[1] if code[0] == 0x68 else _U4(code, 1)[0]
+
+
+_CHUNK_RECORD = ALLOWED[_CHUNK_CLASS]
+_INDEX_RECORD = ALLOWED[_INDEX_CLASS]
+
+
+def _record(cls: type, state: dict) -> Record:
+    record = object.__new__(cls)
+    record.__dict__.update(state)
+    return record
+
+
 class _Machine:
     """One run of the restricted pickle machine over ``data``."""
 
@@ -332,6 +526,9 @@ class _Machine:
         self.hashing: dict[int, tuple[Any, int, int]] = {}
         # Per dict or set: how many non-string keys share each hash.
         self.hashes: dict[int, tuple[Any, dict[int, int]]] = {}
+        # Runs of records kept as rows (see rows_run).
+        self.lazy_first = array.array("q")  # per run: its first memo index, and (rows, slots per record, shape)
+        self.lazy_runs: list[tuple[Any, int, dict]] = []
 
     # -- budgets ---------------------------------------------------------------------------
 
@@ -541,6 +738,102 @@ class _Machine:
             raise _Bad(f"storage of {numel} elements is larger than torch can hold")
         return StorageRef(storage_dtype, key, numel)
 
+    # -- rows (DCP metadata at scale) ---------------------------------------------------------
+
+    def rows_run(self, pos: int, cls: type, memo: list) -> tuple[int, tuple] | None:
+        """Records of class ``cls`` from ``pos`` (its memo reference) on, kept as rows while they are
+        like the first; returns the position after them and what stands for them on the stack, or None."""
+        chunks = cls is _CHUNK_RECORD
+        parts, wanted = (_CHUNK_PARTS, _CHUNK_REFS) if chunks else (_PAIR_PARTS, _PAIR_REFS)
+        data = self.data
+        generic, fields = _pattern(parts)
+        first = generic.match(data, pos)
+        if first is None:
+            return None
+        groups = first.groups()
+        refs = tuple(groups[g] for g in fields["refs"])
+        for code, want in zip(refs, wanted):
+            index = _memo_index(code)
+            value = memo[index] if index < len(memo) else _HOLE
+            if not (value is want if want is tuple else value is ALLOWED[want] if "." in want
+                    else type(value) is str and value == want):
+                return None
+        shape = {} if chunks else {"fqn": groups[fields["fqn"][1]] is not None,
+                                   "path": groups[fields["path"][1]] is not None}
+        if (id(parts), refs, tuple(sorted(shape.items()))) not in _PATTERNS:
+            self.charge(4096)  # compiling an expression: a pickle of many different runs pays for each
+        pattern, fields = _pattern(parts, refs, shape)
+        match, rows, starts, end = pattern.match, [], [], pos
+        found = match(data, end)
+        while found is not None:
+            starts.append(end)
+            rows.append(found.groups())
+            end = found.end()
+            found = match(data, end)
+        if not rows:
+            return None
+        columns = list(zip(*rows))
+        if chunks:  # one number of dims: a list of chunks is one tensor's
+            (offsets, ndim), (sizes, sizes_ndim) = (_dims_column(columns, fields[f], len(rows)) for f in ("offsets", "sizes"))
+            wrong = np.flatnonzero((ndim != ndim[0]) | (sizes_ndim != ndim[0]))
+            good = int(wrong[0]) if len(wrong) else len(rows)
+            standing = ChunkRows(offsets[:good, :ndim[0]], sizes[:good, :ndim[0]])
+        else:
+            fqn, good = self.texts(columns, fields["fqn"], memo, len(rows))
+            path, good = self.texts(columns, fields["path"], memo, good)
+            standing = StorageRows(fqn[:good], _ints(columns[fields["index"][0]][:good]),
+                                   *_dims_column(columns, fields["key"], good), path[:good],
+                                   _ints(columns[fields["offset"][0]][:good]), _ints(columns[fields["length"][0]][:good]))
+        if good == 0:
+            return None
+        end = starts[good] if good < len(rows) else end
+        slots = 8 if chunks else 7 + shape["fqn"] + shape["path"]  # the MEMOIZE opcodes of a record
+        self.charge((end - pos) >> 3)
+        self.lazy_first.append(len(memo))
+        self.lazy_runs.append((standing, slots, shape))
+        memo.extend([_LAZY] * (slots * good))
+        return end, (standing,) if chunks else (standing, None)
+
+    def texts(self, columns: list, groups: list[int], memo: list, count: int) -> tuple[list[str], int]:
+        """A string field of the first ``count`` records, and how many of them are well formed."""
+        if len(groups) == 1:  # memo references: each must be a string
+            raw = np.array(columns[groups[0]][:count], dtype="S5").view(np.uint8).reshape(-1, 5).astype(np.int64)
+            indices = np.where(raw[:, 0] == 0x68, raw[:, 1], raw[:, 1] | raw[:, 2] << 8 | raw[:, 3] << 16 | raw[:, 4] << 24)
+            if len(indices) and indices.max() >= len(memo):
+                count = int(np.argmax(indices >= len(memo)))
+            values = list(map(memo.__getitem__, indices[:count].tolist()))
+            if set(map(type, values)) - {str}:
+                count = next(i for i, value in enumerate(values) if type(value) is not str)
+            return values[:count], count
+        lengths, texts = columns[groups[0]][:count], columns[groups[1]][:count]
+        wrong = np.flatnonzero(np.frombuffer(b"".join(lengths), np.uint8) != np.fromiter(map(len, texts), np.int64, count))
+        count = int(wrong[0]) if len(wrong) else count  # text holding the MEMOIZE byte: not this record's shape
+        decoded = {text: str(text, "utf-8", "surrogatepass") for text in set(texts[:count])}
+        return list(map(decoded.__getitem__, texts[:count])), count
+
+    def memo_value(self, memo: list, index: int) -> Any:
+        """A memo slot that is not an object yet: a record's part made now, or an error for a hole."""
+        value = memo[index] if 0 <= index < len(memo) else _HOLE
+        if value is _HOLE:
+            raise _Bad(f"memo index {index:,} was never set")
+        if value is not _LAZY:
+            return value
+        run = bisect.bisect_right(self.lazy_first, index) - 1
+        standing, slots, shape = self.lazy_runs[run]
+        row, slot = divmod(index - self.lazy_first[run], slots)
+        if type(standing) is ChunkRows:
+            state = standing.state(row)
+            offsets, sizes = state["offsets"], state["sizes"]
+            parts = [_record(_CHUNK_RECORD, state), state, offsets, (offsets,), offsets, sizes, (sizes,), sizes]
+        else:
+            key, info = standing.states(row)
+            offsets = key["offset"]
+            parts = [_record(_INDEX_RECORD, key), key] + [key["fqn"]] * shape["fqn"] + \
+                [offsets, (offsets,), offsets, _record(ALLOWED[_INFO_CLASS], info), info] + [info["relative_path"]] * shape["path"]
+        value = memo[index] = parts[slot]
+        return value
+
+
     # -- the machine -------------------------------------------------------------------------
 
     def take(self, pos: int, count: int) -> bytes:
@@ -579,18 +872,20 @@ class _Machine:
             elif op == 0x71:  # BINPUT
                 filled += _put(memo, data[pos], stack[-1])
                 pos += 1
-            elif op == 0x68:  # BINGET
-                value = memo[data[pos]]  # IndexError for an index never set: "unreadable"
-                if value is _HOLE:
-                    raise _Bad(f"memo index {data[pos]} was never set")
+            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                index = data[pos] if op == 0x68 else _U4(data, pos)[0]
+                value = memo[index]  # IndexError for an index never set: "unreadable"
+                if value is _HOLE or value is _LAZY:
+                    value = self.memo_value(memo, index)
+                elif value is _CHUNK_RECORD or value is _INDEX_RECORD:  # DCP records, maybe a run of them
+                    found = len(memo) == filled and self.rows_run(pos - 1, value, memo)
+                    if found:
+                        pos, standing = found
+                        filled = len(memo)
+                        stack.extend(standing)
+                        continue
                 stack.append(value)
-                pos += 1
-            elif op == 0x6A:  # LONG_BINGET
-                value = memo[_U4(data, pos)[0]]
-                if value is _HOLE:
-                    raise _Bad(f"memo index {_U4(data, pos)[0]:,} was never set")
-                stack.append(value)
-                pos += 4
+                pos += 1 if op == 0x68 else 4
             elif op == 0x4B:  # BININT1
                 stack.append(data[pos])
                 pos += 1
@@ -828,10 +1123,7 @@ class _Machine:
                 text = self.line(pos)
                 pos += len(text) + 1
                 index = _number(text)
-                value = memo[index] if 0 <= index < len(memo) else _HOLE
-                if value is _HOLE:
-                    raise _Bad(f"memo index {index:,} was never set")
-                stack.append(value)
+                stack.append(self.memo_value(memo, index))
             elif op == 0x70:  # PUT
                 text = self.line(pos)
                 pos += len(text) + 1

@@ -192,6 +192,7 @@ class LocalFolder:
         self.single_file = location.name if self.kind == "file" else None
         self.root = location.parent if self.single_file else location
         self._real_root = os.path.realpath(self.root)
+        self._allowed = (self._real_root, *_hub_blobs(self._real_root))
         self._fds: dict[str, int] = {}
         self._checked: dict[str, Path] = {}  # names already confirmed inside the folder
         self._lock = threading.Lock()
@@ -203,7 +204,7 @@ class LocalFolder:
         if os.path.isabs(relative) or not relative:
             raise CheckpointError(f"{self.root}: names a file outside the checkpoint folder: {relative!r}")
         full = os.path.realpath(os.path.join(self._real_root, relative))
-        if os.path.commonpath([full, self._real_root]) != self._real_root:
+        if not any(os.path.commonpath([full, allowed]) == allowed for allowed in self._allowed):
             raise CheckpointError(f"{self.root}: names a file outside the checkpoint folder: {relative!r}")
         # Remembered: realpath costs a few stats, and a DCP checkpoint names its files once per chunk.
         checked = self._checked[relative] = self.root / relative
@@ -259,6 +260,15 @@ class LocalFolder:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _hub_blobs(folder: str) -> list[str]:
+    """The blobs folder of a snapshot in the Hugging Face cache (``models--ORG--NAME/snapshots/<commit>``),
+    whose files are links into ``models--ORG--NAME/blobs``; none for any other folder."""
+    snapshots, repo = os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return [os.path.join(repo, "blobs")]
+    return []
 
 
 class FileWindow(io.RawIOBase):

@@ -227,15 +227,19 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
 
     def persistent_id(self, obj):
         if isinstance(obj, StorageOut):
-            storage_class = dtype_table.dtype(obj.dtype).storage_class
-            return ("storage", Global("torch", storage_class), obj.key, "cpu", obj.numel)
+            element = dtype_table.dtype(obj.dtype)
+            if element.storage_class is None:  # as torch saves float8 and uint16: the storage's bytes, untyped
+                return ("storage", Global("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.numel * element.itemsize)
+            return ("storage", Global("torch", element.storage_class), obj.key, "cpu", obj.numel)
         return None
 
     def reducer_override(self, obj):
         if isinstance(obj, TensorOut):
-            rebuild = Global("torch._utils", "_rebuild_tensor_v2")
             ordered_dict = Reduced(Global("collections", "OrderedDict"), ())
-            return (rebuild, (obj.storage, 0, torch_size(obj.shape), torch_size(obj.strides()), False, ordered_dict))
+            args = (obj.storage, 0, torch_size(obj.shape), torch_size(obj.strides()), False, ordered_dict)
+            if dtype_table.dtype(obj.storage.dtype).storage_class is None:  # an untyped storage: the dtype goes beside
+                return (Global("torch._utils", "_rebuild_tensor_v3"), args + (Global("torch", obj.storage.dtype),))
+            return (Global("torch._utils", "_rebuild_tensor_v2"), args)
         if isinstance(obj, Reduced):
             return (obj.func, obj.args, obj.state)
         if isinstance(obj, (TensorRef, Record, SubclassRef)):

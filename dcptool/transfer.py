@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, Piece
+from dcptool.core import Checkpoint, Piece, overlapping
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.storage import OutputFiles, deferred_interrupts
 from dcptool.torch_archive import row_major
@@ -40,6 +40,9 @@ from dcptool.torch_archive import row_major
 IO_THREADS = min(8, 2 * (os.cpu_count() or 1))
 # The largest task: progress and checks on the other ranks come at least this often.
 TASK_BYTES = 64 * 2**20
+# Source runs shorter than this on average are read into a slab rather than copied run by run: a
+# kernel copy and a CRC mapping per run cost more than the bytes.
+SMALL_RUN = 2**20
 # Bytes mapped at once to checksum a run: mapped pages count as this process's memory.
 CRC_WINDOW = 8 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
@@ -184,6 +187,8 @@ def _stopping_on_interrupt(stop: threading.Event) -> Iterator[None]:
 def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, task_bytes: int) -> list[Task]:
     """The tasks that write ``piece`` at ``offset`` of ``file``, each of at most ``task_bytes``."""
     runs = source_runs(checkpoint, piece)
+    if runs is not None and len(runs) > 1 and piece.nbytes < SMALL_RUN * len(runs):
+        runs = None  # many small runs (chunks of a thousand ranks): read into a slab, one read each
     tasks: list[Task] = []
     if runs is not None:
         for start, source_file, source_offset, length in runs:
@@ -210,12 +215,12 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
     else None. Dim-0 shards (FSDP) and whole chunks are; a column block of a TP row-wise weight is not.
     """
     source = piece.tensor.source
-    if source.dtype != piece.tensor.dtype:
+    if source.dtype != piece.tensor.dtype or source.transform is not None:  # computed values are no source bytes
         return None
     itemsize = dtypes.dtype(source.dtype).itemsize
     piece_strides = row_major(piece.sizes)
     runs = []
-    for chunk in source.chunks:
+    for chunk in overlapping(source, piece.offsets, piece.sizes):
         lo = [max(o, c) for o, c in zip(piece.offsets, chunk.offsets)]
         hi = [min(o + s, c + n) for o, s, c, n in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)]
         if any(h <= l for l, h in zip(lo, hi)):

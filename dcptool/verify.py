@@ -26,7 +26,7 @@ import numpy as np
 
 from dcptool import adapters, convert, dtypes, formats, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import CheckpointError, UsageError, counted
 
 # Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
 BLOCK = 1 << 16
@@ -156,6 +156,7 @@ class Report:
     not_compared: list[str] = field(default_factory=list)  # non-tensor entries that are not plain data
     left_out: list[str] = field(default_factory=list)  # --roundtrip: what the intermediate format cannot hold
     roundtrip: str | None = None
+    note: str | None = None  # how the sides were matched, when not key for key (across naming families)
 
     @property
     def equal(self) -> bool:
@@ -163,13 +164,14 @@ class Report:
 
     def summary(self) -> str:
         mode = "bitwise" if self.tolerances is None else "within atol {:g}, rtol {:g}".format(*self.tolerances)
-        what = f"{self.tensors} tensors ({self.bytes:,} bytes) compared {mode}, {self.objects} non-tensor entries"
+        what = (f"{counted(self.tensors, 'tensor')} ({self.bytes:,} bytes) compared {mode}, "
+                f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}")
         if self.equal:
             return f"equal: {what}"
         kinds: dict[str, int] = {}
         for difference in self.differences:
             kinds[difference.kind] = kinds.get(difference.kind, 0) + 1
-        return f"{len(self.differences)} differences ({', '.join(f'{n} {k}' for k, n in kinds.items())}): {what}"
+        return f"{counted(len(self.differences), 'difference')} ({', '.join(f'{n} {k}' for k, n in kinds.items())}): {what}"
 
     def to_json(self) -> dict[str, Any]:
         report: dict[str, Any] = {
@@ -185,18 +187,55 @@ class Report:
         return report
 
 
+def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: str | dict | None,
+                    prefix_a: str | None = None, prefix_b: str | None = None, from_b: str | None = None) -> None:
+    """Refuse what ``dcptool verify`` cannot do together: A against B, A's round trip, or A's load on a mesh."""
+    if load_on:
+        if b is not None or roundtrip:
+            raise UsageError("--load-on checks A alone: give no B or --roundtrip")
+    elif roundtrip:
+        if b is not None or prefix_a or prefix_b or from_b:
+            raise UsageError("--roundtrip compares A with its own round trip: give no B, --prefix-a/-b or --from-b")
+    elif b is None:
+        raise UsageError("give the checkpoint B to compare A with, or --roundtrip FORMAT")
+
+
+def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
+          prefix_a: str | None = None, prefix_b: str | None = None, include: str | None = None,
+          exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO) -> tuple[Side, Side, str | None]:
+    """The two sides of ``dcptool verify A B``, named alike (``align_families``), and the line saying how."""
+    checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
+
+    def aligned(prefix_a, prefix_b):
+        side_a = select_side(checkpoint_a, prefix_a, include, exclude)
+        side_b = select_side(checkpoint_b, prefix_b, include, exclude)
+        return align_families(side_a, side_b, family_a, family_b, include, exclude)
+
+    side_a, side_b, note = aligned(prefix_a, prefix_b)
+    if prefix_a or prefix_b or side_a.tensors.keys() & side_b.tensors.keys():
+        return side_a, side_b, note
+    # No tensor name on both sides as given: one side nests the model (a checkpoint against its export).
+    for auto_a, auto_b, option in ((AUTO, None, "--prefix-a"), (None, AUTO, "--prefix-b")):
+        side_a, side_b, note = aligned(auto_a, auto_b)
+        if side_a.tensors.keys() & side_b.tensors.keys():
+            said = f"no tensor name is on both sides as given: comparing the model part ({option} auto)"
+            return side_a, side_b, said + (f"; {note}" if note else "")
+    return aligned(prefix_a, prefix_b)
+
+
 def compare(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
             prefix_a: str | None = None, prefix_b: str | None = None, include: str | None = None,
-            exclude: str | None = None, **options) -> Report:
+            exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO, **options) -> Report:
     """Compare checkpoints ``a`` and ``b`` (any formats and layouts); ``options`` go to ``compare_sides``.
 
     >>> compare("step-1000", "step-1000.pt").equal                         # doctest: +SKIP
     True
     """
-    side_a = select_side(formats.open_checkpoint(a, format_a), prefix_a, include, exclude)
-    side_b = select_side(formats.open_checkpoint(b, format_b), prefix_b, include, exclude)
-    side_a, side_b, _ = align_families(side_a, side_b, include=include, exclude=exclude)
-    return compare_sides(side_a, side_b, **options)
+    side_a, side_b, note = sides(a, b, format_a=format_a, format_b=format_b, prefix_a=prefix_a, prefix_b=prefix_b,
+                                 include=include, exclude=exclude, family_a=family_a, family_b=family_b)
+    report = compare_sides(side_a, side_b, **options)
+    report.note = note
+    return report
 
 
 def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | None = None,

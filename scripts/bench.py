@@ -66,6 +66,13 @@ Examples::
     .venv/bin/python scripts/bench.py                       # 2GB, dp=2 x tp=2, 3 rounds
     .venv/bin/python scripts/bench.py --sizes 0.5GB,1GB,2GB,4GB --only 'cp|export-hf$|convert|reshard-dp4$'
     .venv/bin/python scripts/bench.py --size 4MB --rounds 1 --out /tmp/b   # smoke test (CI)
+    .venv/bin/python scripts/bench.py --ranks 256,1024,4096 --rounds 1       # scale rows (scale.md)
+
+``--ranks N,...`` runs only the scale rows, on checkpoints written by ``scripts/synth_dcp.py`` as N
+ranks of FSDP2 save them (``--scale-layers`` layers of narrow tensors, so every rank holds a chunk of
+every tensor: 1,024 ranks x 80 layers is ~740k chunks, a 94 MB ``.metadata``): ``inspect``,
+``reshard --dp 8``, ``export-hf`` and ``verify`` beside torch's ``read_metadata`` and
+``dcp_to_torch_save`` of the same files, time and peak memory against N in scale.png.
 """
 
 from __future__ import annotations
@@ -916,6 +923,111 @@ def run_row(row: Row, rnd: int, args, logs: Path, size: str) -> None:
         remove(row.output)
 
 
+# ---------------------------------------------------------------------------
+# Scale: checkpoints of many ranks (--ranks)
+# ---------------------------------------------------------------------------
+
+# id: (what runs, kind); SRC is the synthetic checkpoint of N ranks, OUT a fresh output folder.
+SCALE_ROWS = {
+    "inspect": (["-m", "dcptool", "inspect", "{src}"], "dcptool"),
+    "reshard-dp8": (["-m", "dcptool", "reshard", "{src}", "{out}", "--dp", "8", "--no-fsync"], "dcptool"),
+    "export-hf": (["-m", "dcptool", "export-hf", "{src}", "{out}", "--no-fsync"], "dcptool"),
+    "verify": (["-m", "dcptool", "verify", "{src}", "{hf}"], "dcptool"),  # against its HF export
+    "peer-read-metadata": (["-c", "from torch.distributed.checkpoint import FileSystemReader as R; "
+                            "R('{src}').read_metadata()"], "peer"),
+    "peer-torch-save": (["-c", "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f; "
+                         "f('{src}', '{out}')"], "peer"),
+}
+
+
+def scale_bench(args) -> int:
+    """Rows of ``SCALE_ROWS`` on checkpoints that ``scripts/synth_dcp.py`` writes as N ranks of FSDP2 save
+    them (Llama names, ``--scale-layers`` layers, narrow tensors of N rows: every rank holds a chunk of
+    every tensor); results in OUT/scale.json, scale.md and scale.png (time and peak memory against N)."""
+    out = args.out.resolve()
+    work = (args.work or out / "work").resolve()
+    logs = out / "logs"
+    for folder in (out, work, logs):
+        folder.mkdir(parents=True, exist_ok=True)
+    results = []
+    for ranks in args.ranks:
+        src, target = work / f"synth-{ranks}r-{args.scale_layers}l", work / "scale-out"
+        if not Path(f"{src}.done").is_file():
+            remove(src)
+            subprocess.run([sys.executable, str(REPO / "scripts" / "synth_dcp.py"), str(src), "--ranks", str(ranks),
+                            "--layers", str(args.scale_layers)], check=True)
+            Path(f"{src}.done").write_text("")
+        hf = work / f"{src.name}-hf"  # what verify compares the checkpoint with: made once, not timed
+        if not Path(f"{hf}.done").is_file():
+            remove(hf)
+            subprocess.run([sys.executable, "-m", "dcptool", "export-hf", str(src), str(hf), "--no-fsync"], check=True,
+                           capture_output=True)
+            Path(f"{hf}.done").write_text("")
+        metadata_mb = (src / ".metadata").stat().st_size / 2**20
+        for rid, (argv, kind) in SCALE_ROWS.items():
+            if args.only and not re.search(args.only, rid):
+                continue
+            times, peaks = [], []
+            for rnd in range(args.rounds):
+                remove(target)
+                warm([src])
+                command = [sys.executable] + [a.format(src=src, out=target, hf=hf) for a in argv]
+                wall, _, peak, code = measure(command, logs / f"scale-{rid}-{ranks}-{rnd}.log", args.timeout)
+                if code != 0:
+                    print(f"  {rid} at {ranks} ranks exited {code}:\n{tail(logs / f'scale-{rid}-{ranks}-{rnd}.log')}")
+                times.append(wall)
+                peaks.append(peak / 2**20)
+            row = {"id": rid, "kind": kind, "ranks": ranks, "metadata_mb": round(metadata_mb, 1),
+                   "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                   "peak_mb": statistics.median(peaks)}
+            print(f"  {ranks:>5} ranks  {rid:<20} {row['median_s']:8.1f} s  {row['peak_mb']:8.0f} MB", flush=True)
+            results.append(row)
+        remove(target)
+        if not args.keep:
+            for path in (src, hf):
+                remove(path)
+                Path(f"{path}.done").unlink(missing_ok=True)
+    (out / "scale.json").write_text(json.dumps({"machine": machine_info(), "layers": args.scale_layers,
+                                                "rounds": args.rounds, "rows": results}, indent=1) + "\n")
+    lines = ["| ranks | .metadata MB | row | time s (median) | peak MB |", "|---|---|---|---|---|"]
+    lines += [f"| {r['ranks']} | {r['metadata_mb']} | {r['id']} | {r['median_s']:.1f} | {r['peak_mb']:.0f} |"
+              for r in results]
+    (out / "scale.md").write_text("\n".join(lines) + "\n")
+    scale_chart(results, out / "scale.png", f"{args.scale_layers} layers, narrow tensors; "
+                                             f"{machine_info().get('cpu_count')} CPUs")
+    print(f"wrote {out / 'scale.json'}, {out / 'scale.md'}")
+    return 0
+
+
+def scale_chart(results: list[dict], path: Path, title: str) -> bool:
+    """Time and peak memory of every scale row against the rank count (solid: dcptool, dotted: torch)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (install it with: pip install -e '.[bench]')")
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, key, label in ((axes[0], "median_s", "wall time, s"), (axes[1], "peak_mb", "peak memory, MB")):
+        for rid in dict.fromkeys(r["id"] for r in results):
+            series = sorted((r["ranks"], r[key], r["kind"]) for r in results if r["id"] == rid)
+            dcp = series[0][2] == "dcptool"
+            ax.plot([s[0] for s in series], [s[1] for s in series], marker="o" if dcp else "s",
+                    ls="-" if dcp else ":", color=None, label=rid, lw=1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks that saved the checkpoint")
+        ax.set_ylabel(label + " (log scale)")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -944,18 +1056,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=1,
                    help="rows run at the same time (default 1). Above 1 the timings and peaks disturb each "
                         "other: only for smoke tests")
+    p.add_argument("--ranks", default=None,
+                   help="comma-separated rank counts, e.g. 256,1024,4096: run only the scale rows on synthetic "
+                        "checkpoints of that many ranks (scripts/synth_dcp.py), beside torch's read_metadata and "
+                        "dcp_to_torch_save; writes OUT/scale.json, scale.md, scale.png")
+    p.add_argument("--scale-layers", type=int, default=80, help="layers of the --ranks checkpoints (default 80)")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: redraw OUT/bench.png from OUT/results.json")
     args = p.parse_args(argv)
     if args.dp * args.tp != 4:
         p.error("the reshard peers run 4 processes: use a 4-rank source mesh (dp*tp == 4)")
     args.size_list = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes else [args.size])
+    args.ranks = [int(n) for n in args.ranks.split(",")] if args.ranks else None
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.out.resolve()
+    if args.ranks:
+        return scale_bench(args)
     if args.replot:
         report = json.loads((out / "results.json").read_text())
         settings, machine = report["settings"], report["machine"]

@@ -10,6 +10,6 @@ fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip >/dev/null
 "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,torch]"   # tests/test_light_install.py makes its own venv without torch
 export OMP_NUM_THREADS=1
 exec "$PY" -m pytest -q "$@"

@@ -232,8 +232,9 @@ def test_dcp_to_fsdp1_loads_in_a_real_fsdp1_job(checkpoints, tmp_path):
     path, reference = checkpoints("fsdp2_dp2")
     out = tmp_path / "fsdp1"
     dcptool("convert", path, out, "--to", "fsdp1", "--world-size", "2")
-    assert sorted(p.name for p in out.glob("*.pt")) == [f"model_world_size_2_rank_{r}.pt" for r in range(2)]
-    expect = tmp_path / "expect"  # the model part only: fsdp1 files hold no optimizer state
+    assert sorted(p.name for p in out.glob("model_*.pt")) == [f"model_world_size_2_rank_{r}.pt" for r in range(2)]
+    assert sorted(p.name for p in out.glob("optim_*.pt")) == [f"optim_world_size_2_rank_{r}.pt" for r in range(2)]
+    expect = tmp_path / "expect"  # the model part: the job loads the model files (tests/test_verl.py loads the optimizer)
     expect.mkdir()
     full = load_reference(reference)
     torch.save({k: v for k, v in full.items() if not k.startswith("optimizer.")}, expect / "full.pt")

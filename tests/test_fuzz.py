@@ -340,6 +340,12 @@ def bases(tmp_path_factory):
     weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
     (root / "hf2" / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": 32}, "weight_map": weight_map}))
+    (root / "hf-dcp").mkdir()  # torch's HuggingFaceStorageWriter: rows 0-2 and 3-4 of w on two ranks
+    for rank, (start, rows) in enumerate(((0, 3), (3, 2)), start=1):
+        sharding = {"w": {"saved_offsets": [start, 0]}, "b": {"saved_offsets": [0]}}
+        save_file({"w": torch.arange(start * 4.0, (start + rows) * 4.0).reshape(rows, 4), "b": torch.ones(2)},
+                  root / "hf-dcp" / f"shard-{rank:05d}-model-00001-of-00001.safetensors",
+                  metadata={"DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0", "format": "pt"})
     (root / "torch").mkdir()
     torch.save({"model": {"w": torch.arange(10.0).reshape(5, 2), "pos": torch.arange(3)}, "step": 7,
                 "groups": [{"lr": 0.1, "params": [0, 1]}]}, root / "torch" / "full.pt")
@@ -368,8 +374,29 @@ dist.destroy_process_group()
 
 # (kind, mutants): where each kind's mutations go; the counts add up to the corpus.
 CORPUS = {"dcp-metadata": 70, "dcp-distcp": 45, "safetensors": 70, "index": 40, "fsdp-config": 30,
-          "fsdp1-pickle": 60, "fsdp1-dtensor-pickle": 40, "torch-save": 25}
-CONVERT_TO = {"dcp": "torch", "hf": "dcp", "fsdp1": "hf", "torch": "fsdp1"}
+          "fsdp1-pickle": 60, "fsdp1-dtensor-pickle": 40, "torch-save": 25, "hf-dcp": 30}
+CONVERT_TO = {"dcp": "torch", "hf": "dcp", "fsdp1": "hf", "torch": "fsdp1", "hf-dcp": "torch"}
+HOSTILE_OFFSETS = [[0], [0, 0, 0], [-1, 0], [2**63, 0], [1.5, 0], "0,0", None, [3, 0], [0, 4], [True, 0], {}]
+
+
+def mutate_sharding(rng: random.Random, header: dict) -> tuple[str, str]:
+    """A header of torch's HF-storage DCP with its DCP_SHARDING_INFO changed as data."""
+    header = json.loads(json.dumps(header))
+    info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+    kind = rng.choice(["whole", "entry", "offsets", "offsets", "missing"])
+    name = rng.choice(sorted(info))
+    if kind == "whole":
+        value = json_text(rng.choice(HOSTILE_JSON + [DEEP_OBJECT])) if rng.random() < 0.8 else "{not json"
+        header["__metadata__"]["DCP_SHARDING_INFO"] = value
+        return json.dumps(header), f"sharding={value[:20]}"
+    if kind == "entry":
+        info[name] = rng.choice(HOSTILE_JSON)
+    elif kind == "offsets":
+        info[name]["saved_offsets"] = rng.choice(HOSTILE_OFFSETS)
+    else:
+        del info[name]
+    header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+    return json.dumps(header), f"sharding {kind} of {name}"
 
 
 def make_case(kind: str, rng: random.Random, bases: Path, folder: Path) -> tuple[Path, str, str]:
@@ -397,6 +424,15 @@ def make_case(kind: str, rng: random.Random, bases: Path, folder: Path) -> tuple
             mutated, what = mutate_bytes(rng, data, 0, 8 + length)
         target.write_bytes(mutated)
         return target, "hf", what
+    if kind == "hf-dcp":
+        shutil.copytree(bases / "hf-dcp", folder)
+        target = folder / f"shard-{rng.randrange(1, 3):05d}-model-00001-of-00001.safetensors"
+        data = target.read_bytes()
+        (length,) = struct.unpack_from("<Q", data)
+        header = json.loads(data[8:8 + length])
+        text, what = mutate_sharding(rng, header) if rng.random() < 0.7 else mutate_header(rng, header)
+        target.write_bytes(rebuild_safetensors(data, text))
+        return folder, "hf-dcp", f"{target.name}:{what}"
     if kind == "index":
         shutil.copytree(bases / "hf2", folder)
         target = folder / "model.safetensors.index.json"
@@ -569,6 +605,34 @@ def test_safetensors_header_cases_through_the_command_line(tmp_path):
     line = refused(safetensors_file(tmp_path / "model.safetensors", "[1, 2]"), "model.safetensors", "header",
                    tmp_path=tmp_path)
     assert "an array, not an object" in line
+
+
+def hf_dcp_header(sharding, dtype: str = "F32") -> str:
+    """A header of torch's HuggingFaceStorageWriter: one 2x2 tensor ``w`` and its DCP sharding info."""
+    info = sharding if isinstance(sharding, str) else json.dumps(sharding)
+    return json.dumps({"w": {"dtype": dtype, "shape": [2, 2], "data_offsets": [0, 16 if dtype == "F32" else 8]},
+                       "__metadata__": {"DCP_SHARDING_INFO": info, "DCP_VERSION": "1.0", "format": "pt"}})
+
+
+@pytest.mark.parametrize("headers, said", [
+    ([hf_dcp_header("{not json")], "DCP_SHARDING_INFO"),
+    ([hf_dcp_header([1])], "DCP_SHARDING_INFO is an array, not an object"),
+    ([hf_dcp_header({})], "DCP_SHARDING_INFO['w'] is missing"),
+    ([hf_dcp_header({"w": {"saved_offsets": [0]}})], "saved_offsets has 1 dims, the tensor 2"),
+    ([hf_dcp_header({"w": {"saved_offsets": [-1, 0]}})], "saved_offsets"),
+    ([hf_dcp_header({"w": {"saved_offsets": "0,0"}})], "saved_offsets is a string"),
+    ([hf_dcp_header({"w": {"saved_offsets": [2, 0]}})], "a chunk is missing"),
+    ([hf_dcp_header({"w": {"saved_offsets": [0, 0]}})] * 2, "overlap"),
+    ([hf_dcp_header({"w": {"saved_offsets": [0, 0]}}), hf_dcp_header({"w": {"saved_offsets": [2, 0]}}, "F16")],
+     "is float16 here but float32"),
+])
+def test_hf_dcp_bad_sharding_info_is_refused(tmp_path, headers, said):
+    folder = tmp_path / "hf-dcp"
+    folder.mkdir()
+    for rank, header in enumerate(headers, start=1):
+        safetensors_file(folder / f"shard-{rank:05d}-model-00001-of-00001.safetensors", header)
+    line = refused(folder, said, tmp_path=tmp_path)
+    assert ".safetensors" in line or "hf-dcp" in line
 
 
 @pytest.mark.parametrize("where", ["header", "index", "fsdp_config"])

@@ -24,7 +24,7 @@ from typing import Union
 from dcptool import views
 from dcptool.adapters.table import FAMILIES, Row
 from dcptool.core import ObjectInfo, TensorInfo
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, counted
 
 Entry = Union[TensorInfo, ObjectInfo]
 HF_EXPERTS = ("per-expert", "fused")
@@ -418,5 +418,5 @@ def refuse_unmatched(unmatched: list[str], mapping: Mapping, hint: str) -> None:
     """Keys no row of the table names: refused, so nothing is silently dropped or left misnamed."""
     if unmatched:
         shown = ", ".join(unmatched[:5]) + (f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else "")
-        raise UsageError(f"{len(unmatched)} keys match no {mapping.source} name of a {mapping.kind} model: {shown} "
+        raise UsageError(f"{counted(len(unmatched), 'key')} match{'es' if len(unmatched) == 1 else ''} no {mapping.source} name of a {mapping.kind} model: {shown} "
                          f"({hint})")

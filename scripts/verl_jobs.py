@@ -1,0 +1,243 @@
+#!/usr/bin/env python
+"""verl's FSDP1 checkpoint save and resume, in real gloo jobs on CPU, for testing dcptool.
+
+Run under torchrun::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/verl_jobs.py save OUT [--by-name] [--dtensor]
+    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume DIR RESULT.json
+
+``save`` trains two steps of a tiny model under FSDP1 and saves it as verl's
+``FSDPCheckpointManager.save_checkpoint`` does (verl/utils/checkpoint/fsdp_checkpoint_manager.py):
+inside ``FSDP.state_dict_type(model, SHARDED_STATE_DICT, ShardedStateDictConfig(),
+ShardedOptimStateDictConfig())`` every rank ``torch.save``s ``model.state_dict()``, the optimizer
+state and ``{"lr_scheduler": ..., "rng": ...}`` to ``{model,optim,extra_state}_world_size_W_rank_r.pt``;
+rank 0 writes ``fsdp_config.json`` and ``huggingface/``. The optimizer state is verl's plain
+``optimizer.state_dict()`` (with ``use_orig_params=True``: 1-D pieces of each flattened parameter,
+keyed by position), or with ``--by-name`` ``FSDP.optim_state_dict`` (keyed by name, moments
+sharded like their parameters). ``--dtensor`` gives FSDP1 a device mesh (DTensor values). Rank 0
+also writes ``OUT.full.pt``: the model, optimizer and scheduler state gathered in full
+(FULL_STATE_DICT), for a reference run.
+
+``resume`` loads those files at the torchrun world size as verl's ``load_checkpoint`` does (under
+SHARDED_STATE_DICT: ``model.load_state_dict``, then ``optimizer.load_state_dict`` of the file's
+state put through ``FSDP.optim_state_dict_to_load``; the scheduler from the extra state), takes one
+training step and writes its losses (before and after the step) to RESULT.json.
+``reference(full.pt)`` is the same step, in one process without FSDP, from the full state.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+BATCH = torch.arange(4 * 6).reshape(4, 6) % 11  # the global batch: every world size dividing 4 sees the same rows
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.back = torch.nn.Linear(6, 8, bias=False)
+
+    def forward(self, x):
+        return x + self.back(torch.tanh(self.norm(self.proj(x))))
+
+
+class Net(torch.nn.Module):
+    """11 and 5 rows: uneven shards over 2 and 4 ranks (a rank of 4 holds no row of ``head``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def loss_of(model, ids) -> torch.Tensor:
+    return model(ids).float().pow(2).mean()
+
+
+def make_training(model):
+    """AdamW and a scheduler whose state matters: the step after resuming uses the resumed lr."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return optimizer, scheduler
+
+
+def step(model, optimizer, scheduler, ids) -> tuple[float, float]:
+    """One training step: the loss before it (a mean over the rank's rows) and after it."""
+    optimizer.zero_grad()
+    loss = loss_of(model, ids)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    with torch.no_grad():
+        after = loss_of(model, ids)
+    return loss.item(), after.item()
+
+
+def build_fsdp1(seed: int, values: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(seed)
+    extra = {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(),))} if values == "dtensor" else {}
+    return FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                device_id=torch.device("cpu"), **extra)
+
+
+def sharded(model):
+    """verl's ``get_fsdp_state_ctx(model, SHARDED_STATE_DICT, ShardedStateDictConfig, ShardedOptimStateDictConfig)``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    return FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False),
+                                ShardedOptimStateDictConfig(offload_to_cpu=False))
+
+
+def rows_of_rank(ids: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    return ids.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def job_save(out: Path, values: str, by_name: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_fsdp1(seed=0, values=values)
+    optimizer, scheduler = make_training(model)
+    for _ in range(2):
+        step(model, optimizer, scheduler, rows_of_rank((BATCH + 1) % 11))
+    with sharded(model):
+        model_state = model.state_dict()
+        # verl's call: the plain optimizer state (use_orig_params=True: 1-D pieces of each parameter).
+        optim_state = FSDP.optim_state_dict(model, optimizer) if by_name else optimizer.state_dict()
+    extra = {"lr_scheduler": scheduler.state_dict(), "rng": {"cpu": torch.get_rng_state()}}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(model_state, out / f"model_world_size_{world}_rank_{rank}.pt")
+    torch.save(optim_state, out / f"optim_world_size_{world}_rank_{rank}.pt")
+    torch.save(extra, out / f"extra_state_world_size_{world}_rank_{rank}.pt")
+    full_config = (FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                   FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True))
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, *full_config):
+        full_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        full_optim = FSDP.optim_state_dict(model, optimizer)
+    if rank == 0:
+        (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": world}))
+        (out / "huggingface").mkdir(exist_ok=True)
+        (out / "huggingface" / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+        torch.save({"model": full_model, "optimizer": full_optim, "lr_scheduler": scheduler.state_dict()},
+                   out.parent / f"{out.name}.full.pt")
+    dist.barrier()
+
+
+def job_save_fsdp2(out: Path) -> None:
+    """verl's FSDP2 save (``fsdp_version == 2``): ``fully_shard`` per block and root, and plain
+    ``model.state_dict()`` / ``optimizer.state_dict()`` (DTensor values; the optimizer keyed by
+    parameter position), as its checkpoint manager calls them outside any state-dict context."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer, scheduler = make_training(model)
+    for _ in range(2):
+        step(model, optimizer, scheduler, rows_of_rank((BATCH + 1) % 11))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), out / f"model_world_size_{world}_rank_{rank}.pt")
+    torch.save(optimizer.state_dict(), out / f"optim_world_size_{world}_rank_{rank}.pt")
+    torch.save({"lr_scheduler": scheduler.state_dict(), "rng": {"cpu": torch.get_rng_state()}},
+               out / f"extra_state_world_size_{world}_rank_{rank}.pt")
+    full = StateDictOptions(full_state_dict=True)
+    full_model = get_model_state_dict(model, options=full)
+    full_optim = get_optimizer_state_dict(model, optimizer, options=full)
+    if rank == 0:
+        (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
+        torch.save({"model": full_model, "optimizer": full_optim, "lr_scheduler": scheduler.state_dict()},
+                   out.parent / f"{out.name}.full.pt")
+    dist.barrier()
+
+
+def job_resume(folder: Path, result: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_fsdp1(seed=1234, values="sharded_tensor")  # other values than the saved ones
+    optimizer, scheduler = make_training(model)
+    config = json.loads((folder / "fsdp_config.json").read_text())
+    assert config["world_size"] == world, f"fsdp_config.json says world size {config['world_size']}, job has {world}"
+    with sharded(model):
+        # weights_only=False, as verl loads them: ShardedTensor values need the full unpickler.
+        model.load_state_dict(torch.load(folder / f"model_world_size_{world}_rank_{rank}.pt", weights_only=False))
+        saved = torch.load(folder / f"optim_world_size_{world}_rank_{rank}.pt", weights_only=False)
+        optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, saved))
+    extra = torch.load(folder / f"extra_state_world_size_{world}_rank_{rank}.pt", weights_only=False)
+    scheduler.load_state_dict(extra["lr_scheduler"])
+    before, after = step(model, optimizer, scheduler, rows_of_rank(BATCH))
+    # Every rank's mean over equally many rows: their mean is the loss over the global batch.
+    losses = torch.tensor([before, after], dtype=torch.float64)
+    dist.all_reduce(losses)
+    if rank == 0:
+        result.write_text(json.dumps({"losses": (losses / world).tolist(), "extra_keys": sorted(extra),
+                                      "lr": scheduler.get_last_lr()}))
+    dist.barrier()
+
+
+def reference(full: Path) -> dict:
+    """The resumed step in one process without FSDP, from the state gathered in full."""
+    state = torch.load(full, weights_only=True)
+    torch.manual_seed(0)
+    model = Net()
+    model.load_state_dict(state["model"])
+    optimizer, scheduler = make_training(model)
+    names = [name for name, _ in model.named_parameters()]
+    saved = state["optimizer"]
+    groups = [{**group, "params": [names.index(fqn) for fqn in group["params"]]} for group in saved["param_groups"]]
+    optimizer.load_state_dict({"state": {names.index(fqn): value for fqn, value in saved["state"].items()},
+                               "param_groups": groups})
+    scheduler.load_state_dict(state["lr_scheduler"])
+    before, after = step(model, optimizer, scheduler, BATCH)
+    return {"losses": [before, after], "lr": scheduler.get_last_lr()}
+
+
+def main(argv: list[str]) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        if argv[0] == "save":
+            job_save(Path(argv[1]), "dtensor" if "--dtensor" in argv else "sharded_tensor", "--by-name" in argv)
+        elif argv[0] == "save-fsdp2":
+            job_save_fsdp2(Path(argv[1]))
+        elif argv[0] == "resume":
+            job_resume(Path(argv[1]), Path(argv[2]))
+        else:
+            raise SystemExit(f"unknown job {argv[0]!r}: save, save-fsdp2 or resume")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,101 @@
+"""Gloo jobs that save and load with torch's other DCP storage layers (run under torchrun by tests/jobs.py):
+HuggingFaceStorageWriter / Reader (HF-storage DCP) and FileSystemWriter with the ZStandard extension.
+
+    save-hf OUT [--consolidate]   FSDP2 on every rank; dcp.save(HuggingFaceStorageWriter(save_distributed=True))
+    save-zstd OUT                 FSDP2; dcp.save(FileSystemWriter(_extensions=[ZStandard()]))
+    load-hf DIR REFERENCE         dcp.load(HuggingFaceStorageReader(DIR)) into FSDP2; every shard checked
+    load-zstd DIR REFERENCE       dcp.load (torch's default reader, which undoes the zstd transform); checked
+
+Saves write ``REFERENCE = OUT.reference.pt``: the full state dict, from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._extension import ZStandard
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+class Net(torch.nn.Module):
+    """Uneven dim 0 (7 rows on 2 ranks) and a bf16 part, as real models have."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = torch.nn.Embedding(7, 6), torch.nn.Linear(6, 5)
+        self.head = torch.nn.Linear(5, 3).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.head(self.proj(self.embed(x)).to(torch.bfloat16))
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = Net()
+    for part in (net.embed, net.proj, net.head):
+        fully_shard(part)
+    return fully_shard(net)
+
+
+def full(state: dict) -> dict:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def save(args) -> None:
+    net = model()
+    state = net.state_dict()
+    if args.command == "save-hf":
+        writer = HuggingFaceStorageWriter(args.path, save_distributed=True, enable_consolidation=args.consolidate)
+    else:
+        writer = FileSystemWriter(args.path, _extensions=[ZStandard()])
+    dcp.save(state, storage_writer=writer)
+    reference = full(state)
+    if dist.get_rank() == 0:
+        torch.save(reference, f"{args.path}.reference.pt")
+
+
+def load(args) -> int:
+    torch.manual_seed(1)
+    net = model()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+    state = net.state_dict()
+    reader = HuggingFaceStorageReader(args.path) if args.command == "load-hf" else FileSystemReader(args.path)
+    dcp.load(state, storage_reader=reader)
+    expected = torch.load(args.reference, weights_only=True)
+    loaded = full(state)
+    bad = [k for k in expected if not torch.equal(loaded[k].view(torch.uint8), expected[k].view(torch.uint8))]
+    if bad:
+        print(f"rank {dist.get_rank()}: mismatch in {bad}", flush=True)
+        return 1
+    print(f"rank {dist.get_rank()}: {len(expected)} tensors equal", flush=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["save-hf", "save-zstd", "load-hf", "load-zstd"])
+    parser.add_argument("path")
+    parser.add_argument("reference", nargs="?")
+    parser.add_argument("--consolidate", action="store_true")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    try:
+        if args.command.startswith("save"):
+            save(args)
+            return 0
+        return load(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

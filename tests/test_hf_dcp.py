@@ -1,0 +1,55 @@
+"""torch's HF-storage DCP (HuggingFaceStorageWriter / Reader) as format hf-dcp: files written by torch in real
+gloo jobs are read bitwise, and dcptool's --to hf-dcp output is loaded by dcp.load with HuggingFaceStorageReader."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import dcptool, read_tensor
+from jobs import REPO, run_job
+from dcptool import formats
+
+STORAGE_JOBS = REPO / "tests" / "storage_jobs.py"
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_dcp")
+    run_job(2, "save-hf", root / "sharded-only", script=STORAGE_JOBS)
+    run_job(2, "save-hf", root / "consolidated", "--consolidate", script=STORAGE_JOBS)
+    return root
+
+
+def reference(path):
+    return torch.load(f"{path}.reference.pt", weights_only=True)
+
+
+def test_sharded_save_is_read_bitwise(saves):
+    checkpoint = formats.open_checkpoint(saves / "sharded-only")
+    assert checkpoint.format == "hf-dcp"
+    expected = reference(saves / "sharded-only")
+    assert set(checkpoint.tensors) == set(expected)
+    assert len(checkpoint.tensors["embed.weight"].chunks) == 2  # 7 rows: 4 + 3 on two ranks
+    for key, tensor in expected.items():
+        assert torch.equal(read_tensor(checkpoint, key), tensor), key
+
+
+def test_consolidated_folder_is_hf_and_its_sharded_folder_hf_dcp(saves, tmp_path):
+    folder = saves / "consolidated"
+    assert formats.detect(folder) == "hf" and formats.detect(folder / "sharded") == "hf-dcp"
+    expected = reference(folder)
+    # a consolidation that never ran leaves only sharded/: the folder is read from there
+    shutil.copytree(folder / "sharded", tmp_path / "failed" / "sharded")
+    for path in (folder, tmp_path / "failed"):
+        checkpoint = formats.open_checkpoint(path)
+        for key, tensor in expected.items():
+            assert torch.equal(read_tensor(checkpoint, key), tensor), (path, key)
+
+
+def test_hf_dcp_output_loads_with_torch_reader(saves, tmp_path):
+    source = saves / "sharded-only"
+    dcptool("convert", source, tmp_path / "out", "--to", "hf-dcp")
+    # every rank checks its loaded shards against the reference (the job fails on a mismatch)
+    job = run_job(2, "load-hf", tmp_path / "out", f"{source}.reference.pt", script=STORAGE_JOBS)
+    assert job.stdout.count("5 tensors equal") == 2
