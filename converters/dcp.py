@@ -442,11 +442,16 @@ class Writer:
         chunks_of: dict[str, list] = {}
         for piece in self._rank_of:
             chunks_of.setdefault(piece.tensor.key, []).append(piece)
+        # a chunk's place in its tensor's list (the index hint), found in O(1): a tensor may have thousands
+        position_of: dict = {}
+        for key, pieces in chunks_of.items():
+            for i, piece in enumerate(pieces):
+                position_of.setdefault((key, piece.offsets), i)
         # In the order one process writes them (file by file, then the objects), whoever wrote them.
         ordered = [(p.tensor.key, p.offsets) for p in self.pieces] + [(o.key, None) for o in objects]
         for key, offsets in dict.fromkeys(ordered):
             file, start, length = records[(key, offsets)]
-            position = None if offsets is None else [p.offsets for p in chunks_of[key]].index(offsets)
+            position = None if offsets is None else position_of[(key, offsets)]
             index = new_object(_METADATA_MODULE, "MetadataIndex", {
                 "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})
             info = {"relative_path": file, "offset": start, "length": length}

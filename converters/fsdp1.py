@@ -615,9 +615,9 @@ _RANK_ENTRY = re.compile(r"rank_(\d+)$")
 
 def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | None = None,
             include: str | None = None, exclude: str | None = None,
-            keep_rank_state: bool = False) -> tuple[list[OutTensor], list[OutObject], list[str]]:
+            keep_rank_state: bool = False) -> tuple[list[OutTensor], list[OutObject], dict[str, str]]:
     """What a verl folder of ``world_size`` ranks holds of ``checkpoint``: output tensors and objects, and
-    one line per reason for the entries left out.
+    why each entry it leaves out is left out (key -> reason; the summary line groups them).
 
     The model part goes under its parameter names; optimizer state (``<optim>.state.<param>.<name>``
     of any format: FSDP1, DCP of accelerate, torchtitan or AReaL) under ``optimizer.state``, its
@@ -626,9 +626,9 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     state) is left out unless ``keep_rank_state`` (then rank ``r`` of the output gets it, if there is
     one: ``world_size`` None keeps every rank's). ``include`` / ``exclude`` select model weights by name.
 
-    >>> tensors, objects, notes = entries(open_checkpoint("global_step_10/actor"), 16)   # doctest: +SKIP
-    >>> [t.key for t in tensors][-1], notes                                             # doctest: +SKIP
-    ('optimizer.state.lm_head.weight.exp_avg_sq', ['left out 2 entries of single ranks of the source job ...'])
+    >>> tensors, objects, reasons = entries(open_checkpoint("global_step_10/actor"), 16)   # doctest: +SKIP
+    >>> [t.key for t in tensors][-1], reasons                                             # doctest: +SKIP
+    ('optimizer.state.lm_head.weight.exp_avg_sq', {'extra_state.rank_0.rng': 'state of single ranks of the source job ...'})
     """
     from dcptool import convert  # convert imports the registry of formats, which imports this module
 
@@ -678,9 +678,7 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
             tensors = [t for t in tensors if t.path[0] != OPTIMIZER]
             left_out.setdefault("optimizer state without its param_groups, which loading it needs", []).extend(
                 t.source.key for t in state)
-    notes = [f"left out {len(keys)} {'entry' if len(keys) == 1 else 'entries'} ({why}): "
-             f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}" for why, keys in left_out.items()]
-    return tensors, objects, notes
+    return tensors, objects, {key: why for why, keys in left_out.items() for key in keys}
 
 
 @dataclass

@@ -154,23 +154,29 @@ def _progress(total: int, what: str):
         yield lambda n: progress.advance(task, n)
 
 
-def _summary(report: convert.Report, dropped: dict[str, list[str]] | None = None, why: str = "") -> None:
-    """The written line, and one line of everything the output does not hold, each kind with why.
+def _summary(report: convert.Report, dropped: dict[str, list[str]] | None = None, why: str = "",
+             reasons: dict[str, str] | None = None) -> None:
+    """The written line, and one line of everything the output does not hold, grouped by why.
 
-    ``dropped``: the source's entries planning did not choose (``convert.left_out``), for ``why``;
-    the objects the writer could not hold (``report.left_out``) are said apart.
+    ``dropped``: the source's entries planning did not choose (``convert.left_out``), by kind; each
+    for its reason in ``reasons``, else ``why``. The objects the writer could not hold
+    (``report.left_out``) are said apart.
     """
     print(f"wrote {report.destination} ({report.format}): {counted(report.tensors, 'tensor')}, {report.bytes_written:,} bytes")
-    singular = {"non-tensor entries": "non-tensor entry", "optimizer tensors": "optimizer tensor", "other tensors": "other tensor"}
-    chosen_out = {kind: [k for k in keys if k not in report.left_out] for kind, keys in (dropped or {}).items()}
-    groups = [(counts, reason) for counts, reason in (
-        (", ".join(counted(len(keys), singular[kind], kind) for kind, keys in chosen_out.items() if keys), why or "not chosen"),
-        (counted(len(report.left_out), "non-tensor entry", "non-tensor entries") if report.left_out else "",
-         f"{report.format} cannot hold them"),
-    ) if counts]
+    unheld = f"{report.format} cannot hold them"
+    groups: dict[str, dict[str, list[str]]] = {}  # reason -> kind -> keys
+    for kind, keys in (dropped or {}).items():
+        for key in keys:
+            reason = unheld if key in report.left_out else (reasons or {}).get(key, why or "not chosen")
+            groups.setdefault(reason, {}).setdefault(kind, []).append(key)
+    for key in report.left_out:
+        if not any(key in keys for kinds in groups.values() for keys in kinds.values()):
+            groups.setdefault(unheld, {}).setdefault("non-tensor entries", []).append(key)
     if groups:
-        keys = [key for keys in chosen_out.values() for key in keys] + list(report.left_out)
-        print(f"left out: {'; '.join(f'{counts} ({reason})' for counts, reason in groups)}: {_grouped(keys)}")
+        singular = {"non-tensor entries": "non-tensor entry", "optimizer tensors": "optimizer tensor", "other tensors": "other tensor"}
+        said = "; ".join(", ".join(counted(len(keys), singular[kind], kind) for kind, keys in kinds.items()) + f" ({reason})"
+                         for reason, kinds in groups.items())
+        print(f"left out: {said}: {_grouped([key for kinds in groups.values() for keys in kinds.values() for key in keys])}")
 
 
 def _chunking(tensor) -> str:
@@ -392,7 +398,8 @@ def _write(conversion: convert.Conversion, destination, max_memory, overwrite, f
     with _progress(conversion.total_bytes, f"writing {Path(str(destination)).name}") as advance:
         report = conversion.write(destination, overwrite=overwrite, max_memory=_size(max_memory), fsync=fsync,
                                   progress=advance)
-    _summary(report, convert.left_out(conversion.checkpoint, conversion.tensors, conversion.objects), conversion.why_left_out)
+    _summary(report, convert.left_out(conversion.checkpoint, conversion.tensors, conversion.objects),
+             conversion.why_left_out, conversion.reasons)
     _notes([*report.notes, *(conversion.checkpoint.info.get("not_read") or [])])  # files of the source no reader used
 
 

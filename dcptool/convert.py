@@ -285,8 +285,10 @@ class Conversion:
     objects: list[OutObject]
     writer_options: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # Why entries of the source are not in ``tensors``/``objects``, for the summary's "left out" line.
+    # Why entries of the source are not in ``tensors``/``objects``, for the summary's "left out" line:
+    # ``reasons`` for particular keys, ``why_left_out`` for the rest.
     why_left_out: str = ""
+    reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

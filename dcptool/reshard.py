@@ -316,11 +316,11 @@ def fsdp1_conversion(checkpoint: Checkpoint, mesh_options: dict, dtype: str | No
     mesh = resolve_mesh(checkpoint, **mesh_options)
     if mesh.world != mesh.dp:
         raise UsageError(f"--to fsdp1 holds data-parallel shards only; {mesh.describe()} needs --to dcp")
-    tensors, objects, notes = formats.get("fsdp1").entries(checkpoint, mesh.world, dtype, include, exclude,
-                                                           keep_rank_state)
+    tensors, objects, reasons = formats.get("fsdp1").entries(checkpoint, mesh.world, dtype, include, exclude,
+                                                             keep_rank_state)
     options = {"world_size": mesh.world, "hf_config_dir": checkpoint.info.get("hf_config_dir")}
     why = f"the fsdp1 output holds {formats.get('fsdp1').HOLDS} only" + (", as selected by --include/--exclude" if include or exclude else "")
-    return Conversion(checkpoint, "fsdp1", tensors, objects, options, notes, why)
+    return Conversion(checkpoint, "fsdp1", tensors, objects, options, why_left_out=why, reasons=reasons)
 
 
 def raise_problems(result: ReshardPlan) -> None:

@@ -360,7 +360,9 @@ _INT = (rb"(K.|M..|J.{4}|\x8a\x01.|\x8a\x02..|\x8a\x03.{3}|\x8a\x04.{4}|\x8a\x05
 _OPT = b"(" + _INT[1:-1] + b")?"
 _NEW = rb"\)\x81\x94}\x94\("  # EMPTY_TUPLE NEWOBJ MEMOIZE EMPTY_DICT MEMOIZE MARK, then the state's items
 _SIZE_END = rb"\x94\x85\x94R\x94"  # MEMOIZE TUPLE1 MEMOIZE REDUCE MEMOIZE: torch.Size(tuple)
-_LITERAL = rb"\x8c(.)(.{0,255}?)\x94"  # SHORT_BINUNICODE, memoized (bounded: every try is O(1))
+# SHORT_BINUNICODE, memoized; text holding the MEMOIZE byte (some UTF-8) goes the ordinary way, so a
+# match never reaches past the record's own MEMOIZE (into a FRAME, say)
+_LITERAL = rb"\x8c(.)([^\x94]{0,255})\x94"
 # A record as parts: bytes as they are; "ref": a memo reference (class, key name, torch.Size) that a
 # run's first record checks and the rest repeat byte for byte; ("dims", name): a torch.Size's
 # integers; ("int", name); ("text", name): a string, memoized text or a memo reference.
@@ -529,6 +531,7 @@ class _Machine:
         # Runs of records kept as rows (see rows_run).
         self.lazy_first = array.array("q")  # per run: its first memo index, and (rows, slots per record, shape)
         self.lazy_runs: list[tuple[Any, int, dict]] = []
+        self.strings: dict[bytes, str] = {}  # texts of rows, decoded once
 
     # -- budgets ---------------------------------------------------------------------------
 
@@ -808,8 +811,10 @@ class _Machine:
         lengths, texts = columns[groups[0]][:count], columns[groups[1]][:count]
         wrong = np.flatnonzero(np.frombuffer(b"".join(lengths), np.uint8) != np.fromiter(map(len, texts), np.int64, count))
         count = int(wrong[0]) if len(wrong) else count  # text holding the MEMOIZE byte: not this record's shape
-        decoded = {text: str(text, "utf-8", "surrogatepass") for text in set(texts[:count])}
-        return list(map(decoded.__getitem__, texts[:count])), count
+        strings = self.strings  # one object per distinct text (a tensor's name recurs once per rank)
+        for text in set(texts[:count]) - strings.keys():
+            strings[text] = str(text, "utf-8", "surrogatepass")
+        return list(map(strings.__getitem__, texts[:count])), count
 
     def memo_value(self, memo: list, index: int) -> Any:
         """A memo slot that is not an object yet: a record's part made now, or an error for a hole."""

@@ -967,20 +967,22 @@ def scale_bench(args) -> int:
         for rid, (argv, kind) in SCALE_ROWS.items():
             if args.only and not re.search(args.only, rid):
                 continue
-            times, peaks = [], []
+            times, cpus, peaks = [], [], []
             for rnd in range(args.rounds):
                 remove(target)
                 warm([src])
                 command = [sys.executable] + [a.format(src=src, out=target, hf=hf) for a in argv]
-                wall, _, peak, code = measure(command, logs / f"scale-{rid}-{ranks}-{rnd}.log", args.timeout)
+                wall, cpu, peak, code = measure(command, logs / f"scale-{rid}-{ranks}-{rnd}.log", args.timeout)
                 if code != 0:
                     print(f"  {rid} at {ranks} ranks exited {code}:\n{tail(logs / f'scale-{rid}-{ranks}-{rnd}.log')}")
                 times.append(wall)
+                cpus.append(cpu)
                 peaks.append(peak / 2**20)
             row = {"id": rid, "kind": kind, "ranks": ranks, "metadata_mb": round(metadata_mb, 1),
                    "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-                   "peak_mb": statistics.median(peaks)}
-            print(f"  {ranks:>5} ranks  {rid:<20} {row['median_s']:8.1f} s  {row['peak_mb']:8.0f} MB", flush=True)
+                   "cpu_s": statistics.median(cpus), "peak_mb": statistics.median(peaks)}
+            print(f"  {ranks:>5} ranks  {rid:<20} {row['median_s']:8.1f} s  (CPU {row['cpu_s']:.1f} s)  "
+                  f"{row['peak_mb']:8.0f} MB", flush=True)
             results.append(row)
         remove(target)
         if not args.keep:
@@ -989,9 +991,9 @@ def scale_bench(args) -> int:
                 Path(f"{path}.done").unlink(missing_ok=True)
     (out / "scale.json").write_text(json.dumps({"machine": machine_info(), "layers": args.scale_layers,
                                                 "rounds": args.rounds, "rows": results}, indent=1) + "\n")
-    lines = ["| ranks | .metadata MB | row | time s (median) | peak MB |", "|---|---|---|---|---|"]
-    lines += [f"| {r['ranks']} | {r['metadata_mb']} | {r['id']} | {r['median_s']:.1f} | {r['peak_mb']:.0f} |"
-              for r in results]
+    lines = ["| ranks | .metadata MB | row | time s (median) | CPU s | peak MB |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['ranks']} | {r['metadata_mb']} | {r['id']} | {r['median_s']:.1f} | {r['cpu_s']:.1f} | "
+              f"{r['peak_mb']:.0f} |" for r in results]
     (out / "scale.md").write_text("\n".join(lines) + "\n")
     scale_chart(results, out / "scale.png", f"{args.scale_layers} layers, narrow tensors; "
                                              f"{machine_info().get('cpu_count')} CPUs")

@@ -316,17 +316,18 @@ print("ok")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
-def test_config_folders_may_be_urls(local, bucket, tmp_path):
+def test_config_folders_may_be_urls(checkpoints, local, bucket, tmp_path):
     """A remote verl folder's huggingface/ config is found and copied, as for a local one, and
     --config-dir may be a URL; tied embeddings drop lm_head.weight in both cases."""
-    config = {"model_type": "llama", "tie_word_embeddings": True, "num_attention_heads": 4}
+    _, reference = checkpoints("fsdp2_dp2")
+    config = json.loads((reference / "config.json").read_text()) | {"tie_word_embeddings": True}
     actor = remote_copy(local["fsdp1"], bucket)
     MEMORY.pipe(f"{memory_path(actor)}/huggingface/config.json", json.dumps(config).encode())
     MEMORY.pipe(f"{memory_path(actor)}/huggingface/tokenizer.json", b'{"version": "1.0"}')
     ok("--quiet", "export-hf", actor, tmp_path / "from-verl-folder")
     ok("--quiet", "export-hf", local["dcp"], tmp_path / "from-config-dir", "--config-dir", f"{actor}/huggingface")
     for out in (tmp_path / "from-verl-folder", tmp_path / "from-config-dir"):
-        assert json.loads((out / "config.json").read_text()) == config
+        assert json.loads((out / "config.json").read_text()) == config | {"dtype": "float32", "torch_dtype": "float32"}
         assert (out / "tokenizer.json").read_bytes() == b'{"version": "1.0"}'
         tensors = json.loads(ok("inspect", out, "--json"))["tensors"]
         assert "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors

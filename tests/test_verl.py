@@ -62,7 +62,7 @@ def test_fsdp1_resumes_at_another_world_size(saved, tmp_path, world_size, comman
     out = tmp_path / f"w{world_size}"
     size = ["--dp", str(world_size)] if command == "reshard" else ["--world-size", str(world_size)]
     result = dcptool(command, actor, out, "--to", "fsdp1", *size)
-    assert "extra_state.rank_0.rng.cpu" in result.stderr and "--keep-rank-state keeps it" in result.stderr
+    assert "extra_state.rank_0.rng.cpu" in result.stdout and "--keep-rank-state keeps it" in result.stdout
     assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 1, "world_size": world_size}
     assert (out / "huggingface" / "config.json").read_bytes() == (actor / "huggingface" / "config.json").read_bytes()
     for kind in ("model", "optim", "extra_state"):
@@ -91,7 +91,7 @@ def test_keep_rank_state_gives_each_rank_its_own(saved, tmp_path):
     actor = saved("fsdp1")
     out = tmp_path / "w1"
     result = dcptool("reshard", actor, out, "--to", "fsdp1", "--dp", "1", "--keep-rank-state")
-    assert "extra_state.rank_1.rng.cpu" in result.stderr and "world size of 1 does not have" in result.stderr
+    assert "extra_state.rank_1.rng.cpu" in result.stdout and "world size of 1 does not have" in result.stdout
     kept = torch.load(out / "extra_state_world_size_1_rank_0.pt", weights_only=True)
     saved_rank0 = torch.load(actor / "extra_state_world_size_2_rank_0.pt", weights_only=True)
     assert torch.equal(kept["rng"]["cpu"], saved_rank0["rng"]["cpu"])
