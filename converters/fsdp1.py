@@ -630,16 +630,16 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     >>> [t.key for t in tensors][-1], reasons                                             # doctest: +SKIP
     ('optimizer.state.lm_head.weight.exp_avg_sq', {'extra_state.rank_0.rng': 'state of single ranks of the source job ...'})
     """
-    from dcptool import convert  # convert imports the registry of formats, which imports this module
+    from dcptool import conversion  # conversion imports the registry of formats, which imports this module
 
-    model = convert.select(convert.model_part(checkpoint), include, exclude)
+    model = conversion.select(conversion.model_part(checkpoint), include, exclude)
     if not model:
         raise UsageError(f"{checkpoint.root}: no model weight matches the --include/--exclude filters")
-    tensors = convert.out_tensors(model, dtype, keep_paths=False)
-    model_objects = convert.model_part(checkpoint, entries=checkpoint.objects)
+    tensors = conversion.out_tensors(model, dtype, keep_paths=False)
+    model_objects = conversion.model_part(checkpoint, entries=checkpoint.objects)
     objects = [OutObject(k, o.path if o.key == k else (k,), o, checkpoint)
-               for k, o in convert.select(model_objects, include, exclude).items()]
-    everything = convert.model_part(checkpoint)  # parameters left out by --include/--exclude keep their state out
+               for k, o in conversion.select(model_objects, include, exclude).items()]
+    everything = conversion.model_part(checkpoint)  # parameters left out by --include/--exclude keep their state out
     used = {id(entry) for entry in [*everything.values(), *model_objects.values()]}
     left_out: dict[str, list[str]] = {}
     flat_groups: dict[str, dict[str, Any]] = {}  # parameter -> its settings, from a flattened state dict
@@ -649,13 +649,13 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
             continue
         shape = entry.shape if isinstance(entry, TensorInfo) else None
         flat = _FLAT_PARAM_GROUP.search(key) if shape is None else None
-        parameter = convert.WRAPPER_PREFIXES.sub(r"\1", flat.group("param")) if flat else None
+        parameter = conversion.WRAPPER_PREFIXES.sub(r"\1", flat.group("param")) if flat else None
         if parameter in everything:
             if parameter in model:
                 flat_groups.setdefault(parameter, {})[flat.group("setting")] = checkpoint.object_value(entry)
                 merged.append(entry)
             continue
-        path, problem = _training_path(key, entry.path, everything, model, shape, convert.WRAPPER_PREFIXES)
+        path, problem = _training_path(key, entry.path, everything, model, shape, conversion.WRAPPER_PREFIXES)
         own = _RANK_ENTRY.match(str(path[1])) if path and path[0] == EXTRA_STATE else None
         if own and not keep_rank_state:
             path, problem = None, "state of single ranks of the source job; --keep-rank-state keeps it"

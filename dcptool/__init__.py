@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 from dcptool.errors import CheckpointError, DcptoolError, MismatchError, UnsafePickleError, UsageError
 
 if TYPE_CHECKING:
-    from dcptool.api import Reader, Region, TensorSpec, export_hf, import_hf, open  # noqa: A004
+    from dcptool.api import (Reader, Region, TensorSpec, checksum, convert, export_hf, import_hf, open,  # noqa: A004
+                             reshard, verify)
 
-# The modules dcptool.convert, .reshard, .verify and .checksum hold the library code behind those
-# commands, so their functions are dcptool.api.convert, .reshard, .verify and .checksum.
-_API = ("open", "Reader", "TensorSpec", "Region", "export_hf", "import_hf")
+# The library code behind the commands lives in modules named apart from them (dcptool.conversion,
+# .resharding, .verification, .checksums), so that these names are the functions.
+_API = ("open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard", "verify", "checksum")
 
 __all__ = [*_API, "api", "DcptoolError", "CheckpointError", "UnsafePickleError", "UsageError", "MismatchError"]
 

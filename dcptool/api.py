@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from dcptool import dtypes, formats
-from dcptool.convert import DEFAULT_MAX_MEMORY, Report
+from dcptool.conversion import DEFAULT_MAX_MEMORY, Report
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.storage import output_path, parse_size
@@ -36,10 +36,10 @@ from dcptool.storage import output_path, parse_size
 if TYPE_CHECKING:
     import torch
 
-    from dcptool.checksum import Result
+    from dcptool.checksums import Result
     from dcptool.loadcheck import LoadReport
-    from dcptool.reshard import ReshardReport
-    from dcptool.verify import Report as VerifyReport
+    from dcptool.resharding import ReshardReport
+    from dcptool.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard", "verify",
            "checksum"]
@@ -155,11 +155,11 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
     >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> report = dcptool.api.convert(folder, f"{folder}/dcp", to="dcp")
+    >>> report = dcptool.convert(folder, f"{folder}/dcp", to="dcp")
     >>> report.format, report.tensors, report.bytes_written
     ('dcp', 1, 48)
     """
-    from dcptool import convert as conversion
+    from dcptool import conversion
 
     checkpoint = formats.open_checkpoint(source, source_format)
     planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
@@ -183,7 +183,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     >>> report.tensors, report.bytes_written
     (1, 6)
     """
-    from dcptool import convert as conversion
+    from dcptool import conversion
 
     checkpoint = formats.open_checkpoint(source, source_format)
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype,
@@ -205,11 +205,11 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
     >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> report = dcptool.api.reshard(folder, f"{folder}/dp2", dp=2)
+    >>> report = dcptool.reshard(folder, f"{folder}/dp2", dp=2)
     >>> report.mesh.describe(), sorted(p.name for p in Path(folder, "dp2").iterdir())
     ('2 ranks: dp=2', ['.metadata', '__0_0.distcp', '__1_0.distcp'])
     """
-    from dcptool import reshard as resharding
+    from dcptool import resharding
 
     return resharding.reshard(source, output_path(destination), dp=dp, tp=tp, ep=ep, etp=etp, cp=cp,
                               dp_replicate=dp_replicate, world_size=world_size, plan=plan, to=to,
@@ -230,7 +230,7 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
     >>> dcptool.import_hf(folder, f"{folder}/dcp", dp=2).mesh.world
     2
     """
-    from dcptool import adapters, reshard as resharding
+    from dcptool import adapters, resharding
 
     if adapter not in adapters.JOB_WRAPPERS:
         raise UsageError(f"--adapter {adapter}: choose one of {', '.join(adapters.JOB_WRAPPERS)}")
@@ -254,15 +254,15 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
     >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> dcptool.api.convert(folder, f"{folder}.pt", to="torch").tensors
+    >>> dcptool.convert(folder, f"{folder}.pt", to="torch").tensors
     1
-    >>> dcptool.api.verify(folder, f"{folder}.pt").equal
+    >>> dcptool.verify(folder, f"{folder}.pt").equal
     True
     >>> safetensors.numpy.save_file({"w": np.zeros((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> [(d.key, d.kind, d.count) for d in dcptool.api.verify(folder, f"{folder}.pt").differences]
+    >>> [(d.key, d.kind, d.count) for d in dcptool.verify(folder, f"{folder}.pt").differences]
     [('w', 'value', 12)]
     """
-    from dcptool import loadcheck, verify as verification
+    from dcptool import loadcheck, verification
 
     verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
     memory = _bytes(max_memory)
@@ -289,12 +289,12 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
     >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> dcptool.api.checksum(folder, write=True).tensors
+    >>> dcptool.checksum(folder, write=True).tensors
     1
-    >>> dcptool.api.checksum(folder, check=True).ok
+    >>> dcptool.checksum(folder, check=True).ok
     True
     """
-    from dcptool import checksum as checksums
+    from dcptool import checksums
 
     return checksums.run(path, write=write, check=check, against=against, manifest=manifest,
                          source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,

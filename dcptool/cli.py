@@ -24,7 +24,7 @@ from dcptool.storage import check_destination, is_remote, output_path, parse_siz
 # Each command imports what it runs (convert, reshard, verify, checksum, rich) when it runs, so that
 # `inspect` starts fast (issue 5); these imports are for annotations only.
 if TYPE_CHECKING:
-    from dcptool import checksum as checksums, convert, verify as verification
+    from dcptool import checksums, conversion, verification
 
 app = typer.Typer(
     name="dcptool",
@@ -154,11 +154,11 @@ def _progress(total: int, what: str):
         yield lambda n: progress.advance(task, n)
 
 
-def _summary(report: convert.Report, dropped: dict[str, list[str]] | None = None, why: str = "",
+def _summary(report: conversion.Report, dropped: dict[str, list[str]] | None = None, why: str = "",
              reasons: dict[str, str] | None = None) -> None:
     """The written line, and one line of everything the output does not hold, grouped by why.
 
-    ``dropped``: the source's entries planning did not choose (``convert.left_out``), by kind; each
+    ``dropped``: the source's entries planning did not choose (``conversion.left_out``), by kind; each
     for its reason in ``reasons``, else ``why``. The objects the writer could not hold
     (``report.left_out``) are said apart.
     """
@@ -253,7 +253,7 @@ def inspect(
     ranks_recorded = any(c.rank is not None for t in checkpoint.tensors.values() for c in t.chunks)
     inferred = None
     if ranks_recorded:
-        from dcptool import reshard as resharding
+        from dcptool import resharding
 
         inferred = resharding.infer_mesh(checkpoint)
     names = _naming(checkpoint)
@@ -323,15 +323,15 @@ def _draw_layout(checkpoint, key: str, mesh: Optional[str], plan: str, svg: Opti
 
 def _naming(checkpoint) -> dict | None:
     """The naming family and model kind of the model weights (``dcptool.adapters``), or None for names no table knows."""
-    from dcptool import adapters, convert
+    from dcptool import adapters, conversion
 
-    params = convert.model_part(checkpoint)
+    params = conversion.model_part(checkpoint)
     family = adapters.detect_family(params)
     if family is None:
         return None
     config_dir = checkpoint.info.get("hf_config_dir")
     try:
-        kind = adapters.detect_kind(params, family, convert.read_config(config_dir) if config_dir else None)
+        kind = adapters.detect_kind(params, family, conversion.read_config(config_dir) if config_dir else None)
     except UsageError:  # a model type with no table: the family is still worth showing
         kind = None
     return {"family": family, "kind": kind}
@@ -367,19 +367,19 @@ def convert_command(
       [cyan]dcptool convert s3://bucket/run-7/step-1000 step-1000.pt --to torch[/cyan]   (with s3fs installed)
       [cyan]dcptool convert archon-step-200 fsdp-engine-step-200 --to dcp --adapter hf[/cyan]   (optimizer state follows)
     """
-    from dcptool import convert
+    from dcptool import conversion
 
     source, = hub.with_revision(source, revision=revision)
     if compress and to != "dcp":
         raise UsageError(f"--compress {compress} goes with --to dcp")
     checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
-    conversion = convert.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
+    planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
                                       config_dir=config_dir, world_size=world_size, max_shard_size=_size(max_shard_size),
                                       keep_rank_state=keep_rank_state)
-    conversion.notes += quant_notes
+    planned.notes += quant_notes
     if compress:
-        conversion.writer_options["compress"] = compress
-    _write(conversion, destination, max_memory, overwrite, fsync)
+        planned.writer_options["compress"] = compress
+    _write(planned, destination, max_memory, overwrite, fsync)
 
 
 def _dequantized(checkpoint, dequantize: bool, config_dir, dtype):
@@ -391,16 +391,16 @@ def _dequantized(checkpoint, dequantize: bool, config_dir, dtype):
     return quant.dequantized(checkpoint, config_dir, dtype)
 
 
-def _write(conversion: convert.Conversion, destination, max_memory, overwrite, fsync) -> None:
+def _write(planned: conversion.Conversion, destination, max_memory, overwrite, fsync) -> None:
     """Write and summarize; the adapter's notes come after the summary, once the output exists."""
-    from dcptool import convert
+    from dcptool import conversion
 
-    with _progress(conversion.total_bytes, f"writing {Path(str(destination)).name}") as advance:
-        report = conversion.write(destination, overwrite=overwrite, max_memory=_size(max_memory), fsync=fsync,
-                                  progress=advance)
-    _summary(report, convert.left_out(conversion.checkpoint, conversion.tensors, conversion.objects),
-             conversion.why_left_out, conversion.reasons)
-    _notes([*report.notes, *(conversion.checkpoint.info.get("not_read") or [])])  # files of the source no reader used
+    with _progress(planned.total_bytes, f"writing {Path(str(destination)).name}") as advance:
+        report = planned.write(destination, overwrite=overwrite, max_memory=_size(max_memory), fsync=fsync,
+                               progress=advance)
+    _summary(report, conversion.left_out(planned.checkpoint, planned.tensors, planned.objects),
+             planned.why_left_out, planned.reasons)
+    _notes([*report.notes, *(planned.checkpoint.info.get("not_read") or [])])  # files of the source no reader used
 
 
 @app.command(name="export-hf")
@@ -439,7 +439,7 @@ def export_hf(
       [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
       [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --revision step-1000[/cyan]
     """
-    from dcptool import convert
+    from dcptool import conversion
 
     if push_to_hub:  # before the export: a push that cannot start should not cost one
         hub.check_repo_id(push_to_hub)
@@ -449,15 +449,15 @@ def export_hf(
     elif private or hub_branch or commit_message:
         raise UsageError("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
     checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
-    conversion = convert.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype, include=include,
+    planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype, include=include,
                                         exclude=exclude, adapter=adapter, hf_experts=hf_experts,
                                         max_shard_size=_size(max_shard_size))
     if dequantize:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool import quant
 
-        conversion.writer_options["config"] = quant.drop_quantization_config(conversion.writer_options.get("config"))
-        conversion.notes += quant_notes
-    _write(conversion, destination, max_memory, overwrite, fsync)
+        planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
+        planned.notes += quant_notes
+    _write(planned, destination, max_memory, overwrite, fsync)
     if push_to_hub:
         url = hub.push(destination, push_to_hub, private=private, revision=hub_branch, commit_message=commit_message)
         print(f"pushed {destination} to {url}")
@@ -478,7 +478,7 @@ DryRunOption = typer.Option(False, "--dry-run", help="Print the plan and its pro
 
 def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
              as_json, max_memory, overwrite, fsync, adapter=None, wrapper=(), dequantize=False, compress=None) -> None:
-    from dcptool import reshard as resharding
+    from dcptool import resharding
 
     if not dry_run:
         check_destination(destination, overwrite)  # before planning prints its warnings
@@ -562,7 +562,7 @@ def reshard(
       [cyan]dcptool reshard step-1000 moe-ep --dp 4 --tp 2 --ep 4 --etp 1 --dry-run[/cyan]
       [cyan]dcptool reshard global_step_10/actor fsdp1-w8 --to fsdp1 --world-size 8[/cyan]
     """
-    from dcptool import reshard as resharding
+    from dcptool import resharding
 
     mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if to == "fsdp1":
@@ -608,7 +608,7 @@ def import_hf(
       [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
       [cyan]dcptool import-hf Qwen/Qwen3-8B qwen3-dcp --revision main[/cyan]   (a hub repo, through the hub cache)
     """
-    from dcptool import adapters, reshard as resharding
+    from dcptool import adapters, resharding
 
     source, = hub.with_revision(source, revision=revision)
     mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
@@ -658,7 +658,7 @@ def verify_command(
       [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
     """
-    from dcptool import verify as verification
+    from dcptool import verification
 
     a, b = hub.with_revision(a, b, revision=revision)
     verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
@@ -759,7 +759,7 @@ def checksum_command(
       [cyan]dcptool checksum step-1000 --against hf-out --prefix auto[/cyan]
       [cyan]dcptool checksum model.pt --write --manifest manifests/model.json[/cyan]
     """
-    from dcptool import checksum as checksums
+    from dcptool import checksums
 
     path, against = hub.with_revision(path, against, revision=revision)
     if hub.parse(path):  # the hub cache is huggingface_hub's: no manifest is written into it or read from it

@@ -20,7 +20,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from dcptool import convert, loadcheck
+from dcptool import conversion, loadcheck
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted
 from dcptool.mesh import Axis, Mesh, local_chunk, spec_str
@@ -83,13 +83,13 @@ def _coordinates(mesh: Mesh, spec: tuple[Axis, ...], rank: int) -> str:
 
 def _planned_spec(checkpoint: Checkpoint, key: str, mesh_options: dict, plan: str):
     """The reshard plan's layout of ``key``, and the plan; refused with the planner's own line."""
-    from dcptool import reshard
+    from dcptool import resharding
 
-    result = reshard.prepare(checkpoint, mesh_options, plan)
+    result = resharding.prepare(checkpoint, mesh_options, plan)
     found = next((layout for layout in result.layouts if layout.tensor.source.key == key), None)
     if found is None:
         # Problems name the parameter a tensor follows, by its model name (without a dcp.model. wrapper).
-        names = [key] + [name for name, info in convert.model_part(checkpoint).items() if info.key == key]
+        names = [key] + [name for name, info in conversion.model_part(checkpoint).items() if info.key == key]
         problem = next((p for p in result.problems if any(p.startswith(f"{name}:") for name in names)),
                        "reshard leaves it out")
         raise UsageError(f"{checkpoint.root}: {key} has no layout on {result.mesh.describe()}: {problem}")
@@ -103,7 +103,7 @@ def _holders(mesh: Mesh, spec: tuple[Axis, ...], shape: tuple[int, ...], block: 
 
 def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
     """The blocks of ``key`` as saved: labelled by rank where the format records it, else by data file."""
-    from dcptool import reshard
+    from dcptool import resharding
 
     tensor = _tensor(checkpoint, key)
     ranks = [chunk.rank for chunk in tensor.chunks]
@@ -117,7 +117,7 @@ def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
         return Layout(key, tensor.dtype, tensor.shape, blocks, f"saved in {counted(len(letters), 'data file')}",
                       legend=legend, labels="data file")
     blocks = [Block(c.offsets, c.sizes, str(c.rank), [c.rank]) for c in tensor.chunks]
-    inferred = reshard.infer_mesh(checkpoint)
+    inferred = resharding.infer_mesh(checkpoint)
     planned = None
     if inferred is not None:
         mesh, plan = inferred

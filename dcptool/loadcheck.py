@@ -103,7 +103,7 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
         plan: str = "auto", timeout: float = 600.0, include: str | None = None, exclude: str | None = None) -> LoadReport:
     """Load ``checkpoint`` on the mesh in a real ``nproc``-process job and check every rank's shards."""
     from dcptool import formats
-    from dcptool.reshard import prepare, raise_problems
+    from dcptool.resharding import prepare, raise_problems
 
     check_runnable(checkpoint)
     checkpoint = Path(checkpoint)
@@ -179,9 +179,9 @@ def _worker(args) -> int:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from dcptool import dtypes, formats
-    from dcptool.convert import select
+    from dcptool.conversion import select
     from dcptool.mesh import Mesh, Strided, local_chunk
-    from dcptool.reshard import prepare
+    from dcptool.resharding import prepare
     from dcptool.torch_archive import row_major
 
     rank = int(os.environ["RANK"])

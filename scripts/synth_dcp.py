@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dcptool import plans  # noqa: E402
 from dcptool.mesh import Mesh, local_chunk  # noqa: E402
-from dcptool.reshard import DEFAULT_RULE, tensor_spec  # noqa: E402
+from dcptool.resharding import DEFAULT_RULE, tensor_spec  # noqa: E402
 
 
 @dataclass

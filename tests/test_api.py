@@ -23,6 +23,12 @@ def test_doctests_run(tmp_path, monkeypatch):
     assert result.failed == 0 and result.attempted >= 30
 
 
+def test_the_commands_are_functions_of_the_package():
+    for name in ("open", "convert", "export_hf", "import_hf", "reshard", "verify", "checksum"):
+        function = getattr(dcptool, name)
+        assert callable(function) and function is getattr(api, name) and function.__doc__, name
+
+
 def test_import_is_cheap_and_never_imports_torch():
     code = ("import sys, dcptool; assert 'dcptool.api' not in sys.modules and 'numpy' not in sys.modules; "
             "names = [getattr(dcptool, n) for n in dcptool.__all__]; print('torch' in sys.modules)")
@@ -76,9 +82,9 @@ def test_bad_keys_and_regions_are_usage_errors_naming_the_checkpoint(tmp_path, c
     with pytest.raises(CheckpointError, match="no such file"):
         dcptool.open(tmp_path / "missing")
     with pytest.raises(UsageError, match="give the checkpoint B"):
-        api.verify(path)
+        dcptool.verify(path)
     with pytest.raises(UsageError, match="--dtype int8"):
-        api.convert(path, tmp_path / "x.pt", to="torch", dtype="int8")
+        dcptool.convert(path, tmp_path / "x.pt", to="torch", dtype="int8")
     assert not (tmp_path / "x.pt").exists()
 
 
@@ -87,7 +93,7 @@ def test_convert_reshard_verify_checksum_of_a_gloo_save(checkpoints, tmp_path):
     full = load_reference(reference)
     tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
 
-    report = api.convert(path, tmp_path / "whole.pt", to="torch", max_memory="64KiB")
+    report = dcptool.convert(path, tmp_path / "whole.pt", to="torch", max_memory="64KiB")
     assert report.tensors == len(tensors)
     saved = torch.load(tmp_path / "whole.pt", weights_only=True)
     flat = {}
@@ -99,18 +105,18 @@ def test_convert_reshard_verify_checksum_of_a_gloo_save(checkpoints, tmp_path):
     flatten(saved)
     assert all(torch.equal(flat[k], v) for k, v in tensors.items())
 
-    resharded = api.reshard(path, tmp_path / "tp2", dp=1, tp=2)
+    resharded = dcptool.reshard(path, tmp_path / "tp2", dp=1, tp=2)
     assert (resharded.mesh.dp, resharded.mesh.tp) == (1, 2)
     loaded = read_dcp(tmp_path / "tp2", tmp_path)  # torch's own reader
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
-    assert api.verify(path, tmp_path / "whole.pt").equal
-    assert api.verify(path, tmp_path / "tp2").equal
-    assert api.verify(path, roundtrip="hf").equal
+    assert dcptool.verify(path, tmp_path / "whole.pt").equal
+    assert dcptool.verify(path, tmp_path / "tp2").equal
+    assert dcptool.verify(path, roundtrip="hf").equal
 
-    assert api.checksum(path, manifest=tmp_path / "m.json", write=True).ok
-    assert api.checksum(path, manifest=tmp_path / "m.json", against=tmp_path / "tp2").ok
-    exported = api.export_hf(path, tmp_path / "hf", dtype="bfloat16")
+    assert dcptool.checksum(path, manifest=tmp_path / "m.json", write=True).ok
+    assert dcptool.checksum(path, manifest=tmp_path / "m.json", against=tmp_path / "tp2").ok
+    exported = dcptool.export_hf(path, tmp_path / "hf", dtype="bfloat16")
     assert exported.tensors and (tmp_path / "hf").is_dir()
-    differs = api.verify(path, tmp_path / "hf", prefix_a="auto")
+    differs = dcptool.verify(path, tmp_path / "hf", prefix_a="auto")
     assert not differs.equal and {d.kind for d in differs.differences} == {"dtype"}

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint  # noqa: F401  (the classes .metadata pickle
 from conftest import dcptool, load_reference
 from safetensors.torch import load_file, save_file
 
-from dcptool.convert import model_part
+from dcptool.conversion import model_part
 from dcptool.formats import open_checkpoint
 
 UP = "layers.0.mlp.up_proj.weight"  # the tensor the corruptions aim at
@@ -348,12 +348,12 @@ def test_help_states_the_manifest_name_and_thread_cap():
     import subprocess
     import sys
 
-    from dcptool import checksum
+    from dcptool import checksums
 
     help_text = subprocess.run([sys.executable, "-m", "dcptool", "checksum", "--help"], capture_output=True, text=True,
                                env={**os.environ, "COLUMNS": "300"}, check=True).stdout  # one line per option
-    assert f"default: {checksum.MANIFEST_NAME} in the folder" in help_text
-    assert f"at most {checksum.MAX_THREADS})" in help_text
+    assert f"default: {checksums.MANIFEST_NAME} in the folder" in help_text
+    assert f"at most {checksums.MAX_THREADS})" in help_text
 
 
 def test_hashing_streams_within_the_memory_budget(tmp_path):

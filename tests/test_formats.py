@@ -11,7 +11,7 @@ from jobs import run_job
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from dcptool.convert import convert_checkpoint
+from dcptool.conversion import convert_checkpoint
 from dcptool.formats import open_checkpoint
 
 
@@ -221,7 +221,7 @@ def test_inspect_imports_only_what_reading_needs(checkpoints):
         "    main(['inspect', sys.argv[1]])\n"
         "except SystemExit as exit:\n"
         "    assert exit.code == 0, exit.code\n"
-        "unwanted = ('torch', 'rich', 'blake3', 'dcptool.checksum', 'dcptool.verify', 'dcptool.loadcheck')\n"
+        "unwanted = ('torch', 'rich', 'blake3', 'dcptool.checksums', 'dcptool.verification', 'dcptool.loadcheck')\n"
         "print(sorted(m for m in unwanted if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)

@@ -218,7 +218,7 @@ if __name__ == "__main__":
 # The tests
 
 from conftest import read_tensor  # noqa: E402
-from dcptool.convert import convert_checkpoint  # noqa: E402
+from dcptool.conversion import convert_checkpoint  # noqa: E402
 from dcptool.errors import CheckpointError, UnsafePickleError  # noqa: E402
 from dcptool.formats import detect, open_checkpoint  # noqa: E402
 from dcptool.safe_pickle import Record, SubclassRef, TensorRef  # noqa: E402
@@ -365,7 +365,7 @@ def test_written_pickle_is_what_torch_pickles(saved, round_trips, rank):
 def test_reading_and_writing_never_import_torch(saved, tmp_path):
     code = (
         "import sys\n"
-        "from dcptool.convert import convert_checkpoint\n"
+        "from dcptool.conversion import convert_checkpoint\n"
         f"convert_checkpoint({str(saved(2) / 'dtensor')!r}, {str(tmp_path / 'out')!r}, to='fsdp1',\n"
         "                   writer_options={'world_size': 3})\n"
         "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch was imported'\n"

@@ -324,7 +324,7 @@ def bases(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from dcptool.convert import convert_checkpoint
+    from dcptool.conversion import convert_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz-bases")
     state = {"model": {"w": torch.arange(24.0).reshape(4, 6), "b": torch.ones(6, dtype=torch.bfloat16),

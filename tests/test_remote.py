@@ -21,7 +21,7 @@ import fsspec
 import pytest
 
 from dcptool import cli, remote
-from dcptool.convert import convert_checkpoint
+from dcptool.conversion import convert_checkpoint
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import dcptool, load_reference
-from dcptool import convert, formats, transfer
+from dcptool import conversion, formats, transfer
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import ArchiveLayout, StorageOut, TensorOut, dumps
 
@@ -71,7 +71,7 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
     has no descriptor; copy_file_range refuses with EXDEV across filesystems)."""
     source, reference = checkpoints("fsdp2_dp2_tp2")
     checkpoint = formats.open_checkpoint(source)
-    pieces = formats.get("hf").Writer(tmp_path / "plan").plan(convert.hf_export_entries(checkpoint)[0], [])
+    pieces = formats.get("hf").Writer(tmp_path / "plan").plan(conversion.hf_export_entries(checkpoint)[0], [])
     kinds = {transfer.source_runs(checkpoint, piece) is None for piece in pieces}
     assert kinds == {True, False}  # both paths are exercised
     if kernel_copy == "remote source":
@@ -79,7 +79,7 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
     elif kernel_copy == "across filesystems":
         monkeypatch.setattr(os, "copy_file_range", _refuse_across_filesystems)
     out = tmp_path / "full.pt"
-    convert.convert_checkpoint(source, out, to="torch", max_memory=2**16)
+    conversion.convert_checkpoint(source, out, to="torch", max_memory=2**16)
     assert zipfile.ZipFile(out).testzip() is None
     expected = load_reference(reference)
     loaded = torch.load(out, weights_only=True)
@@ -127,7 +127,7 @@ def test_a_failing_progress_callback_stops_the_remaining_tasks(checkpoints, tmp_
     source, _ = checkpoints("fsdp2_dp2")
     checkpoint = formats.open_checkpoint(source)
     writer = formats.get("hf").Writer(tmp_path)
-    placed = [(piece, *writer.place(piece)) for piece in writer.plan(convert.hf_export_entries(checkpoint)[0], [])]
+    placed = [(piece, *writer.place(piece)) for piece in writer.plan(conversion.hf_export_entries(checkpoint)[0], [])]
     total = len([t for p, f, o in placed for t in transfer.plan_tasks(checkpoint, p, f, o, 2**15)])
     started, failed = [], threading.Event()
     run = transfer._Mover.run

@@ -10,7 +10,7 @@ import torch
 from conftest import dcptool, load_reference
 from safetensors.numpy import save_file
 
-from dcptool import formats, verify
+from dcptool import formats, verification
 from dcptool.formats import open_checkpoint
 
 UP = "layers.0.mlp.up_proj.weight"  # a TP-colwise weight: FSDP2 + TP saves it as _StridedShard chunks
@@ -184,7 +184,7 @@ def test_roundtrip_catches_a_converter_that_corrupts_a_tensor(exports, monkeypat
         return records
 
     monkeypatch.setattr(writer, "finish_files", corrupting)
-    report = verify.roundtrip(exports["dcp"], "torch")
+    report = verification.roundtrip(exports["dcp"], "torch")
     assert [(d.key, d.kind, d.first_index) for d in report.differences] == [(key_ending(exports["dcp"], UP), "value", [0, 0])]
 
 

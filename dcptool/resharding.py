@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes, formats, plans
-from dcptool.convert import Conversion, Report, adapted, entries_for, model_part, read_config
+from dcptool.conversion import Conversion, Report, adapted, entries_for, model_part, read_config
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str

@@ -312,7 +312,7 @@ def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, i
     """
     checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
     if to == "fsdp1":
-        from dcptool.reshard import fsdp1_conversion
+        from dcptool.resharding import fsdp1_conversion
 
         conversion = fsdp1_conversion(checkpoint, {"world_size": world_size}, dtype, include, exclude, keep_rank_state)
         conversion.notes[:0] = notes
