@@ -211,6 +211,8 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
         return [f"{files.path(file_name('optim', world_size, missing[0]))}: missing ({len(missing)} of {world_size} "
                 "ranks' optimizer files): the optimizer state is not read"]
     params = [key for key, kind in model_keys if kind in ("ShardedTensor", "DTensor")]
+    if world_size == 1 and not params:  # one rank saves its parameters as plain tensors, in the model's order
+        params = [key for key, kind in model_keys if kind == "plain tensor"]
     archives = [Archive(files, file_name("optim", world_size, rank)) for rank in range(world_size)]
     roots = []
     for archive in archives:
@@ -227,6 +229,10 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
         raise CheckpointError(f"{archives[0].where}: optimizer state keyed by something other than names and numbers")
     pieces = by_position and not any(_is_dtensor(v) for root in roots for entry in root["state"].values()
                                      if isinstance(entry, dict) for v in entry.values())
+    if pieces and world_size == 1:  # one rank shards nothing: its moments may be whole, shaped like their parameters
+        pieces = not all(0 <= i < len(params) and all(v.shape == tensors[params[i]].shape for v in entry.values()
+                                                      if isinstance(v, TensorRef) and v.shape)
+                         for i, entry in roots[0]["state"].items() if isinstance(entry, dict))
     try:
         if by_position:
             roots = [_by_name(root, archive.where, params) for root, archive in zip(roots, archives)]
@@ -351,8 +357,8 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
     """verl's ``{"lr_scheduler": ..., "rng": ...}``: the scheduler once (rank 0's), the rest under each rank.
 
     The RNG state belongs to one rank of the saving job: it is read as ``extra_state.rank_<r>.rng``,
-    which a new world size drops unless asked to keep it. A file the restricted unpickler refuses
-    (verl's numpy RNG state is a numpy array) is left out with a line.
+    which a new world size drops unless asked to keep it (numpy's RNG state is read as numpy data).
+    A file the restricted unpickler refuses is left out with a line.
     """
     gathered_tensors: dict[str, _Gathered] = {}
     gathered_objects: dict[str, ObjectInfo] = {}
@@ -371,7 +377,7 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
                     _gather(archive, part, prefix, gathered_tensors, gathered_objects, set())
     except _NotRead as exc:
         return [str(exc)]
-    except CheckpointError as exc:  # e.g. verl's numpy RNG state, which the restricted unpickler refuses
+    except CheckpointError as exc:  # a file the restricted unpickler refuses
         return [f"{exc}: the extra state is not read"]
     if len(present) < world_size:
         return [f"{files.path(file_name('extra_state', world_size, min(set(range(world_size)) - present)))}: missing "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 import click
 import typer
 
-from dcptool import dtypes, formats, hub
+from dcptool import core, dtypes, formats, hub
 from dcptool.adapters.table import FAMILIES
 from dcptool.errors import DcptoolError, MismatchError, UsageError, counted
 from dcptool.storage import check_destination, is_remote, output_path, parse_size
@@ -182,7 +182,7 @@ def _summary(report: conversion.Report, dropped: dict[str, list[str]] | None = N
 def _chunking(tensor) -> str:
     if len(tensor.chunks) == 1:
         return "1 chunk"
-    splits = [len({c.offsets[d] for c in tensor.chunks}) for d in range(len(tensor.shape))]
+    splits = core.chunk_splits(tensor.chunks, len(tensor.shape))
     split = " x ".join(f"{n} along dim {d}" for d, n in enumerate(splits) if n > 1)
     return f"{len(tensor.chunks)} chunks" + (f" ({split})" if split else "")
 
@@ -250,7 +250,7 @@ def inspect(
     tensors, objects = stats.included(checkpoint.tensors, include), stats.included(checkpoint.objects, include)
     files = checkpoint.data_files()
     disk = sum(checkpoint.files.size(f) for f in files)
-    ranks_recorded = any(c.rank is not None for t in checkpoint.tensors.values() for c in t.chunks)
+    ranks_recorded = any(core.ranks_recorded(t.chunks) for t in checkpoint.tensors.values())
     inferred = None
     if ranks_recorded:
         from dcptool import resharding

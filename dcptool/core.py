@@ -79,6 +79,8 @@ class ChunkTable(Sequence):
     ...                    np.array([0, 1]), np.array([0, 0]), np.array([900, 900]), "torch-archive", [0, 1])
     >>> [c.offsets for c in table.overlapping((1, 0), (2, 4))], table[1].file
     ([(0, 0), (2, 0)], '__1_0.distcp')
+    >>> table.splits(), table.ranks_recorded
+    ([2, 1], True)
     """
 
     def __init__(self, offsets: np.ndarray, sizes: np.ndarray, files: list[str], file_index: np.ndarray,
@@ -110,6 +112,16 @@ class ChunkTable(Sequence):
                                                         self.length.tolist()):
             yield _chunk(tuple(offsets), tuple(sizes), files[file], offset, length, encoding, ranks[file])
 
+    @property
+    def ranks_recorded(self) -> bool:
+        """Whether the format recorded which rank saved each file (DCP does)."""
+        return any(rank is not None for rank in self.ranks)
+
+    def splits(self) -> list[int]:
+        """Per dim, how many distinct chunk offsets: how many pieces each dim is cut into
+        (``[4, 1]``: four row blocks), read off the columns without making a Chunk."""
+        return [len(np.unique(self.offsets[:, dim])) for dim in range(self.offsets.shape[1])]
+
     def overlapping(self, offsets, sizes) -> list[Chunk]:
         """The chunks holding any element of the region (none for an empty region), in file order."""
         if not len(self) or not len(offsets):
@@ -131,6 +143,24 @@ def _chunk(offsets, sizes, file, offset, length, encoding, rank) -> Chunk:
                                            "length": length, "encoding": encoding, "strides": None, "rank": rank,
                                            "view": None})
     return chunk
+
+
+def chunk_splits(chunks: list[Chunk] | ChunkTable, ndim: int) -> list[int]:
+    """Per dim of the tensor, how many distinct offsets its chunks start at (``ChunkTable.splits``).
+
+    >>> chunk_splits([Chunk((0, 0), (2, 4), "f", 0, 32), Chunk((2, 0), (2, 4), "f", 32, 32)], 2)
+    [2, 1]
+    """
+    if isinstance(chunks, ChunkTable):
+        return chunks.splits()
+    return [len({c.offsets[dim] for c in chunks}) for dim in range(ndim)]
+
+
+def ranks_recorded(chunks: list[Chunk] | ChunkTable) -> bool:
+    """Whether any chunk records the rank whose file holds it."""
+    if isinstance(chunks, ChunkTable):
+        return chunks.ranks_recorded
+    return any(c.rank is not None for c in chunks)
 
 
 def overlapping(tensor: TensorInfo, offsets, sizes) -> list[Chunk] | Sequence[Chunk]:

@@ -329,11 +329,12 @@ def raise_problems(result: ReshardPlan) -> None:
         raise UsageError(result.problems[0] + more)
 
 
-def _box_keys(boxes: list, ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Chunks ``offsets + sizes`` as sorted comparable keys, and the order that sorts them."""
+def _box_keys(boxes: list | np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks ``offsets + sizes`` (a list of them, or an array with one row each) as sorted comparable
+    keys, and the order that sorts them."""
     rows = np.zeros((len(boxes), 2 * ndim + 1), np.int64)  # a leading 0 column: 0-d tensors have keys too
-    if boxes:
-        rows[:, 1:] = np.array(boxes, np.int64).reshape(len(boxes), 2 * ndim)
+    if len(boxes):
+        rows[:, 1:] = np.asarray(boxes, np.int64).reshape(len(boxes), 2 * ndim)
     keys = rows.view(np.dtype((np.void, rows.shape[1] * 8))).ravel()
     order = np.argsort(keys, kind="stable")
     return keys[order], order
@@ -341,14 +342,17 @@ def _box_keys(boxes: list, ndim: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _saved_layout(chunks, ndim: int) -> tuple[np.ndarray, np.ndarray]:
     """The saved chunks as sorted keys (``_box_keys``) and the rank whose file holds each (-1: not recorded)."""
-    if isinstance(chunks, ChunkTable):
-        boxes = np.concatenate([chunks.offsets, chunks.sizes], axis=1).tolist()
+    no_layout = np.zeros(0, np.dtype((np.void, 8))), np.zeros(0, np.int64)  # matches no layout
+    if isinstance(chunks, ChunkTable):  # straight from the columns: no Chunk objects
+        if chunks.offsets.shape[1] != ndim:
+            return no_layout
+        boxes = np.concatenate([chunks.offsets, chunks.sizes], axis=1)
         ranks = np.array([-1 if r is None else r for r in chunks.ranks], np.int64)[chunks.file_index]
     else:
         boxes = [c.offsets + c.sizes for c in chunks]
         ranks = np.array([-1 if c.rank is None else c.rank for c in chunks], np.int64)
-    if any(len(box) != 2 * ndim for box in boxes):
-        return np.zeros(0, np.dtype((np.void, 8))), np.zeros(0, np.int64)  # matches no layout
+        if any(len(box) != 2 * ndim for box in boxes):
+            return no_layout
     keys, order = _box_keys(boxes, ndim)
     return keys, ranks[order]
 

@@ -4,7 +4,8 @@ Checkpoints come from other people's jobs, and ``pickle.load`` runs whatever a p
 (pytorch/pytorch#189308). This unpickler resolves only the globals in ``ALLOWED`` and maps each
 to a small stand-in defined here: DCP metadata classes become ``Record`` objects with the same
 attribute names, dtypes become their names, tensors inside ``torch.save`` archives become
-``TensorRef`` descriptions of where their bytes are. Any other global is refused with
+``TensorRef`` descriptions of where their bytes are, numpy arrays and scalars of numeric dtypes
+(RNG state) become numpy values made from their checked bytes. Any other global is refused with
 ``UnsafePickleError`` before anything is called.
 
 It is its own small pickle machine (not ``pickle.Unpickler``), so that a pickle of N bytes costs
@@ -215,6 +216,35 @@ def _same(value):
     return value
 
 
+# numpy values (the RNG state verl's extra state and HF Trainer's rng_state_*.pth hold): rebuilt here as
+# data from checked bytes; no numpy function named by the pickle is called.
+_NUMPY_CODES = frozenset({"b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"})
+_NDARRAY = _Name("numpy.ndarray")  # the class argument of numpy's _reconstruct
+
+
+class _NumpyDtype:
+    """``numpy.dtype(code)`` of a numeric code, waiting for its byte order (BUILD gives it)."""
+
+    __slots__ = ("code", "order")
+
+    def __init__(self, code: str):
+        self.code, self.order = code, None
+
+    def resolve(self) -> np.dtype:
+        if self.order is None:
+            raise _Bad(f"numpy dtype {self.code} used before its state")
+        return np.dtype(self.order + self.code)
+
+
+class _ArrayShell:
+    """The empty array numpy's ``_reconstruct`` makes; BUILD replaces it (on the stack and in the memo) by the array."""
+
+    __slots__ = ("memo_from",)
+
+    def __init__(self, memo_from: int):
+        self.memo_from = memo_from  # memo slots from here on may hold it
+
+
 _RECORDS = [
     # DCP metadata
     "torch.distributed.checkpoint.metadata.Metadata",
@@ -249,6 +279,9 @@ _RECORDS = [
 ]
 
 _DTENSOR = _record_class("torch.distributed.tensor.DTensor")
+# The plain classes FSDP1 on one rank names in _rebuild_from_type_v2 (a tensor that FSDP flagged as cloned).
+_PLAIN_TENSOR_TYPES = (_Name("torch.Tensor"), _Name("torch.nn.parameter.Parameter"))
+_PLAIN_TENSOR_STATE_KEYS = frozenset({"_has_been_cloned"})  # FSDP's flag attribute, a bool
 
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
 ALLOWED.update(
@@ -258,6 +291,7 @@ ALLOWED.update(
         "builtins.frozenset": frozenset,
         "builtins.slice": slice,
         "builtins.complex": complex,
+        "builtins.bytes": bytes,  # protocol 2 pickles b"" as bytes() (an empty numpy array's data)
         "_codecs.encode": _latin1_bytes,
         "torch.Size": tuple,
         "torch.device": _device,
@@ -277,6 +311,14 @@ ALLOWED.update(
         "pathlib.Path": _path,
         "torch.distributed.tensor.DTensor": _DTENSOR,
         "torch.distributed.tensor._api.DTensor": _DTENSOR,
+        "torch.Tensor": _PLAIN_TENSOR_TYPES[0],
+        "torch.nn.parameter.Parameter": _PLAIN_TENSOR_TYPES[1],
+        "numpy.dtype": "numpy_dtype",
+        "numpy.ndarray": _NDARRAY,
+        "numpy._core.multiarray._reconstruct": "numpy_array",
+        "numpy.core.multiarray._reconstruct": "numpy_array",
+        "numpy._core.multiarray.scalar": "numpy_scalar",
+        "numpy.core.multiarray.scalar": "numpy_scalar",
     }
 )
 for _d in BY_STORAGE_CLASS.values():
@@ -347,8 +389,10 @@ _F8 = _frame_unpack(">d")
 # writes the same way every time. A run of them is recognized one record at a time by a regular
 # expression (C speed) and kept as columns (``ChunkRows``, ``StorageRows``: numpy arrays, a few
 # machine integers per record) instead of Python objects; a record that differs in any way goes
-# through the ordinary opcodes. Memo slots the records would have filled hold ``_LAZY``; a later
-# opcode that refers to one gets the object then (``_Machine.memo_value``).
+# through the ordinary opcodes. The memo slots the records would have filled are kept as that run's
+# index range, not as list entries (8 bytes a slot is hundreds of MB at millions of chunks): the memo
+# list holds the other slots, shifted down past the runs; a later opcode that refers to a slot of a
+# run gets the object then (``_Machine.memo_value``), kept in ``_Machine.made``.
 
 _CHUNK_CLASS = "torch.distributed.checkpoint.metadata.ChunkStorageMetadata"
 _INDEX_CLASS = "torch.distributed.checkpoint.metadata.MetadataIndex"
@@ -531,7 +575,13 @@ class _Machine:
         # Runs of records kept as rows (see rows_run).
         self.lazy_first = array.array("q")  # per run: its first memo index, and (rows, slots per record, shape)
         self.lazy_runs: list[tuple[Any, int, dict]] = []
+        self.lazy_real = array.array("q")  # per run: where the memo list continues after it
+        self.lazy_size = array.array("q")  # per run: its memo slots
+        self.shift = 0  # memo slots of all runs (memo index = list position + the slots of the runs before)
+        self.made: dict[int, Any] = {}  # slots of runs referred to (made then) or PUT again
         self.strings: dict[bytes, str] = {}  # texts of rows, decoded once
+        self.memo: list = []  # run's memo (numpy arrays replace their shells in it)
+        self.shells = 0  # numpy arrays made by _reconstruct and not yet given their data
 
     # -- budgets ---------------------------------------------------------------------------
 
@@ -643,6 +693,10 @@ class _Machine:
             if not 1 <= len(args) <= 3 or not all(a is None or type(a) is int and a.bit_length() < 64 for a in args):
                 raise _Bad("slice of something other than small integers")
             return slice(*args)
+        if func is bytes:
+            if args:
+                raise _Bad("bytes() made from arguments (pickles call it only for b'')")
+            return b""
         if func is complex:
             numbers = all(type(a) is float or type(a) is int and a.bit_length() < 1024 for a in args)
             if len(args) > 2 or not numbers:
@@ -663,8 +717,8 @@ class _Machine:
             raise _Bad(f"NEWOBJ of a {_brief(cls)}, which is not a class")
         return self.call(cls, args, kwargs)
 
-    def build(self, inst: Any, state: Any) -> None:
-        """BUILD: give an object its pickled state."""
+    def build(self, inst: Any, state: Any) -> Any:
+        """BUILD: give an object its pickled state; returns what stands in its place (itself but for numpy arrays)."""
         if isinstance(state, dict):
             self.charge(len(state) + 1)
         elif isinstance(state, tuple) and len(state) == 2:
@@ -675,11 +729,67 @@ class _Machine:
             SubclassRef.__setstate__(inst, state)
         elif type(inst) is collections.OrderedDict and isinstance(state, dict) and all(type(k) is str for k in state):
             inst.__dict__.update(state)  # a state dict's _metadata
+        elif type(inst) is _NumpyDtype:
+            # numpy.dtype.__reduce__ of a plain numeric dtype: (3, byte order, None, None, None, -1, -1, 0)
+            plain = type(state) is tuple and len(state) == 8 and state[2:5] == (None, None, None)
+            if not (plain and all(type(v) is int for v in state[:1] + state[5:])
+                    and (state[0], *state[5:]) == (3, -1, -1, 0) and state[1] in ("<", ">", "|", "=")
+                    and type(state[1]) is str and inst.order is None):
+                raise _Bad(f"numpy dtype {inst.code} with state {_brief(state)}, not a plain numeric dtype's")
+            inst.order = state[1]
+        elif type(inst) is _ArrayShell:
+            return self.numpy_array_state(inst, state)
         else:
             raise _Bad(f"gives state to a {_brief(inst)}")
+        return inst
+
+    def numpy_array_state(self, shell: _ArrayShell, state: Any) -> np.ndarray:
+        """``ndarray.__setstate__((1, shape, dtype, is_fortran, raw bytes))`` done as ``np.frombuffer`` of checked bytes."""
+        if not (type(state) is tuple and len(state) == 5 and state[0] == 1 and type(state[0]) is int):
+            raise _Bad(f"numpy array state {_brief(state)}, not (1, shape, dtype, order, bytes)")
+        _, size, element, fortran, raw = state
+        shape = _dims("numpy array shape", size)
+        if type(element) is not _NumpyDtype or type(fortran) is not bool:
+            raise _Bad(f"numpy array of dtype {_brief(element)}, not a numeric dtype")
+        if type(raw) is not bytes:  # object arrays pickle a list of objects here
+            raise _Bad(f"numpy array data is a {_brief(raw)}, not bytes (object arrays are not checkpoint data)")
+        kind = element.resolve()
+        count = 1
+        for n in shape:
+            count *= n
+        if count * kind.itemsize != len(raw):
+            raise _Bad(f"numpy array {list(shape)} of {kind} needs {count * kind.itemsize:,} bytes, has {len(raw):,}")
+        memo = self.memo
+        self.charge(len(memo) - shell.memo_from + 1)
+        # a writable array in native byte order, as numpy's own unpickling gives (it swaps big-endian data)
+        value = np.frombuffer(raw, dtype=kind).astype(kind.newbyteorder("=")).reshape(shape, order="F" if fortran else "C")
+        for index in range(shell.memo_from, len(memo)):
+            if memo[index] is shell:
+                memo[index] = value
+        self.shells -= 1
+        return value
+
+    def _numpy_dtype(self, code, align=False, copy=True):
+        if type(code) is not str or code not in _NUMPY_CODES or type(align) is not bool or type(copy) is not bool:
+            raise _Bad(f"numpy dtype {_brief(code)} is not a plain numeric dtype")
+        return _NumpyDtype(code)
+
+    def _numpy_array(self, cls, shape, typecode):
+        # numpy pickles an array as _reconstruct(ndarray, (0,), b"b"), then BUILD with its state
+        if cls is not _NDARRAY or shape != (0,) or typecode != b"b":
+            raise _Bad(f"numpy _reconstruct of {_brief(cls)}, not of a plain ndarray")
+        self.shells += 1
+        return _ArrayShell(len(self.memo))
+
+    def _numpy_scalar(self, element, raw):
+        if type(element) is not _NumpyDtype or type(raw) is not bytes or len(raw) != element.resolve().itemsize:
+            raise _Bad(f"numpy scalar of {_brief(element)} from {_brief(raw)}, not a numeric dtype and its bytes")
+        return np.frombuffer(raw, dtype=element.resolve()).astype(element.resolve().newbyteorder("="))[0]
 
     def _rebuild_from_type(self, func, new_type, args, state):
         # torch pickles tensor subclasses (DTensor, Parameter subclasses) as "rebuild base, then set type and state".
+        if any(new_type is plain for plain in _PLAIN_TENSOR_TYPES):
+            return self.plain_tensor(func, new_type, args, state)
         if not (new_type is SubclassRef or isinstance(new_type, type) and issubclass(new_type, Record)):
             raise _Bad(f"tensor subclass {_brief(new_type)} is not a checkpoint type")
         if type(func) is _Method and func == "rebuild_from_type":  # the base is a tensor, never a subclass
@@ -693,6 +803,18 @@ class _Machine:
             base.state = state
             return base
         raise _Bad(f"unexpected tensor subclass payload {_brief(base)}")
+
+    def plain_tensor(self, func, new_type, args, state) -> TensorRef:
+        """A plain tensor or parameter that carries Python attributes (FSDP1's ``_has_been_cloned``): the tensor."""
+        if not any(func is f for f in (_rebuild_tensor, _rebuild_tensor_v3, _rebuild_parameter)):
+            raise _Bad(f"{new_type} rebuilt by {_brief(func)}, not by a tensor rebuild function")
+        flags = type(state) in (dict, collections.OrderedDict) and set(state) <= _PLAIN_TENSOR_STATE_KEYS
+        if not (state is None or flags and all(type(v) is bool for v in state.values())):
+            raise _Bad(f"{new_type} with state {_brief(state)}, not FSDP's _has_been_cloned flag")
+        base = self.call(func, args)
+        if not isinstance(base, TensorRef) or base.subclass:
+            raise _Bad(f"{new_type} rebuilt as a {_brief(base)}, not a plain tensor")
+        return base
 
     def _rebuild_wrapper_subclass(self, cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
         # torch pickles ShardedTensor and DTensor as an empty wrapper shell whose state comes afterwards.
@@ -756,8 +878,7 @@ class _Machine:
         groups = first.groups()
         refs = tuple(groups[g] for g in fields["refs"])
         for code, want in zip(refs, wanted):
-            index = _memo_index(code)
-            value = memo[index] if index < len(memo) else _HOLE
+            value = self.peek(_memo_index(code))
             if not (value is want if want is tuple else value is ALLOWED[want] if "." in want
                     else type(value) is str and value == want):
                 return None
@@ -792,9 +913,11 @@ class _Machine:
         end = starts[good] if good < len(rows) else end
         slots = 8 if chunks else 7 + shape["fqn"] + shape["path"]  # the MEMOIZE opcodes of a record
         self.charge((end - pos) >> 3)
-        self.lazy_first.append(len(memo))
+        self.lazy_first.append(len(memo) + self.shift)
+        self.lazy_real.append(len(memo))
+        self.lazy_size.append(slots * good)
         self.lazy_runs.append((standing, slots, shape))
-        memo.extend([_LAZY] * (slots * good))
+        self.shift += slots * good
         return end, (standing,) if chunks else (standing, None)
 
     def texts(self, columns: list, groups: list[int], memo: list, count: int) -> tuple[list[str], int]:
@@ -802,9 +925,11 @@ class _Machine:
         if len(groups) == 1:  # memo references: each must be a string
             raw = np.array(columns[groups[0]][:count], dtype="S5").view(np.uint8).reshape(-1, 5).astype(np.int64)
             indices = np.where(raw[:, 0] == 0x68, raw[:, 1], raw[:, 1] | raw[:, 2] << 8 | raw[:, 3] << 16 | raw[:, 4] << 24)
-            if len(indices) and indices.max() >= len(memo):
-                count = int(np.argmax(indices >= len(memo)))
-            values = list(map(memo.__getitem__, indices[:count].tolist()))
+            real = self.list_positions(indices)
+            if len(real) and real.max() >= len(memo):
+                count = int(np.argmax(real >= len(memo)))
+            made = self.made  # -1: a slot of a run
+            values = [memo[r] if r >= 0 else made.get(i, _LAZY) for r, i in zip(real[:count].tolist(), indices.tolist())]
             if set(map(type, values)) - {str}:
                 count = next(i for i, value in enumerate(values) if type(value) is not str)
             return values[:count], count
@@ -816,11 +941,49 @@ class _Machine:
             strings[text] = str(text, "utf-8", "surrogatepass")
         return list(map(strings.__getitem__, texts[:count])), count
 
+    def locate(self, index: int) -> tuple[int, int]:
+        """Where memo slot ``index`` is: ``(list position, -1)``, or ``(-1, run)`` for a slot of a run."""
+        run = bisect.bisect_right(self.lazy_first, index) - 1
+        if run < 0:
+            return index, -1
+        inside, size = index - self.lazy_first[run], self.lazy_size[run]
+        return (-1, run) if inside < size else (self.lazy_real[run] + inside - size, -1)
+
+    def list_positions(self, indices: np.ndarray) -> np.ndarray:
+        """``locate`` of many memo indices at once: list positions, -1 for slots of runs."""
+        if not self.lazy_runs:
+            return indices
+        first, real_at = np.frombuffer(self.lazy_first, np.int64), np.frombuffer(self.lazy_real, np.int64)
+        sizes = np.frombuffer(self.lazy_size, np.int64)
+        run = np.maximum(np.searchsorted(first, indices, side="right") - 1, 0)
+        inside = indices - first[run]
+        before = indices < first[0]
+        positions = np.where(before, indices, real_at[run] + inside - sizes[run])
+        positions[~before & (inside < sizes[run])] = -1
+        return positions
+
+    def peek(self, index: int) -> Any:
+        """What memo slot ``index`` holds, without making a run's object: ``_HOLE``, ``_LAZY`` or the value."""
+        position, run = self.locate(index)
+        if run >= 0:
+            return self.made.get(index, _LAZY)
+        return self.memo[position] if position < len(self.memo) else _HOLE
+
+    def put(self, memo: list, index: int, value: Any) -> int:
+        """PUT at a memo index (``_put`` past the runs); returns 1 when the index was not set before."""
+        position, run = self.locate(index)
+        if run >= 0:
+            self.made[index] = value
+            return 0
+        return _put(memo, position, value)
+
     def memo_value(self, memo: list, index: int) -> Any:
-        """A memo slot that is not an object yet: a record's part made now, or an error for a hole."""
-        value = memo[index] if 0 <= index < len(memo) else _HOLE
+        """The object at a memo index: a record's part made now for a slot of a run, or an error for a hole."""
+        value = self.peek(index) if index >= 0 else _HOLE
         if value is _HOLE:
             raise _Bad(f"memo index {index:,} was never set")
+        if type(value) is _ArrayShell:
+            raise _Bad("a numpy array used before its data")
         if value is not _LAZY:
             return value
         run = bisect.bisect_right(self.lazy_first, index) - 1
@@ -835,7 +998,7 @@ class _Machine:
             offsets = key["offset"]
             parts = [_record(_INDEX_RECORD, key), key] + [key["fqn"]] * shape["fqn"] + \
                 [offsets, (offsets,), offsets, _record(ALLOWED[_INFO_CLASS], info), info] + [info["relative_path"]] * shape["path"]
-        value = memo[index] = parts[slot]
+        value = self.made[index] = parts[slot]
         return value
 
 
@@ -859,8 +1022,10 @@ class _Machine:
         end = len(data)
         # The memo as a list (a dict would cost ten times the memory): ``_HOLE`` marks indices never
         # set; PUT indices are bounded by the pickle's length, so holes cost O(N) at most.
-        memo: list = []
+        memo: list = self.memo
         filled = 0  # indices set: MEMOIZE puts at this one, as pickle does
+        shift = 0  # memo slots kept as runs (self.shift)
+        lazy_from = end + 1  # the first memo index of a run: indices from there on go through self.locate
         stack: list = []
         marks: list[list] = []
         pos = 0
@@ -869,26 +1034,31 @@ class _Machine:
             op = data[pos]  # IndexError past the end: load_bytes says "truncated"
             pos += 1
             if op == 0x94:  # MEMOIZE
-                if filled == len(memo):
+                if filled == len(memo) + shift:
                     memo.append(stack[-1])
                     filled += 1
                 else:
-                    filled += _put(memo, filled, stack[-1])
+                    filled += self.put(memo, filled, stack[-1])
             elif op == 0x71:  # BINPUT
-                filled += _put(memo, data[pos], stack[-1])
+                index = data[pos]
+                filled += _put(memo, index, stack[-1]) if index < lazy_from else self.put(memo, index, stack[-1])
                 pos += 1
             elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
                 index = data[pos] if op == 0x68 else _U4(data, pos)[0]
-                value = memo[index]  # IndexError for an index never set: "unreadable"
-                if value is _HOLE or value is _LAZY:
+                value = memo[index] if index < lazy_from else self.memo_value(memo, index)  # IndexError: "unreadable"
+                if value is _HOLE:
                     value = self.memo_value(memo, index)
                 elif value is _CHUNK_RECORD or value is _INDEX_RECORD:  # DCP records, maybe a run of them
-                    found = len(memo) == filled and self.rows_run(pos - 1, value, memo)
+                    found = len(memo) + shift == filled and self.rows_run(pos - 1, value, memo)
                     if found:
                         pos, standing = found
-                        filled = len(memo)
+                        shift = self.shift
+                        filled = len(memo) + shift
+                        lazy_from = self.lazy_first[0]
                         stack.extend(standing)
                         continue
+                elif type(value) is _ArrayShell:
+                    value = self.memo_value(memo, index)
                 stack.append(value)
                 pos += 1 if op == 0x68 else 4
             elif op == 0x4B:  # BININT1
@@ -918,7 +1088,7 @@ class _Machine:
                         self.charge(0)
                     inst.__dict__.update(state)
                 else:
-                    self.build(inst, state)
+                    stack[-1] = self.build(inst, state)
             elif op == 0x85:  # TUPLE1
                 stack[-1] = (stack[-1],)
             elif op == 0x75:  # SETITEMS
@@ -993,7 +1163,7 @@ class _Machine:
                 pos += 4
                 if index > end:
                     raise _Bad(f"memo index {index:,} is beyond what a pickle of {end:,} bytes can hold")
-                filled += _put(memo, index, stack[-1])
+                filled += self.put(memo, index, stack[-1])
             elif op == 0x93:  # STACK_GLOBAL
                 name = stack.pop()
                 stack[-1] = self.find_class(stack[-1], name)
@@ -1079,6 +1249,8 @@ class _Machine:
             elif op == 0x31:  # POP_MARK
                 stack = marks.pop()
             elif op == 0x32:  # DUP
+                if type(stack[-1]) is _ArrayShell:
+                    raise _Bad("a numpy array used before its data")
                 stack.append(stack[-1])
             elif op == 0x43:  # SHORT_BINBYTES
                 count = data[pos]
@@ -1135,7 +1307,7 @@ class _Machine:
                 index = _number(text)
                 if not 0 <= index <= end:
                     raise _Bad(f"memo index {index:,} is beyond what a pickle of {end:,} bytes can hold")
-                filled += _put(memo, index, stack[-1])
+                filled += self.put(memo, index, stack[-1])
             elif op == 0x69:  # INST
                 module = self.line(pos)
                 pos += len(module) + 1
@@ -1184,6 +1356,8 @@ def load_bytes(data: bytes, source: str) -> Any:
     machine = _Machine(bytes(data), source)
     try:
         result = machine.run()
+        if machine.shells:
+            raise _Bad("holds a numpy array without its data")
         machine.check(result)
         return result
     except CheckpointError as exc:

@@ -243,7 +243,8 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
         if isinstance(obj, Reduced):
             return (obj.func, obj.args, obj.state)
         if isinstance(obj, (TensorRef, Record, SubclassRef)):
-            raise CheckpointError(f"cannot re-save a {type(obj).__name__} found inside a non-tensor entry")
+            raise CheckpointError(f"cannot write a {type(obj).__name__} nested in a non-tensor entry (such as torch's RNG "
+                                  "state) into this format: leave that entry out with --exclude")
         return NotImplemented
 
     def save_reduce(self, func, args, state=None, *rest, obj=None):

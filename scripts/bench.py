@@ -54,6 +54,22 @@ Rows (id: what runs; the peer is the route users take today for the same job):
   sha256sum            sha256sum of the checkpoint's files
   peer-inspect         FileSystemReader(SRC).read_metadata(), printing every key
 
+Reader rows (issue 13; --model dense), each on its own source of about --size on disk, timed
+against cp -r of that folder (cp-hf-dcp, cp-zstd, ...; ratios are plain time ratios):
+
+  export-hf-hf-dcp     export-hf of HuggingFaceStorageWriter(save_distributed=True) shards, saved
+                       by the gloo job              peer: peer-consolidate (consolidate_safetensors_files)
+  convert-torch-zstd   convert --to torch of dcp.save with the ZStandard extension, saved by the
+                       gloo job                     peer: peer-torch-save-zstd (dcp_to_torch_save)
+  export-hf-accelerate export-hf of checkpoint-500/ (pytorch_model_fsdp_0 = dcp.save({"model": ...})
+                       as accelerate's save_fsdp_model, config.json) peer: peer-accelerate-merge
+                       (accelerate's merge_fsdp_weights, what `accelerate merge-weights` runs)
+  reshard-verl-w4      reshard --dp 4 --to fsdp1 of verl files at W=2 with AdamW state (the gloo
+                       job's model + optimizer DCP converted by dcptool --to fsdp1) peer: none
+  dequantize-fp8       convert --to hf --dequantize of float8_e4m3fn projections with
+                       weight_scale_inv per 128 x 128 block (written by ``_fp8``)
+                                                    peer: peer-dequantize (w.float() * scale, bf16)
+
 Output (``--out``, default bench-out/): results.json (every row at every size: times,
 peak memory, ratios to cp -r and to the peer per tensor byte of the checkpoint each row reads
 (plain time ratios but for export-hf-moe), machine info, targets), results.md
@@ -102,6 +118,7 @@ TARGET_RATIO_TO_CP = 2.0
 TARGET_PEAK_MB = 512
 TARGET_INSPECT_S = 1.0
 TARGET_MOE_RATIO = 1.10  # export-hf of an Archon MoE checkpoint against the dense one, per tensor byte
+FP8_BLOCK = 128  # the block of the FP8 source's weight_scale_inv, as DeepSeek-V3 and Qwen3-FP8 ship it
 
 
 def parse_size(text: str) -> int:
@@ -380,7 +397,10 @@ def _worker_exit(dist) -> None:
 
 
 def worker_save(argv: list[str]) -> int:
-    """``_save OUT SHAPE_JSON [INSPECT_OUT INSPECT_SHAPE_JSON] --dp N --tp N`` under torchrun."""
+    """``_save OUT SHAPE_JSON [OUT SHAPE_JSON ...] --dp N --tp N`` under torchrun. A shape's ``layout`` key
+    says what is saved: ``model`` (default: dcp.save of the model), ``hf-dcp`` (HuggingFaceStorageWriter),
+    ``zstd`` (FileSystemWriter with the ZStandard extension), ``accelerate`` (a Trainer's checkpoint-N
+    folder) or ``optim`` (model and AdamW state)."""
     p = argparse.ArgumentParser(prog="bench.py _save")
     p.add_argument("pairs", nargs="+", help="OUT SHAPE_JSON pairs")
     p.add_argument("--dp", type=int, required=True)
@@ -392,15 +412,98 @@ def worker_save(argv: list[str]) -> int:
 
     for out, spec in zip(args.pairs[::2], args.pairs[1::2]):
         t0 = time.perf_counter()
-        model = _build_model(Shape(**json.loads(spec)), args.dp, args.tp)
+        spec = json.loads(spec)
+        layout = spec.pop("layout", "model")
+        shape = Shape(**spec)
+        model = _build_model(shape, args.dp, args.tp)
         _fill(model, seed=1000 + dist.get_rank())
         t1 = time.perf_counter()
-        dcp.save(get_model_state_dict(model), checkpoint_id=out)
+        if layout == "model":
+            dcp.save(get_model_state_dict(model), checkpoint_id=out)
+        elif layout == "hf-dcp":  # torch's HF-storage DCP, unconsolidated (every rank writes its chunks)
+            from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+            dcp.save(get_model_state_dict(model), storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
+        elif layout == "zstd":  # dcp.save with torch's zstd extension on every record
+            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint._extension import ZStandard
+
+            dcp.save(get_model_state_dict(model), storage_writer=FileSystemWriter(out, _extensions=[ZStandard()]))
+        elif layout == "accelerate":  # what accelerate's save_fsdp_model writes under SHARDED_STATE_DICT
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{out}/pytorch_model_fsdp_0")
+            if dist.get_rank() == 0:
+                (Path(out) / "config.json").write_text(json.dumps(llama_config(shape), indent=1))
+                (Path(out) / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
+        else:  # "optim": torchtitan's layout, model keys at the top and the AdamW state flattened under optimizer
+            dcp.save(_with_adamw_state(model), checkpoint_id=out)
         dist.barrier()
         if dist.get_rank() == 0:
             print(f"saved {out}: build {t1 - t0:.1f}s, dcp.save {time.perf_counter() - t1:.1f}s", flush=True)
         del model
     _worker_exit(dist)
+
+
+def llama_config(shape: Shape) -> dict:
+    """The Hugging Face config.json of a dense shape (export-hf checks it against the tensors)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden,
+            "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+            "vocab_size": shape.vocab, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+            "torch_dtype": "bfloat16"}
+
+
+def _with_adamw_state(model) -> dict:
+    """Model and AdamW state after one step on zero gradients (moments exist, in the parameters' bf16)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {**model_sd, "optimizer": optim_sd}
+
+
+def make_fp8(out: str, spec: str) -> int:
+    """``_fp8 OUT SHAPE_JSON``: a dense shape as DeepSeek-V3 / Qwen3-FP8 ship it: every 2-D projection
+    ``float8_e4m3fn`` with a ``weight_scale_inv`` per 128 x 128 block (f32), embeddings, norms and the
+    head bf16, files of up to 1 GB, an index and a config.json with ``quantization_config``."""
+    import torch
+    from safetensors.torch import save_file
+
+    shape = Shape(**json.loads(spec))
+    folder = Path(out)
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(7)
+    files: list[dict] = [{}]
+    weight_map, sizes = {}, [0]
+    for name, dims, _ in shape.tensors():
+        if len(dims) == 2 and "_proj." in name:  # what the FP8 releases quantize
+            w = (torch.rand(dims, generator=gen) * 2 - 1).to(torch.float8_e4m3fn)
+            blocks = (math.ceil(dims[0] / FP8_BLOCK), math.ceil(dims[1] / FP8_BLOCK))
+            scale = torch.rand(blocks, generator=gen) * 1e-3 + 1e-4
+            entries = {name: w, name + "_scale_inv": scale}
+        else:
+            entries = {name: torch.ones(dims, dtype=torch.bfloat16) if "norm" in name
+                       else (torch.rand(dims, generator=gen) * 0.1 - 0.05).to(torch.bfloat16)}
+        nbytes = sum(t.nbytes for t in entries.values())
+        if sizes[-1] and sizes[-1] + nbytes > 10**9:
+            files.append({})
+            sizes.append(0)
+        files[-1].update(entries)
+        sizes[-1] += nbytes
+    for i, tensors in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = llama_config(shape) | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                            "activation_scheme": "dynamic",
+                                                            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return 0
 
 
 def worker_reshard(argv: list[str]) -> int:
@@ -449,7 +552,8 @@ def _flat_tensors(state: dict, prefix: str = "") -> dict:
 
 
 def peer(argv: list[str]) -> int:
-    """``_peer {torch-save,export-hf,verify,inspect} SRC [DST]``: the routes users take today."""
+    """``_peer {torch-save,export-hf,verify,consolidate,accelerate-merge,dequantize,inspect} SRC [DST]``: the
+    routes users take today."""
     kind, src, *rest = argv
     if kind == "torch-save":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -472,6 +576,40 @@ def peer(argv: list[str]) -> int:
         bad = sorted(set(a) ^ set(b)) + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
         print(f"{len(a)} tensors compared, {len(bad)} differ")
         return 1 if bad else 0
+    elif kind == "consolidate":  # torch's own consolidation of HuggingFaceStorageWriter's sharded files
+        from safetensors import safe_open
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+        keys = set()
+        for f in Path(src).glob("*.safetensors"):
+            with safe_open(str(f), "pt") as fh:
+                keys.update(fh.keys())
+        Path(rest[0]).mkdir(parents=True)  # it writes into an existing folder
+        consolidate_safetensors_files(src, rest[0], dict.fromkeys(sorted(keys), 1))
+    elif kind == "accelerate-merge":  # what `accelerate merge-weights` runs
+        from accelerate.utils import merge_fsdp_weights
+
+        merge_fsdp_weights(str(Path(src) / "pytorch_model_fsdp_0"), rest[0], safe_serialization=True)
+    elif kind == "dequantize":  # the loop users write: w.float() * scale per block, to bf16, file by file
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        Path(rest[0]).mkdir(parents=True)
+        block = json.loads((Path(src) / "config.json").read_text())["quantization_config"]["weight_block_size"]
+        for f in sorted(Path(src).glob("*.safetensors")):
+            out = {}
+            with safe_open(str(f), "pt") as fh:
+                for key in fh.keys():
+                    if key.endswith("_scale_inv"):
+                        continue
+                    w = fh.get_tensor(key)
+                    if w.dtype == torch.float8_e4m3fn:
+                        scale = fh.get_tensor(key + "_scale_inv")
+                        scale = scale.repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)
+                        w = w.float() * scale[:, :w.shape[1]]
+                    out[key] = w.to(torch.bfloat16)
+            save_file(out, str(Path(rest[0]) / f.name), metadata={"format": "pt"})
     elif kind == "inspect":
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -588,7 +726,8 @@ class Row:
     cpus: list[float] = field(default_factory=list)
     failures: int = 0
     peaks: list[int] = field(default_factory=list)
-    source: dict | None = None  # the checkpoint it reads when not the size's main one (export-hf-moe)
+    source: dict | None = None  # the checkpoint it reads when not the size's main one (export-hf-moe, readers)
+    floor: str = "cp"  # id of the cp -r row of the folder it reads
 
 
 def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path, small_tensors: int = 0,
@@ -657,6 +796,103 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
     return sorted(rows, key=lambda r: order.index(r.id))
 
 
+# The readers of issue 13, each on its own source folder (made by reader_sources) beside the cp -r of that
+# folder: (reader, floor id, dcptool row id, name, dcptool arguments, peer id, peer name, peer argv after
+# ``bench.py _peer``). {src} is the source folder, {out} the output; an empty peer id: no peer exists.
+READER_ROWS = [
+    ("hf-dcp", "cp-hf-dcp", "export-hf-hf-dcp", "dcptool export-hf (torch HF-storage DCP)",
+     ["export-hf", "{src}", "{out}"], "peer-consolidate", "torch consolidate_safetensors_files",
+     ["consolidate", "{src}", "{out}"]),
+    ("zstd", "cp-zstd", "convert-torch-zstd", "dcptool convert --to torch (zstd DCP)",
+     ["convert", "{src}", "{out}.pt", "--to", "torch"], "peer-torch-save-zstd",
+     "torch format_utils.dcp_to_torch_save (zstd DCP)", ["torch-save", "{src}", "{out}.pt"]),
+    ("accelerate", "cp-accelerate", "export-hf-accelerate", "dcptool export-hf (accelerate checkpoint-N)",
+     ["export-hf", "{src}", "{out}"], "peer-accelerate-merge", "accelerate merge_fsdp_weights (merge-weights)",
+     ["accelerate-merge", "{src}", "{out}"]),
+    ("verl", "cp-verl", "reshard-verl-w4", "dcptool reshard --to fsdp1 (verl + optimizer, W=2 -> 4)",
+     ["reshard", "{src}", "{out}", "--dp", "4", "--to", "fsdp1"], "", "", []),
+    ("fp8", "cp-fp8", "dequantize-fp8", "dcptool convert --dequantize (FP8 blocks -> bf16)",
+     ["convert", "{src}", "{out}", "--to", "hf", "--dequantize"], "peer-dequantize",
+     "torch loop: w.float() * scale per block -> bf16", ["dequantize", "{src}", "{out}"]),
+]
+
+
+def reader_rows(sources: dict[str, tuple[Path, dict]], outdir: Path) -> list[Row]:
+    """Rows of READER_ROWS whose source was made: cp -r of the folder, the dcptool command and its peer."""
+    py = sys.executable
+    rows = []
+    for reader, floor, rid, name, argv, peer_id, peer_name, peer_argv in READER_ROWS:
+        if reader not in sources:
+            continue
+        src, info = sources[reader]
+
+        def fill(args: list[str], out: str) -> list[str]:
+            return [a.format(src=src, out=outdir / out) for a in args]
+
+        def output(args: list[str], out: str) -> Path:
+            return outdir / (f"{out}.pt" if "{out}.pt" in args else out)
+
+        rows.append(Row(floor, f"cp -r ({reader} source)", "floor", floor,
+                        ["cp", "-r", str(src), str(outdir / floor)], outdir / floor, [src], source=info, floor=floor))
+        rows.append(Row(rid, name, "dcptool", peer_id, [py, "-m", "dcptool"] + fill(argv, rid),
+                        output(argv, rid), [src], source=info, floor=floor))
+        if peer_id:
+            rows.append(Row(peer_id, peer_name, "peer", peer_id, [py, str(SCRIPT), "_peer"] + fill(peer_argv, peer_id),
+                            output(peer_argv, peer_id), [src], source=info, floor=floor))
+    return rows
+
+
+GLOO_LAYOUTS = ("hf-dcp", "zstd", "accelerate")  # reader sources that the saving job writes (worker_save)
+
+
+def reader_folder(reader: str, tag: str, work: Path) -> Path:
+    """Where the source of a reader row lives (accelerate's: a Trainer's ``checkpoint-N`` folder)."""
+    return work / (f"accelerate-{tag}/checkpoint-500" if reader == "accelerate" else f"{reader}-{tag}")
+
+
+def reader_shapes(shape: Shape, target: int, max_hidden: int, only: re.Pattern | None) -> dict[str, Shape]:
+    """The shape of each reader source that a wanted row reads, sized like the main checkpoint on disk:
+    verl's holds AdamW's two moments beside the weights (a third of the size in weights), FP8's
+    projections take 1 byte an element (twice the elements)."""
+    shapes = {"hf-dcp": shape, "zstd": shape, "accelerate": shape,
+              "verl": choose_shape("dense", target // 3, max_hidden),
+              "fp8": choose_shape("dense", 2 * target, max_hidden)}
+    return {reader: shapes[reader] for reader, _, rid, *_, peer_id, _, _ in READER_ROWS
+            if only is None or only.search(rid) or (peer_id and only.search(peer_id))}
+
+
+def reader_sources(shapes: dict[str, Shape], tag: str, work: Path, logs: Path) -> dict:
+    """The sources of the reader rows (``shapes``: reader_shapes), made once, untimed: ``{reader: (folder, info)}``.
+
+    The gloo job (``save_checkpoints``) saved the hf-dcp, zstd and accelerate ones with torch's own writers
+    (GLOO_LAYOUTS); verl's is the job's optimizer checkpoint (layout ``optim``) converted by dcptool
+    ``--to fsdp1 --world-size 2`` (the files verl's FSDP1 save writes, less the small extra_state); fp8's
+    is written directly (``_fp8``)."""
+    made = {}
+    for reader, shape in shapes.items():
+        folder, spec = reader_folder(reader, tag, work), json.dumps(asdict(shape))
+        done = Path(f"{folder}.done")  # holds the shape it was made for
+        if reader not in GLOO_LAYOUTS and not (done.is_file() and done.read_text() == spec):
+            remove(folder)
+            if reader == "verl":
+                argv = [sys.executable, "-m", "dcptool", "convert", str(work / f"ckpt-optim-{tag}"), str(folder),
+                        "--to", "fsdp1", "--world-size", "2", "--no-fsync"]
+            else:
+                argv = [sys.executable, str(SCRIPT), "_fp8", str(folder), spec]
+            t0 = time.perf_counter()
+            log = logs / f"make-{reader}.log"
+            with open(log, "wb") as out:
+                if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO).returncode != 0:
+                    sys.exit(f"making the {reader} source failed; see {log}:\n" + tail(log))
+            done.write_text(spec)
+            print(f"  made the {reader} source {folder.name} in {time.perf_counter() - t0:.1f}s", flush=True)
+        size = dir_bytes(folder)
+        # Ratios of rows on one source are plain time ratios: its bytes on disk stand for its tensor bytes.
+        made[reader] = (folder, {"size_bytes": size, "tensor_bytes": size, "files": len(list(folder.rglob("*"))),
+                                 "tensors": len(shape.tensors()), "model": f"{reader}: {shape.describe()}"})
+    return made
+
+
 # ---------------------------------------------------------------------------
 # Setup: checkpoints
 # ---------------------------------------------------------------------------
@@ -672,10 +908,16 @@ def checkpoint_info(path: Path, shape: Shape) -> dict:
             "files": len(list(path.iterdir())), "model": shape.describe()}
 
 
-def save_checkpoints(jobs: list[tuple[Path, Shape]], dp: int, tp: int, logdir: Path) -> None:
-    """One torchrun job saves every (folder, shape) that is not there yet (a .done marker beside it)."""
+def save_checkpoints(jobs: list[tuple[Path, Shape]], dp: int, tp: int, logdir: Path,
+                     layouts: dict[Path, str] | None = None) -> None:
+    """One torchrun job saves every (folder, shape) that is not there yet (a .done marker beside it), as
+    ``layouts[folder]`` says (``model`` by default; ``accelerate``, ``optim``: see worker_save)."""
+    def spec(path: Path, shape: Shape) -> str:
+        layout = (layouts or {}).get(path, "model")
+        return json.dumps(asdict(shape) | ({"layout": layout} if layout != "model" else {}))
+
     todo = [(p, s) for p, s in jobs if not Path(f"{p}.done").is_file()
-            or Path(f"{p}.done").read_text() != json.dumps(asdict(s)) + f" dp={dp} tp={tp}"]
+            or Path(f"{p}.done").read_text() != spec(p, s) + f" dp={dp} tp={tp}"]
     if not todo:
         return
     for path, _ in todo:
@@ -684,7 +926,7 @@ def save_checkpoints(jobs: list[tuple[Path, Shape]], dp: int, tp: int, logdir: P
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * tp),
             str(SCRIPT), "_save"]
     for path, shape in todo:
-        argv += [str(path), json.dumps(asdict(shape))]
+        argv += [str(path), spec(path, shape)]
     argv += ["--dp", str(dp), "--tp", str(tp)]
     log = logdir / f"save-{todo[0][0].name}.log"
     t0 = time.perf_counter()
@@ -694,7 +936,7 @@ def save_checkpoints(jobs: list[tuple[Path, Shape]], dp: int, tp: int, logdir: P
     if rc != 0:
         sys.exit(f"saving the checkpoints failed (exit {rc}); see {log}:\n" + tail(log))
     for path, shape in todo:
-        Path(f"{path}.done").write_text(json.dumps(asdict(shape)) + f" dp={dp} tp={tp}")
+        Path(f"{path}.done").write_text(spec(path, shape) + f" dp={dp} tp={tp}")
     print(f"  saved {', '.join(p.name for p, _ in todo)} with a {dp * tp}-process gloo job "
           f"(dp={dp}, tp={tp}) in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -749,13 +991,14 @@ def summarize(rows: list[Row], size: dict) -> list[dict]:
         peaks_mb = [p / 1e6 for p in r.peaks]
         peer = r.peer if r.peer in med else None  # not run (--only)
         out.append({
-            "id": r.id, "name": r.name, "kind": r.kind, "peer": peer, "peer_name": by_id[peer].name if peer else None,
+            "id": r.id, "name": r.name, "kind": r.kind, "peer": peer, "has_peer": bool(r.peer), "peer_name": by_id[peer].name if peer else None,
             "command": " ".join(r.argv if len(r.argv) < 12 else r.argv[:11] + ["..."]),
             "median_s": med[r.id], "min_s": min(r.times), "max_s": max(r.times), "times_s": r.times,
             "cpu_s": statistics.median(r.cpus), "cpus_s": r.cpus, "failed_runs": r.failures,
             "peak_mb": statistics.median(peaks_mb), "peak_mb_median": statistics.median(peaks_mb),
             "peak_mb_min": min(peaks_mb), "peak_mb_max": max(peaks_mb), "peaks_mb": peaks_mb,
-            "ratio_to_cp": per_byte[r.id] / per_byte["cp"] if "cp" in med else float("nan"),
+            "floor": r.floor,
+            "ratio_to_cp": per_byte[r.id] / per_byte[r.floor] if r.floor in med else float("nan"),
             "ratio_to_peer": per_byte[r.id] / per_byte[peer] if peer else None,
             "input_tensor_bytes": nbytes[r.id], "source": r.source,
             **size,
@@ -771,7 +1014,7 @@ def table(results: list[dict]) -> str:
             f"| {r['name']} | {r['median_s']:.2f} ({r['min_s']:.2f}-{r['max_s']:.2f}) | "
             f"{r['ratio_to_cp']:.2f} | {'-' if r['peer'] is None else format(r['ratio_to_peer'], '.2f')} | "
             f"{r['peak_mb_median']:.0f} ({r['peak_mb_min']:.0f}-{r['peak_mb_max']:.0f}) | {r['cpu_s']:.2f} | "
-            f"{'(itself)' if r['peer'] == r['id'] else r['peer_name'] or '(not run)'} |")
+            f"{'(itself)' if r['peer'] == r['id'] else r['peer_name'] or ('(not run)' if r['has_peer'] else '(none)')} |")
     return "\n".join(lines)
 
 
@@ -1090,7 +1333,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(exist_ok=True)
     machine = machine_info()
     notes = [
-        "model weights only (bf16), no optimizer state",
+        "model weights only (bf16), no optimizer state (but in the verl reader row's source)",
         "warm page cache: every input is read once right before each run (dropping the cache needs root)",
         f"peak memory: RSS of the process tree summed, sampled every {int(SAMPLE_S * 1000)} ms "
         "(shared libraries count once per process: torchrun rows count torch 5 times)",
@@ -1128,7 +1371,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((moe_src, moe_shape))
             print(f"   and {moe_shape.describe()}", flush=True)
         jobs += [(small, small_shape)] if small_shape else []
-        save_checkpoints(jobs, args.dp, args.tp, logs)
+        # The readers of issue 13: accelerate's folder and verl's optimizer checkpoint come from the same job.
+        readers = reader_shapes(shape, target, args.max_hidden, want) if args.model == "dense" else {}
+        layouts = {reader_folder(reader, tag, work): reader for reader in GLOO_LAYOUTS if reader in readers}
+        if "verl" in readers:
+            layouts[work / f"ckpt-optim-{tag}"] = "optim"
+        jobs += [(path, readers["verl" if layout == "optim" else layout]) for path, layout in layouts.items()]
+        save_checkpoints(jobs, args.dp, args.tp, logs, layouts)
         # The HF export that verify compares the checkpoint with (made once, not timed). A MoE checkpoint's
         # keeps its Archon names (--adapter hf: no renaming, expert_bias kept), so that verify and its peer
         # compare the same names on both sides, as with the dense model's HF names.
@@ -1146,6 +1395,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in make_rows(src, hf, small, shape, outdir, len(small_shape.tensors()) if small_shape else 0,
                                      (moe_src, moe_info) if moe_src else None)
                 if r.id == "cp" or want is None or want.search(r.id)]
+        sources = reader_sources(readers, tag, work, logs)
+        rows += [r for r in reader_rows(sources, outdir) if r.kind == "floor" or want is None or want.search(r.id)]
         size_info = {"size": human(target), "target_bytes": target, **checkpoint_info(src, shape),
                      "inspect_tensors": len(small_shape.tensors()) if small_shape else None,
                      "moe_checkpoint": moe_info}
@@ -1165,6 +1416,11 @@ def main(argv: list[str] | None = None) -> int:
             for path in (src, Path(f"{src}.done"), hf, Path(f"{hf}.done")) + ((moe_src, Path(f"{moe_src}.done"))
                                                                            if moe_src else ()):
                 remove(path)
+            for reader in readers:  # the reader sources, and the gloo job's folders they were made from
+                folder = reader_folder(reader, tag, work)
+                for path in (folder, Path(f"{folder}.done"), work / f"ckpt-optim-{tag}",
+                             work / f"ckpt-optim-{tag}.done", work / f"accelerate-{tag}"):
+                    remove(path)
         remove(outdir)
     if small_shape and not args.keep:
         for path in work.glob("ckpt-inspect-*"):
@@ -1184,6 +1440,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     md = [f"{main_size} {shapes[main_size].describe()}, saved by a {args.dp * args.tp}-process gloo job "
           f"(dp={args.dp}, tp={args.tp}); {args.rounds} round(s)."]
+    reader_info = {r["id"]: r["source"] for r in main_rows if r["kind"] == "floor" and r["id"] != "cp"}
+    if reader_info:
+        md += ["", "Readers of issue 13, each against cp -r of its own source (docs/benchmarks.md says how each "
+                   "source is made): " + "; ".join(f"{rid[3:]} {human(info['size_bytes'])} ({info['model']})"
+                                                  for rid, info in reader_info.items()) + "."]
     if main_size in moe_shapes:
         md += ["", f"export-hf-moe: {moe_shapes[main_size].describe()} (Archon names), saved by the same job; "
                    "its ratios are per tensor byte."]
@@ -1207,6 +1468,8 @@ if __name__ == "__main__":
         sys.exit(worker_save(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "_reshard":
         sys.exit(worker_reshard(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "_fp8":
+        sys.exit(make_fp8(*sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "_peer":
         sys.exit(peer(sys.argv[2:]))
     sys.exit(main())

@@ -2,13 +2,15 @@
 two rows at a time (--jobs 2: quicker on a 2-core CI machine; the timings are not meant to mean anything).
 
 Proves that the benchmark runs end to end and that results.json holds every row (each dcptool
-command, each peer route, cp -r, and export-hf of the MoE checkpoint in Archon names saved beside the
-dense one) with numeric fields. No timing assertions: targets live in the benchmark, not in tests.
+command, each peer route, cp -r, export-hf of the MoE checkpoint in Archon names saved beside the
+dense one, and the readers of issue 13 on their own sources beside cp -r of each) with numeric fields.
+No timing assertions: targets live in the benchmark, not in tests.
 """
 
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,13 @@ DCPTOOL_ROWS = {"export-hf", "export-hf-moe", "convert-torch", "reshard-dp4", "r
                 "verify", "checksum", "inspect"}
 PEER_ROWS = {"peer-export-hf", "peer-torch-save", "peer-reshard-dp4", "peer-reshard-tp4", "peer-verify",
              "sha256sum", "peer-inspect"}
+# The readers of issue 13: dcptool row -> (cp -r of its source, peer or None where none exists).
+READER_ROWS = {"export-hf-hf-dcp": ("cp-hf-dcp", "peer-consolidate"),
+               "convert-torch-zstd": ("cp-zstd", "peer-torch-save-zstd"),
+               "export-hf-accelerate": ("cp-accelerate", "peer-accelerate-merge"),
+               "reshard-verl-w4": ("cp-verl", None),
+               "dequantize-fp8": ("cp-fp8", "peer-dequantize")}
+READER_EXTRA = {row for pair in READER_ROWS.values() for row in pair if row} | set(READER_ROWS)
 NUMERIC = ("median_s", "min_s", "max_s", "peak_mb", "peak_mb_median", "peak_mb_min", "peak_mb_max",
            "ratio_to_cp", "ratio_to_peer", "size_bytes", "tensor_bytes", "tensors")
 
@@ -34,10 +43,10 @@ def test_bench_smoke(tmp_path):
 
     report = json.loads((out / "results.json").read_text())
     rows = {r["id"]: r for r in report["rows"]}
-    assert set(rows) == DCPTOOL_ROWS | PEER_ROWS | {"cp"}
+    assert set(rows) == DCPTOOL_ROWS | PEER_ROWS | {"cp"} | READER_EXTRA
     assert len(report["rows"]) == len(rows)  # one size: one row each
     for row in rows.values():
-        for key in NUMERIC:
+        for key in NUMERIC if row["has_peer"] else set(NUMERIC) - {"ratio_to_peer"}:
             assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (row["id"], key, row[key])
         assert row["min_s"] <= row["median_s"] <= row["max_s"]
         assert row["peak_mb"] > 0 and len(row["times_s"]) == 1
@@ -46,6 +55,27 @@ def test_bench_smoke(tmp_path):
         assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
     assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
     assert rows["checksum"]["peer"] == "sha256sum" and rows["export-hf"]["peer"] == "peer-export-hf"
+
+    # Each reader row and its peer against cp -r of their own source folder (plain time ratios).
+    for rid, (floor, peer) in READER_ROWS.items():
+        row, cp = rows[rid], rows[floor]
+        assert row["kind"] == "dcptool" and cp["kind"] == "floor" and row["floor"] == cp["floor"] == floor
+        assert row["source"] == cp["source"] and row["source"]["size_bytes"] > 0
+        assert math.isclose(row["ratio_to_cp"], row["median_s"] / cp["median_s"])
+        assert row["peer"] == peer and row["has_peer"] == (peer is not None)
+        if peer:
+            assert rows[peer]["floor"] == floor and math.isclose(row["ratio_to_peer"],
+                                                                  row["median_s"] / rows[peer]["median_s"])
+    # The sources are what each reader is for: chunks of torch's HF-storage writer, the accelerate model part,
+    # verl's optimizer carried to 4 ranks, float8 blocks dequantized with their scales left out.
+    logs = out / "logs"
+    assert "names: hf" in (logs / "export-hf-hf-dcp-2MB-r0.log").read_text()
+    assert "trainer_state" in (logs / "export-hf-accelerate-2MB-r0.log").read_text()
+    verl_log = (logs / "reshard-verl-w4-2MB-r0.log").read_text()  # weights, two moments and step per parameter
+    written = int(re.search(r"\(fsdp1\): (\d+) tensors", verl_log).group(1))
+    assert written >= 3 * rows["reshard-verl-w4"]["source"]["tensors"], verl_log
+    fp8_log = (logs / "dequantize-fp8-2MB-r0.log").read_text()
+    assert "float8 weights to bfloat16 (blocks of 128x128)" in fp8_log and "_scale_inv scales" in fp8_log, fp8_log
 
     # The MoE row: its yardstick is the dense export, per tensor byte of the checkpoint each reads.
     moe, dense = rows["export-hf-moe"], rows["export-hf"]

@@ -136,3 +136,29 @@ def test_hostile_optimizer_file_is_refused_without_running_it(saved, tmp_path):
     assert result.returncode == 2 and not (tmp_path / "out").exists() and not marker.exists()
     line, = result.stderr.strip().splitlines()
     assert "optim_world_size_2_rank_1.pt" in line and "refuses to unpickle" in line, line
+
+
+def test_numpy_rng_state_is_read_and_kept_as_data(saved, tmp_path):
+    """verl's real extra state holds numpy's and Python's RNG state too: the scheduler is carried and,
+    with --keep-rank-state, torch.load gives the numpy state back equal (dtype and values)."""
+    import random
+
+    import numpy as np
+
+    actor = tmp_path / "actor"
+    shutil.copytree(saved("fsdp1"), actor)
+    for rank in range(2):
+        path = actor / f"extra_state_world_size_2_rank_{rank}.pt"
+        extra = torch.load(path, weights_only=True)
+        np.random.seed(rank)
+        extra["rng"].update(numpy=np.random.get_state(), random=random.getstate())  # as verl's get_rng_state
+        torch.save(extra, path)
+    out = tmp_path / "w1"
+    result = dcptool("reshard", actor, out, "--to", "fsdp1", "--dp", "1", "--keep-rank-state")
+    assert "extra state is not read" not in result.stdout + result.stderr
+    kept = torch.load(out / "extra_state_world_size_1_rank_0.pt", weights_only=False)
+    source = torch.load(actor / "extra_state_world_size_2_rank_0.pt", weights_only=False)
+    assert kept["lr_scheduler"] == source["lr_scheduler"]
+    name, keys, *rest = kept["rng"]["numpy"]
+    assert name == "MT19937" and keys.dtype == np.uint32 and np.array_equal(keys, source["rng"]["numpy"][1])
+    assert tuple(rest) == tuple(source["rng"]["numpy"][2:]) and kept["rng"]["random"] == source["rng"]["random"]
