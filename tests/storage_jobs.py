@@ -91,8 +91,13 @@ def main() -> int:
     try:
         if args.command.startswith("save"):
             save(args)
-            return 0
-        return load(args)
+            code = 0
+        else:
+            code = load(args)
+        # Every rank waits for the others (rank 0 may still be consolidating) before the group goes:
+        # a rank tearing gloo down while another still uses it can abort ("terminate called ...").
+        dist.barrier()
+        return code
     finally:
         dist.destroy_process_group()
 
