@@ -269,6 +269,13 @@ class Checkpoint:
         self._resolved[chunk] = raw
         return raw
 
+    def stored_crc(self, chunk: Chunk, offset: int, length: int) -> int | None:
+        """The CRC-32 that ``chunk``'s record stores for file bytes ``[offset, offset+length)``, when they
+        are its whole storage (a copied chunk then needs no pass over its bytes to checksum them); else None."""
+        if chunk.encoding != "torch-archive" or chunk.view is not None:
+            return None
+        return Archive(self.files, chunk.file, chunk.offset, chunk.length).stored_crc(offset, length)
+
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize
         if chunk.view is not None:
@@ -341,6 +348,10 @@ class Checkpoint:
                   split_gaps: bool = False) -> None:
         itemsize = raw.itemsize
         first = sum(l * s for l, s in zip(lo, raw.strides))
+        rows = _rows_of(target) if is_contiguous(extent, raw.strides) else None
+        if rows is not None:  # one run in the file: read straight into its places (a column block's rows)
+            self.files.read_scattered(raw.file, raw.offset + first * itemsize, rows)
+            return
         span = (sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1) * itemsize
         # Split what does not fit, and views that are mostly gaps (rows of a permuted view far apart).
         sparse = split_gaps and span > 2 * math.prod(extent) * itemsize + 4096
@@ -362,6 +373,35 @@ class Checkpoint:
         flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
         view = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
         target[...] = view
+
+
+# Rows shorter than this are gathered through the scratch buffer: one read and a copy beat thousands of tiny iovecs.
+SCATTER_ROW = 4096
+
+
+def is_contiguous(extent, strides) -> bool:
+    """Whether a box of ``extent`` elements, laid out with ``strides``, is one run of memory in row-major order."""
+    expected = 1
+    for count, stride in zip(reversed(extent), reversed(strides)):
+        if count > 1:
+            if stride != expected:
+                return False
+            expected *= count
+    return True
+
+
+def _rows_of(target: np.ndarray) -> list[memoryview] | None:
+    """``target``'s memory as its contiguous runs in row-major order (one if it is contiguous), or None when
+    they are shorter than ``SCATTER_ROW`` bytes."""
+    inner, run = target.ndim, target.itemsize
+    while inner > 0 and (target.shape[inner - 1] == 1 or target.strides[inner - 1] == run):
+        run *= target.shape[inner - 1]
+        inner -= 1
+    if target.size == 0 or (inner and run < SCATTER_ROW):
+        return None
+    if inner == 0:
+        return [memoryview(target).cast("B")]
+    return [memoryview(target[index]).cast("B") for index in np.ndindex(*target.shape[:inner])]
 
 
 # What writers consume: output tensors and objects, and the pieces a writer stores them as.

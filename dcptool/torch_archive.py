@@ -93,8 +93,8 @@ class Archive:
             return self._head[start:start + size]
         return self.files.read(self.relative, self.offset + start, size)
 
-    def _directory(self) -> dict[str, tuple[int, int, int]]:
-        """``name -> (local header offset, size, compression)`` from the zip's central directory."""
+    def _directory(self) -> dict[str, tuple[int, int, int, int]]:
+        """``name -> (local header offset, size, compression, CRC-32)`` from the zip's central directory."""
         tail_start = max(0, self.length - self.TAIL)
         tail = self._read(tail_start, self.length - tail_start)
         end = tail.rfind(b"PK\x05\x06")
@@ -114,13 +114,13 @@ class Archive:
             fields = _CENTRAL_HEADER.unpack_from(directory, position)
             if fields[0] != b"PK\x01\x02":
                 raise ValueError("bad central directory entry")
-            compression, entry_size, name_length, extra_length, comment_length, header = (
-                fields[6], fields[11], fields[12], fields[13], fields[14], fields[18])
+            compression, crc, entry_size, name_length, extra_length, comment_length, header = (
+                fields[6], fields[9], fields[11], fields[12], fields[13], fields[14], fields[18])
             name_end = position + _CENTRAL_HEADER.size + name_length
             name = directory[position + _CENTRAL_HEADER.size:name_end].decode()
             if _FIELD_LIMIT in (entry_size, header):
                 entry_size, header = _zip64_values(directory[name_end:name_end + extra_length], fields[10:12], header)
-            entries[name] = (header, entry_size, compression)
+            entries[name] = (header, entry_size, compression, crc)
             position = name_end + extra_length + comment_length
         return entries
 
@@ -129,7 +129,7 @@ class Archive:
         entry = self._entries.get(self.prefix + name)
         if entry is None:
             raise CheckpointError(f"{self.where}: archive has no entry {printable(name)!r}")
-        header, size, compression = entry
+        header, size, compression, _ = entry
         if compression != 0:
             raise CheckpointError(f"{self.where}: entry {printable(name)!r} is compressed; torch.save never compresses")
         try:
@@ -147,6 +147,16 @@ class Archive:
         """The archived object, with tensors as ``safe_pickle.TensorRef`` (no tensor bytes are read)."""
         start, size = self._data_offset("data.pkl")
         return safe_pickle.load_bytes(self._read(start - self.offset, size), f"{self.where}/data.pkl")
+
+    def stored_crc(self, offset: int, length: int) -> int | None:
+        """The CRC-32 the zip directory records for file bytes ``[offset, offset+length)``, when they are
+        exactly one stored entry's data (a chunk's whole storage); else None."""
+        storages = self.prefix + "data/"
+        for name, (_, size, compression, crc) in self._entries.items():
+            if name.startswith(storages) and size == length and compression == 0 \
+                    and self._data_offset(name[len(self.prefix):]) == (offset, size):
+                return crc
+        return None
 
     def raw_bytes(self, tensor: safe_pickle.TensorRef) -> RawBytes:
         """Where the elements of ``tensor`` are in the file, checked against the storage's size."""
@@ -222,6 +232,11 @@ class TensorOut:
         return row_major(self.shape)
 
 
+class Unpicklable(CheckpointError):
+    """A value ``dumps`` cannot pickle as what it stands for: the restricted unpickler's stand-in of a
+    class (``Record``, ``SubclassRef``), or a tensor whose storage the caller did not make a ``StorageOut``."""
+
+
 class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit globals without importing them
     dispatch = pickle._Pickler.dispatch.copy()
 
@@ -243,8 +258,8 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
         if isinstance(obj, Reduced):
             return (obj.func, obj.args, obj.state)
         if isinstance(obj, (TensorRef, Record, SubclassRef)):
-            raise CheckpointError(f"cannot write a {type(obj).__name__} nested in a non-tensor entry (such as torch's RNG "
-                                  "state) into this format: leave that entry out with --exclude")
+            raise Unpicklable(f"cannot write a {type(obj).__name__} nested in a non-tensor entry into this format: "
+                              "leave that entry out with --exclude")
         return NotImplemented
 
     def save_reduce(self, func, args, state=None, *rest, obj=None):
@@ -271,7 +286,8 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
 
 
 def dumps(obj: Any, protocol: int = 2) -> bytes:
-    """Pickle ``obj``, in which ``Global``, ``Reduced``, ``StorageOut`` and ``TensorOut`` stand for torch objects."""
+    """Pickle ``obj``, in which ``Global``, ``Reduced``, ``StorageOut`` and ``TensorOut`` stand for torch objects
+    (the restricted unpickler's stand-ins raise ``Unpicklable``)."""
     buffer = io.BytesIO()
     _TorchPickler(buffer, protocol=protocol).dump(obj)
     return buffer.getvalue()

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, Piece, overlapping
+from dcptool.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.storage import OutputFiles, deferred_interrupts
 from dcptool.torch_archive import row_major
@@ -65,6 +65,7 @@ class Task:
     nbytes: int
     source: tuple[str, int] | None = None  # (file, offset) of source bytes copied as they are
     region: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # else (offsets, sizes) within the piece
+    record: Chunk | None = None  # the source chunk whose whole storage the copied bytes are (its CRC-32 is stored)
 
 
 def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], out: OutputFiles, *, crc: bool,
@@ -83,7 +84,7 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     # Two buffers per thread (a slab and its reads), none larger than the work needs.
     buffer_bytes = max(2**15, min(max_memory // (2 * threads), 3 * largest))
     tasks = [task for piece, file, offset in placed
-             for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes))]
+             for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes), whole_records=crc)]
     mover = _Mover(checkpoint, out, crc, buffer_bytes, _start_writeback() if flush else None)
     parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
     report = on_bytes or (lambda n: None)
@@ -184,14 +185,22 @@ def _stopping_on_interrupt(stop: threading.Event) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, task_bytes: int) -> list[Task]:
-    """The tasks that write ``piece`` at ``offset`` of ``file``, each of at most ``task_bytes``."""
+def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, task_bytes: int,
+               whole_records: bool = False) -> list[Task]:
+    """The tasks that write ``piece`` at ``offset`` of ``file``, each of at most ``task_bytes``.
+
+    ``whole_records``: a run that is a source chunk's whole storage stays one task, however long (a
+    kernel copy needs no buffer), so that its CRC-32 is the one its record stores rather than computed."""
     runs = source_runs(checkpoint, piece)
     if runs is not None and len(runs) > 1 and piece.nbytes < SMALL_RUN * len(runs):
         runs = None  # many small runs (chunks of a thousand ranks): read into a slab, one read each
     tasks: list[Task] = []
     if runs is not None:
-        for start, source_file, source_offset, length in runs:
+        for start, source_file, source_offset, length, chunk in runs:
+            if whole_records and chunk is not None:
+                tasks.append(Task(piece, len(tasks), file, offset + start, length, source=(source_file, source_offset),
+                                  record=chunk))
+                continue
             for step in range(0, length, task_bytes):
                 size = min(task_bytes, length - step)
                 tasks.append(Task(piece, len(tasks), file, offset + start + step, size,
@@ -209,10 +218,11 @@ def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, tas
     return tasks
 
 
-def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, int, int]] | None:
-    """``(start in piece, source file, source offset, length)`` of every source run, in bytes, when
+def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, int, int, Chunk | None]] | None:
+    """``(start in piece, source file, source offset, length, chunk)`` of every source run, in bytes, when
     the piece is the concatenation of contiguous runs of source bytes (no cast, no reordering);
     else None. Dim-0 shards (FSDP) and whole chunks are; a column block of a TP row-wise weight is not.
+    ``chunk`` is the source chunk when the run is all of it, else None.
     """
     source = piece.tensor.source
     if source.dtype != piece.tensor.dtype or source.transform is not None:  # computed values are no source bytes
@@ -227,23 +237,13 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
             continue
         extent = [h - l for l, h in zip(lo, hi)]
         raw = checkpoint.raw_bytes(source, chunk)
-        if not (_contiguous(extent, raw.strides) and _contiguous(extent, piece_strides)):
+        if not (is_contiguous(extent, raw.strides) and is_contiguous(extent, piece_strides)):
             return None
         source_offset = raw.offset + sum((l - c) * s for l, c, s in zip(lo, chunk.offsets, raw.strides)) * itemsize
         start = sum((l - o) * s for l, o, s in zip(lo, piece.offsets, piece_strides)) * itemsize
-        runs.append((start, raw.file, source_offset, math.prod(extent) * itemsize))
-    return sorted(runs)
-
-
-def _contiguous(extent, strides) -> bool:
-    """Whether a box of ``extent`` elements, laid out with ``strides``, is one run of memory."""
-    expected = 1
-    for count, stride in zip(reversed(extent), reversed(strides)):
-        if count > 1:
-            if stride != expected:
-                return False
-            expected *= count
-    return True
+        whole = chunk if list(extent) == list(chunk.sizes) else None
+        runs.append((start, raw.file, source_offset, math.prod(extent) * itemsize, whole))
+    return sorted(runs, key=lambda run: run[0])
 
 
 def slabs(sizes: tuple[int, ...], max_elements: int):
@@ -291,18 +291,25 @@ class _Mover:
 
     def _write(self, task: Task) -> int:
         files = self.checkpoint.files
-        if task.source is not None:
-            file, source_offset = task.source
-            files.check_range(file, source_offset, task.nbytes)
-            source_fd = files.local_fd(file)
-            if source_fd is not None and self._kernel_copy(source_fd, task):
-                return _crc_of_file(source_fd, source_offset, task.nbytes) if self.crc else 0
-            data = memoryview(self._buffers()[0][: task.nbytes]).cast("B")
-            files.read_into(file, source_offset, data)
-        else:
+        if task.source is None:
             data = self._assemble(task)
-        self.out.write_at(task.file, task.offset, data)
-        return zlib.crc32(data) if self.crc else 0
+            self.out.write_at(task.file, task.offset, data)
+            return zlib.crc32(data) if self.crc else 0
+        file, source_offset = task.source
+        files.check_range(file, source_offset, task.nbytes)
+        source_fd = files.local_fd(file)
+        if source_fd is not None and self._kernel_copy(source_fd, task):
+            if not self.crc:
+                return 0
+            stored = self.checkpoint.stored_crc(task.record, source_offset, task.nbytes) if task.record else None
+            return stored if stored is not None else _crc_of_file(source_fd, source_offset, task.nbytes)
+        buffer, crc = self._buffers()[0], 0
+        for step in range(0, task.nbytes, len(buffer)):  # a whole record may be longer than the buffer
+            data = memoryview(buffer[: min(len(buffer), task.nbytes - step)]).cast("B")
+            files.read_into(file, source_offset + step, data)
+            self.out.write_at(task.file, task.offset + step, data)
+            crc = zlib.crc32(data, crc) if self.crc else 0
+        return crc
 
     def _kernel_copy(self, source_fd: int, task: Task) -> bool:
         """Copy the run inside the kernel; False where the filesystems cannot."""
