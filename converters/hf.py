@@ -173,48 +173,31 @@ def header_bytes(entries, metadata: dict[str, str] | None = None) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded
 
 
-class Writer:
-    """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order).
-
-    Each shard is its header, then its tensors' bytes in header order; no CRC is needed.
-    """
+class SafetensorsFiles:
+    """What both safetensors writers share: files of pieces, each file its header then its pieces' bytes
+    in header order (no CRC needed). ``lay_out`` fixes headers and places; a subclass names the files."""
 
     NEEDS_CRC = False
 
-    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
-                 config: dict | None = None):
-        self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
-        self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
-        self.out = OutputFiles(folder)
-        self._place: dict[str, tuple[str, int]] = {}
-
-    def plan(self, tensors, objects):
-        by_key = {t.key: t for t in tensors}
-        if len(by_key) != len(tensors):
-            raise UsageError("two tensors would get the same name in the safetensors output")
-        split = split_state_dict_into_shards_factory(
-            by_key, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors",
-            max_shard_size=self.max_shard_size,
-        )
-        self.split = split
-        self._tensors_of = {f: [by_key[k] for k in keys] for f, keys in split.filename_to_tensors.items()}
-        self._headers = {filename: header_bytes([(t.key, t.dtype, t.shape) for t in shard])
-                         for filename, shard in self._tensors_of.items()}
-        pieces = []
-        for filename, shard in self._tensors_of.items():
-            offset = len(self._headers[filename])
-            for tensor in shard:
-                self._place[tensor.key] = (filename, offset)
-                offset += tensor.nbytes
-            pieces += [_whole(tensor) for tensor in shard]
-        return pieces
+    def lay_out(self, pieces_by_file: dict[str, list[Piece]], metadata=None) -> list[Piece]:
+        """Headers and byte places of every file's pieces, stored under their tensors' keys; ``metadata(pieces)``
+        gives a file's ``__metadata__`` (default: ``{"format": "pt"}``). Returns every piece."""
+        self._pieces, self._headers, self._place = pieces_by_file, {}, {}
+        for name, pieces in pieces_by_file.items():
+            header = header_bytes([(p.tensor.key, p.tensor.dtype, p.sizes) for p in pieces],
+                                  metadata(pieces) if metadata else None)
+            self._headers[name], offset = header, len(header)
+            for piece in pieces:
+                self._place[piece] = (name, offset)
+                offset += piece.nbytes
+        return [piece for pieces in pieces_by_file.values() for piece in pieces]
 
     def place(self, piece) -> tuple[str, int]:
-        return self._place[piece.tensor.key]
+        return self._place[piece]
 
     def files(self) -> dict[str, int]:
-        """Every shard file with the tensor bytes planned for it."""
-        return {name: sum(t.nbytes for t in tensors) for name, tensors in self._tensors_of.items()}
+        """Every file with the tensor bytes planned for it."""
+        return {name: sum(p.nbytes for p in pieces) for name, pieces in self._pieces.items()}
 
     def finish_files(self, objects, files: set[str], crcs) -> dict:
         """Write the headers of ``files``; the plan alone says which tensors went where, so there is nothing to report."""
@@ -222,12 +205,32 @@ class Writer:
             self.out.write_at(name, 0, self._headers[name])
         return {}
 
+
+class Writer(SafetensorsFiles):
+    """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order)."""
+
+    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
+                 config: dict | None = None):
+        self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
+        self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
+        self.out = OutputFiles(folder)
+
+    def plan(self, tensors, objects):
+        by_key = {t.key: t for t in tensors}
+        if len(by_key) != len(tensors):
+            raise UsageError("two tensors would get the same name in the safetensors output")
+        self.split = split_state_dict_into_shards_factory(
+            by_key, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors",
+            max_shard_size=self.max_shard_size,
+        )
+        return self.lay_out({name: [_whole(by_key[k]) for k in keys]
+                             for name, keys in self.split.filename_to_tensors.items()})
+
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Write the index (when sharded) and copy the config; returns the objects safetensors cannot hold."""
         if self.split.is_sharded:
-            total = sum(self.files().values())
-            weight_map = {key: self._place[key][0] for key in sorted(self._place)}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            weight_map = dict(sorted((piece.tensor.key, name) for piece, (name, _) in self._place.items()))
+            index = {"metadata": {"total_size": sum(self.files().values())}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if self.config_dir:
             copy_config(self.config_dir, self.folder, self.config)

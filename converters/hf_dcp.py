@@ -116,7 +116,7 @@ def shard_file(rank: int) -> str:
     return f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
 
 
-class Writer:
+class Writer(hf.SafetensorsFiles):
     """Writes one safetensors file per rank, each chunk under its key with its offsets in ``__metadata__``,
     which ``dcp.load(..., storage_reader=HuggingFaceStorageReader(folder))`` reads.
 
@@ -124,8 +124,6 @@ class Writer:
     rank 0); a file holds at most one chunk of a tensor, as safetensors names are unique. Non-tensor
     entries cannot be held and are reported.
     """
-
-    NEEDS_CRC = False
 
     def __init__(self, folder: Path, layout=None, world_size: int = 1):
         self.folder, self.world_size = folder, world_size
@@ -141,29 +139,9 @@ class Writer:
                     raise UsageError(f"--to {NAME}: rank {rank} would hold two chunks of {tensor.key}, "
                                      "which one safetensors file cannot")
                 pieces.append(Piece(tensor, tuple(offsets), tuple(sizes)))
-        self._pieces = dict(sorted(by_file.items()))
-        self._headers, self._place = {}, {}
-        for name, pieces in self._pieces.items():
-            sharding = {p.tensor.key: {"saved_offsets": list(p.offsets)} for p in pieces}
-            metadata = {hf.DCP_SHARDING_INFO: json.dumps(sharding), "DCP_VERSION": DCP_VERSION, "format": "pt"}
-            header = self._headers[name] = hf.header_bytes([(p.tensor.key, p.tensor.dtype, p.sizes) for p in pieces],
-                                                           metadata)
-            offset = len(header)
-            for piece in pieces:
-                self._place[piece] = (name, offset)
-                offset += piece.nbytes
-        return [p for pieces in self._pieces.values() for p in pieces]
-
-    def place(self, piece) -> tuple[str, int]:
-        return self._place[piece]
-
-    def files(self) -> dict[str, int]:
-        return {name: sum(p.nbytes for p in pieces) for name, pieces in self._pieces.items()}
-
-    def finish_files(self, objects, files: set[str], crcs) -> dict:
-        for name in files:
-            self.out.write_at(name, 0, self._headers[name])
-        return {}
+        return self.lay_out(dict(sorted(by_file.items())), lambda pieces: {
+            hf.DCP_SHARDING_INFO: json.dumps({p.tensor.key: {"saved_offsets": list(p.offsets)} for p in pieces}),
+            "DCP_VERSION": DCP_VERSION, "format": "pt"})
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Nothing to index; returns the non-tensor entries, which safetensors cannot hold."""
