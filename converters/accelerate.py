@@ -11,10 +11,10 @@ The parts become one checkpoint: model weights under ``model.`` (as in accelerat
 state dict is nested there too), optimizer state under ``optimizer.`` (``optimizer.state.<param>.exp_avg``),
 and objects ``scheduler``, ``rng_state.rank_<r>`` and ``trainer_state``. The scheduler and RNG
 files are carried as the ``torch.save`` bytes they are and never unpickled unless a writer needs
-their values (the RNG state holds torch's RNG state, a tensor inside a non-tensor entry, which the
-``torch`` writer cannot store: ``--exclude '^rng_state'`` leaves it out). The
-``config.json`` beside the weights (in the folder, else in its parent, where ``Trainer`` keeps
-the run's output) is the model's config for ``export-hf``. ``pytorch_model_fsdp_0/`` alone is a
+their values (the ``torch`` writer stores torch's RNG state, a tensor inside the RNG dict, as a
+tensor of its file: ``torch_save.split_object``). The ``config.json`` beside the weights (in the
+folder, else in its parent, where ``Trainer`` keeps the run's output) is the model's config for
+``export-hf``. ``pytorch_model_fsdp_0/`` alone is a
 plain DCP checkpoint.
 """
 

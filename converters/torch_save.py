@@ -2,7 +2,8 @@
 
 Read without torch through dcptool's restricted unpickler (the same allowlist as ``weights_only=True``);
 tensor bytes are read in place from the archive. The writer produces a file that
-``torch.load(path, weights_only=True, mmap=True)`` reads.
+``torch.load(path, weights_only=True, mmap=True)`` reads; tensors inside non-tensor entries (torch's
+RNG state in a Trainer's ``rng_state_<r>.pth``) are stored in it as real storages too.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import math
 import struct
 import zipfile
 from pathlib import Path
+from typing import Any
 
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, Piece, TensorInfo, join_path
+from dcptool.core import Checkpoint, Chunk, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, printable, utf8_problem
 from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
-from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut, dumps
+from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut, Unpicklable, dumps
 
 NAME = "torch"
 WRITES_FOLDER = False
@@ -50,14 +52,45 @@ def read(files: CheckpointFiles) -> Checkpoint:
             if value.subclass:
                 raise CheckpointError(f"{path}: {printable(key)} is a {printable(value.subclass)}; "
                                       "per-rank files are read with --from fsdp1")
-            raw = archive.raw_bytes(value)
-            chunk = Chunk(tuple(0 for _ in raw.shape), raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
-            tensors[key] = TensorInfo(nested, value.dtype.name, raw.shape, [chunk])
+            tensors[key] = _tensor_info(archive, value, nested)
         else:
             objects[key] = ObjectInfo(nested, value=value)
     checkpoint = Checkpoint(NAME, files.location, files, tensors, objects)
     checkpoint.validate()
     return checkpoint
+
+
+def _tensor_info(archive: Archive, tensor: TensorRef, path: tuple) -> TensorInfo:
+    """A plain tensor of ``archive`` as one chunk: its elements where they lie in the file."""
+    raw = archive.raw_bytes(tensor)
+    chunk = Chunk(tuple(0 for _ in raw.shape), raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
+    return TensorInfo(path, tensor.dtype.name, raw.shape, [chunk])
+
+
+def split_object(checkpoint: Checkpoint, obj: ObjectInfo, path: tuple) -> tuple[dict[tuple, Any], list[TensorInfo]]:
+    """An object as entries of ``nest`` under ``path``, and the tensors inside it as tensors of their own.
+
+    A tensor inside an object (torch's CPU RNG state in a Trainer's ``rng_state_<r>.pth``) is split
+    out as ``read`` splits a file's tensors (``flatten``), its elements read in place from the
+    object's archive: a writer stores it like any tensor, as a storage of its own archive, and
+    ``nest`` puts it back in its place. Raises ``Unpicklable`` for a tensor that cannot be split out.
+    """
+    value = checkpoint.object_value(obj)
+    if not _holds_tensor(value, {}):
+        return {path: value}, []
+    if obj.blob is None:  # readers split out the tensors of what they unpickle whole: none are left
+        raise Unpicklable(f"{printable(join_path(path))}: holds tensors outside a torch.save archive")
+    archive = Archive(checkpoint.files, *obj.blob)
+    entries, tensors = {}, []
+    for nested, leaf in flatten(value, path, archive.where):
+        if not isinstance(leaf, TensorRef):
+            entries[nested] = leaf
+        elif leaf.subclass:
+            raise Unpicklable(f"{archive.where}: {printable(join_path(nested))} is a {printable(leaf.subclass)}, "
+                              "not a plain tensor")
+        else:
+            tensors.append(_tensor_info(archive, leaf, nested))
+    return entries, tensors
 
 
 def flatten(obj, prefix: tuple[str, ...] = (), where: object = "state dict"):
@@ -128,7 +161,10 @@ def _lists(node):
 class Writer:
     """Writes one ``torch.save`` file: the pickled nested dict first, then each tensor's storage.
 
-    One file cannot be split between writers: under torchrun rank 0 writes it all.
+    Tensors inside objects get storages like the others (``split_object``). An object the pickle
+    cannot hold (one with a stand-in of the restricted unpickler inside, such as a ``Record``) is
+    left out, and ``finish_index`` names it. One file cannot be split between writers: under
+    torchrun rank 0 writes it all.
     """
 
     NEEDS_CRC = True
@@ -136,11 +172,30 @@ class Writer:
     def __init__(self, file: Path):
         self.name = file.name
         self.out = OutputFiles(file.parent)
+        self.left_out: list[str] = []
 
     def plan(self, tensors, objects):
+        split = {}
+        for obj in objects:
+            try:
+                entries, inside = split_object(obj.checkpoint, obj.source, tuple(obj.path))
+            except Unpicklable:
+                self.left_out.append(obj.key)
+                continue
+            split[obj.key] = entries, [OutTensor(t.key, t.path, t.dtype, t.shape, t) for t in inside]
+        try:
+            return self._plan(tensors, split)
+        except Unpicklable:  # rare: pickle the objects one by one to find those that cannot be, and plan without them
+            unpicklable = [key for key, (entries, _) in split.items() if not _picklable(entries)]
+            self.left_out += unpicklable
+            return self._plan(tensors, {key: found for key, found in split.items() if key not in unpicklable})
+
+    def _plan(self, tensors, split: dict[str, tuple[dict, list[OutTensor]]]):
+        tensors = [*tensors, *(tensor for _, inside in split.values() for tensor in inside)]
         storages = {t.key: StorageOut(str(i), t.dtype, math.prod(t.shape)) for i, t in enumerate(tensors)}
         entries = {t.path: TensorOut(storages[t.key], t.shape) for t in tensors}
-        entries |= {o.path: o.value() for o in objects}
+        for found, _ in split.values():
+            entries |= found
         self.layout = ArchiveLayout(dumps(nest(entries)))
         self._start = {t.key: self.layout.add_storage(storages[t.key].key, t.nbytes) for t in tensors}
         self.layout.close()
@@ -162,4 +217,13 @@ class Writer:
         return {}
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
-        return []
+        """Nothing to index; returns the objects the pickle cannot hold."""
+        return self.left_out
+
+
+def _picklable(entries: dict[tuple, Any]) -> bool:
+    try:
+        dumps(nest(entries))
+    except Unpicklable:
+        return False
+    return True

@@ -268,6 +268,8 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
             self.save(cls)
             self.save(tuple(cls_args))
             self.write(pickle.NEWOBJ)
+            if obj is not None:  # as pickle does: an object met again is a reference (DTensors share one mesh)
+                self.memoize(obj)
             if state is not None:
                 self.save(state)
                 self.write(pickle.BUILD)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dcptool import adapters, conversion, dtypes, formats, transfer
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted
 
 # Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
@@ -96,8 +96,29 @@ def select_side(checkpoint: Checkpoint, prefix: str | None = None, include: str 
         objects = conversion.model_part(checkpoint, by_hand, entries=checkpoint.objects)
     else:
         tensors, objects = dict(checkpoint.tensors), dict(checkpoint.objects)
+    _split_out_tensors(checkpoint, tensors, objects)
     label = f"{checkpoint.root} ({checkpoint.format}" + (f", prefix {prefix})" if prefix else ")")
     return Side(checkpoint, conversion.select(tensors, include, exclude), conversion.select(objects, include, exclude), label)
+
+
+def _split_out_tensors(checkpoint: Checkpoint, tensors: dict[str, TensorInfo], objects: dict[str, ObjectInfo]) -> None:
+    """Objects that hold tensors (a Trainer's RNG state) as their other parts and tensors of their own, as the
+    torch writer stores them, so that a conversion compares entry for entry with its source."""
+    from dcptool.converters.torch_save import split_object
+    from dcptool.torch_archive import Unpicklable
+
+    for key, obj in list(objects.items()):
+        try:
+            parts, inside = split_object(checkpoint, obj, tuple(obj.path))
+        except Unpicklable:  # a tensor that cannot be read on its own: the object is compared whole
+            continue
+        if inside:
+            def renamed(path: tuple, key=key, depth=len(obj.path)) -> str:  # the side's name (a prefix stripped)
+                return join_path((key, *path[depth:]))
+
+            del objects[key]
+            objects.update({renamed(path): ObjectInfo(path, value=value) for path, value in parts.items()})
+            tensors.update({renamed(tensor.path): tensor for tensor in inside})
 
 
 def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "auto",

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,50 @@ def test_full_state_dict_folder_exports(trainer_folder, tmp_path):
         assert torch.equal(model(input_ids=expected["ids"]).logits, expected["logits"])
 
 
+def with_own_rng_state(trainer_folder: Path, tmp_path: Path) -> Path:
+    """A copy of the folder in which rank 1's CPU RNG state is its own (the job's ranks share one seed),
+    saved as ``Trainer._save_rng_state`` saves it, so that a test tells the ranks' states apart."""
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(trainer_folder, folder)
+    state = torch.load(folder / "rng_state_1.pth", weights_only=False)
+    state["cpu"] = torch.Generator().manual_seed(1).get_state()
+    torch.save(state, folder / "rng_state_1.pth")
+    return folder
+
+
+def test_convert_to_torch_carries_rng_state(trainer_folder, tmp_path):
+    """torch's RNG state is a tensor inside each rng_state file's dict: it becomes a storage of the output."""
+    from transformers.trainer_pt_utils import safe_globals  # the numpy allowlist Trainer loads rng_state files with
+
+    folder = with_own_rng_state(trainer_folder, tmp_path)
+    result = dcptool("convert", folder, tmp_path / "full.pt", "--to", "torch")
+    assert "left out" not in result.stdout, result.stdout
+    with safe_globals():
+        full = torch.load(tmp_path / "full.pt", weights_only=True)
+        sources = [torch.load(folder / f"rng_state_{rank}.pth", weights_only=True) for rank in (0, 1)]
+    model = torch_gathered(folder / "pytorch_model_fsdp_0", tmp_path)["model"]
+    optimizer = torch_gathered(folder / "optimizer_0", tmp_path)["optimizer"]
+    assert sorted(full["model"]) == sorted(model) and all(torch.equal(full["model"][k], v) for k, v in model.items())
+    assert sorted(full["optimizer"]["state"]) == sorted(optimizer["state"])
+    for name, moments in optimizer["state"].items():
+        assert all(torch.equal(full["optimizer"]["state"][name][k], v) for k, v in moments.items())
+    assert full["optimizer"]["param_groups"] == optimizer["param_groups"]
+    assert not torch.equal(sources[0]["cpu"], sources[1]["cpu"])
+    for rank, source in enumerate(sources):
+        kept = full["rng_state"][f"rank_{rank}"]
+        assert sorted(kept) == sorted(source) and isinstance(kept["cpu"], torch.Tensor)
+        assert torch.equal(kept["cpu"], source["cpu"]) and kept["python"] == source["python"]
+        name, keys, *rest = kept["numpy"]
+        assert (name, *rest) == (source["numpy"][0], *source["numpy"][2:]) and np.array_equal(keys, source["numpy"][1])
+    # verify sees the RNG tensors inside the source's objects as the tensors the output stores.
+    compared = dcptool("verify", folder, tmp_path / "full.pt")
+    assert "equal" in compared.stdout and "rng_state.rank_1.cpu" not in compared.stdout, compared.stdout
+    # safetensors holds no objects: the summary names each RNG entry and why.
+    result = dcptool("convert", folder, tmp_path / "hf", "--to", "hf")
+    line, = (line for line in result.stdout.splitlines() if line.startswith("left out:"))
+    assert "(hf cannot hold them)" in line and "rng_state.rank_0, rng_state.rank_1" in line, line
+
+
 def test_bad_parts_name_their_file(trainer_folder, tmp_path):
     folder = tmp_path / "checkpoint-2"
     shutil.copytree(trainer_folder, folder)
@@ -122,10 +167,21 @@ def test_bad_parts_name_their_file(trainer_folder, tmp_path):
     result = dcptool("inspect", folder, check=False)
     line, = result.stderr.strip().splitlines()
     assert result.returncode == 2 and "trainer_state.json" in line, line
-    # The RNG files' numpy arrays are read as data, but torch's CPU RNG state (a tensor inside the
-    # object) cannot go into one torch.save file: refused (one line, nothing written), --exclude says how.
     (folder / "trainer_state.json").write_text("{}")
-    result = dcptool("convert", folder, tmp_path / "full.pt", "--to", "torch", check=False)
+    # A class read only as the restricted unpickler's stand-in cannot be pickled again: that rank's RNG
+    # state is left out with a line naming it, the other rank's is written.
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from transformers.trainer_pt_utils import safe_globals
+
+    state = torch.load(folder / "rng_state_1.pth", weights_only=False)
+    state["chunk"] = ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))
+    torch.save(state, folder / "rng_state_1.pth")
+    result = dcptool("convert", folder, tmp_path / "full.pt", "--to", "torch")
+    assert "left out: 1 non-tensor entry (torch cannot hold them): rng_state.rank_1" in result.stdout, result.stdout
+    with safe_globals():
+        assert sorted(torch.load(tmp_path / "full.pt", weights_only=True)["rng_state"]) == ["rank_0"]
+    # An RNG file that is no torch.save archive: refused, one line naming it, nothing written.
+    (folder / "rng_state_1.pth").write_bytes(b"not a zip")
+    result = dcptool("convert", folder, tmp_path / "refused.pt", "--to", "torch", check=False)
     line, = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and "--exclude" in line and not (tmp_path / "full.pt").exists(), line
-    dcptool("convert", folder, tmp_path / "full.pt", "--to", "torch", "--exclude", "^rng_state")
+    assert result.returncode == 2 and "rng_state_1.pth" in line and not (tmp_path / "refused.pt").exists(), line
