@@ -19,19 +19,28 @@ unpickler, and chunks are placed by the global offsets the files record, never b
 The model files give the model at the top level; the optimizer files give
 ``optimizer.state.<param>.<moment>`` (laid out like the parameter) and ``optimizer.param_groups``;
 the extra-state files give ``extra_state.lr_scheduler.*`` and, per saving rank,
-``extra_state.rank_<r>.*`` (its RNG state). What cannot be read (FSDP1's flat-parameter
-``optimizer.state_dict()``, an extra state the restricted unpickler refuses) is left out with a
-line in ``info["not_read"]``.
+``extra_state.rank_<r>.*`` (its RNG state). The optimizer files are read in any of FSDP1's three
+forms (``OPTIMIZER_FORMS``): ``FSDP.optim_state_dict`` keyed by name (``named``), and verl's plain
+``optimizer.state_dict()`` of FSDP1 with ``use_orig_params=False`` (``flat``: one entry per FSDP
+unit, each moment the rank's shard of the unit's flat parameter, laid out by ``flat_parameters``)
+or ``use_orig_params=True`` (``orig``: the rank's 1-D piece of each parameter); also FSDP2's.
+``info`` records the forms read (``optimizer_form``, ``model_values``, the DTensors' ``mesh``). What
+cannot be read (flat state of another layout than the one computed, an extra state the restricted
+unpickler refuses) is left out with a line in ``info["not_read"]``.
 
-The writer produces files that a real ``W``-process FSDP1 job loads under
-``StateDictType.SHARDED_STATE_DICT`` (its own files, unpickled in full inside the job as verl
-does, then ``model.load_state_dict`` and ``optimizer.load_state_dict(FSDP.optim_state_dict_to_load(...))``):
-every parameter and moment as the ``ShardedTensor`` that rank ``r`` of ``W`` would have pickled,
-written without importing torch. verl's own ``load_checkpoint`` hands the optimizer file to
-``optimizer.load_state_dict`` as it is, which for FSDP1 takes only the flat-parameter state of
-the same world size and wrapping: a resume at another size loads the optimizer through
-``FSDP.optim_state_dict_to_load``. ``entries`` chooses what
-goes out of any checkpoint (model, optimizer, scheduler; per-rank state on request).
+The writer produces, without importing torch, files that a real ``W``-process FSDP1 job loads with
+verl's own ``load_checkpoint`` calls (each rank's files ``torch.load``ed, then under
+``SHARDED_STATE_DICT`` ``model.load_state_dict`` and ``optimizer.load_state_dict`` of them as they
+are): model values as the ShardedTensor of FSDP1 without a device mesh, or the DTensor of FSDP1
+given verl's 1-D device mesh of the world; the optimizer in the form that job saves (``flat``
+for verl's default ``use_orig_params=False``, ``orig`` for True), or ``named`` for a job that
+loads through ``FSDP.optim_state_dict_to_load``. ``output_forms`` picks the forms (the source's by
+default); ``entries`` chooses what goes out of any checkpoint (model, optimizer, scheduler;
+per-rank state on request). The pickles, the DeviceMesh state and the flat-parameter layout are
+torch 2.13's, checked against real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
+Not laid out in ``flat`` and ``orig``: tied parameters (FSDP1 keeps a shared parameter once; a
+source whose config says ``tie_word_embeddings`` is refused), and for ``orig`` an FSDP1 computing in
+another dtype than its parameters' (a MixedPrecision ``param_dtype`` moves the alignment padding).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +60,7 @@ from dcptool.errors import (CheckpointError, UsageError, json_kind, printable, s
                             with_article)
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
+from dcptool.transfer import crc32_combine
 from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, dumps, new_object,
                                    row_major, torch_size)
 from dcptool.converters.hf import copy_config
@@ -64,6 +76,7 @@ MAX_CONFIG = 2**20  # fsdp_config.json holds two numbers
 _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 
 _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+_DEVICE = re.compile(r"[a-z][a-z0-9_]*")  # a torch device type of a DTensor's mesh: cuda, cpu, npu
 
 
 def file_name(kind: str, world_size: int, rank: int) -> str:
@@ -107,11 +120,15 @@ def read(files: CheckpointFiles) -> Checkpoint:
 
     tensors: dict[str, _Gathered] = {}
     objects: dict[str, ObjectInfo] = {}
-    kinds: set[str] = set()
+    kinds: dict[str, Any] = {}
     model_order = _read_part(files, "model", (), world_size, tensors, objects, kinds)
-    notes = []
+    model_values = {"DTensor": "dtensor", "ShardedTensor": "sharded-tensor"}
+    values = next((name for kind, name in model_values.items() if kind in kinds), None)
+    mesh = _mesh_facts(kinds["DTensor"]) if "DTensor" in kinds else None
+    notes, optimizer_form = [], None
     if ranks["optim"].get(world_size):
-        notes += _read_optimizer(files, world_size, ranks["optim"][world_size], model_order, tensors, objects, kinds)
+        notes, optimizer_form = _read_optimizer(files, world_size, ranks["optim"][world_size], model_order, tensors,
+                                                objects, kinds)
     if ranks["extra_state"].get(world_size):
         notes += _read_extra_state(files, world_size, ranks["extra_state"][world_size], tensors, objects)
 
@@ -120,6 +137,10 @@ def read(files: CheckpointFiles) -> Checkpoint:
         "optimizer_files": len(ranks["optim"].get(world_size, ())),
         "extra_state_files": len(ranks["extra_state"].get(world_size, ())),
         "values": ", ".join(sorted(kinds)) or None,
+        # The forms a conversion to fsdp1 writes unless told otherwise (output_forms).
+        "optimizer_form": optimizer_form,
+        "model_values": values,
+        "mesh": mesh,
         "not_read": notes or None,  # parts of the folder no conversion carries, one line each
     }
     if files.is_file(f"{HF_DIR}/config.json"):  # verl saves the model's config and tokenizer there
@@ -131,7 +152,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
 
 
 def _read_part(files: CheckpointFiles, kind: str, prefix: tuple, world_size: int, tensors: dict, objects: dict,
-               kinds: set, roots: list[dict] | None = None, same_keys: bool = True) -> list[tuple[str, str]]:
+               kinds: dict, roots: list[dict] | None = None, same_keys: bool = True) -> list[tuple[str, str]]:
     """Gather every rank's ``{kind}_world_size_W_rank_r.pt`` into ``tensors`` and ``objects``, under ``prefix``.
 
     ``roots``: the ranks' state dicts to gather, when the caller loaded (and rewrote) them.
@@ -158,8 +179,9 @@ def _read_part(files: CheckpointFiles, kind: str, prefix: tuple, world_size: int
 
 
 def _gather(archive: Archive, root: dict, prefix: tuple, tensors: dict, objects: dict,
-            kinds: set) -> list[tuple[str, str]]:
-    """Add one rank's entries: tensor chunks to ``tensors``; objects as the first file holding them has them."""
+            kinds: dict) -> list[tuple[str, str]]:
+    """Add one rank's entries: tensor chunks to ``tensors``; objects as the first file holding them has them.
+    ``kinds`` gets the first value of each kind found (``DTensor``: its mesh is what output_forms copies)."""
     found, seen = [], set()
     for nested, value in flatten(root, where=archive.where):
         path = prefix + nested
@@ -176,7 +198,7 @@ def _gather(archive: Archive, root: dict, prefix: tuple, tensors: dict, objects:
         if key in objects:
             raise CheckpointError(f"{archive.where}: {printable(key)} is a tensor here but not in other ranks' files")
         kind, dtype, shape, chunks = local
-        kinds.add(kind)
+        kinds.setdefault(kind, value)
         found.append((key, kind))
         gathered = tensors.get(key)
         if gathered is None:
@@ -195,24 +217,27 @@ EXTRA_STATE = "extra_state"  # extra_state.lr_scheduler.*, and extra_state.rank_
 
 
 def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], model_keys: list[tuple[str, str]],
-                    tensors: dict, objects: dict, kinds: set) -> list[str]:
-    """The optimizer files, as ``optimizer.state.<param>.<moment>`` laid out like the parameter; lines for what is not read.
+                    tensors: dict, objects: dict, kinds: dict) -> tuple[list[str], str | None]:
+    """The optimizer files, as ``optimizer.state.<param>.<moment>`` laid out like the parameter: lines for
+    what is not read, and the form read (one of ``OPTIMIZER_FORMS``; None for FSDP2's).
 
-    Three forms are read. ``FSDP.optim_state_dict`` under SHARDED_STATE_DICT keys the state by
-    parameter name, each moment sharded like its parameter. The plain ``optimizer.state_dict()``
-    that verl's checkpoint manager saves keys it by the parameter's position among the model's
-    parameters (the model file's sharded entries, in order): under FSDP2 with DTensor moments;
-    under FSDP1 with ``use_orig_params=True`` with 1-D pieces, rank by rank, of each flattened
-    parameter (a rank holding none of it has no entry). FSDP1's flat parameters
-    (``use_orig_params=False``) record no parameter names or shapes: left out with a line.
+    ``FSDP.optim_state_dict`` under SHARDED_STATE_DICT (``named``) keys the state by parameter name,
+    each moment sharded like its parameter. The plain ``optimizer.state_dict()`` that verl's checkpoint
+    manager saves keys it by position: under FSDP2 by the parameter's position among the model's
+    parameters (the model file's sharded entries, in order), with DTensor moments; under FSDP1 with
+    ``use_orig_params=False`` (``flat``) by the position of the FSDP unit, each moment the rank's
+    shard of the unit's flat parameter (``flat_parameters``); with ``use_orig_params=True``
+    (``orig``) by the parameter's position, with the rank's 1-D piece of it (a rank holding none of
+    it has no entry; one rank holds whole moments).
     """
     missing = [r for r in range(world_size) if r not in present]
     if missing:
         return [f"{files.path(file_name('optim', world_size, missing[0]))}: missing ({len(missing)} of {world_size} "
-                "ranks' optimizer files): the optimizer state is not read"]
+                "ranks' optimizer files): the optimizer state is not read"], None
     params = [key for key, kind in model_keys if kind in ("ShardedTensor", "DTensor")]
     if world_size == 1 and not params:  # one rank saves its parameters as plain tensors, in the model's order
         params = [key for key, kind in model_keys if kind == "plain tensor"]
+    shapes = {key: tensors[key].shape for key in params}
     archives = [Archive(files, file_name("optim", world_size, rank)) for rank in range(world_size)]
     roots = []
     for archive in archives:
@@ -220,58 +245,106 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
         if not isinstance(root, dict) or not isinstance(root.get("state"), dict) \
                 or not isinstance(root.get("param_groups"), list):
             return [f"{archive.where}: holds no optimizer state dict (state and param_groups): the optimizer "
-                    "state is not read"]
+                    "state is not read"], None
         roots.append(root)
     gathered_tensors: dict[str, _Gathered] = {}
     gathered_objects: dict[str, ObjectInfo] = {}
     by_position = [key for root in roots for key in root["state"] if type(key) is not str]
     if by_position and not all(type(key) is int for key in by_position):
         raise CheckpointError(f"{archives[0].where}: optimizer state keyed by something other than names and numbers")
-    pieces = by_position and not any(_is_dtensor(v) for root in roots for entry in root["state"].values()
-                                     if isinstance(entry, dict) for v in entry.values())
-    if pieces and world_size == 1:  # one rank shards nothing: its moments may be whole, shaped like their parameters
-        pieces = not all(0 <= i < len(params) and all(v.shape == tensors[params[i]].shape for v in entry.values()
-                                                      if isinstance(v, TensorRef) and v.shape)
-                         for i, entry in roots[0]["state"].items() if isinstance(entry, dict))
+    dtensor_moments = any(_is_dtensor(v) for root in roots for entry in root["state"].values()
+                          if isinstance(entry, dict) for v in entry.values())
+    form = "named" if not by_position else None if dtensor_moments else "orig"
+    owners = [(key,) for key in params]  # the parameters whose state each position holds
+    units = flat_parameters(params, {key: math.prod(shape) for key, shape in shapes.items()})
     try:
+        if form == "orig" and len(units) < len(params) and all(0 <= i < len(units) for i in by_position):
+            form, owners = "flat", [unit.params for unit in units]
+            gathered_tensors = _unit_moments(archives, roots, units, shapes)
         if by_position:
-            roots = [_by_name(root, archive.where, params) for root, archive in zip(roots, archives)]
-        if pieces:
-            gathered_tensors = _flat_pieces(archives, roots, {key: tensors[key].shape for key in params})
+            roots = [_by_name(root, archive.where, owners) for root, archive in zip(roots, archives)]
+        if form == "orig" and not (world_size == 1 and _whole_moments(roots[0], shapes)):
+            gathered_tensors = _flat_pieces(archives, roots, shapes)
+        if gathered_tensors:  # the moments are read: the state dicts keep the rest (step)
             roots = [{**root, "state": {name: {k: v for k, v in entry.items() if k not in _moments(root, name)}
                                          for name, entry in root["state"].items()}} for root in roots]
     except _NotRead as exc:
-        return [str(exc)]
+        return [str(exc)], None
     _read_part(files, "optim", (OPTIMIZER,), world_size, gathered_tensors, gathered_objects, kinds, roots,
-               same_keys=not pieces)
+               same_keys=form != "orig")
     for key, gathered in gathered_tensors.items():
         if not (len(gathered.path) == 4 and gathered.path[1] == "state"):
             raise CheckpointError(f"{archives[0].where}: {printable(key)} is not state.<parameter>.<name>")
     tensors.update(gathered_tensors)
     objects.update(gathered_objects)
-    return []
+    return [], form
 
 
-def _by_name(root: dict, where: str, params: list[str]) -> dict:
-    """An optimizer state dict keyed by parameter position, keyed by parameter name instead."""
+def _whole_moments(root: dict, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether one rank's state holds moments shaped like their parameters (FSDP1 on one rank shards
+    nothing: with use_orig_params=True they are whole)."""
+    return all(v.shape == shapes[name] for name, entry in root["state"].items() if isinstance(entry, dict)
+               for v in entry.values() if isinstance(v, TensorRef) and v.shape)
+
+
+def _by_name(root: dict, where: str, owners: list[tuple[str, ...]]) -> dict:
+    """An optimizer state dict keyed by position, keyed by parameter name instead: position ``i`` holds the
+    state of the parameters ``owners[i]`` (one, or the several of an FSDP unit's flat parameter)."""
     named = {}
     for index, entry in root["state"].items():
-        if not 0 <= index < len(params):
+        if not 0 <= index < len(owners):
             raise _NotRead(f"{where}: holds optimizer state of parameter {index}, but the model files hold "
-                           f"{len(params)} parameters: {_FLAT_PARAMETERS}")
-        named[params[index]] = entry
+                           f"{len(owners)} parameters: the optimizer state is not read")
+        named.update(dict.fromkeys(owners[index], entry))
     groups = []
     for group in root["param_groups"]:
         ids = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < len(params) for i in ids):
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < len(owners) for i in ids):
             raise CheckpointError(f"{where}: a param group without the positions of its parameters")
-        groups.append({**group, "params": [params[i] for i in ids]})
+        groups.append({**group, "params": [name for i in ids for name in owners[i]]})
     return {**root, "state": named, "param_groups": groups}
 
 
-_FLAT_PARAMETERS = ("it holds optimizer.state_dict() of FSDP1 flat parameters (use_orig_params=False), which records "
-                    "no parameter names or shapes: the optimizer state is not read (save it with "
-                    "FSDP.optim_state_dict(model, optimizer) under SHARDED_STATE_DICT)")
+_NOT_PIECES = ("it does not hold FSDP1's use_orig_params=True state (1-D pieces of each parameter): the optimizer "
+               "state is not read")
+
+
+def _unit_moments(archives: list[Archive], roots: list[dict], units: list[FlatParameter],
+                  shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The moments of FSDP1's flat parameters (``use_orig_params=False``) as chunks of each parameter:
+    position ``u`` of rank ``r`` holds the rank's shard of unit ``u``'s flat parameter. Shards of other
+    sizes than ``flat_parameters`` computes leave the state unread (never a wrong mapping)."""
+    world_size = len(archives)
+    positions = sorted(roots[0]["state"])
+    gathered: dict[str, _Gathered] = {}
+    for rank, (archive, root) in enumerate(zip(archives, roots)):
+        if sorted(root["state"]) != positions:
+            raise _NotRead(f"{archive.where}: holds the state of other FSDP units than "
+                           f"{file_name('optim', world_size, 0)}: the optimizer state is not read")
+        for position in positions:
+            unit = units[position]
+            size = unit.shard_numel(world_size)
+            for moment in sorted(_moments(root, position)):
+                piece, at_key = root["state"][position][moment], f"state.{position}.{moment}"
+                if piece.subclass or piece.shape != (size,) or (size > 1 and piece.stride != (1,)):
+                    raise _NotRead(
+                        f"{archive.where}: {at_key} is {piece.dtype.name}{list(piece.shape)}, but the flat parameter "
+                        f"of FSDP unit {position} ({unit.describe()}) holds {size:,} elements on each of {world_size} "
+                        "ranks (use_orig_params=False, each decoder layer a unit of its own, no tied parameters): "
+                        "the optimizer state is not read")
+                raw = archive.raw_bytes(piece)
+                for index, first, stop, at in unit.on_rank(rank, world_size):
+                    name = unit.params[index]
+                    path = (OPTIMIZER, "state", name, moment)
+                    moments = gathered.setdefault(join_path(path), _Gathered(path, piece.dtype.name, shapes[name],
+                                                                             archive.where))
+                    if moments.dtype != piece.dtype.name:
+                        raise CheckpointError(f"{archive.where}: {at_key} is {piece.dtype.name}, other ranks' are "
+                                              f"{moments.dtype}")
+                    moments.add([Chunk(offsets, sizes, raw.file, raw.offset + (at + element - first) * raw.itemsize,
+                                       math.prod(sizes) * raw.itemsize, "raw")
+                                 for offsets, sizes, element in _flat_boxes(first, stop, shapes[name])])
+    return gathered
 
 
 def _moments(root: dict, name: str) -> set[str]:
@@ -295,7 +368,7 @@ def _flat_pieces(archives: list[Archive], roots: list[dict], shapes: dict[str, t
                 if piece is None:
                     continue
                 if piece.subclass or len(piece.shape) != 1 or (piece.shape[0] > 1 and piece.stride != (1,)):
-                    raise _NotRead(f"{archive.where}: {join_path(path)} is not a run of elements: {_FLAT_PARAMETERS}")
+                    raise _NotRead(f"{archive.where}: {join_path(path)} is not a run of elements: {_NOT_PIECES}")
                 if dtype not in (None, piece.dtype.name):
                     raise CheckpointError(f"{archive.where}: {join_path(path)} is {piece.dtype.name}, other ranks' "
                                           f"are {dtype}")
@@ -303,14 +376,14 @@ def _flat_pieces(archives: list[Archive], roots: list[dict], shapes: dict[str, t
                 stop = start + piece.shape[0]
                 if stop > math.prod(shape):
                     raise _NotRead(f"{archive.where}: {join_path(path)} holds more elements than its parameter "
-                                   f"{list(shape)}: {_FLAT_PARAMETERS}")
+                                   f"{list(shape)}: {_NOT_PIECES}")
                 for offsets, sizes, first in _flat_boxes(start, stop, shape):
                     where = raw.offset + (first - start) * raw.itemsize
                     chunks.append(Chunk(offsets, sizes, raw.file, where, math.prod(sizes) * raw.itemsize, "raw"))
                 start = stop
             if start != math.prod(shape):
                 raise _NotRead(f"{archives[0].where}: the ranks' pieces of {join_path(path)} hold {start} of the "
-                               f"{math.prod(shape)} elements of its parameter: {_FLAT_PARAMETERS}")
+                               f"{math.prod(shape)} elements of its parameter: {_NOT_PIECES}")
             gathered[join_path(path)] = _Gathered(path, dtype, shape, archives[0].where)
             gathered[join_path(path)].add(chunks)
     return gathered
@@ -374,7 +447,7 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
             own = {k: v for k, v in root.items() if k != "lr_scheduler"}
             for part, prefix in ((shared, (EXTRA_STATE,)), (own, (EXTRA_STATE, f"rank_{rank}"))):
                 if part:
-                    _gather(archive, part, prefix, gathered_tensors, gathered_objects, set())
+                    _gather(archive, part, prefix, gathered_tensors, gathered_objects, {})
     except _NotRead as exc:
         return [str(exc)]
     except CheckpointError as exc:  # a file the restricted unpickler refuses
@@ -587,6 +660,20 @@ def _mesh_sizes(mesh) -> tuple[int, ...] | None:
     return sizes if all(n > 0 for n in sizes) else None
 
 
+def _mesh_facts(value) -> dict | None:
+    """What a written DTensor's mesh copies from a source DTensor's: its device type and dim names, when
+    it is a 1-D mesh (FSDP1's of the whole world); None otherwise."""
+    state = _slots_state(value.subclass_state if isinstance(value, TensorRef) else value.state)
+    mesh = getattr(state.get("_spec"), "mesh", None)
+    device, names = getattr(mesh, "_device_type", None), getattr(mesh, "_mesh_dim_names", None)
+    sizes = _mesh_sizes(mesh)
+    if not (sizes is not None and len(sizes) == 1 and isinstance(device, str) and _DEVICE.fullmatch(device)
+            and (names is None or (isinstance(names, (tuple, list)) and len(names) == 1
+                                   and isinstance(names[0], str) and names[0].isprintable()))):
+        return None
+    return {"device_type": device, "dim_names": list(names) if names else None}
+
+
 def _torch_chunk_piece(length: int, count: int, index: int) -> tuple[int, int]:
     """``(start, size)`` of piece ``index`` of ``torch.chunk(length, count)`` (empty past the last piece)."""
     step = -(-length // count)
@@ -600,6 +687,78 @@ def _torch_chunk(length: int, count: int) -> list[tuple[int, int]]:
         return [(0, 0)] * count
     step = math.ceil(length / count)
     return [(start, min(step, length - start)) for start in range(0, length, step)]
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP1's flat parameters: the layout of its plain optimizer.state_dict() (checked on torch 2.13)
+
+# verl wraps each decoder layer in an FSDP unit of its own (transformer_auto_wrap_policy over the model's
+# decoder-layer class); the root unit holds every other parameter. A parameter belongs to the unit of the
+# outermost of these layers its key passes through.
+WRAPPED_LAYERS = (
+    r"layers\.\d+",  # Llama, Qwen, Mistral, Gemma, DeepSeek: model.layers.N
+    r"h\.\d+",  # GPT-2, BLOOM, Falcon: transformer.h.N
+    r"blocks\.\d+",  # vision towers: visual.blocks.N
+    r"layer\.\d+",  # BERT-style encoders: encoder.layer.N
+)
+_WRAPPED_LAYER = re.compile(r"(?:.*?\.)?(?:" + "|".join(WRAPPED_LAYERS) + r")\.")
+
+
+@dataclass(frozen=True)
+class FlatParameter:
+    """One FSDP unit's flat parameter: its parameters in order, where each starts, and its length.
+
+    As ``FlatParamHandle._init_flat_param_and_metadata`` (torch/distributed/fsdp/_flat_param.py)
+    builds it: the unit's parameters flattened and concatenated in module order (the model file's
+    order). With ``use_orig_params=True`` each parameter starts at a multiple of ``aligned_numel``
+    (``_get_aligned_numel``: 16 bytes of the dtype FSDP1 computes in), the gaps zero padding.
+    Sharding pads it with zeros to ``world_size`` equal shards: rank ``r`` holds elements
+    ``[r*s, (r+1)*s)``, ``s = ceil(numel / world_size)`` (``_get_shard``); on one rank it is whole.
+    """
+
+    params: tuple[str, ...]
+    starts: tuple[int, ...]
+    numels: tuple[int, ...]
+    numel: int  # with the alignment padding, without the padding of the last shard
+
+    @staticmethod
+    def of(params: tuple[str, ...], numels: list[int], aligned_numel: int = 0) -> FlatParameter:
+        starts, total = [], 0
+        for numel in numels:
+            if aligned_numel:
+                total += -total % aligned_numel
+            starts.append(total)
+            total += numel
+        return FlatParameter(tuple(params), tuple(starts), tuple(numels), total)
+
+    def shard_numel(self, world_size: int) -> int:
+        return -(-self.numel // world_size)
+
+    def on_rank(self, rank: int, world_size: int):
+        """``(index, first, stop, at)`` for each parameter rank ``rank`` holds elements of: its elements
+        ``[first, stop)`` lie at element ``at`` of the rank's shard."""
+        size = self.shard_numel(world_size)
+        low, high = rank * size, (rank + 1) * size
+        for index, (start, numel) in enumerate(zip(self.starts, self.numels)):
+            first, stop = max(low, start), min(high, start + numel)
+            if first < stop:
+                yield index, first - start, stop - start, first - low
+
+    def describe(self) -> str:
+        more = f" and {len(self.params) - 1} more parameters" if len(self.params) > 1 else ""
+        return f"{self.params[0]}{more}"
+
+
+def flat_parameters(params: list[str], numels: dict[str, int], aligned_numel=lambda unit: 0) -> list[FlatParameter]:
+    """The flat parameters of FSDP1 wrapped as verl wraps it, in the optimizer's order: the root unit's
+    (parameters under no ``WRAPPED_LAYERS``) first, then each layer's, as the model lists them.
+    ``aligned_numel(unit parameters)``: the alignment of a unit (0: ``use_orig_params=False``)."""
+    units: dict[str, list[str]] = {"": []}
+    for key in params:
+        layer = _WRAPPED_LAYER.match(key)
+        units.setdefault(layer.group(0) if layer else "", []).append(key)
+    return [FlatParameter.of(tuple(keys), [numels[k] for k in keys], aligned_numel(keys))
+            for keys in units.values() if keys]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,24 +902,74 @@ class RankPiece(Piece):
     file: str
 
 
+OPTIMIZER_FORMS = {  # --optim-form: how the optimizer files hold the state
+    "named": "FSDP.optim_state_dict under SHARDED_STATE_DICT, keyed by parameter name (FSDP.optim_state_dict_to_load "
+             "loads it)",
+    "flat": "optimizer.state_dict() of FSDP1 with use_orig_params=False (verl's default), a flat parameter per "
+            "FSDP unit",
+    "orig": "optimizer.state_dict() of FSDP1 with use_orig_params=True, a 1-D piece of each parameter per rank",
+}
+# verl's create_device_mesh: init_device_mesh(device, (world_size,), mesh_dim_names=["fsdp"])
+VERL_MESH_DIM_NAMES = ("fsdp",)
+
+
+def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
+                 model_values: str | None = None) -> tuple[dict[str, Any], str]:
+    """The ``Writer`` options that ``--optim-form`` and ``--model-values`` choose, and a line saying what they give.
+
+    Each left out is the source's when the source is an FSDP1 folder (its reader records its forms in
+    ``info``), else ``named`` and ``sharded-tensor``. ``model_values`` is ``sharded-tensor`` (FSDP1
+    built without a device mesh) or ``dtensor[:DEVICE]`` (FSDP1 given verl's 1-D device mesh of the
+    world). FSDP1 loads a DTensor only on a mesh equal to its own (device type, dim names): the mesh
+    is on DEVICE, else on the source mesh's device type, else ``cuda``; its dim names are the source
+    mesh's, else verl's ``("fsdp",)``.
+    """
+    source = checkpoint.info if checkpoint.format == NAME else {}
+    form = optim_form or source.get("optimizer_form") or "named"
+    if form not in OPTIMIZER_FORMS:
+        raise UsageError(f"--optim-form {form}: choose {', '.join(OPTIMIZER_FORMS)}")
+    values = model_values or source.get("model_values") or "sharded-tensor"
+    kind, _, device = values.partition(":")
+    if values != "sharded-tensor" and not (kind == "dtensor" and (not device or _DEVICE.fullmatch(device))):
+        raise UsageError(f"--model-values {printable(values, 40)}: choose sharded-tensor, dtensor or dtensor:DEVICE "
+                         "(e.g. dtensor:cuda)")
+    config_dir = checkpoint.info.get("hf_config_dir")
+    if form != "named" and config_dir:
+        from dcptool.conversion import read_config  # conversion imports the formats, which import this module
+
+        if read_config(config_dir).get("tie_word_embeddings") is True:
+            raise UsageError(f"{config_dir}/config.json: tie_word_embeddings: FSDP1 holds a tied parameter once in its "
+                             f"flat parameter, which --optim-form {form} does not lay out (--optim-form named does)")
+    options: dict[str, Any] = {"optim_form": form}
+    said = "ShardedTensor"
+    if kind == "dtensor":
+        mesh = source.get("mesh")
+        names = (tuple(mesh["dim_names"]) if mesh["dim_names"] else None) if mesh else VERL_MESH_DIM_NAMES
+        options.update(mesh_device=device or (mesh or {}).get("device_type") or "cuda", mesh_dim_names=names)
+        said = f"DTensor on a 1-D {options['mesh_device']} mesh named {names}"
+    return options, f"model values: {said}; optimizer: {OPTIMIZER_FORMS[form]}"
+
+
 class Writer:
     """Writes verl's per-rank files for every rank, then ``fsdp_config.json`` and ``huggingface/``.
 
     ``model_world_size_{W}_rank_{r}.pt``: every tensor split on dim 0 as FSDP1's ``SHARDED_STATE_DICT``
     splits it (``torch.chunk`` over ``world_size``) and stored as the ``ShardedTensor`` rank ``r``
-    pickles; tensors of shape ``()`` and those whose key matches ``replicate`` (a regular expression,
-    for buffers FSDP1 does not shard) go into every rank's file as plain tensors. Objects go into
-    every file unchanged, nested again under their paths as the reader flattened them.
+    pickles, or with ``mesh_device`` the ``DTensor`` of FSDP1 given a 1-D device mesh of that device
+    type named ``mesh_dim_names``; tensors of shape ``()`` and those whose key matches ``replicate``
+    (a regular expression, for buffers FSDP1 does not shard) go into every rank's file as plain
+    tensors. Objects go into every file unchanged, nested again under their paths as the reader
+    flattened them. On one rank (NO_SHARD) every tensor is plain, as FSDP1 saves it there.
 
-    On one rank (NO_SHARD) every tensor is plain, as FSDP1 saves it there.
-
-    ``optim_world_size_{W}_rank_{r}.pt`` (entries under ``optimizer``): what ``FSDP.optim_state_dict``
-    gives under SHARDED_STATE_DICT, ``{"state": {param: {"step": t, "exp_avg": ShardedTensor, ...}},
-    "param_groups": [...]}``, each moment split like its parameter; ``FSDP.optim_state_dict_to_load``
-    takes it. ``extra_state_world_size_{W}_rank_{r}.pt`` (entries under ``extra_state``):
-    ``{"lr_scheduler": ...}`` in every file, plus what source rank ``r`` saved of its own
-    (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it. ``hf_config_dir`` is
-    copied to ``huggingface/``.
+    ``optim_world_size_{W}_rank_{r}.pt`` (entries under ``optimizer``), as ``optim_form`` says:
+    ``named``: what ``FSDP.optim_state_dict`` gives under SHARDED_STATE_DICT, ``{"state": {param:
+    {"step": t, "exp_avg": <sharded like the parameter>, ...}}, "param_groups": [...]}``, which
+    ``FSDP.optim_state_dict_to_load`` takes; ``flat`` and ``orig``: the plain ``optimizer.state_dict()``
+    of FSDP1 with ``use_orig_params`` False or True (``PlainOptimizer``), which verl's
+    ``optimizer.load_state_dict`` takes as it is. ``extra_state_world_size_{W}_rank_{r}.pt``
+    (entries under ``extra_state``): ``{"lr_scheduler": ...}`` in every file, plus what source rank
+    ``r`` saved of its own (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it.
+    ``hf_config_dir`` is copied to ``huggingface/``.
 
     Each file is its pickle first and its storages streamed after it; the files are independent.
     """
@@ -768,15 +977,24 @@ class Writer:
     NEEDS_CRC = True
 
     def __init__(self, folder: Path, world_size: int = 1, replicate: str | None = None,
-                 hf_config_dir: str | Path | None = None):
+                 hf_config_dir: str | Path | None = None, optim_form: str = "named", mesh_device: str | None = None,
+                 mesh_dim_names: tuple[str, ...] | None = VERL_MESH_DIM_NAMES):
         if not isinstance(world_size, int) or world_size < 1:
             raise UsageError(f"fsdp1 world_size must be a positive integer, not {world_size!r}")
-        self.folder, self.world_size = Path(folder), world_size
+        if optim_form not in OPTIMIZER_FORMS:
+            raise UsageError(f"fsdp1 optim_form {optim_form!r}: choose {', '.join(OPTIMIZER_FORMS)}")
+        self.folder, self.world_size, self.optim_form = Path(folder), world_size, optim_form
+        self.mesh_device, self.mesh_dim_names = mesh_device, mesh_dim_names
         self.out = OutputFiles(folder)
         self.replicate = re.compile(replicate) if replicate else None
         self.hf_config_dir = hf_config_dir
-        self._storage_of: dict[RankPiece, StorageOut] = {}
-        self._storages: dict[str, list[StorageOut]] = {}
+        self._pieces: list[RankPiece] = []
+        self._storages: dict[str, list[StorageOut]] = {}  # file -> its storages, in order
+        # (file, storage key) -> its pieces at byte offsets; its bytes known when planning (a mesh's rank map)
+        self._parts: dict[tuple[str, str], list[tuple[int, RankPiece]]] = {}
+        self._fixed: dict[tuple[str, str], bytes] = {}
+        self._at: dict[RankPiece, tuple[str, int]] = {}  # piece -> (its storage, byte offset in it)
+        self._meshes: dict[str, Reduced] = {}  # file -> the one device mesh its DTensors share
         self._archives: dict[str, ArchiveLayout] = {}
         self._start_of: dict[tuple[str, str], int] = {}  # (file, storage key) -> where its bytes start
 
@@ -800,78 +1018,127 @@ class Writer:
         return "model", (entry.key,) if isinstance(entry, OutTensor) else path
 
     def plan(self, tensors, objects):
+        plain = None
+        if self.optim_form != "named" and any(e.path[0] == OPTIMIZER for e in [*tensors, *objects]):
+            parameters = [t for t in tensors if t.path[0] not in _FILE_OF and t.shape
+                          and not (self.replicate and self.replicate.search(t.key))]
+            plain = PlainOptimizer(self.optim_form, parameters, tensors, objects, self.world_size)
         kinds = ["model"] + sorted({_FILE_OF[e.path[0]] for e in [*tensors, *objects] if e.path[0] in _FILE_OF})
-        pieces = []
         for rank in range(self.world_size):
             entries: dict[str, dict[tuple, Any]] = {kind: {} for kind in kinds}
-            for tensor in tensors:
-                part = self._part(tensor, rank)
-                if part is None:
+            for entry in [*tensors, *objects]:
+                part = self._part(entry, rank)
+                if part is None or (plain and entry.path[0] == OPTIMIZER):
                     continue
                 kind, inside = part
-                name = file_name(kind, self.world_size, rank)
                 if inside in entries[kind]:
-                    raise UsageError(f"{tensor.key}: two entries have this key")
-                if self._replicated(tensor) or kind == "extra_state":
-                    piece = RankPiece(tensor, (0,) * len(tensor.shape), tuple(tensor.shape), rank, name)
-                    storage = self._storage(name, tensor.dtype, piece.sizes)
-                    entries[kind][inside] = TensorOut(storage, piece.sizes)
+                    raise UsageError(f"{entry.key}: two entries have this key")
+                name = file_name(kind, self.world_size, rank)
+                if not isinstance(entry, OutTensor):
+                    entries[kind][inside] = entry.value()
+                elif self._replicated(entry) or kind == "extra_state":
+                    entries[kind][inside] = self.whole(entry, rank, name)
                 else:
-                    shards = _torch_chunk(tensor.shape[0], self.world_size)
-                    piece = storage = None
-                    if rank < len(shards):
-                        start, rows = shards[rank]
-                        offsets = (start,) + (0,) * (len(tensor.shape) - 1)
-                        piece = RankPiece(tensor, offsets, (rows,) + tuple(tensor.shape[1:]), rank, name)
-                        storage = self._storage(name, tensor.dtype, piece.sizes)
-                    local = TensorOut(storage, piece.sizes) if piece else None
-                    entries[kind][inside] = sharded_tensor(tensor.dtype, tensor.shape, rank, self.world_size, local)
-                if piece is not None:
-                    pieces.append(piece)
-                    self._storage_of[piece] = storage
-            for obj in objects:
-                part = self._part(obj, rank)
-                if part is not None:
-                    if part[1] in entries[part[0]]:
-                        raise UsageError(f"{obj.key}: two entries have this key")
-                    entries[part[0]][part[1]] = obj.value()
+                    entries[kind][inside] = self._sharded(entry, rank, name)
             extra = entries.get("extra_state")
             if extra is not None and not any(path[0] == "lr_scheduler" for path in extra):
                 extra[("lr_scheduler",)] = None  # verl's load_checkpoint reads extra_state["lr_scheduler"]
-            for kind, nested in entries.items():
+            trees = {kind: nest(nested) for kind, nested in entries.items()}
+            if plain:  # keyed by numbers, which nest() would make a list
+                trees["optim"] = plain.state_dict(self, rank, file_name("optim", self.world_size, rank))
+            for kind, tree in trees.items():
                 name = file_name(kind, self.world_size, rank)
-                archive = ArchiveLayout(dumps(nest(nested)), name[: -len(".pt")])
+                archive = ArchiveLayout(dumps(tree), name[: -len(".pt")])
                 for storage in self._storages.get(name, []):
                     start = archive.add_storage(storage.key, storage.numel * dtypes.dtype(storage.dtype).itemsize)
                     self._start_of[(name, storage.key)] = start
                 archive.close()
                 self._archives[name] = archive
-        return pieces
+        return self._pieces
+
+    def stored(self, file: str, dtype: str, shape, parts: list[tuple[RankPiece, int]]) -> TensorOut:
+        """A contiguous tensor of ``file`` made of ``parts`` (a piece and the element it starts at); zeros elsewhere."""
+        storage = self._storage(file, dtype, math.prod(shape))
+        itemsize = dtypes.dtype(dtype).itemsize
+        placed = [(at * itemsize, piece) for piece, at in parts if piece.nbytes]
+        self._parts[(file, storage.key)] = placed
+        for offset, piece in placed:
+            self._at[piece] = (storage.key, offset)
+            self._pieces.append(piece)
+        return TensorOut(storage, tuple(shape))
+
+    def whole(self, tensor: OutTensor, rank: int, file: str) -> TensorOut:
+        """All of ``tensor`` as a plain tensor of ``file``."""
+        piece = RankPiece(tensor, (0,) * len(tensor.shape), tuple(tensor.shape), rank, file)
+        return self.stored(file, tensor.dtype, tensor.shape, [(piece, 0)])
+
+    def _sharded(self, tensor: OutTensor, rank: int, file: str) -> Reduced:
+        """Rank ``rank``'s rows of ``tensor`` (``torch.chunk`` on dim 0) as the ShardedTensor or DTensor FSDP1 saves."""
+        shards = _torch_chunk(tensor.shape[0], self.world_size)
+        start, rows = shards[rank] if rank < len(shards) else (tensor.shape[0], 0)
+        sizes = (rows,) + tuple(tensor.shape[1:])
+        piece = RankPiece(tensor, (start,) + (0,) * (len(tensor.shape) - 1), sizes, rank, file)
+        if self.mesh_device is None:  # a rank past the last chunk holds no local shard
+            local = self.stored(file, tensor.dtype, sizes, [(piece, 0)]) if rank < len(shards) else None
+            return sharded_tensor(tensor.dtype, tensor.shape, rank, self.world_size, local)
+        local = self.stored(file, tensor.dtype, sizes, [(piece, 0)])  # a DTensor's may hold no rows
+        return dtensor(tensor.dtype, tensor.shape, self._mesh(file, rank), local)
+
+    def _mesh(self, file: str, rank: int) -> Reduced:
+        mesh = self._meshes.get(file)
+        if mesh is None:
+            rank_map = self._storage(file, "int32", self.world_size)
+            self._fixed[(file, rank_map.key)] = struct.pack(f"<{self.world_size}i", *range(self.world_size))
+            mesh = self._meshes[file] = device_mesh(self.world_size, rank, self.mesh_device, self.mesh_dim_names,
+                                                    TensorOut(rank_map, (self.world_size,)))
+        return mesh
 
     def place(self, piece: RankPiece) -> tuple[str, int]:
-        return piece.file, self._start_of[(piece.file, self._storage_of[piece].key)]
+        storage, offset = self._at[piece]
+        return piece.file, self._start_of[(piece.file, storage)] + offset
 
     def files(self) -> dict[str, int]:
         """Every rank's files with the tensor bytes planned for them."""
         sizes = dict.fromkeys(self._archives, 0)
-        for piece in self._storage_of:
+        for piece in self._pieces:
             sizes[piece.file] += piece.nbytes
         return sizes
 
-    def _storage(self, name: str, dtype: str, sizes) -> StorageOut:
+    def _storage(self, name: str, dtype: str, numel: int) -> StorageOut:
         storages = self._storages.setdefault(name, [])
-        storage = StorageOut(str(len(storages)), dtype, math.prod(sizes))
+        storage = StorageOut(str(len(storages)), dtype, numel)
         storages.append(storage)
         return storage
 
     def finish_files(self, objects, files: set[str], crcs) -> dict:
-        """Write everything but the storage bytes into ``files``; nothing to report."""
+        """Write everything but the pieces' bytes into ``files``; nothing to report."""
         for name, archive in self._archives.items():
             if name in files:
-                by_storage = {self._storage_of[p].key: crc for p, crc in crcs.items() if p.file == name}
+                by_storage = {storage.key: self._fill(name, storage, crcs) for storage in self._storages.get(name, [])}
                 for offset, data in archive.segments(by_storage):
                     self.out.write_at(name, offset, data)
         return {}
+
+    def _fill(self, name: str, storage: StorageOut, crcs) -> int:
+        """Write the bytes of a storage that no piece brings (a rank map; the zeros that pad a flat parameter)
+        and return the CRC-32 of all its bytes."""
+        start = self._start_of[(name, storage.key)]
+        fixed = self._fixed.get((name, storage.key))
+        if fixed is not None:
+            self.out.write_at(name, start, fixed)
+            return zlib.crc32(fixed)
+        crc, done = 0, 0
+        end = storage.numel * dtypes.dtype(storage.dtype).itemsize
+        for offset, piece in sorted(self._parts[(name, storage.key)], key=lambda part: part[0]) + [(end, None)]:
+            if offset > done:
+                zeros = bytes(offset - done)
+                self.out.write_at(name, start + done, zeros)
+                crc = crc32_combine(crc, zlib.crc32(zeros), len(zeros)) if done else zlib.crc32(zeros)
+                done = offset
+            if piece is not None:
+                crc = crc32_combine(crc, crcs[piece], piece.nbytes) if offset else crcs[piece]
+                done = offset + piece.nbytes
+        return crc
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """``fsdp_config.json`` with the new world size and the copied ``huggingface/``; nothing is left out here."""
@@ -883,12 +1150,130 @@ class Writer:
         return []
 
 
-def sharded_tensor(dtype: str, shape, rank: int, world_size: int, local: TensorOut | None) -> Reduced:
-    """The pickle of the ``ShardedTensor`` FSDP1 builds on ``rank`` (``_create_chunk_sharded_tensor``).
+class PlainOptimizer:
+    """The optimizer entries as FSDP1's plain ``optimizer.state_dict()`` holds them on each rank, keyed by
+    position among the optimizer's parameters (param group after param group, each in the model's order).
 
-    ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, (cls, dtype, size, stride,
-    0, strided, cpu, False), state)`` where ``state`` is ``ShardedTensor.__getstate__()``:
-    ``(local_shards, ShardedTensorMetadata, ProcessGroupState, ChunkShardingSpec, False)``.
+    ``flat`` (``use_orig_params=False``): a position per FSDP unit (``flat_parameters``), each moment
+    the rank's shard of the unit's flat parameter, zeros where FSDP1 pads it; the unit's scalars
+    (``step``) are its first parameter's, as FSDP1 keeps one per flat parameter. ``orig``
+    (``use_orig_params=True``): a position per parameter, with an entry on each rank whose shard holds
+    some of it, each moment that 1-D piece, the flat parameter aligned for the parameters' own dtype
+    (FSDP1 without a MixedPrecision param_dtype); on one rank the moments are whole. ``param_groups``
+    keep the source's settings, their ``params`` numbered so.
+    """
+
+    def __init__(self, form: str, parameters: list[OutTensor], tensors, objects, world_size: int):
+        from dcptool.conversion import WRAPPER_PREFIXES  # conversion imports the formats, which import this module
+
+        self.world_size = world_size
+        dtype_of = {t.key: t.dtype for t in parameters}
+        aligned = (lambda unit: 16 // dtypes.dtype(dtype_of[unit[0]]).itemsize) if form == "orig" else (lambda unit: 0)
+        units = flat_parameters([t.key for t in parameters], {t.key: math.prod(t.shape) for t in parameters}, aligned)
+        self.state: dict[str, dict[str, OutTensor | OutObject]] = {}
+        for entry in [*tensors, *objects]:
+            if entry.path[:2] == (OPTIMIZER, "state") and len(entry.path) == 4:
+                self.state.setdefault(entry.path[2], {})[entry.path[3]] = entry
+        groups = _param_groups_of(objects)
+        group_of: dict[str, int] = {}
+        for index, group in enumerate(groups):
+            for name in group["params"]:
+                group_of.setdefault(WRAPPER_PREFIXES.sub(r"\1", name), index)
+        # What each position holds, in the order of model.parameters(): flat parameters unit by unit (the
+        # root's first); with use_orig_params=True the parameters themselves, as the model lists them.
+        model_order = {t.key: number for number, t in enumerate(parameters)}
+        members = [(unit, None) for unit in units] if form == "flat" else sorted(
+            ((unit, index) for unit in units for index in range(len(unit.params))),
+            key=lambda member: model_order[member[0].params[member[1]]])
+        ordered = []
+        for unit, index in members:
+            names = unit.params if index is None else (unit.params[index],)
+            found = {group_of.get(name) for name in names}
+            if len(found) > 1:
+                raise UsageError(f"optimizer.param_groups: the parameters of the FSDP unit of {unit.describe()} are "
+                                 "in several param groups, which one flat parameter cannot be (--optim-form orig or "
+                                 "named)")
+            if found == {None}:
+                stateful = next((name for name in names if name in self.state), None)
+                if stateful:
+                    raise UsageError(f"optimizer.state.{stateful}: its parameter is in no param group")
+                continue  # not a parameter of the optimizer (frozen)
+            if index is None:
+                self._check_unit(unit)
+            ordered.append((found.pop(), unit, index))
+        ordered.sort(key=lambda member: member[0])  # stable: the model's order within a group
+        self.positions = [(unit, index) for _, unit, index in ordered]
+        self.groups = [{**{k: v for k, v in group.items() if k != "params"},
+                        "params": [p for p, (g, _, _) in enumerate(ordered) if g == number]}
+                       for number, group in enumerate(groups)]
+
+    def _check_unit(self, unit: FlatParameter) -> None:
+        """A flat parameter's moments: the same names and dtypes for each of its parameters, or none at all."""
+        def moments(name):
+            return {k: v.dtype for k, v in self.state.get(name, {}).items() if isinstance(v, OutTensor) and v.shape}
+
+        first = moments(unit.params[0])
+        for name in unit.params[1:]:
+            if moments(name) != first:
+                raise UsageError(f"optimizer.state.{name}: FSDP1 keeps one state per flat parameter, but the "
+                                 f"parameters of the FSDP unit of {unit.describe()} have different state "
+                                 f"({sorted(moments(name).items())} and {sorted(first.items())})")
+
+    def state_dict(self, writer: Writer, rank: int, file: str) -> dict:
+        """Rank ``rank``'s ``optimizer.state_dict()``; its tensors planned into ``file`` by ``writer``."""
+        state = {}
+        for position, (unit, index) in enumerate(self.positions):
+            first = self.state.get(unit.params[0 if index is None else index])
+            runs = [run for run in unit.on_rank(rank, self.world_size) if index is None or run[0] == index]
+            if not first or (index is not None and not runs):  # a flat shard of padding only still has its state
+                continue
+            length = unit.shard_numel(self.world_size) if index is None else runs[0][2] - runs[0][1]
+            base = 0 if index is None else runs[0][3]  # where the stored run starts in the rank's shard
+            entry = {}
+            for name, value in first.items():
+                if isinstance(value, OutObject):
+                    entry[name] = value.value()
+                elif not value.shape or (index is not None and self.world_size == 1):  # scalars; orig on one rank
+                    entry[name] = writer.whole(value, rank, file)
+                else:
+                    parts = []
+                    for i, begin, stop, at in runs:
+                        moment = self.state[unit.params[i]][name]
+                        parts += [(RankPiece(moment, offsets, sizes, rank, file), at - base + element - begin)
+                                  for offsets, sizes, element in _flat_boxes(begin, stop, moment.shape)]
+                    entry[name] = writer.stored(file, value.dtype, (length,), parts)
+            state[position] = entry
+        return {"state": state, "param_groups": self.groups}
+
+
+def _param_groups_of(objects: list[OutObject]) -> list[dict]:
+    """The optimizer's param_groups, each naming its parameters, from the objects under ``optimizer.param_groups``."""
+    found = {obj.path[1:]: obj.value() for obj in objects if obj.path[:2] == (OPTIMIZER, "param_groups")}
+    groups = nest(found)["param_groups"] if found else []
+    if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                             and all(isinstance(n, str) for n in g["params"]) for g in groups)):
+        raise UsageError("optimizer.param_groups: not a list of param groups naming their parameters, which the plain "
+                         "optimizer.state_dict() of --optim-form flat and orig numbers")
+    return groups
+
+
+_WRAPPER_SUBCLASS = (Global("torch._tensor", "_rebuild_from_type_v2"),
+                     Global("torch._utils", "_rebuild_wrapper_subclass"))
+
+
+def _wrapper_subclass(cls: Global, dtype: str, shape: tuple[int, ...], state: Any) -> Reduced:
+    """How torch pickles a wrapper tensor subclass of ``shape`` on the CPU: ``_rebuild_from_type_v2(
+    _rebuild_wrapper_subclass, cls, (cls, dtype, size, stride, 0, strided, cpu, False), state)``."""
+    device = Reduced(Global("torch", "device"), ("cpu",))
+    layout = Reduced(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+    args = (cls, Global("torch", dtype), shape, row_major(shape), 0, layout, device, False)
+    return Reduced(_WRAPPER_SUBCLASS[0], (_WRAPPER_SUBCLASS[1], cls, args, state))
+
+
+def sharded_tensor(dtype: str, shape, rank: int, world_size: int, local: TensorOut | None) -> Reduced:
+    """The pickle of the ``ShardedTensor`` FSDP1 builds on ``rank`` (``_create_chunk_sharded_tensor``): its
+    state is ``ShardedTensor.__getstate__()``, ``(local_shards, ShardedTensorMetadata, ProcessGroupState,
+    ChunkShardingSpec, False)``.
     """
     shape = tuple(int(n) for n in shape)
     device = Reduced(Global("torch", "device"), ("cpu",))
@@ -917,9 +1302,56 @@ def sharded_tensor(dtype: str, shape, rank: int, world_size: int, local: TensorO
     ), {"local_rank": rank, "global_rank": rank, "local_world_size": world_size, "global_world_size": world_size})
     spec = new_object("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec",
                       {"dim": 0, "placements": placements})
-    cls = Global(_ST_API, "ShardedTensor")
-    args = (cls, torch_dtype, shape, row_major(shape), 0, layout, device, False)
-    return Reduced(Global("torch._tensor", "_rebuild_from_type_v2"), (
-        Global("torch._utils", "_rebuild_wrapper_subclass"), cls, args,
-        (local_shards, metadata, process_group, spec, False)))
+    return _wrapper_subclass(Global(_ST_API, "ShardedTensor"), dtype, shape,
+                             (local_shards, metadata, process_group, spec, False))
 
+
+_DTENSOR_SPEC = "torch.distributed.tensor._dtensor_spec"
+_MESH_LAYOUT = "torch.distributed._mesh_layout"
+
+
+def dtensor(dtype: str, shape, mesh: Reduced, local: TensorOut) -> Reduced:
+    """The pickle of the ``DTensor`` that FSDP1 given a 1-D device mesh saves (``_create_chunk_dtensor``):
+    the rank's rows (``Shard(0)``, ``torch.chunk`` style; none past the last chunk) on ``mesh``
+    (``device_mesh``). Its state is ``(None, {"_local_tensor", "_spec"})``; the ``DTensorSpec`` is
+    torch 2.13's, its cached ``_hash`` left unset (torch computes it when first needed).
+    """
+    shape = tuple(int(n) for n in shape)
+    newobj = Global("copyreg", "__newobj__")
+    spec = new_object(_DTENSOR_SPEC, "DTensorSpec", {
+        "mesh": mesh,
+        "placements": (new_object("torch.distributed.tensor.placement_types", "Shard", {"dim": 0}),),
+        "tensor_meta": Reduced(newobj, (Global(_DTENSOR_SPEC, "TensorMeta"), torch_size(shape), row_major(shape),
+                                        Global("torch", dtype))),
+        "shard_order": (Reduced(newobj, (Global(_DTENSOR_SPEC, "ShardOrderEntry"), 0, (0,))),),
+        "use_strided_shard_as_shard_order": False,
+        "_hash": None,
+    })
+    return _wrapper_subclass(Global("torch.distributed.tensor", "DTensor"), dtype, shape,
+                             (None, {"_local_tensor": local, "_spec": spec}))
+
+
+def device_mesh(world_size: int, rank: int, device_type: str, dim_names: tuple[str, ...] | None,
+                rank_map: TensorOut) -> Reduced:
+    """The pickle of a 1-D ``DeviceMesh`` of the whole world on ``rank``, as verl makes it for FSDP1
+    (``init_device_mesh(device_type, (world_size,), mesh_dim_names=dim_names)``): torch 2.13's
+    ``DeviceMesh.__getstate__()``. ``rank_map`` holds ``0..world_size-1`` (int32). Such a mesh's one
+    process group is the default group, named ``"0"``; ``_hash`` is left unset as in a mesh never
+    hashed (a saved one is the saving process's hash of names, which differs between processes).
+    """
+    layout = new_object(_MESH_LAYOUT, "_MeshLayout", {
+        "axes": (new_object(_MESH_LAYOUT, "_FlatLayout", {"shape": (world_size,), "stride": (1,)}),)})
+    return new_object("torch.distributed.device_mesh", "DeviceMesh", {
+        "_device_type": device_type,
+        "_layout": layout,
+        "_rank_map": rank_map,
+        "_mesh_dim_names": tuple(dim_names) if dim_names else None,
+        "_root_mesh": None,
+        "_flatten_rank_map": tuple(range(world_size)),
+        "_thread_id": None,
+        "_flatten_mapping": {},
+        "_dim_group_names": ["0"],
+        "_rank": rank,
+        "_coordinate_on_dim": (rank,),
+        "_hash": None,
+    })

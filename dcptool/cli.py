@@ -337,6 +337,11 @@ def _naming(checkpoint) -> dict | None:
     return {"family": family, "kind": kind}
 
 
+# verl's FSDP1 files (--to fsdp1): how the optimizer and model files hold their tensors (converters/fsdp1.output_forms).
+OptimFormOption = typer.Option(None, "--optim-form", help="With --to fsdp1, how the optimizer files hold the state: flat (verl's plain optimizer.state_dict() under FSDP1 with use_orig_params=False, its default) or orig (use_orig_params=True), which verl's optimizer.load_state_dict loads as they are; or named (FSDP.optim_state_dict, loaded through FSDP.optim_state_dict_to_load). Default: the source folder's form, else named.")
+ModelValuesOption = typer.Option(None, "--model-values", help="With --to fsdp1: sharded-tensor (FSDP1 without a device mesh) or dtensor[:DEVICE] (FSDP1 given verl's 1-D device mesh, which must equal the loading job's: on DEVICE, else the source mesh's device type, else cuda; named as the source mesh, else fsdp). Default: the source folder's, else sharded-tensor.")
+
+
 @app.command(name="convert")
 def convert_command(
     source: str = typer.Argument(..., help="Checkpoint to read (a path, a URL or a hub repo ORG/NAME)."),
@@ -348,6 +353,8 @@ def convert_command(
     exclude: Optional[str] = ExcludeOption,
     world_size: int = typer.Option(1, "--world-size", help="Ranks to write for --to fsdp1."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="With --to fsdp1: give each new rank the state its source rank saved of its own (RNG) instead of dropping it."),
+    optim_form: Optional[Literal["named", "flat", "orig"]] = OptimFormOption,
+    model_values: Optional[str] = ModelValuesOption,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file for --to hf."),
     adapter: Optional[Family] = TargetAdapterOption,
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json, for --adapter (head counts, experts, tied embeddings)."),
@@ -372,14 +379,20 @@ def convert_command(
     source, = hub.with_revision(source, revision=revision)
     if compress and to != "dcp":
         raise UsageError(f"--compress {compress} goes with --to dcp")
+    _fsdp1_forms_only(to, optim_form, model_values)
     checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
     planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
                                       config_dir=config_dir, world_size=world_size, max_shard_size=_size(max_shard_size),
-                                      keep_rank_state=keep_rank_state)
+                                      keep_rank_state=keep_rank_state, optim_form=optim_form, model_values=model_values)
     planned.notes += quant_notes
     if compress:
         planned.writer_options["compress"] = compress
     _write(planned, destination, max_memory, overwrite, fsync)
+
+
+def _fsdp1_forms_only(to: str, optim_form, model_values) -> None:
+    if (optim_form or model_values) and to != "fsdp1":
+        raise UsageError(f"--{'optim-form' if optim_form else 'model-values'} goes with --to fsdp1")
 
 
 def _dequantized(checkpoint, dequantize: bool, config_dir, dtype):
@@ -542,6 +555,8 @@ def reshard(
     plan: str = PlanOption,
     to: Literal["dcp", "fsdp1"] = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
+    optim_form: Optional[Literal["named", "flat", "orig"]] = OptimFormOption,
+    model_values: Optional[str] = ModelValuesOption,
     adapter: Optional[Family] = TargetAdapterOption,
     config_dir: Optional[str] = ConfigDirOption,
     source_format: Optional[FormatName] = FromOption,
@@ -565,11 +580,13 @@ def reshard(
     from dcptool import resharding
 
     mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
+    _fsdp1_forms_only(to, optim_form, model_values)
     if to == "fsdp1":
         if compress:
             raise UsageError(f"--compress {compress} goes with --to dcp")
         checkpoint = formats.open_checkpoint(source, source_format)
-        _write(resharding.fsdp1_conversion(checkpoint, mesh_options, dtype, keep_rank_state=keep_rank_state),
+        _write(resharding.fsdp1_conversion(checkpoint, mesh_options, dtype, keep_rank_state=keep_rank_state,
+                                           optim_form=optim_form, model_values=model_values),
                destination, max_memory, overwrite, fsync)
         return
     _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,

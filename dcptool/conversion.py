@@ -304,17 +304,20 @@ class Conversion:
 
 def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, include: str | None = None,
                  exclude: str | None = None, adapter: str | None = None, config_dir: str | Path | None = None,
-                 world_size: int = 1, max_shard_size: int | str = "5GB", keep_rank_state: bool = False) -> Conversion:
+                 world_size: int = 1, max_shard_size: int | str = "5GB", keep_rank_state: bool = False,
+                 optim_form: str | None = None, model_values: str | None = None) -> Conversion:
     """What ``dcptool convert`` writes: every key as saved (or under ``adapter``'s names), for format ``to``.
 
     ``world_size`` is the ranks of an fsdp1 output (``keep_rank_state``: with each source rank's own
-    state), ``max_shard_size`` the largest file of an hf one.
+    state; ``optim_form``, ``model_values``: see ``converters/fsdp1.output_forms``), ``max_shard_size``
+    the largest file of an hf one.
     """
     checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
     if to == "fsdp1":
         from dcptool.resharding import fsdp1_conversion
 
-        conversion = fsdp1_conversion(checkpoint, {"world_size": world_size}, dtype, include, exclude, keep_rank_state)
+        conversion = fsdp1_conversion(checkpoint, {"world_size": world_size}, dtype, include, exclude, keep_rank_state,
+                                      optim_form, model_values)
         conversion.notes[:0] = notes
         return conversion
     tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)

@@ -310,17 +310,20 @@ def write_plan(result: ReshardPlan, destination, compress: str | None = None, **
 
 
 def fsdp1_conversion(checkpoint: Checkpoint, mesh_options: dict, dtype: str | None = None, include: str | None = None,
-                     exclude: str | None = None, keep_rank_state: bool = False) -> Conversion:
+                     exclude: str | None = None, keep_rank_state: bool = False, optim_form: str | None = None,
+                     model_values: str | None = None) -> Conversion:
     """What ``--to fsdp1`` writes for the mesh: verl's model, optimizer and extra-state files for each
-    data-parallel rank (``converters/fsdp1.entries``), its ``fsdp_config.json`` and ``huggingface/``."""
+    data-parallel rank (``converters/fsdp1.entries``), its ``fsdp_config.json`` and ``huggingface/``;
+    ``optim_form`` and ``model_values`` as ``converters/fsdp1.output_forms`` says."""
     mesh = resolve_mesh(checkpoint, **mesh_options)
     if mesh.world != mesh.dp:
         raise UsageError(f"--to fsdp1 holds data-parallel shards only; {mesh.describe()} needs --to dcp")
     tensors, objects, reasons = formats.get("fsdp1").entries(checkpoint, mesh.world, dtype, include, exclude,
                                                              keep_rank_state)
-    options = {"world_size": mesh.world, "hf_config_dir": checkpoint.info.get("hf_config_dir")}
+    forms, said = formats.get("fsdp1").output_forms(checkpoint, optim_form, model_values)
+    options = {"world_size": mesh.world, "hf_config_dir": checkpoint.info.get("hf_config_dir"), **forms}
     why = f"the fsdp1 output holds {formats.get('fsdp1').HOLDS} only" + (", as selected by --include/--exclude" if include or exclude else "")
-    return Conversion(checkpoint, "fsdp1", tensors, objects, options, why_left_out=why, reasons=reasons)
+    return Conversion(checkpoint, "fsdp1", tensors, objects, options, [said], why_left_out=why, reasons=reasons)
 
 
 def raise_problems(result: ReshardPlan) -> None:

@@ -3,7 +3,8 @@
 
 Run under torchrun::
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/verl_jobs.py save OUT [--by-name] [--dtensor]
+    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/verl_jobs.py save OUT [--by-name] [--dtensor] [--flat-params]
+    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume-verl DIR RESULT.json [--dtensor] [--orig-params]
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume DIR RESULT.json
 
 ``save`` trains two steps of a tiny model under FSDP1 and saves it as verl's
@@ -13,15 +14,20 @@ ShardedOptimStateDictConfig())`` every rank ``torch.save``s ``model.state_dict()
 state and ``{"lr_scheduler": ..., "rng": ...}`` to ``{model,optim,extra_state}_world_size_W_rank_r.pt``;
 rank 0 writes ``fsdp_config.json`` and ``huggingface/``. The optimizer state is verl's plain
 ``optimizer.state_dict()`` (with ``use_orig_params=True``: 1-D pieces of each flattened parameter,
-keyed by position), or with ``--by-name`` ``FSDP.optim_state_dict`` (keyed by name, moments
-sharded like their parameters). ``--dtensor`` gives FSDP1 a device mesh (DTensor values). Rank 0
-also writes ``OUT.full.pt``: the model, optimizer and scheduler state gathered in full
-(FULL_STATE_DICT), for a reference run.
+keyed by position; with ``--flat-params``, verl's default ``use_orig_params=False``: each FSDP
+unit's shard of its flat parameter), or with ``--by-name`` ``FSDP.optim_state_dict`` (keyed by
+name, moments sharded like their parameters). ``--dtensor`` gives FSDP1 verl's device mesh
+(``init_device_mesh("cpu", (W,), mesh_dim_names=("fsdp",))``: DTensor values). Rank 0 also writes
+``OUT.full.pt``: the model, optimizer and scheduler state gathered in full (FULL_STATE_DICT), for a
+reference run.
 
-``resume`` loads those files at the torchrun world size as verl's ``load_checkpoint`` does (under
-SHARDED_STATE_DICT: ``model.load_state_dict``, then ``optimizer.load_state_dict`` of the file's
-state put through ``FSDP.optim_state_dict_to_load``; the scheduler from the extra state), takes one
-training step and writes its losses (before and after the step) to RESULT.json.
+``resume-verl`` loads those files at the torchrun world size exactly as verl's ``load_checkpoint``
+does: FSDP1 built as verl builds it (``--dtensor``: with its device mesh; ``--orig-params``:
+``use_orig_params=True``, else verl's default False), each rank's files ``torch.load``ed, then
+under SHARDED_STATE_DICT ``model.load_state_dict`` and ``optimizer.load_state_dict`` of them as
+they are; the scheduler from the extra state. ``resume`` instead puts the optimizer file through
+``FSDP.optim_state_dict_to_load`` (the ``named`` form, on FSDP1 without a mesh, use_orig_params).
+Both take one training step and write its losses (before and after the step) to RESULT.json.
 ``reference(full.pt)`` is the same step, in one process without FSDP, from the full state.
 """
 
@@ -86,16 +92,18 @@ def step(model, optimizer, scheduler, ids) -> tuple[float, float]:
     return loss.item(), after.item()
 
 
-def build_fsdp1(seed: int, values: str):
+def build_fsdp1(seed: int, values: str, orig_params: bool = True):
+    """FSDP1 as verl's fsdp_workers builds it: each Block a unit of its own (verl: transformer_auto_wrap_policy
+    over the decoder-layer class), and for DTensor values verl's create_device_mesh (a 1-D mesh named fsdp)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(seed)
-    extra = {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(),))} if values == "dtensor" else {}
-    return FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
-                device_id=torch.device("cpu"), **extra)
+    mesh = {"device_mesh": init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))}
+    return FSDP(Net(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig_params,
+                device_id=torch.device("cpu"), **(mesh if values == "dtensor" else {}))
 
 
 def sharded(model):
@@ -113,19 +121,19 @@ def rows_of_rank(ids: torch.Tensor) -> torch.Tensor:
     return ids.chunk(dist.get_world_size())[dist.get_rank()]
 
 
-def job_save(out: Path, values: str, by_name: bool) -> None:
+def job_save(out: Path, values: str, by_name: bool, orig_params: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_fsdp1(seed=0, values=values)
+    model = build_fsdp1(seed=0, values=values, orig_params=orig_params)
     optimizer, scheduler = make_training(model)
     for _ in range(2):
         step(model, optimizer, scheduler, rows_of_rank((BATCH + 1) % 11))
     with sharded(model):
         model_state = model.state_dict()
-        # verl's call: the plain optimizer state (use_orig_params=True: 1-D pieces of each parameter).
+        # verl's call: the plain optimizer state (of flat parameters, or of each parameter's 1-D piece).
         optim_state = FSDP.optim_state_dict(model, optimizer) if by_name else optimizer.state_dict()
     extra = {"lr_scheduler": scheduler.state_dict(), "rng": {"cpu": torch.get_rng_state()}}
     out.mkdir(parents=True, exist_ok=True)
@@ -195,12 +203,34 @@ def job_resume(folder: Path, result: Path) -> None:
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, saved))
     extra = torch.load(folder / f"extra_state_world_size_{world}_rank_{rank}.pt", weights_only=False)
     scheduler.load_state_dict(extra["lr_scheduler"])
-    before, after = step(model, optimizer, scheduler, rows_of_rank(BATCH))
+    write_losses(result, step(model, optimizer, scheduler, rows_of_rank(BATCH)), extra, scheduler)
+
+
+def job_resume_verl(folder: Path, result: Path, values: str, orig_params: bool) -> None:
+    """verl's FSDPCheckpointManager.load_checkpoint: every file as torch.load gives it, loaded directly."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_fsdp1(seed=1234, values=values, orig_params=orig_params)  # other values than the saved ones
+    optimizer, scheduler = make_training(model)
+    model_state = torch.load(folder / f"model_world_size_{world}_rank_{rank}.pt", weights_only=False)
+    optim_state = torch.load(folder / f"optim_world_size_{world}_rank_{rank}.pt", weights_only=False)
+    extra = torch.load(folder / f"extra_state_world_size_{world}_rank_{rank}.pt", weights_only=False)
+    with sharded(model):
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+    scheduler.load_state_dict(extra["lr_scheduler"])
+    write_losses(result, step(model, optimizer, scheduler, rows_of_rank(BATCH)), extra, scheduler)
+
+
+def write_losses(result: Path, losses: tuple[float, float], extra: dict, scheduler) -> None:
+    import torch.distributed as dist
+
     # Every rank's mean over equally many rows: their mean is the loss over the global batch.
-    losses = torch.tensor([before, after], dtype=torch.float64)
-    dist.all_reduce(losses)
-    if rank == 0:
-        result.write_text(json.dumps({"losses": (losses / world).tolist(), "extra_keys": sorted(extra),
+    total = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        result.write_text(json.dumps({"losses": (total / dist.get_world_size()).tolist(), "extra_keys": sorted(extra),
                                       "lr": scheduler.get_last_lr()}))
     dist.barrier()
 
@@ -214,9 +244,12 @@ def reference(full: Path) -> dict:
     optimizer, scheduler = make_training(model)
     names = [name for name, _ in model.named_parameters()]
     saved = state["optimizer"]
-    groups = [{**group, "params": [names.index(fqn) for fqn in group["params"]]} for group in saved["param_groups"]]
-    optimizer.load_state_dict({"state": {names.index(fqn): value for fqn, value in saved["state"].items()},
-                               "param_groups": groups})
+    # Positions in the model's order, which load_state_dict pairs with the parameters (FSDP1 lists flat ones by unit).
+    groups = [{**group, "params": sorted(names.index(fqn) for fqn in group["params"])} for group in saved["param_groups"]]
+    # FSDP1 gathers one step tensor per flat parameter, which its parameters' entries share (and torch.save
+    # keeps shared): each parameter gets its own, as AdamW counts its steps in place.
+    own = {names.index(fqn): {k: v.clone() for k, v in value.items()} for fqn, value in saved["state"].items()}
+    optimizer.load_state_dict({"state": own, "param_groups": groups})
     scheduler.load_state_dict(state["lr_scheduler"])
     before, after = step(model, optimizer, scheduler, BATCH)
     return {"losses": [before, after], "lr": scheduler.get_last_lr()}
@@ -227,14 +260,17 @@ def main(argv: list[str]) -> None:
 
     dist.init_process_group("gloo")
     try:
+        values = "dtensor" if "--dtensor" in argv else "sharded_tensor"
         if argv[0] == "save":
-            job_save(Path(argv[1]), "dtensor" if "--dtensor" in argv else "sharded_tensor", "--by-name" in argv)
+            job_save(Path(argv[1]), values, "--by-name" in argv, orig_params="--flat-params" not in argv)
         elif argv[0] == "save-fsdp2":
             job_save_fsdp2(Path(argv[1]))
+        elif argv[0] == "resume-verl":
+            job_resume_verl(Path(argv[1]), Path(argv[2]), values, orig_params="--orig-params" in argv)
         elif argv[0] == "resume":
             job_resume(Path(argv[1]), Path(argv[2]))
         else:
-            raise SystemExit(f"unknown job {argv[0]!r}: save, save-fsdp2 or resume")
+            raise SystemExit(f"unknown job {argv[0]!r}: save, save-fsdp2, resume-verl or resume")
     finally:
         dist.destroy_process_group()
 

@@ -1,11 +1,14 @@
 """verl resume at another world size: model, optimizer and extra state, checked by real gloo jobs.
 
-scripts/verl_jobs.py saves verl's per-rank files from a real FSDP1 job (and a real FSDP2 job) at
-W=2 with verl's calls (the plain ``optimizer.state_dict()``: under FSDP1 with use_orig_params, 1-D
-pieces of each flattened parameter); dcptool lays them out for W=4 and W=1; a real FSDP1 job at that size loads them as verl's
-checkpoint manager does and takes one training step, whose losses (before and after the step, so
-the optimizer moments and the resumed learning rate count) must equal a reference run in one
-process that resumed from the same state gathered in full by torch.
+scripts/verl_jobs.py saves verl's per-rank files from real FSDP1 jobs (and a real FSDP2 job) at W=2
+with verl's calls: the plain ``optimizer.state_dict()``, under FSDP1 of flat parameters
+(use_orig_params=False, verl's default, with verl's device mesh: DTensor values) or of 1-D pieces
+of each parameter (use_orig_params=True, ShardedTensor values). dcptool lays them out for W=4 and
+W=1; a real FSDP1 job at that size loads them exactly as verl's checkpoint manager does
+(``torch.load``, then ``model.load_state_dict`` and ``optimizer.load_state_dict`` of the files as they
+are) and takes one training step, whose losses (before and after the step, so the optimizer moments
+and the resumed learning rate count) must equal a reference run in one process that resumed from the
+same state gathered in full by torch.
 """
 
 from __future__ import annotations
@@ -26,26 +29,42 @@ VERL_JOBS = REPO / "scripts" / "verl_jobs.py"
 sys.path.insert(0, str(REPO / "scripts"))
 import verl_jobs  # noqa: E402  (the reference run: plain torch in this process)
 
+SAVE_JOBS = {
+    "verl": ("save", "--dtensor", "--flat-params"),  # stock verl: use_orig_params=False, a device mesh
+    "fsdp1": ("save",),  # use_orig_params=True, no device mesh
+    "fsdp2": ("save-fsdp2",),
+}
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """``saved(kind)``: a W=2 verl folder saved by a real job (kind ``fsdp1`` or ``fsdp2``), made once."""
+    """``saved(kind)``: a W=2 verl folder saved by a real job (a kind of ``SAVE_JOBS``), made once."""
     root = tmp_path_factory.mktemp("verl")
     made = {}
 
     def get(kind: str) -> Path:
         if kind not in made:
             out = root / kind / "actor"
-            run_job(2, "save" if kind == "fsdp1" else "save-fsdp2", out, script=VERL_JOBS)
+            job, *flags = SAVE_JOBS[kind]
+            run_job(2, job, out, *flags, script=VERL_JOBS)
             made[kind] = out
         return made[kind]
 
     return get
 
 
-def resumed_losses(folder: Path, world_size: int) -> dict:
+def resumed_losses(folder: Path, world_size: int, *flags: str) -> dict:
+    """The losses of a step after resuming from ``folder`` with verl's own calls (``resume-verl``), FSDP1
+    built as ``flags`` say. Without flags, as the folder's own forms say (dcptool inspect), and the
+    ``named`` form through FSDP.optim_state_dict_to_load (``resume``)."""
+    job = "resume-verl"
+    if not flags:
+        info = json.loads(dcptool("inspect", folder, "--json").stdout)["info"]
+        job = "resume" if info["optimizer_form"] == "named" else job
+        flags = tuple(flag for flag, wanted in (("--dtensor", info["model_values"] == "dtensor"),
+                                                ("--orig-params", info["optimizer_form"] == "orig")) if wanted)
     result = folder.parent / f"{folder.name}.result.json"
-    run_job(world_size, "resume", folder, result, script=VERL_JOBS)
+    run_job(world_size, job, folder, result, *flags, script=VERL_JOBS)
     return json.loads(result.read_text())
 
 
@@ -56,25 +75,100 @@ def assert_same_step(got: dict, expected: dict) -> None:
     assert got["lr"] == pytest.approx(expected["lr"], rel=1e-12)
 
 
-@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
-def test_fsdp1_resumes_at_another_world_size(saved, tmp_path, world_size, command):
-    actor = saved("fsdp1")
-    out = tmp_path / f"w{world_size}"
+def write_for(actor: Path, out: Path, world_size: int, command: str, *options: str):
     size = ["--dp", str(world_size)] if command == "reshard" else ["--world-size", str(world_size)]
-    result = dcptool(command, actor, out, "--to", "fsdp1", *size)
-    assert "extra_state.rank_0.rng.cpu" in result.stdout and "--keep-rank-state keeps it" in result.stdout
+    result = dcptool(command, actor, out, "--to", "fsdp1", *size, *options)
     assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 1, "world_size": world_size}
-    assert (out / "huggingface" / "config.json").read_bytes() == (actor / "huggingface" / "config.json").read_bytes()
     for kind in ("model", "optim", "extra_state"):
         assert sorted(p.name for p in out.glob(f"{kind}_world_size_*")) == \
             sorted(f"{kind}_world_size_{world_size}_rank_{r}.pt" for r in range(world_size))
-    # Read back, the output holds the source's model and optimizer bitwise; only the RNG state is gone.
+    return result
+
+
+def assert_only_rng_dropped(actor: Path, out: Path) -> None:
+    """Read back, the output holds the source's model and optimizer bitwise; only the RNG state is gone."""
     compared = dcptool("verify", actor, out, check=False)
     assert compared.returncode == 1 and "2 differences (2 missing)" in compared.stdout, compared.stdout
     assert "extra_state.rank_1.rng.cpu: tensor only in A" in compared.stdout
-    got = resumed_losses(out, world_size)
+
+
+@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
+def test_stock_verl_folder_resumes_with_verls_own_calls(saved, tmp_path, world_size, command):
+    """use_orig_params=False and a device mesh: the flat-parameter optimizer state and DTensor values, kept."""
+    actor = saved("verl")
+    info = json.loads(dcptool("inspect", actor, "--json").stdout)["info"]
+    assert (info["optimizer_form"], info["model_values"]) == ("flat", "dtensor")
+    assert info["mesh"] == {"device_type": "cpu", "dim_names": ["fsdp"]} and not info["not_read"]
+    out = tmp_path / f"w{world_size}"
+    result = write_for(actor, out, world_size, command)
+    said = result.stdout + result.stderr
+    assert "use_orig_params=False" in said and "DTensor on a 1-D cpu mesh" in said
+    assert_only_rng_dropped(actor, out)
+    got = resumed_losses(out, world_size, "--dtensor")
+    assert got["extra_keys"] == ["lr_scheduler"]
+    assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
+
+
+def test_flat_state_read_equals_torchs_full_state(saved, tmp_path):
+    """The flat shards, unflattened by dcptool, are each parameter's moments as FSDP1 gathers them in full."""
+    actor = saved("verl")
+    dcptool("convert", actor, tmp_path / "full.pt", "--to", "torch")
+    ours = torch.load(tmp_path / "full.pt", weights_only=True)
+    full = torch.load(actor.parent / "actor.full.pt", weights_only=True)
+    assert sorted(ours["optimizer"]["state"]) == sorted(full["optimizer"]["state"])
+    for name, state in full["optimizer"]["state"].items():
+        assert state.keys() == ours["optimizer"]["state"][name].keys()
+        for moment, value in state.items():
+            assert torch.equal(ours["optimizer"]["state"][name][moment], value), f"{name}.{moment}"
+
+
+def test_written_verl_files_are_what_torch_saves(saved, tmp_path):
+    """Written for the world size of the save, every rank's files hold what the job's own torch.save put
+    there: DTensors on an equal mesh, and the flat-parameter state (its zero padding included)."""
+    actor, out = saved("verl"), tmp_path / "w2"
+    write_for(actor, out, 2, "convert")
+    for rank in range(2):
+        theirs, ours = ({kind: torch.load(folder / f"{kind}_world_size_2_rank_{rank}.pt", weights_only=False)
+                         for kind in ("model", "optim")} for folder in (actor, out))
+        assert list(ours["model"]) == list(theirs["model"])
+        for key, value in theirs["model"].items():
+            mine = ours["model"][key]
+            assert type(mine) is type(value) and torch.equal(mine.to_local(), value.to_local()), key
+            assert (mine.placements, mine._spec.tensor_meta, mine._spec.shard_order) == \
+                (value.placements, value._spec.tensor_meta, value._spec.shard_order), key
+            mesh, their_mesh = (vars(v.device_mesh) for v in (mine, value))
+            assert mesh.keys() == their_mesh.keys() and torch.equal(mesh["_rank_map"], their_mesh["_rank_map"])
+            assert {k: v for k, v in mesh.items() if k not in ("_rank_map", "_hash")} == \
+                {k: v for k, v in their_mesh.items() if k not in ("_rank_map", "_hash")}
+        assert ours["optim"]["param_groups"] == theirs["optim"]["param_groups"]
+        assert ours["optim"]["state"].keys() == theirs["optim"]["state"].keys()
+        for position, state in theirs["optim"]["state"].items():
+            assert state.keys() == ours["optim"]["state"][position].keys()
+            for name, value in state.items():
+                assert torch.equal(ours["optim"]["state"][position][name], value), f"rank {rank}: {position}.{name}"
+
+
+@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
+def test_orig_params_folder_resumes_at_another_world_size(saved, tmp_path, world_size, command):
+    """use_orig_params=True without a device mesh: each rank's 1-D pieces of each parameter, ShardedTensor values."""
+    actor = saved("fsdp1")
+    out = tmp_path / f"w{world_size}"
+    result = write_for(actor, out, world_size, command)
+    assert "extra_state.rank_0.rng.cpu" in result.stdout and "--keep-rank-state keeps it" in result.stdout
+    assert (out / "huggingface" / "config.json").read_bytes() == (actor / "huggingface" / "config.json").read_bytes()
+    assert_only_rng_dropped(actor, out)
+    got = resumed_losses(out, world_size, "--orig-params")
     assert got["extra_keys"] == ["lr_scheduler"]  # the RNG state of the W=2 ranks was dropped
     assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
+
+
+def test_dcp_source_written_for_stock_verl_resumes(saved, tmp_path):
+    """A DCP checkpoint (named optimizer state) written with --optim-form flat --model-values dtensor:cpu."""
+    actor = saved("fsdp1")
+    dcptool("convert", actor, tmp_path / "dcp", "--to", "dcp")
+    out = tmp_path / "verl"
+    write_for(tmp_path / "dcp", out, 2, "convert", "--optim-form", "flat", "--model-values", "dtensor:cpu")
+    assert_same_step(resumed_losses(out, 2, "--dtensor"), verl_jobs.reference(actor.parent / "actor.full.pt"))
 
 
 def test_fsdp2_dtensor_folder_resumes_under_fsdp1(saved, tmp_path):
@@ -85,6 +179,18 @@ def test_fsdp2_dtensor_folder_resumes_under_fsdp1(saved, tmp_path):
     out = tmp_path / "w1"
     dcptool("convert", actor, out, "--to", "fsdp1", "--world-size", "1")
     assert_same_step(resumed_losses(out, 1), verl_jobs.reference(actor.parent / "actor.full.pt"))
+
+
+@pytest.mark.parametrize("options,said", [
+    (["--model-values", "dtensor:CUDA!"], "--model-values dtensor:CUDA!: choose sharded-tensor, dtensor"),
+    (["--optim-form", "flat", "--to", "dcp"], "--optim-form goes with --to fsdp1"),
+])
+def test_bad_form_options_are_one_line(saved, tmp_path, options, said):
+    to = [] if "--to" in options else ["--to", "fsdp1"]
+    result = dcptool("convert", saved("fsdp1"), tmp_path / "out", *to, *options, check=False)
+    assert result.returncode == 2 and not (tmp_path / "out").exists()
+    line, = result.stderr.strip().splitlines()
+    assert said in line, line
 
 
 def test_keep_rank_state_gives_each_rank_its_own(saved, tmp_path):
@@ -98,8 +204,8 @@ def test_keep_rank_state_gives_each_rank_its_own(saved, tmp_path):
     assert kept["lr_scheduler"] == saved_rank0["lr_scheduler"]
 
 
-def test_flat_parameter_optimizer_files_are_left_out_with_a_line(saved, tmp_path):
-    """FSDP1's plain optimizer.state_dict() (flat parameters by number) records no names: said, not guessed."""
+def test_flat_state_of_another_layout_is_left_out_with_a_line(saved, tmp_path):
+    """Flat-parameter state whose shard sizes are not the layout dcptool computes: said, never mapped."""
     actor = saved("fsdp1")
     copy = tmp_path / "actor"
     shutil.copytree(actor, copy)
@@ -108,9 +214,9 @@ def test_flat_parameter_optimizer_files_are_left_out_with_a_line(saved, tmp_path
                 "param_groups": [{"lr": 0.1, "params": [0]}]}
         torch.save(flat, copy / f"optim_world_size_2_rank_{rank}.pt")
     info = json.loads(dcptool("inspect", copy, "--json").stdout)
-    assert not any(key.startswith("optimizer.") for key in info["tensors"])
-    line = info["info"]["not_read"][0]
-    assert "optim_world_size_2_rank_0.pt" in line and "flat parameters" in line
+    assert not any(key.startswith("optimizer.") for key in info["tensors"]) and info["info"]["optimizer_form"] is None
+    line, = info["info"]["not_read"]
+    assert "optim_world_size_2_rank_0.pt" in line and "float32[40]" in line and "holds 67 elements" in line, line
 
 
 class _RunsCode:
