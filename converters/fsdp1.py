@@ -38,9 +38,11 @@ loads through ``FSDP.optim_state_dict_to_load``. ``output_forms`` picks the form
 default); ``entries`` chooses what goes out of any checkpoint (model, optimizer, scheduler;
 per-rank state on request). The pickles, the DeviceMesh state and the flat-parameter layout are
 torch 2.13's, checked against real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
-Not laid out in ``flat`` and ``orig``: tied parameters (FSDP1 keeps a shared parameter once; a
-source whose config says ``tie_word_embeddings`` is refused), and for ``orig`` an FSDP1 computing in
-another dtype than its parameters' (a MixedPrecision ``param_dtype`` moves the alignment padding).
+Not laid out in ``flat`` and ``orig``: tied parameters (FSDP1 keeps a shared parameter once), refused
+when the config says ``tie_word_embeddings`` or the input and output embeddings hold the same values.
+``orig`` aligns each parameter to 16 bytes of the dtype FSDP1 computes in, which a MixedPrecision
+``param_dtype`` changes: the alignment is taken from a ``use_orig_params=True`` source of 2+ ranks
+(the pieces its ranks saved tell it), else assumed from the parameters' dtype, as the output line says.
 """
 
 from __future__ import annotations
@@ -125,10 +127,10 @@ def read(files: CheckpointFiles) -> Checkpoint:
     model_values = {"DTensor": "dtensor", "ShardedTensor": "sharded-tensor"}
     values = next((name for kind, name in model_values.items() if kind in kinds), None)
     mesh = _mesh_facts(kinds["DTensor"]) if "DTensor" in kinds else None
-    notes, optimizer_form = [], None
+    notes, optimizer_form, alignment = [], None, None
     if ranks["optim"].get(world_size):
-        notes, optimizer_form = _read_optimizer(files, world_size, ranks["optim"][world_size], model_order, tensors,
-                                                objects, kinds)
+        notes, optimizer_form, alignment = _read_optimizer(files, world_size, ranks["optim"][world_size], model_order,
+                                                           tensors, objects, kinds)
     if ranks["extra_state"].get(world_size):
         notes += _read_extra_state(files, world_size, ranks["extra_state"][world_size], tensors, objects)
 
@@ -139,6 +141,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
         "values": ", ".join(sorted(kinds)) or None,
         # The forms a conversion to fsdp1 writes unless told otherwise (output_forms).
         "optimizer_form": optimizer_form,
+        "orig_alignment": alignment,  # elements between use_orig_params parameters, where the pieces tell
         "model_values": values,
         "mesh": mesh,
         "not_read": notes or None,  # parts of the folder no conversion carries, one line each
@@ -233,7 +236,7 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
     missing = [r for r in range(world_size) if r not in present]
     if missing:
         return [f"{files.path(file_name('optim', world_size, missing[0]))}: missing ({len(missing)} of {world_size} "
-                "ranks' optimizer files): the optimizer state is not read"], None
+                "ranks' optimizer files): the optimizer state is not read"], None, None
     params = [key for key, kind in model_keys if kind in ("ShardedTensor", "DTensor")]
     if world_size == 1 and not params:  # one rank saves its parameters as plain tensors, in the model's order
         params = [key for key, kind in model_keys if kind == "plain tensor"]
@@ -245,7 +248,7 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
         if not isinstance(root, dict) or not isinstance(root.get("state"), dict) \
                 or not isinstance(root.get("param_groups"), list):
             return [f"{archive.where}: holds no optimizer state dict (state and param_groups): the optimizer "
-                    "state is not read"], None
+                    "state is not read"], None, None
         roots.append(root)
     gathered_tensors: dict[str, _Gathered] = {}
     gathered_objects: dict[str, ObjectInfo] = {}
@@ -263,13 +266,15 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
             gathered_tensors = _unit_moments(archives, roots, units, shapes)
         if by_position:
             roots = [_by_name(root, archive.where, owners) for root, archive in zip(roots, archives)]
+        alignment = None
         if form == "orig" and not (world_size == 1 and _whole_moments(roots[0], shapes)):
             gathered_tensors = _flat_pieces(archives, roots, shapes)
+            alignment = _orig_alignment(roots, params, shapes)
         if gathered_tensors:  # the moments are read: the state dicts keep the rest (step)
             roots = [{**root, "state": {name: {k: v for k, v in entry.items() if k not in _moments(root, name)}
                                          for name, entry in root["state"].items()}} for root in roots]
     except _NotRead as exc:
-        return [str(exc)], None
+        return [str(exc)], None, None
     _read_part(files, "optim", (OPTIMIZER,), world_size, gathered_tensors, gathered_objects, kinds, roots,
                same_keys=form != "orig")
     for key, gathered in gathered_tensors.items():
@@ -277,7 +282,32 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
             raise CheckpointError(f"{archives[0].where}: {printable(key)} is not state.<parameter>.<name>")
     tensors.update(gathered_tensors)
     objects.update(gathered_objects)
-    return [], form
+    return [], form, alignment
+
+
+# FSDP1 aligns use_orig_params parameters to 16 bytes of the dtype it computes in (_get_aligned_numel):
+# float32, a MixedPrecision param_dtype of 2 bytes (verl's bf16), or of 1 byte.
+_ALIGNMENTS = (4, 8, 16)
+
+
+def _orig_alignment(roots: list[dict], params: list[str], shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The alignment (in elements) the saving job's use_orig_params flat parameters had: the one whose layout
+    gives every rank exactly the pieces it saved (a MixedPrecision param_dtype changes it), or None."""
+    observed = {}
+    for rank, root in enumerate(roots):
+        for name, entry in root["state"].items():
+            lengths = [v.shape[0] for v in entry.values() if isinstance(v, TensorRef) and len(v.shape) == 1] \
+                if isinstance(entry, dict) else []
+            if lengths:
+                observed[(name, rank)] = lengths[0]
+    numels = {key: math.prod(shape) for key, shape in shapes.items()}
+    for aligned in _ALIGNMENTS:
+        units = flat_parameters(params, numels, lambda unit: aligned)
+        expected = {(unit.params[index], rank): stop - first for unit in units for rank in range(len(roots))
+                    for index, first, stop, _ in unit.on_rank(rank, len(roots))}
+        if expected == observed:
+            return aligned
+    return None
 
 
 def _whole_moments(root: dict, shapes: dict[str, tuple[int, ...]]) -> bool:
@@ -934,20 +964,60 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
         raise UsageError(f"--model-values {printable(values, 40)}: choose sharded-tensor, dtensor or dtensor:DEVICE "
                          "(e.g. dtensor:cuda)")
     config_dir = checkpoint.info.get("hf_config_dir")
-    if form != "named" and config_dir:
+    if form != "named":
         from dcptool.conversion import read_config  # conversion imports the formats, which import this module
 
-        if read_config(config_dir).get("tie_word_embeddings") is True:
-            raise UsageError(f"{config_dir}/config.json: tie_word_embeddings: FSDP1 holds a tied parameter once in its "
-                             f"flat parameter, which --optim-form {form} does not lay out (--optim-form named does)")
+        tied = read_config(config_dir).get("tie_word_embeddings") if config_dir else None
+        untied = tied is False
+        tied_pair = None if untied else _looks_tied(checkpoint)
+        if tied is True or tied_pair:
+            said = f"{config_dir}/config.json: tie_word_embeddings" if tied is True else \
+                f"{checkpoint.root}: {tied_pair[0]} and {tied_pair[1]} hold the same values (tied embeddings)"
+            raise UsageError(f"{said}: FSDP1 holds a tied parameter once in its flat parameter, which --optim-form "
+                             f"{form} does not lay out (--optim-form named does)")
     options: dict[str, Any] = {"optim_form": form}
+    optimizer = OPTIMIZER_FORMS[form]
+    if form == "orig":
+        options["orig_alignment"] = source.get("orig_alignment")
+        optimizer += (f", parameters aligned to {options['orig_alignment']} elements as in the source"
+                      if options["orig_alignment"] else
+                      ", parameters aligned for their own dtype (a MixedPrecision param_dtype would move them: resume "
+                      "from a use_orig_params=True save of 2+ ranks to take the alignment from it)")
     said = "ShardedTensor"
     if kind == "dtensor":
         mesh = source.get("mesh")
         names = (tuple(mesh["dim_names"]) if mesh["dim_names"] else None) if mesh else VERL_MESH_DIM_NAMES
         options.update(mesh_device=device or (mesh or {}).get("device_type") or "cuda", mesh_dim_names=names)
         said = f"DTensor on a 1-D {options['mesh_device']} mesh named {names}"
-    return options, f"model values: {said}; optimizer: {OPTIMIZER_FORMS[form]}"
+    return options, f"model values: {said}; optimizer: {optimizer}"
+
+
+_INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)\.weight$")
+_OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
+
+
+def _looks_tied(checkpoint: Checkpoint) -> tuple[str, str] | None:
+    """The input and output embeddings when they hold the same first MiB of values, as tied ones do (the
+    files do not record a tie: a tied model saves the one tensor under both names); else None."""
+    from dcptool.conversion import model_part  # conversion imports the formats, which import this module
+
+    params = model_part(checkpoint)
+    inputs = [k for k in params if _INPUT_EMBEDDING.search(k)]
+    outputs = [k for k in params if _OUTPUT_EMBEDDING.search(k)]
+    for a in inputs:
+        for b in outputs:
+            first, second = params[a], params[b]
+            if first.shape != second.shape or first.dtype != second.dtype or not first.shape:
+                continue
+            row = math.prod(first.shape[1:]) * dtypes.dtype(first.dtype).itemsize
+            sizes = (max(1, min(first.shape[0], 2**20 // max(row, 1))),) + tuple(first.shape[1:])
+            nbytes = math.prod(sizes) * dtypes.dtype(first.dtype).itemsize
+            scratch = memoryview(bytearray(max(nbytes, 2**16)))
+            values = [checkpoint.region_in(t, (0,) * len(sizes), sizes, bytearray(nbytes), scratch).tobytes()
+                      for t in (first, second)]
+            if values[0] == values[1]:
+                return a, b
+    return None
 
 
 class Writer:
@@ -978,13 +1048,14 @@ class Writer:
 
     def __init__(self, folder: Path, world_size: int = 1, replicate: str | None = None,
                  hf_config_dir: str | Path | None = None, optim_form: str = "named", mesh_device: str | None = None,
-                 mesh_dim_names: tuple[str, ...] | None = VERL_MESH_DIM_NAMES):
+                 mesh_dim_names: tuple[str, ...] | None = VERL_MESH_DIM_NAMES, orig_alignment: int | None = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise UsageError(f"fsdp1 world_size must be a positive integer, not {world_size!r}")
         if optim_form not in OPTIMIZER_FORMS:
             raise UsageError(f"fsdp1 optim_form {optim_form!r}: choose {', '.join(OPTIMIZER_FORMS)}")
         self.folder, self.world_size, self.optim_form = Path(folder), world_size, optim_form
         self.mesh_device, self.mesh_dim_names = mesh_device, mesh_dim_names
+        self.orig_alignment = orig_alignment
         self.out = OutputFiles(folder)
         self.replicate = re.compile(replicate) if replicate else None
         self.hf_config_dir = hf_config_dir
@@ -1022,7 +1093,7 @@ class Writer:
         if self.optim_form != "named" and any(e.path[0] == OPTIMIZER for e in [*tensors, *objects]):
             parameters = [t for t in tensors if t.path[0] not in _FILE_OF and t.shape
                           and not (self.replicate and self.replicate.search(t.key))]
-            plain = PlainOptimizer(self.optim_form, parameters, tensors, objects, self.world_size)
+            plain = PlainOptimizer(self.optim_form, parameters, tensors, objects, self.world_size, self.orig_alignment)
         kinds = ["model"] + sorted({_FILE_OF[e.path[0]] for e in [*tensors, *objects] if e.path[0] in _FILE_OF})
         for rank in range(self.world_size):
             entries: dict[str, dict[tuple, Any]] = {kind: {} for kind in kinds}
@@ -1163,12 +1234,14 @@ class PlainOptimizer:
     keep the source's settings, their ``params`` numbered so.
     """
 
-    def __init__(self, form: str, parameters: list[OutTensor], tensors, objects, world_size: int):
+    def __init__(self, form: str, parameters: list[OutTensor], tensors, objects, world_size: int,
+                 orig_alignment: int | None = None):
         from dcptool.conversion import WRAPPER_PREFIXES  # conversion imports the formats, which import this module
 
         self.world_size = world_size
         dtype_of = {t.key: t.dtype for t in parameters}
-        aligned = (lambda unit: 16 // dtypes.dtype(dtype_of[unit[0]]).itemsize) if form == "orig" else (lambda unit: 0)
+        aligned = (lambda unit: 0) if form != "orig" else (lambda unit: orig_alignment) if orig_alignment else \
+            (lambda unit: 16 // dtypes.dtype(dtype_of[unit[0]]).itemsize)
         units = flat_parameters([t.key for t in parameters], {t.key: math.prod(t.shape) for t in parameters}, aligned)
         self.state: dict[str, dict[str, OutTensor | OutObject]] = {}
         for entry in [*tensors, *objects]:

@@ -155,6 +155,8 @@ def test_orig_params_folder_resumes_at_another_world_size(saved, tmp_path, world
     out = tmp_path / f"w{world_size}"
     result = write_for(actor, out, world_size, command)
     assert "extra_state.rank_0.rng.cpu" in result.stdout and "--keep-rank-state keeps it" in result.stdout
+    # The W=2 ranks' pieces fit only float32's 16-byte alignment (4 elements): the output keeps it.
+    assert "aligned to 4 elements as in the source" in result.stderr, result.stderr
     assert (out / "huggingface" / "config.json").read_bytes() == (actor / "huggingface" / "config.json").read_bytes()
     assert_only_rng_dropped(actor, out)
     got = resumed_losses(out, world_size, "--orig-params")
@@ -268,3 +270,23 @@ def test_numpy_rng_state_is_read_and_kept_as_data(saved, tmp_path):
     name, keys, *rest = kept["rng"]["numpy"]
     assert name == "MT19937" and keys.dtype == np.uint32 and np.array_equal(keys, source["rng"]["numpy"][1])
     assert tuple(rest) == tuple(source["rng"]["numpy"][2:]) and kept["rng"]["random"] == source["rng"]["random"]
+
+
+def test_tied_embeddings_refused_for_plain_optimizer_forms(tmp_path):
+    """FSDP1 keeps a tied parameter once in its flat parameter: flat/orig layouts of a tied model would be
+    wrong, so they are refused whether a config says so or the two embeddings hold the same values."""
+    embedding = torch.randn(16, 4)
+    state = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding.clone(),
+             "model.norm.weight": torch.ones(4)}
+    torch.save(state, tmp_path / "tied.pt")
+    for form in ("flat", "orig"):
+        result = dcptool("convert", tmp_path / "tied.pt", tmp_path / form, "--to", "fsdp1", "--world-size", "2",
+                         "--optim-form", form, check=False)
+        line, = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and "lm_head.weight" in line and "tied" in line, line
+        assert not (tmp_path / form).exists()
+    state["lm_head.weight"] = torch.randn(16, 4)  # untied: written
+    torch.save(state, tmp_path / "untied.pt")
+    dcptool("convert", tmp_path / "untied.pt", tmp_path / "untied", "--to", "fsdp1", "--world-size", "2",
+            "--optim-form", "flat")
+    assert (tmp_path / "untied" / "model_world_size_2_rank_1.pt").is_file()
