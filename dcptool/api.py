@@ -147,8 +147,12 @@ def open(path: str | Path, format: str | None = None) -> Reader:  # noqa: A001 -
 def convert(source: str | Path, destination: str | Path, to: str, *, source_format: str | None = None,
             dtype: str | None = None, include: str | None = None, exclude: str | None = None, world_size: int = 1,
             max_shard_size: Size = "5GB", adapter: str | None = None, config_dir: str | Path | None = None,
+            keep_rank_state: bool = False, optim_form: str | None = None, model_values: str | None = None,
             max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True) -> Report:
     """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, fsdp1), every key as saved.
+
+    For ``to="fsdp1"`` (verl's per-rank files): ``world_size``, ``keep_rank_state``, and the forms
+    ``optim_form`` (named, flat, orig) and ``model_values`` (sharded-tensor, dtensor[:DEVICE]).
 
     ``report.left_out`` lists what the format cannot hold, ``report.notes`` what an adapter renamed or left out.
 
@@ -164,7 +168,8 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
     checkpoint = formats.open_checkpoint(source, source_format)
     planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
                                       config_dir=config_dir, world_size=world_size,
-                                      max_shard_size=_bytes(max_shard_size))
+                                      max_shard_size=_bytes(max_shard_size), keep_rank_state=keep_rank_state,
+                                      optim_form=optim_form, model_values=model_values)
     return planned.write(output_path(destination), **_writing(max_memory, overwrite, fsync))
 
 
@@ -196,11 +201,13 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
             etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
             to: str = "dcp", keep_rank_state: bool = False, adapter: str | None = None,
             config_dir: str | Path | None = None, source_format: str | None = None, dtype: str | None = None,
+            optim_form: str | None = None, model_values: str | None = None,
             max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False,
             fsync: bool = True) -> ReshardReport | Report:
     """``dcptool reshard``: lay ``source`` out for a mesh, as a job on it saves with ``dcp.save``
-    (``to="fsdp1"``: per-rank FSDP1 files). Plan problems raise ``UsageError``; ``report.warnings``
-    says what was dropped or kept (entries of single data-parallel ranks).
+    (``to="fsdp1"``: per-rank FSDP1 files, in the forms ``optim_form`` and ``model_values`` choose, as in
+    ``convert``). Plan problems raise ``UsageError``; ``report.warnings`` says what was dropped or kept
+    (entries of single data-parallel ranks).
 
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
@@ -214,7 +221,8 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
     return resharding.reshard(source, output_path(destination), dp=dp, tp=tp, ep=ep, etp=etp, cp=cp,
                               dp_replicate=dp_replicate, world_size=world_size, plan=plan, to=to,
                               keep_rank_state=keep_rank_state, adapter=adapter, config_dir=config_dir,
-                              source_format=source_format, dtype=dtype, **_writing(max_memory, overwrite, fsync))
+                              source_format=source_format, dtype=dtype, optim_form=optim_form,
+                              model_values=model_values, **_writing(max_memory, overwrite, fsync))
 
 
 def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,

@@ -320,6 +320,8 @@ def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, i
                                       optim_form, model_values)
         conversion.notes[:0] = notes
         return conversion
+    if optim_form or model_values:
+        raise UsageError("optim_form and model_values go with an fsdp1 output")
     tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
     options = {"hf": {"max_shard_size": max_shard_size}}.get(to, {})
     reasons = (f"the {to} output holds model weights only" if getattr(formats.get(to), "MODEL_ONLY", False) else "",

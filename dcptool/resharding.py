@@ -262,10 +262,11 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
 
 def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None,
             plan="auto", to="dcp", keep_rank_state=False, adapter=None, wrapper=(), config_dir=None,
-            source_format=None, dtype=None, **options) -> Report:
+            source_format=None, dtype=None, optim_form=None, model_values=None, **options) -> Report:
     """Reshard ``source`` (any format) into ``destination`` laid out for the mesh.
 
-    ``to="fsdp1"`` writes per-rank FSDP1 files of the model (data parallel only). ``options`` go to
+    ``to="fsdp1"`` writes per-rank FSDP1 files of the model (data parallel only), their forms as
+    ``optim_form`` and ``model_values`` say (``converters/fsdp1.output_forms``). ``options`` go to
     ``write_checkpoint``.
 
     >>> reshard("step-1000", "step-1000-dp4", dp=4)                # doctest: +SKIP
@@ -273,7 +274,10 @@ def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replica
     checkpoint = formats.open_checkpoint(source, source_format)
     sizes = mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
     if to == "fsdp1":
-        return fsdp1_conversion(checkpoint, sizes, dtype, keep_rank_state=keep_rank_state).write(destination, **options)
+        return fsdp1_conversion(checkpoint, sizes, dtype, keep_rank_state=keep_rank_state, optim_form=optim_form,
+                                model_values=model_values).write(destination, **options)
+    if optim_form or model_values:
+        raise UsageError("--optim-form and --model-values go with --to fsdp1")
     if to != "dcp":
         raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
     result = plan_for(checkpoint, sizes, plan, adapter=adapter, wrapper=wrapper, config_dir=config_dir,
