@@ -1,38 +1,58 @@
 """DCP records stored through torch's stream transforms (``_StorageInfo.transform_descriptors``).
 
 torch 2.13 ships one transform, ``stream.zstd/1`` (``torch.distributed.checkpoint._extension.ZStandard``):
-each record (a chunk's ``torch.save`` archive, or an object's) is one zstd stream. A compressed
-record cannot be read in place, so the first read of one decompresses it, streaming in
-``BLOCK``-sized reads (memory stays bounded however large it is), into a temporary local file
-(under ``TMPDIR``) that is read from then on like any other; the files go when the checkpoint's
-files are closed or the process exits. Writing compresses each record of a finished file the same way.
+each record (a chunk's ``torch.save`` archive, or an object's) is one zstd stream. Records are read by
+streaming decompression and nothing is written anywhere: a record's decompressed bytes are read under a
+name of their own (``DecompressingFiles.record``), and a read of them decompresses straight into the
+caller's buffer, decompressing and discarding what comes before it. Decompressors part-way through
+their records (cursors) stay open, a few at a time, so that a record read in order, by one task or by
+several one after another, is decompressed once; memory is the callers' buffers plus zstd's windows.
 
->>> files = DecompressingFiles(CheckpointFiles("step-100-zstd"))          # doctest: +SKIP
->>> files.decompressed("__0_0.distcp", 0, 3104)                           # doctest: +SKIP
-('<zstd>/0', 8496)
+A chunk's archive is located from the head of its record alone (``CompressedArchive``): the zip's
+central directory is at its end, behind the tensor's bytes, but the local headers in order give where
+each entry starts. ``torch.save`` into torch's zstd stream cannot seek back, so its entries carry no
+size in their local headers (``--compress zstd`` output does): a data descriptor follows each entry's
+data instead, found for the small entries before the storage by its sizes and CRC-32, and the
+storage's size is the one ``data.pkl`` gives. An object's record is decompressed to its end when the checkpoint
+is opened, to count its bytes, and read from then on as a plain archive (objects are small).
+
+Writing (``compress_records``) still writes each data file plain first, then rewrites it with each
+record compressed in turn: for a while the file takes its plain and its compressed size on disk.
+
+>>> files = DecompressingFiles(CheckpointFiles("step-100-zstd"))                      # doctest: +SKIP
+>>> archive = CompressedArchive(files, "__0_0.distcp", 0, 743, 96 + ARCHIVE_SLACK)  # doctest: +SKIP
+>>> archive.raw_bytes(archive.load())                                              # doctest: +SKIP
+RawBytes(file='<zstd>/__0_0.distcp@0', offset=704, shape=(4, 6), strides=(6, 1), itemsize=4)
 """
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import os
-import shutil
-import tempfile
+import struct
 import threading
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from dcptool import safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
-from dcptool.storage import CheckpointFiles, LocalFolder
+from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive import _FIELD_LIMIT, _LOCAL_HEADER, RawBytes, _zip64_values
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13
 SUPPORTED = (ZSTD,)
-BLOCK = 4 * 2**20
-# A record decompresses to at most its elements plus this much archive (zip headers, data.pkl): more is a
-# zstd bomb, refused before it fills the disk. Object records (pickled state) may hold up to OBJECT_LIMIT.
+BLOCK = 4 * 2**20  # bytes compressed at a time when writing
+INPUT = 2**17  # compressed bytes read at a time (zstd's recommended input size)
+HEAD = 2**14  # decompressed bytes a chunk's archive is located from: data.pkl and the headers before the storage
+CURSORS = 16  # decompressors kept open part-way through their records: two per copy thread
+# A record decompresses to at most its elements plus this much archive (zip headers, data.pkl): a read
+# past that is a zstd bomb, refused. Object records (pickled state) may hold up to OBJECT_LIMIT.
 ARCHIVE_SLACK = 2**20
 OBJECT_LIMIT = 2**30
-_SPILL = "<zstd>/"  # names of decompressed records: no checkpoint file can be called so
+_NAME = "<zstd>/"  # names of records' decompressed bytes: no checkpoint file can be called so
+_HAS_DESCRIPTOR = 0x08  # general purpose flag: sizes and CRC-32 follow the entry's data
+_DESCRIPTORS = (struct.Struct("<4sL2L"), struct.Struct("<4sL2Q"))  # signature, CRC-32, sizes (zip64: 8 bytes each)
 
 
 def _zstandard():
@@ -55,92 +75,287 @@ def encoding_of(transforms, at: str) -> str:
     raise CheckpointError(f"{at} is stored with transforms [{shown}]; dcptool reads {', '.join(SUPPORTED)} only")
 
 
+@dataclass
+class _Record:
+    """A compressed record: ``[offset, offset+length)`` of ``relative``, decompressing to at most ``limit`` bytes."""
+
+    relative: str
+    offset: int
+    length: int
+    limit: int
+    size: int | None = None  # its decompressed bytes, once counted
+    used_end: int | None = None  # where the bytes read of it end (a chunk's storage): a cursor there is done
+
+
+class _Cursor:
+    """A record's decompression, ``pos`` bytes in; ``until`` is the end of the read in progress (None: idle)."""
+
+    def __init__(self, files: DecompressingFiles, name: str, record: _Record):
+        self.files, self.name, self.record = files, name, record
+        window = files.window(record.relative, record.offset, record.length)
+        self._reader = _zstandard().ZstdDecompressor().stream_reader(window, read_size=INPUT, read_across_frames=True)
+        self.pos, self.until, self.ended = 0, None, False
+
+    def read(self, offset: int, buffers: list[memoryview], whole: bool = True) -> int:
+        """Decompress the record's bytes from ``offset`` (``pos`` or later) into ``buffers`` in turn; returns how
+        many. Fewer than asked only at the record's end, which is corrupt when ``whole``."""
+        zstandard = _zstandard()
+        filled = 0
+        try:
+            if offset > self.pos:  # decompressed and discarded (seek stops at the end)
+                self.pos = self._reader.seek(offset - self.pos, os.SEEK_CUR)
+            self.ended = self.pos < offset
+            for buffer in buffers if not self.ended else ():
+                done = 0
+                while done < len(buffer) and not self.ended:
+                    got = self._reader.readinto(buffer[done:])
+                    done += got
+                    self.ended = got == 0
+                filled += done
+                self.pos += done
+        except zstandard.ZstdError as exc:
+            raise self.files.corrupt(self.name, printable(str(exc), 120)) from None
+        if self.ended and whole:
+            raise self.files.corrupt(self.name, f"it ends after {self.pos:,} decompressed bytes")
+        return filled
+
+
 class DecompressingFiles(CheckpointFiles):
-    """A checkpoint's files, plus its compressed records decompressed on first use under names of their own."""
+    """A checkpoint's files, plus the decompressed bytes of its compressed records under names of their own
+    (``record``). Those are read, never copied by the kernel (``local_fd`` is None): safe from several threads,
+    each read decompressing only what lies between an open cursor of the record and the bytes it wants."""
 
     def __init__(self, files: CheckpointFiles):
         self.__dict__.update(files.__dict__)  # the same store, caches and lock: one view of the folder
-        self._spill_lock = threading.Lock()
-        self._spilled: dict[tuple[str, int], tuple[str, int]] = {}
-        self._record_locks: dict[tuple[str, int], threading.Lock] = {}
-        self._names = itertools.count()
-        self._folder: Path | None = None
-        self._spill: LocalFolder | None = None
+        self._records: dict[str, _Record] = {}
+        self._cursors: list[_Cursor] = []  # least recently used first
+        self._waiting: list[tuple[str, int]] = []  # (name, offset) of the reads waiting for a cursor
+        self._turns = threading.Condition()
+
+    def record(self, relative: str, offset: int, length: int, limit: int) -> str:
+        """The name that the decompressed bytes of the record ``[offset, offset+length)`` of ``relative`` are read
+        under; a read past ``limit`` bytes of them is refused (a zstd bomb)."""
+        self.check_range(relative, offset, length)
+        name = f"{_NAME}{relative}@{offset}"
+        with self._turns:
+            self._records.setdefault(name, _Record(relative, offset, length, limit))
+        return name
 
     def decompressed(self, relative: str, offset: int, length: int, limit: int = OBJECT_LIMIT) -> tuple[str, int]:
-        """``(name, size)`` of the record ``[offset, offset+length)`` of ``relative``, decompressed
-        (refused when it would exceed ``limit`` bytes)."""
-        record = (relative, offset)
-        with self._spill_lock:
-            done = self._spilled.get(record)
-            lock = self._record_locks.setdefault(record, threading.Lock())
-        if done:
-            return done
-        with lock:  # one thread decompresses; the others wait for it
-            with self._spill_lock:
-                done = self._spilled.get(record)
-                if done:
-                    return done
-                if self._folder is None:
-                    self._folder = Path(tempfile.mkdtemp(prefix="dcptool-zstd-"))
-                    atexit.register(shutil.rmtree, self._folder, True)
-                    self._spill = LocalFolder(self._folder)
-                name = str(next(self._names))
-            size = self._decompress(relative, offset, length, self._folder / name, limit)
-            with self._spill_lock:
-                self._spilled[record] = (_SPILL + name, size)
-            return _SPILL + name, size
+        """``(name, size)`` of a record's decompressed bytes (``record``), decompressed to the end once to count
+        them: an object's record, read as a whole archive (its zip directory is at its end)."""
+        name = self.record(relative, offset, length, limit)
+        record = self._records[name]
+        if record.size is None:
+            cursor = _Cursor(self, name, record)
+            cursor.read(limit + 1, [], whole=False)  # stops at the end
+            if cursor.pos > limit:
+                raise self.too_large(name)
+            record.size = cursor.pos
+        return name, record.size
 
-    def _decompress(self, relative: str, offset: int, length: int, target: Path, limit: int) -> int:
-        zstandard = _zstandard()
-        window = self.window(relative, offset, length)
-        size = 0
-        try:
-            with open(target, "wb") as out, zstandard.ZstdDecompressor().stream_reader(
-                    window, read_size=min(BLOCK, max(length, 1)), read_across_frames=True) as reader:
-                while block := reader.read(BLOCK):
-                    size += len(block)
-                    if size > limit:
-                        raise CheckpointError(f"{self.path(relative)}: the zstd record at byte {offset:,} "
-                                              f"decompresses to more than the {limit:,} bytes it can hold")
-                    out.write(block)
-        except zstandard.ZstdError as exc:
-            raise CheckpointError(f"{self.path(relative)}: the zstd record at byte {offset:,} is corrupt "
-                                  f"({printable(str(exc), 120)})") from None
-        return size
+    def head(self, name: str, size: int) -> bytes:
+        """The first ``size`` bytes of a record's decompressed bytes (all of them when there are fewer)."""
+        buffer = bytearray(size)
+        got = _Cursor(self, name, self._records[name]).read(0, [memoryview(buffer)], whole=False)
+        return bytes(buffer[:got])
 
-    # Names of decompressed records are read from the temporary folder; all others from the checkpoint's.
+    def corrupt(self, name: str, why: str) -> CheckpointError:
+        record = self._records[name]
+        return CheckpointError(f"{super().path(record.relative)}: the zstd record at byte {record.offset:,} is corrupt "
+                               f"({why})")
+
+    def too_large(self, name: str) -> CheckpointError:
+        record = self._records[name]
+        return CheckpointError(f"{super().path(record.relative)}: the zstd record at byte {record.offset:,} "
+                               f"decompresses to more than the {record.limit:,} bytes it can hold")
+
+    # Records' names read through cursors; all others as the checkpoint's files.
+
+    def stored_in(self, relative: str) -> str:
+        return self._records[relative].relative if relative.startswith(_NAME) else relative
 
     def path(self, relative: str):
-        if relative.startswith(_SPILL):
-            return self._spill.path(relative[len(_SPILL):])
+        record = self._records.get(relative)
+        if record is not None:
+            return f"{super().path(record.relative)} (zstd record at byte {record.offset:,})"
         return super().path(relative)
 
     def _size_or_none(self, relative: str) -> int | None:
-        if relative.startswith(_SPILL):
-            return self._spill.file_size(relative[len(_SPILL):])
+        record = self._records.get(relative)
+        if record is not None:  # its size once counted; until then the most it may hold
+            return record.limit if record.size is None else record.size
         return super()._size_or_none(relative)
 
     def local_fd(self, relative: str) -> int | None:
-        if relative.startswith(_SPILL):
-            return self._spill.fd(relative[len(_SPILL):])
-        return super().local_fd(relative)
+        return None if relative in self._records else super().local_fd(relative)
 
     def read_into(self, relative: str, offset: int, buffer: memoryview) -> None:
-        if relative.startswith(_SPILL):
-            self.check_range(relative, offset, len(buffer))
-            self._spill.read_into(relative[len(_SPILL):], offset, buffer)
+        if relative in self._records:
+            self.read_scattered(relative, offset, [buffer])
+        else:
+            super().read_into(relative, offset, buffer)
+
+    def read_scattered(self, relative: str, offset: int, buffers: list[memoryview]) -> None:
+        record = self._records.get(relative)
+        if record is None:
+            super().read_scattered(relative, offset, buffers)
             return
-        super().read_into(relative, offset, buffer)
+        end = offset + sum(len(b) for b in buffers)
+        if end > record.limit:
+            raise self.too_large(relative)
+        self.check_range(relative, offset, end - offset)
+        if end == offset:
+            return
+        cursor = self._take(relative, record, offset, end)
+        failed = True
+        try:
+            cursor.read(offset, buffers)
+            failed = False
+        finally:
+            self._give_back(cursor, failed)
+
+    def _take(self, name: str, record: _Record, offset: int, end: int) -> _Cursor:
+        """An open cursor of the record at ``offset`` or before it (the nearest), else a new one; marked busy
+        until ``end``. A read waits for a busy cursor that will stop at or before its ``offset``, and for the
+        reads waiting nearer a cursor than itself: a record read in order by several threads (consecutive tasks
+        of one chunk) is decompressed once, each read continuing where the one before it stopped."""
+        ticket = (name, offset)  # told apart from other waiters' by identity
+        with self._turns:
+            try:
+                while True:
+                    mine = [c for c in self._cursors if c.name == name]
+                    idle = [c for c in mine if c.until is None and c.pos <= offset]
+                    nearest = max(idle, key=lambda c: c.pos, default=None)
+                    if nearest is not None and not any(
+                            w is not ticket and w[0] == name and nearest.pos <= w[1] < offset for w in self._waiting):
+                        self._cursors.remove(nearest)
+                        cursor = nearest
+                        break
+                    if nearest is None and not any(c.until is not None and c.until <= offset for c in mine):
+                        cursor = _Cursor(self, name, record)
+                        break
+                    if not any(w is ticket for w in self._waiting):
+                        self._waiting.append(ticket)
+                    self._turns.wait()
+            finally:
+                if any(w is ticket for w in self._waiting):  # the reads it kept waiting look again
+                    self._waiting[:] = [w for w in self._waiting if w is not ticket]
+                    self._turns.notify_all()
+            cursor.until = end
+            self._cursors.append(cursor)
+            self._evict()
+            return cursor
+
+    def _give_back(self, cursor: _Cursor, failed: bool) -> None:
+        with self._turns:
+            cursor.until = None
+            used_end = cursor.record.used_end
+            # After an error its state is unknown; at the end of what is read it has nothing left to give.
+            if failed or cursor.ended or (used_end is not None and cursor.pos >= used_end):
+                self._cursors.remove(cursor)
+            self._evict()
+            self._turns.notify_all()
+
+    def _evict(self) -> None:
+        """Close the least recently used idle cursors beyond ``CURSORS`` (their windows are most of their memory)."""
+        idle = [c for c in self._cursors if c.until is None]
+        for cursor in idle[:max(0, len(self._cursors) - CURSORS)]:
+            self._cursors.remove(cursor)
 
     def close(self) -> None:
         super().close()
-        with self._spill_lock:
-            if self._spill is not None:
-                self._spill.close()
-                shutil.rmtree(self._folder, ignore_errors=True)
-                self._spill, self._folder = None, None
-                self._spilled.clear()
+        with self._turns:
+            self._cursors.clear()
+
+
+class CompressedArchive:
+    """A chunk's ``torch.save`` archive in a zstd record, located from the record's first ``HEAD`` decompressed
+    bytes; ``load`` and ``raw_bytes`` as ``torch_archive.Archive``'s, the elements read under the record's name."""
+
+    def __init__(self, files: DecompressingFiles, relative: str, offset: int, length: int, limit: int):
+        self.files, self.limit = files, limit
+        self.name = files.record(relative, offset, length, limit)
+        self.where = str(files.path(self.name))
+        self._head = files.head(self.name, min(HEAD, limit))
+        try:
+            self._entries = _local_entries(self._head)
+        except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip header: "
+                                  f"{printable(str(exc), 120)})") from None
+        pickles = sorted((n for n in self._entries if n.endswith("data.pkl")), key=len)
+        if not pickles:
+            raise CheckpointError(f"{self.where}: not a torch.save archive (no data.pkl in its first {HEAD:,} bytes)")
+        self.prefix = pickles[0][: -len("data.pkl")]
+
+    def _entry(self, name: str) -> tuple[int, int | None]:
+        entry = self._entries.get(self.prefix + name)
+        if entry is None:
+            raise CheckpointError(f"{self.where}: archive has no entry {printable(name)!r} in its first {HEAD:,} bytes")
+        return entry
+
+    def load(self) -> Any:
+        """The archived object, with tensors as ``safe_pickle.TensorRef``."""
+        start, size = self._entry("data.pkl")
+        if size is None:
+            raise CheckpointError(f"{self.where}: data.pkl does not end within the archive's first {HEAD:,} bytes")
+        return safe_pickle.load_bytes(self._head[start:start + size], f"{self.where}/data.pkl")
+
+    def raw_bytes(self, tensor: safe_pickle.TensorRef) -> RawBytes:
+        """Where the elements of ``tensor`` are in the record's decompressed bytes, checked against its storage."""
+        start, size = self._entry(f"data/{tensor.storage.key}")
+        itemsize = tensor.dtype.itemsize
+        if size is None:  # said only by its data descriptor, behind its bytes: the size data.pkl gives it
+            size = tensor.storage.numel * itemsize
+        if start + size > self.limit:
+            raise self.files.too_large(self.name)
+        raw = RawBytes(self.name, start + tensor.storage_offset * itemsize, tensor.shape, tensor.stride, itemsize)
+        if tensor.storage_offset * itemsize + raw.span > size or size < tensor.storage.numel * itemsize:
+            raise CheckpointError(f"{self.where}: tensor bytes lie outside storage "
+                                  f"data/{printable(tensor.storage.key)}")
+        self.files._records[self.name].used_end = start + size  # no read goes past the storage
+        return raw
+
+
+def _local_entries(head: bytes) -> dict[str, tuple[int, int | None]]:
+    """``name -> (data start, size)`` of the stored zip entries whose local headers lie in ``head``, an archive's
+    first bytes, walked in order; the size is None for the last one when its end is beyond ``head``."""
+    entries: dict[str, tuple[int, int | None]] = {}
+    position = 0
+    while head.startswith(b"PK\x03\x04", position) and position + _LOCAL_HEADER.size <= len(head):
+        fields = _LOCAL_HEADER.unpack_from(head, position)
+        flags, method, size, name_length, extra_length = fields[3], fields[4], fields[9], fields[10], fields[11]
+        name_end = position + _LOCAL_HEADER.size + name_length
+        start = name_end + extra_length
+        if start > len(head):
+            break
+        name = head[position + _LOCAL_HEADER.size:name_end].decode()
+        if method != 0:
+            raise ValueError(f"entry {name!r} is compressed; torch.save never compresses")
+        end = None
+        if flags & _HAS_DESCRIPTOR:
+            size, end = _described(head, start) or (None, None)
+        elif size == _FIELD_LIMIT:
+            size, _ = _zip64_values(head[name_end:start], (fields[8], fields[9]), 0)
+        entries[name] = (start, size)
+        if size is None:
+            break
+        position = end if end is not None else start + size
+    return entries
+
+
+def _described(head: bytes, start: int) -> tuple[int, int] | None:
+    """``(size, end of its descriptor)`` of the entry whose data starts at ``start`` and is followed by a data
+    descriptor: the first descriptor whose sizes and CRC-32 match the bytes before it; None if not in ``head``."""
+    at = head.find(b"PK\x07\x08", start)
+    while at >= 0:
+        for descriptor in _DESCRIPTORS:
+            if at + descriptor.size <= len(head):
+                _, crc, compressed, uncompressed = descriptor.unpack_from(head, at)
+                if compressed == uncompressed == at - start and crc == zlib.crc32(head[start:at]):
+                    return at - start, at + descriptor.size
+        at = head.find(b"PK\x07\x08", at + 1)
+    return None
 
 
 def compress_records(folder: Path, name: str, records: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.compression import ARCHIVE_SLACK
+from dcptool.compression import ARCHIVE_SLACK, CompressedArchive
 from dcptool.errors import CheckpointError
 from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles
@@ -237,7 +237,7 @@ class Checkpoint:
         """The files the entries' bytes live in, relative to ``root``."""
         used = {f for t in self.tensors.values() for f in
                 (t.chunks.files if isinstance(t.chunks, ChunkTable) else [c.file for c in t.chunks])}
-        used |= {o.blob[0] for o in self.objects.values() if o.blob}
+        used |= {self.files.stored_in(o.blob[0]) for o in self.objects.values() if o.blob}
         return sorted(used)
 
     def validate(self) -> None:
@@ -289,11 +289,11 @@ class Checkpoint:
             self.files.check_range(chunk.file, chunk.offset, raw.span)
             return raw
         if chunk.encoding in ("torch-archive", "zstd-archive"):
-            file, offset, length = chunk.file, chunk.offset, chunk.length
-            if chunk.encoding == "zstd-archive":  # decompressed once into a file of its own (dcptool.compression)
-                limit = chunk.numel * dtypes.dtype(tensor.dtype).itemsize + ARCHIVE_SLACK
-                (file, length), offset = self.files.decompressed(file, offset, length, limit), 0
-            archive = Archive(self.files, file, offset, length)
+            if chunk.encoding == "zstd-archive":  # located from its head, read by streaming decompression
+                limit = chunk.numel * itemsize + ARCHIVE_SLACK
+                archive = CompressedArchive(self.files, chunk.file, chunk.offset, chunk.length, limit)
+            else:
+                archive = Archive(self.files, chunk.file, chunk.offset, chunk.length)
             ref = archive.load()
             if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes or ref.dtype.name != tensor.dtype:
                 raise CheckpointError(

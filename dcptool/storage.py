@@ -137,6 +137,10 @@ class CheckpointFiles:
             self._sizes.update(sizes)
         return sorted(sizes)
 
+    def stored_in(self, relative: str) -> str:
+        """The checkpoint file that a name's bytes come from: itself (a decompressed record names another)."""
+        return relative
+
     def local_fd(self, relative: str) -> int | None:
         """The OS file descriptor of a local file (kept open until ``close``), or None for a remote one."""
         return self._store.fd(relative)

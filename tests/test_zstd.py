@@ -2,6 +2,18 @@
 ``dcp.save(FileSystemWriter(_extensions=[ZStandard()]))`` is read bitwise, and dcptool's
 ``--compress zstd`` output is loaded by ``dcp.load`` in a real gloo job."""
 
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import pytest
 import torch
 
@@ -9,8 +21,10 @@ from conftest import dcptool, read_tensor
 from jobs import REPO, run_job
 from dcptool import compression, formats
 from dcptool.errors import CheckpointError
+from dcptool.storage import CheckpointFiles
 
-pytest.importorskip("zstandard", reason="zstd DCP needs the zstandard package (pip install 'dcptool[zstd]')")
+zstandard = pytest.importorskip("zstandard",
+                                reason="zstd DCP needs the zstandard package (pip install 'dcptool[zstd]')")
 STORAGE_JOBS = REPO / "tests" / "storage_jobs.py"
 
 
@@ -24,6 +38,9 @@ def saved(tmp_path_factory):
 def test_zstd_save_is_read_bitwise(saved, tmp_path):
     checkpoint = formats.open_checkpoint(saved)
     assert {c.encoding for t in checkpoint.tensors.values() for c in t.chunks} == {"zstd-archive"}
+    assert checkpoint.object_value(checkpoint.objects["train_state.step"]) == 7
+    # A decompressed object is read from its data file, which inspect counts once.
+    assert checkpoint.data_files() == sorted(p.name for p in saved.glob("*.distcp"))
     expected = torch.load(f"{saved}.reference.pt", weights_only=True)
     for key, tensor in expected.items():
         assert torch.equal(read_tensor(checkpoint, key), tensor), key
@@ -47,18 +64,96 @@ def test_other_transforms_are_named():
 
 
 def test_zstd_bomb_is_refused(saved, tmp_path):
-    import shutil
-
-    import zstandard
-
+    """A record whose archive holds a 9 MiB storage for a chunk of 96 bytes (zeros: it compresses to about
+    1 KB) is refused before its storage is decompressed."""
     bomb = tmp_path / "bomb"
     shutil.copytree(saved, bomb)
-    chunk = formats.open_checkpoint(bomb).tensors["embed.weight"].chunks[0]
-    data = zstandard.ZstdCompressor().compress(b"\0" * (9 * 2**20))  # 9 MiB for a chunk of 84 bytes
-    assert len(data) <= chunk.length
-    with open(bomb / chunk.file, "r+b") as file:
-        file.seek(chunk.offset)
+    metadata = pickle.loads((bomb / ".metadata").read_bytes())  # written by torch in the job above
+    index, info = next((index, info) for index, info in metadata.storage_data.items()
+                       if index.fqn == "embed.weight" and info.relative_path == "__0_0.distcp")
+    archive = io.BytesIO()
+    torch.save(torch.zeros(9 * 2**20 // 4)[:24].view(4, 6), archive)  # a view saves all of its storage
+    data = zstandard.ZstdCompressor().compress(archive.getvalue())
+    with open(bomb / info.relative_path, "ab") as file:
+        end = file.tell()
         file.write(data)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=end, length=len(data))
+    (bomb / ".metadata").write_bytes(pickle.dumps(metadata))
     result = dcptool("convert", bomb, tmp_path / "out.pt", "--to", "torch", check=False)
-    assert result.returncode == 2 and "decompresses to more than" in result.stderr
+    assert result.returncode == 2 and "decompresses to more than the 1,048,672 bytes it can hold" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.pt").exists()
+
+
+def test_corrupt_stream_is_one_line(saved, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    chunk = formats.open_checkpoint(broken).tensors["proj.weight"].chunks[1]
+    with open(broken / chunk.file, "r+b") as file:
+        file.seek(chunk.offset)
+        file.write(b"\0\0\0\0")  # no zstd frame starts so
+    result = dcptool("convert", broken, tmp_path / "out.pt", "--to", "torch", check=False)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{chunk.file}: the zstd record at byte {chunk.offset:,} is corrupt (" in result.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+# Runs dcptool's command line once per argument list, recording every temporary file or folder Python's
+# tempfile makes (the audit events it raises): wherever TMPDIR points, tempfile falls back to /tmp.
+TEMPFILE_WATCH = """
+import json, sys
+made = []
+sys.addaudithook(lambda event, args: made.append(str(args[0])) if event.startswith("tempfile.mk") else None)
+from dcptool.cli import main
+codes = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        codes.append(exit.code)
+print(json.dumps({"codes": codes, "temporaries": made}))
+"""
+
+
+def test_read_with_no_temporary_files(saved, tmp_path):
+    """convert, reshard and verify of zstd DCP write nothing under TMPDIR, even where it cannot be written."""
+    if os.geteuid() == 0:  # root writes through any mode: a folder that does not exist instead
+        tmpdir = tmp_path / "absent"
+    else:
+        tmpdir = tmp_path / "read-only"
+        tmpdir.mkdir(mode=0o500)
+    runs = [["convert", str(saved), str(tmp_path / "out.pt"), "--to", "torch", "--max-memory", "64KiB"],
+            ["reshard", str(saved), str(tmp_path / "dp1"), "--dp", "1"],
+            ["verify", str(saved), f"{saved}.reference.pt", "--exclude", "^train_state"]]
+    env = dict(os.environ, TMPDIR=str(tmpdir), TEMP=str(tmpdir), TMP=str(tmpdir))
+    done = subprocess.run([sys.executable, "-c", TEMPFILE_WATCH, json.dumps(runs)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"codes": [0, 0, 0], "temporaries": []}, done.stderr
+    assert not tmpdir.exists() or not any(tmpdir.iterdir())
+    for out in (tmp_path / "out.pt", tmp_path / "dp1"):  # checked against torch's own save of the state
+        dcptool("verify", out, f"{saved}.reference.pt", "--exclude", "^train_state")
+
+
+def test_a_record_is_decompressed_once_when_read_in_order(tmp_path):
+    """Slabs of one record read one after another, each by a thread of its own as copy tasks are, continue
+    one cursor; a read behind every cursor starts another; reads from many threads at once get the right bytes."""
+    data = np.random.default_rng(0).integers(0, 16, 2**21, dtype=np.uint8).tobytes()  # 2 MiB that compress to half
+    compressed = zstandard.ZstdCompressor().compress(data)
+    (tmp_path / "records").write_bytes(b"x" * 100 + compressed)
+    files = compression.DecompressingFiles(CheckpointFiles(tmp_path))
+    name = files.record("records", 100, len(compressed), len(data))
+    out, slab = bytearray(len(data)), len(data) // 8
+    for start in range(0, len(data), slab):
+        reader = threading.Thread(target=files.read_into, args=(name, start, memoryview(out)[start:start + slab]))
+        reader.start()
+        reader.join()
+        assert [c.pos for c in files._cursors] == [start + slab]  # the one cursor, where this read stopped
+    assert out == data
+    files.read_into(name, slab, memoryview(out)[slab:slab + 10])
+    assert sorted(c.pos for c in files._cursors) == [slab + 10, len(data)]
+
+    rows = [(start, memoryview(bytearray(4096))) for start in range(0, len(data) - 4096, 65533)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda row: files.read_into(name, *row), rows[::-1] + rows))
+    assert all(bytes(buffer) == data[start:start + 4096] for start, buffer in rows)
+    assert len(files._cursors) <= compression.CURSORS
