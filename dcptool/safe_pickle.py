@@ -1354,6 +1354,8 @@ class _Machine:
 def load_bytes(data: bytes, source: str) -> Any:
     """Unpickle ``data`` with the allowlist; ``source`` names the file in error messages."""
     machine = _Machine(bytes(data), source)
+    collecting = gc.isenabled()
+    gc.disable()  # the result holds no cycles (checked), and collections while building it cost a tenth of the time
     try:
         result = machine.run()
         if machine.shells:
@@ -1376,6 +1378,8 @@ def load_bytes(data: bytes, source: str) -> Any:
     finally:
         machine.hashing.clear()
         machine.hashes.clear()
+        if collecting:
+            gc.enable()
 
 
 def walk(obj: Any, visit: Callable[[Any], None]) -> None:
