@@ -19,14 +19,16 @@ unpickler, and chunks are placed by the global offsets the files record, never b
 The model files give the model at the top level; the optimizer files give
 ``optimizer.state.<param>.<moment>`` (laid out like the parameter) and ``optimizer.param_groups``;
 the extra-state files give ``extra_state.lr_scheduler.*`` and, per saving rank,
-``extra_state.rank_<r>.*`` (its RNG state). The optimizer files are read in any of FSDP1's three
-forms (``OPTIMIZER_FORMS``): ``FSDP.optim_state_dict`` keyed by name (``named``), and verl's plain
+``extra_state.rank_<r>.*`` (its RNG state). The optimizer files are read in any of the forms
+``OPTIMIZER_FORMS`` names: ``FSDP.optim_state_dict`` keyed by name (``named``), and verl's plain
 ``optimizer.state_dict()`` of FSDP1 with ``use_orig_params=False`` (``flat``: one entry per FSDP
 unit, each moment the rank's shard of the unit's flat parameter, laid out by ``flat_parameters``)
-or ``use_orig_params=True`` (``orig``: the rank's 1-D piece of each parameter); also FSDP2's.
-``info`` records the forms read (``optimizer_form``, ``model_values``, the DTensors' ``mesh``). What
-cannot be read (flat state of another layout than the one computed, an extra state the restricted
-unpickler refuses) is left out with a line in ``info["not_read"]``.
+or ``use_orig_params=True`` (``orig``: the rank's 1-D piece of each parameter), or of FSDP2
+(``fsdp2``: verl's folder of ``fully_shard``, ``FSDP_version: 2``, keyed by parameter position, the
+moments DTensors like the model values). ``info`` records the forms read (``optimizer_form``,
+``model_values``, the DTensors' ``mesh``). What cannot be read (flat state of another layout than
+the one computed, an extra state the restricted unpickler refuses) is left out with a line in
+``info["not_read"]``.
 
 The writer produces, without importing torch, files that a real ``W``-process FSDP1 job loads with
 verl's own ``load_checkpoint`` calls (each rank's files ``torch.load``ed, then under
@@ -34,12 +36,16 @@ verl's own ``load_checkpoint`` calls (each rank's files ``torch.load``ed, then u
 are): model values as the ShardedTensor of FSDP1 without a device mesh, or the DTensor of FSDP1
 given verl's 1-D device mesh of the world; the optimizer in the form that job saves (``flat``
 for verl's default ``use_orig_params=False``, ``orig`` for True), or ``named`` for a job that
-loads through ``FSDP.optim_state_dict_to_load``. ``output_forms`` picks the forms (the source's by
-default); ``entries`` chooses what goes out of any checkpoint (model, optimizer, scheduler;
-per-rank state on request). The pickles, the DeviceMesh state and the flat-parameter layout are
-torch 2.13's, checked against real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
-Not laid out in ``flat`` and ``orig``: tied parameters (FSDP1 keeps a shared parameter once), refused
-when the config says ``tie_word_embeddings`` or the input and output embeddings hold the same values.
+loads through ``FSDP.optim_state_dict_to_load``; or an FSDP2 folder (``fsdp2``: DTensor values and
+moments on verl's mesh, also on one rank, ``FSDP_version: 2``) that a real ``W``-process FSDP2 job
+loads with verl's calls (``fully_shard``, then ``model.load_state_dict`` and
+``optimizer.load_state_dict`` of the files as they are). ``output_forms`` picks the forms (the
+source's by default); ``entries`` chooses what goes out of any checkpoint (model, optimizer,
+scheduler; per-rank state on request). The pickles, the DeviceMesh state and the flat-parameter
+layout are torch 2.13's, checked against real gloo jobs of torch 2.13 (tests/test_verl.py,
+tests/test_fsdp1.py). Not laid out in ``flat``, ``orig`` and ``fsdp2``: tied parameters (FSDP keeps
+a shared parameter once among the optimizer's parameters), refused when the config says
+``tie_word_embeddings`` or the input and output embeddings hold the same values.
 ``orig`` aligns each parameter to 16 bytes of the dtype FSDP1 computes in, which a MixedPrecision
 ``param_dtype`` changes: the alignment is taken from a ``use_orig_params=True`` source of 2+ ranks
 (the pieces its ranks saved tell it), else assumed from the parameters' dtype, as the output line says.
@@ -222,7 +228,7 @@ EXTRA_STATE = "extra_state"  # extra_state.lr_scheduler.*, and extra_state.rank_
 def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], model_keys: list[tuple[str, str]],
                     tensors: dict, objects: dict, kinds: dict) -> tuple[list[str], str | None]:
     """The optimizer files, as ``optimizer.state.<param>.<moment>`` laid out like the parameter: lines for
-    what is not read, and the form read (one of ``OPTIMIZER_FORMS``; None for FSDP2's).
+    what is not read, and the form read (one of ``OPTIMIZER_FORMS``).
 
     ``FSDP.optim_state_dict`` under SHARDED_STATE_DICT (``named``) keys the state by parameter name,
     each moment sharded like its parameter. The plain ``optimizer.state_dict()`` that verl's checkpoint
@@ -257,7 +263,7 @@ def _read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], 
         raise CheckpointError(f"{archives[0].where}: optimizer state keyed by something other than names and numbers")
     dtensor_moments = any(_is_dtensor(v) for root in roots for entry in root["state"].values()
                           if isinstance(entry, dict) for v in entry.values())
-    form = "named" if not by_position else None if dtensor_moments else "orig"
+    form = "named" if not by_position else "fsdp2" if dtensor_moments else "orig"
     owners = [(key,) for key in params]  # the parameters whose state each position holds
     units = flat_parameters(params, {key: math.prod(shape) for key, shape in shapes.items()})
     try:
@@ -938,6 +944,7 @@ OPTIMIZER_FORMS = {  # --optim-form: how the optimizer files hold the state
     "flat": "optimizer.state_dict() of FSDP1 with use_orig_params=False (verl's default), a flat parameter per "
             "FSDP unit",
     "orig": "optimizer.state_dict() of FSDP1 with use_orig_params=True, a 1-D piece of each parameter per rank",
+    "fsdp2": "optimizer.state_dict() of FSDP2 (fully_shard), each moment a DTensor laid out like its parameter",
 }
 # verl's create_device_mesh: init_device_mesh(device, (world_size,), mesh_dim_names=["fsdp"])
 VERL_MESH_DIM_NAMES = ("fsdp",)
@@ -947,10 +954,11 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
                  model_values: str | None = None) -> tuple[dict[str, Any], str]:
     """The ``Writer`` options that ``--optim-form`` and ``--model-values`` choose, and a line saying what they give.
 
-    Each left out is the source's when the source is an FSDP1 folder (its reader records its forms in
+    Each left out is the source's when the source is a verl folder (its reader records its forms in
     ``info``), else ``named`` and ``sharded-tensor``. ``model_values`` is ``sharded-tensor`` (FSDP1
     built without a device mesh) or ``dtensor[:DEVICE]`` (FSDP1 given verl's 1-D device mesh of the
-    world). FSDP1 loads a DTensor only on a mesh equal to its own (device type, dim names): the mesh
+    world). ``fsdp2`` writes an FSDP2 folder, whose model values are always DTensors (the default
+    with it). FSDP loads a DTensor only on a mesh equal to its own (device type, dim names): the mesh
     is on DEVICE, else on the source mesh's device type, else ``cuda``; its dim names are the source
     mesh's, else verl's ``("fsdp",)``.
     """
@@ -958,11 +966,14 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
     form = optim_form or source.get("optimizer_form") or "named"
     if form not in OPTIMIZER_FORMS:
         raise UsageError(f"--optim-form {form}: choose {', '.join(OPTIMIZER_FORMS)}")
-    values = model_values or source.get("model_values") or "sharded-tensor"
+    values = model_values or ("dtensor" if form == "fsdp2" else source.get("model_values") or "sharded-tensor")
     kind, _, device = values.partition(":")
     if values != "sharded-tensor" and not (kind == "dtensor" and (not device or _DEVICE.fullmatch(device))):
         raise UsageError(f"--model-values {printable(values, 40)}: choose sharded-tensor, dtensor or dtensor:DEVICE "
                          "(e.g. dtensor:cuda)")
+    if form == "fsdp2" and kind != "dtensor":
+        raise UsageError(f"--model-values {values}: FSDP2's model files hold DTensors, which --optim-form fsdp2 "
+                         "needs (--model-values dtensor[:DEVICE])")
     config_dir = checkpoint.info.get("hf_config_dir")
     if form != "named":
         from dcptool.conversion import read_config  # conversion imports the formats, which import this module
@@ -973,8 +984,8 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
         if tied is True or tied_pair:
             said = f"{config_dir}/config.json: tie_word_embeddings" if tied is True else \
                 f"{checkpoint.root}: {tied_pair[0]} and {tied_pair[1]} hold the same values (tied embeddings)"
-            raise UsageError(f"{said}: FSDP1 holds a tied parameter once in its flat parameter, which --optim-form "
-                             f"{form} does not lay out (--optim-form named does)")
+            raise UsageError(f"{said}: FSDP holds a tied parameter once among the optimizer's parameters, which "
+                             f"--optim-form {form} does not lay out (--optim-form named does)")
     options: dict[str, Any] = {"optim_form": form}
     optimizer = OPTIMIZER_FORMS[form]
     if form == "orig":
@@ -1027,16 +1038,17 @@ class Writer:
     splits it (``torch.chunk`` over ``world_size``) and stored as the ``ShardedTensor`` rank ``r``
     pickles, or with ``mesh_device`` the ``DTensor`` of FSDP1 given a 1-D device mesh of that device
     type named ``mesh_dim_names``; tensors of shape ``()`` and those whose key matches ``replicate``
-    (a regular expression, for buffers FSDP1 does not shard) go into every rank's file as plain
+    (a regular expression, for buffers FSDP does not shard) go into every rank's file as plain
     tensors. Objects go into every file unchanged, nested again under their paths as the reader
-    flattened them. On one rank (NO_SHARD) every tensor is plain, as FSDP1 saves it there.
+    flattened them. On one rank (NO_SHARD) every tensor is plain, as FSDP1 saves it there; FSDP2
+    (``optim_form`` ``fsdp2``) keeps DTensors on a mesh of one rank.
 
     ``optim_world_size_{W}_rank_{r}.pt`` (entries under ``optimizer``), as ``optim_form`` says:
     ``named``: what ``FSDP.optim_state_dict`` gives under SHARDED_STATE_DICT, ``{"state": {param:
     {"step": t, "exp_avg": <sharded like the parameter>, ...}}, "param_groups": [...]}``, which
     ``FSDP.optim_state_dict_to_load`` takes; ``flat`` and ``orig``: the plain ``optimizer.state_dict()``
-    of FSDP1 with ``use_orig_params`` False or True (``PlainOptimizer``), which verl's
-    ``optimizer.load_state_dict`` takes as it is. ``extra_state_world_size_{W}_rank_{r}.pt``
+    of FSDP1 with ``use_orig_params`` False or True, ``fsdp2``: that of FSDP2 (``PlainOptimizer``), which
+    verl's ``optimizer.load_state_dict`` takes as it is. ``extra_state_world_size_{W}_rank_{r}.pt``
     (entries under ``extra_state``): ``{"lr_scheduler": ...}`` in every file, plus what source rank
     ``r`` saved of its own (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it.
     ``hf_config_dir`` is copied to ``huggingface/``.
@@ -1053,7 +1065,10 @@ class Writer:
             raise UsageError(f"fsdp1 world_size must be a positive integer, not {world_size!r}")
         if optim_form not in OPTIMIZER_FORMS:
             raise UsageError(f"fsdp1 optim_form {optim_form!r}: choose {', '.join(OPTIMIZER_FORMS)}")
+        if optim_form == "fsdp2" and mesh_device is None:
+            raise UsageError("fsdp1 optim_form 'fsdp2' needs a mesh_device: FSDP2's model values are DTensors")
         self.folder, self.world_size, self.optim_form = Path(folder), world_size, optim_form
+        self.fsdp_version = 2 if optim_form == "fsdp2" else 1  # fsdp_config.json's FSDP_version, as verl writes it
         self.mesh_device, self.mesh_dim_names = mesh_device, mesh_dim_names
         self.orig_alignment = orig_alignment
         self.out = OutputFiles(folder)
@@ -1070,8 +1085,9 @@ class Writer:
         self._start_of: dict[tuple[str, str], int] = {}  # (file, storage key) -> where its bytes start
 
     def _replicated(self, tensor) -> bool:
-        # FSDP1 on one rank runs NO_SHARD, whose SHARDED_STATE_DICT holds plain tensors.
-        return self.world_size == 1 or not tensor.shape or bool(self.replicate and self.replicate.search(tensor.key))
+        # FSDP1 on one rank runs NO_SHARD, whose SHARDED_STATE_DICT holds plain tensors; FSDP2 keeps DTensors.
+        return (self.world_size == 1 and self.fsdp_version == 1) or not tensor.shape \
+            or bool(self.replicate and self.replicate.search(tensor.key))
 
     def _part(self, entry, rank: int) -> tuple[str, tuple] | None:
         """``(file kind, path inside the file)`` of an entry in rank ``rank``'s files; None if that rank has none of it."""
@@ -1110,7 +1126,7 @@ class Writer:
                 elif self._replicated(entry) or kind == "extra_state":
                     entries[kind][inside] = self.whole(entry, rank, name)
                 else:
-                    entries[kind][inside] = self._sharded(entry, rank, name)
+                    entries[kind][inside] = self.sharded(entry, rank, name)
             extra = entries.get("extra_state")
             if extra is not None and not any(path[0] == "lr_scheduler" for path in extra):
                 extra[("lr_scheduler",)] = None  # verl's load_checkpoint reads extra_state["lr_scheduler"]
@@ -1143,7 +1159,7 @@ class Writer:
         piece = RankPiece(tensor, (0,) * len(tensor.shape), tuple(tensor.shape), rank, file)
         return self.stored(file, tensor.dtype, tensor.shape, [(piece, 0)])
 
-    def _sharded(self, tensor: OutTensor, rank: int, file: str) -> Reduced:
+    def sharded(self, tensor: OutTensor, rank: int, file: str) -> Reduced:
         """Rank ``rank``'s rows of ``tensor`` (``torch.chunk`` on dim 0) as the ShardedTensor or DTensor FSDP1 saves."""
         shards = _torch_chunk(tensor.shape[0], self.world_size)
         start, rows = shards[rank] if rank < len(shards) else (tensor.shape[0], 0)
@@ -1216,13 +1232,13 @@ class Writer:
         if self.hf_config_dir is not None:
             (self.folder / HF_DIR).mkdir()
             copy_config(self.hf_config_dir, self.folder / HF_DIR)
-        config = {"FSDP_version": 1, "world_size": self.world_size}
+        config = {"FSDP_version": self.fsdp_version, "world_size": self.world_size}
         (self.folder / CONFIG).write_text(json.dumps(config) + "\n")
         return []
 
 
 class PlainOptimizer:
-    """The optimizer entries as FSDP1's plain ``optimizer.state_dict()`` holds them on each rank, keyed by
+    """The optimizer entries as FSDP's plain ``optimizer.state_dict()`` holds them on each rank, keyed by
     position among the optimizer's parameters (param group after param group, each in the model's order).
 
     ``flat`` (``use_orig_params=False``): a position per FSDP unit (``flat_parameters``), each moment
@@ -1230,15 +1246,17 @@ class PlainOptimizer:
     (``step``) are its first parameter's, as FSDP1 keeps one per flat parameter. ``orig``
     (``use_orig_params=True``): a position per parameter, with an entry on each rank whose shard holds
     some of it, each moment that 1-D piece, the flat parameter aligned for the parameters' own dtype
-    (FSDP1 without a MixedPrecision param_dtype); on one rank the moments are whole. ``param_groups``
-    keep the source's settings, their ``params`` numbered so.
+    (FSDP1 without a MixedPrecision param_dtype); on one rank the moments are whole. ``fsdp2``
+    (``fully_shard``): a position per parameter as with ``orig``, on every rank, each moment the DTensor
+    of its parameter's rows (``Writer.sharded``), scalars as saved. ``param_groups`` keep the source's
+    settings, their ``params`` numbered so.
     """
 
     def __init__(self, form: str, parameters: list[OutTensor], tensors, objects, world_size: int,
                  orig_alignment: int | None = None):
         from dcptool.conversion import WRAPPER_PREFIXES  # conversion imports the formats, which import this module
 
-        self.world_size = world_size
+        self.form, self.world_size = form, world_size
         dtype_of = {t.key: t.dtype for t in parameters}
         aligned = (lambda unit: 0) if form != "orig" else (lambda unit: orig_alignment) if orig_alignment else \
             (lambda unit: 16 // dtypes.dtype(dtype_of[unit[0]]).itemsize)
@@ -1297,6 +1315,12 @@ class PlainOptimizer:
         state = {}
         for position, (unit, index) in enumerate(self.positions):
             first = self.state.get(unit.params[0 if index is None else index])
+            if self.form == "fsdp2":  # every rank holds every parameter's state, DTensors like the parameter
+                if first:
+                    state[position] = {name: value.value() if isinstance(value, OutObject) else
+                                       writer.sharded(value, rank, file) if value.shape else
+                                       writer.whole(value, rank, file) for name, value in first.items()}
+                continue
             runs = [run for run in unit.on_rank(rank, self.world_size) if index is None or run[0] == index]
             if not first or (index is not None and not runs):  # a flat shard of padding only still has its state
                 continue
@@ -1412,8 +1436,9 @@ def device_mesh(world_size: int, rank: int, device_type: str, dim_names: tuple[s
     process group is the default group, named ``"0"``; ``_hash`` is left unset as in a mesh never
     hashed (a saved one is the saving process's hash of names, which differs between processes).
     """
-    layout = new_object(_MESH_LAYOUT, "_MeshLayout", {
-        "axes": (new_object(_MESH_LAYOUT, "_FlatLayout", {"shape": (world_size,), "stride": (1,)}),)})
+    # _FlatLayout keeps a canonical form without dims of size 1: a mesh of one rank has an empty axis.
+    axis = {"shape": (world_size,), "stride": (1,)} if world_size > 1 else {"shape": (), "stride": ()}
+    layout = new_object(_MESH_LAYOUT, "_MeshLayout", {"axes": (new_object(_MESH_LAYOUT, "_FlatLayout", axis),)})
     return new_object("torch.distributed.device_mesh", "DeviceMesh", {
         "_device_type": device_type,
         "_layout": layout,

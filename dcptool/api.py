@@ -152,7 +152,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
     """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, fsdp1), every key as saved.
 
     For ``to="fsdp1"`` (verl's per-rank files): ``world_size``, ``keep_rank_state``, and the forms
-    ``optim_form`` (named, flat, orig) and ``model_values`` (sharded-tensor, dtensor[:DEVICE]).
+    ``optim_form`` (named, flat, orig, fsdp2) and ``model_values`` (sharded-tensor, dtensor[:DEVICE]).
 
     ``report.left_out`` lists what the format cannot hold, ``report.notes`` what an adapter renamed or left out.
 

@@ -338,7 +338,7 @@ def _naming(checkpoint) -> dict | None:
 
 
 # verl's FSDP1 files (--to fsdp1): how the optimizer and model files hold their tensors (converters/fsdp1.output_forms).
-OptimFormOption = typer.Option(None, "--optim-form", help="With --to fsdp1, how the optimizer files hold the state: flat (verl's plain optimizer.state_dict() under FSDP1 with use_orig_params=False, its default) or orig (use_orig_params=True), which verl's optimizer.load_state_dict loads as they are; or named (FSDP.optim_state_dict, loaded through FSDP.optim_state_dict_to_load). Default: the source folder's form, else named.")
+OptimFormOption = typer.Option(None, "--optim-form", help="With --to fsdp1, how the optimizer files hold the state: flat (verl's plain optimizer.state_dict() under FSDP1 with use_orig_params=False, its default) or orig (use_orig_params=True), which verl's optimizer.load_state_dict loads as they are; or named (FSDP.optim_state_dict, loaded through FSDP.optim_state_dict_to_load); or fsdp2 (an FSDP2 folder: optimizer.state_dict() of fully_shard, DTensor moments and model values, FSDP_version 2). Default: the source folder's form, else named.")
 ModelValuesOption = typer.Option(None, "--model-values", help="With --to fsdp1: sharded-tensor (FSDP1 without a device mesh) or dtensor[:DEVICE] (FSDP1 given verl's 1-D device mesh, which must equal the loading job's: on DEVICE, else the source mesh's device type, else cuda; named as the source mesh, else fsdp). Default: the source folder's, else sharded-tensor.")
 
 
@@ -353,7 +353,7 @@ def convert_command(
     exclude: Optional[str] = ExcludeOption,
     world_size: int = typer.Option(1, "--world-size", help="Ranks to write for --to fsdp1."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="With --to fsdp1: give each new rank the state its source rank saved of its own (RNG) instead of dropping it."),
-    optim_form: Optional[Literal["named", "flat", "orig"]] = OptimFormOption,
+    optim_form: Optional[Literal["named", "flat", "orig", "fsdp2"]] = OptimFormOption,
     model_values: Optional[str] = ModelValuesOption,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file for --to hf."),
     adapter: Optional[Family] = TargetAdapterOption,
@@ -555,7 +555,7 @@ def reshard(
     plan: str = PlanOption,
     to: Literal["dcp", "fsdp1"] = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
-    optim_form: Optional[Literal["named", "flat", "orig"]] = OptimFormOption,
+    optim_form: Optional[Literal["named", "flat", "orig", "fsdp2"]] = OptimFormOption,
     model_values: Optional[str] = ModelValuesOption,
     adapter: Optional[Family] = TargetAdapterOption,
     config_dir: Optional[str] = ConfigDirOption,

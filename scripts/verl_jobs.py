@@ -6,6 +6,7 @@ Run under torchrun::
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/verl_jobs.py save OUT [--by-name] [--dtensor] [--flat-params]
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume-verl DIR RESULT.json [--dtensor] [--orig-params]
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume DIR RESULT.json
+    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume-fsdp2 DIR RESULT.json
 
 ``save`` trains two steps of a tiny model under FSDP1 and saves it as verl's
 ``FSDPCheckpointManager.save_checkpoint`` does (verl/utils/checkpoint/fsdp_checkpoint_manager.py):
@@ -27,7 +28,8 @@ does: FSDP1 built as verl builds it (``--dtensor``: with its device mesh; ``--or
 under SHARDED_STATE_DICT ``model.load_state_dict`` and ``optimizer.load_state_dict`` of them as
 they are; the scheduler from the extra state. ``resume`` instead puts the optimizer file through
 ``FSDP.optim_state_dict_to_load`` (the ``named`` form, on FSDP1 without a mesh, use_orig_params).
-Both take one training step and write its losses (before and after the step) to RESULT.json.
+``save-fsdp2`` and ``resume-fsdp2`` are verl's FSDP2 save and load (``fully_shard`` on verl's mesh).
+All resumes take one training step and write its losses (before and after the step) to RESULT.json.
 ``reference(full.pt)`` is the same step, in one process without FSDP, from the full state.
 """
 
@@ -154,21 +156,32 @@ def job_save(out: Path, values: str, by_name: bool, orig_params: bool) -> None:
     dist.barrier()
 
 
+def build_fsdp2(seed: int):
+    """FSDP2 as verl's apply_fsdp2 builds it: ``fully_shard`` each Block, then the root, on verl's
+    create_device_mesh (a 1-D mesh of the world named fsdp)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    torch.manual_seed(seed)
+    model = Net()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def job_save_fsdp2(out: Path) -> None:
-    """verl's FSDP2 save (``fsdp_version == 2``): ``fully_shard`` per block and root, and plain
-    ``model.state_dict()`` / ``optimizer.state_dict()`` (DTensor values; the optimizer keyed by
-    parameter position), as its checkpoint manager calls them outside any state-dict context."""
+    """verl's FSDP2 save (``fsdp_version == 2``): plain ``model.state_dict()`` / ``optimizer.state_dict()``
+    (DTensor values; the optimizer keyed by parameter position), as its checkpoint manager calls them
+    outside any state-dict context."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
-    from torch.distributed.fsdp import fully_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = Net()
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+    model = build_fsdp2(seed=0)
     optimizer, scheduler = make_training(model)
     for _ in range(2):
         step(model, optimizer, scheduler, rows_of_rank((BATCH + 1) % 11))
@@ -223,6 +236,23 @@ def job_resume_verl(folder: Path, result: Path, values: str, orig_params: bool) 
     write_losses(result, step(model, optimizer, scheduler, rows_of_rank(BATCH)), extra, scheduler)
 
 
+def job_resume_fsdp2(folder: Path, result: Path) -> None:
+    """verl's FSDPCheckpointManager.load_checkpoint of an FSDP2 model: every file as torch.load gives it,
+    loaded directly by ``model.load_state_dict`` and ``optimizer.load_state_dict``."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = json.loads((folder / "fsdp_config.json").read_text())
+    assert config == {"FSDP_version": 2, "world_size": world}, f"fsdp_config.json says {config}, the job has {world}"
+    model = build_fsdp2(seed=1234)  # other values than the saved ones
+    optimizer, scheduler = make_training(model)
+    model.load_state_dict(torch.load(folder / f"model_world_size_{world}_rank_{rank}.pt", weights_only=False))
+    optimizer.load_state_dict(torch.load(folder / f"optim_world_size_{world}_rank_{rank}.pt", weights_only=False))
+    extra = torch.load(folder / f"extra_state_world_size_{world}_rank_{rank}.pt", weights_only=False)
+    scheduler.load_state_dict(extra["lr_scheduler"])
+    write_losses(result, step(model, optimizer, scheduler, rows_of_rank(BATCH)), extra, scheduler)
+
+
 def write_losses(result: Path, losses: tuple[float, float], extra: dict, scheduler) -> None:
     import torch.distributed as dist
 
@@ -269,8 +299,10 @@ def main(argv: list[str]) -> None:
             job_resume_verl(Path(argv[1]), Path(argv[2]), values, orig_params="--orig-params" in argv)
         elif argv[0] == "resume":
             job_resume(Path(argv[1]), Path(argv[2]))
+        elif argv[0] == "resume-fsdp2":
+            job_resume_fsdp2(Path(argv[1]), Path(argv[2]))
         else:
-            raise SystemExit(f"unknown job {argv[0]!r}: save, save-fsdp2, resume-verl or resume")
+            raise SystemExit(f"unknown job {argv[0]!r}: save, save-fsdp2, resume-verl, resume or resume-fsdp2")
     finally:
         dist.destroy_process_group()
 

@@ -4,9 +4,9 @@ scripts/verl_jobs.py saves verl's per-rank files from real FSDP1 jobs (and a rea
 with verl's calls: the plain ``optimizer.state_dict()``, under FSDP1 of flat parameters
 (use_orig_params=False, verl's default, with verl's device mesh: DTensor values) or of 1-D pieces
 of each parameter (use_orig_params=True, ShardedTensor values). dcptool lays them out for W=4 and
-W=1; a real FSDP1 job at that size loads them exactly as verl's checkpoint manager does
-(``torch.load``, then ``model.load_state_dict`` and ``optimizer.load_state_dict`` of the files as they
-are) and takes one training step, whose losses (before and after the step, so the optimizer moments
+W=1; a real FSDP1 job (FSDP2 for the FSDP2 folder) at that size loads them exactly as verl's
+checkpoint manager does (``torch.load``, then ``model.load_state_dict`` and ``optimizer.load_state_dict``
+of the files as they are) and takes one training step, whose losses (before and after the step, so the optimizer moments
 and the resumed learning rate count) must equal a reference run in one process that resumed from the
 same state gathered in full by torch.
 """
@@ -55,12 +55,12 @@ def saved(tmp_path_factory):
 
 def resumed_losses(folder: Path, world_size: int, *flags: str) -> dict:
     """The losses of a step after resuming from ``folder`` with verl's own calls (``resume-verl``), FSDP1
-    built as ``flags`` say. Without flags, as the folder's own forms say (dcptool inspect), and the
-    ``named`` form through FSDP.optim_state_dict_to_load (``resume``)."""
+    built as ``flags`` say. Without flags, as the folder's own forms say (dcptool inspect): the ``named``
+    form through FSDP.optim_state_dict_to_load (``resume``), an FSDP2 folder under FSDP2 (``resume-fsdp2``)."""
     job = "resume-verl"
     if not flags:
         info = json.loads(dcptool("inspect", folder, "--json").stdout)["info"]
-        job = "resume" if info["optimizer_form"] == "named" else job
+        job = {"named": "resume", "fsdp2": "resume-fsdp2"}.get(info["optimizer_form"], job)
         flags = tuple(flag for flag, wanted in (("--dtensor", info["model_values"] == "dtensor"),
                                                 ("--orig-params", info["optimizer_form"] == "orig")) if wanted)
     result = folder.parent / f"{folder.name}.result.json"
@@ -75,10 +75,11 @@ def assert_same_step(got: dict, expected: dict) -> None:
     assert got["lr"] == pytest.approx(expected["lr"], rel=1e-12)
 
 
-def write_for(actor: Path, out: Path, world_size: int, command: str, *options: str):
+def write_for(actor: Path, out: Path, world_size: int, command: str, *options: str, fsdp_version: int = 1):
     size = ["--dp", str(world_size)] if command == "reshard" else ["--world-size", str(world_size)]
     result = dcptool(command, actor, out, "--to", "fsdp1", *size, *options)
-    assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 1, "world_size": world_size}
+    assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": fsdp_version,
+                                                                   "world_size": world_size}
     for kind in ("model", "optim", "extra_state"):
         assert sorted(p.name for p in out.glob(f"{kind}_world_size_*")) == \
             sorted(f"{kind}_world_size_{world_size}_rank_{r}.pt" for r in range(world_size))
@@ -122,30 +123,42 @@ def test_flat_state_read_equals_torchs_full_state(saved, tmp_path):
             assert torch.equal(ours["optimizer"]["state"][name][moment], value), f"{name}.{moment}"
 
 
-def test_written_verl_files_are_what_torch_saves(saved, tmp_path):
+def assert_same_dtensor(mine, theirs, what: str) -> None:
+    """Equal local values, placements, global shape and mesh (its cached hash aside)."""
+    assert type(mine) is type(theirs) and torch.equal(mine.to_local(), theirs.to_local()), what
+    assert (mine.placements, mine._spec.tensor_meta, mine._spec.shard_order) == \
+        (theirs.placements, theirs._spec.tensor_meta, theirs._spec.shard_order), what
+    mesh, their_mesh = (vars(v.device_mesh) for v in (mine, theirs))
+    assert mesh.keys() == their_mesh.keys() and torch.equal(mesh["_rank_map"], their_mesh["_rank_map"]), what
+    assert {k: v for k, v in mesh.items() if k not in ("_rank_map", "_hash")} == \
+        {k: v for k, v in their_mesh.items() if k not in ("_rank_map", "_hash")}, what
+
+
+@pytest.mark.parametrize("kind,fsdp_version", [("verl", 1), ("fsdp2", 2)])
+def test_written_verl_files_are_what_torch_saves(saved, tmp_path, kind, fsdp_version):
     """Written for the world size of the save, every rank's files hold what the job's own torch.save put
-    there: DTensors on an equal mesh, and the flat-parameter state (its zero padding included)."""
-    actor, out = saved("verl"), tmp_path / "w2"
-    write_for(actor, out, 2, "convert")
+    there: DTensors on an equal mesh, and the flat-parameter state (its zero padding included) of FSDP1,
+    or FSDP2's DTensor moments."""
+    from torch.distributed.tensor import DTensor
+
+    actor, out = saved(kind), tmp_path / "w2"
+    write_for(actor, out, 2, "convert", fsdp_version=fsdp_version)
     for rank in range(2):
-        theirs, ours = ({kind: torch.load(folder / f"{kind}_world_size_2_rank_{rank}.pt", weights_only=False)
-                         for kind in ("model", "optim")} for folder in (actor, out))
+        theirs, ours = ({part: torch.load(folder / f"{part}_world_size_2_rank_{rank}.pt", weights_only=False)
+                         for part in ("model", "optim")} for folder in (actor, out))
         assert list(ours["model"]) == list(theirs["model"])
         for key, value in theirs["model"].items():
-            mine = ours["model"][key]
-            assert type(mine) is type(value) and torch.equal(mine.to_local(), value.to_local()), key
-            assert (mine.placements, mine._spec.tensor_meta, mine._spec.shard_order) == \
-                (value.placements, value._spec.tensor_meta, value._spec.shard_order), key
-            mesh, their_mesh = (vars(v.device_mesh) for v in (mine, value))
-            assert mesh.keys() == their_mesh.keys() and torch.equal(mesh["_rank_map"], their_mesh["_rank_map"])
-            assert {k: v for k, v in mesh.items() if k not in ("_rank_map", "_hash")} == \
-                {k: v for k, v in their_mesh.items() if k not in ("_rank_map", "_hash")}
+            assert_same_dtensor(ours["model"][key], value, key)
         assert ours["optim"]["param_groups"] == theirs["optim"]["param_groups"]
         assert ours["optim"]["state"].keys() == theirs["optim"]["state"].keys()
         for position, state in theirs["optim"]["state"].items():
             assert state.keys() == ours["optim"]["state"][position].keys()
             for name, value in state.items():
-                assert torch.equal(ours["optim"]["state"][position][name], value), f"rank {rank}: {position}.{name}"
+                mine, what = ours["optim"]["state"][position][name], f"rank {rank}: {position}.{name}"
+                if isinstance(value, DTensor):
+                    assert_same_dtensor(mine, value, what)
+                else:
+                    assert type(mine) is type(value) and torch.equal(mine, value), what
 
 
 @pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
@@ -179,13 +192,32 @@ def test_fsdp2_dtensor_folder_resumes_under_fsdp1(saved, tmp_path):
     info = json.loads(dcptool("inspect", actor, "--json").stdout)
     assert "DTensor" in info["info"]["values"] and "optimizer.state.head.weight.exp_avg" in info["tensors"]
     out = tmp_path / "w1"
-    dcptool("convert", actor, out, "--to", "fsdp1", "--world-size", "1")
+    dcptool("convert", actor, out, "--to", "fsdp1", "--world-size", "1", "--optim-form", "named")
     assert_same_step(resumed_losses(out, 1), verl_jobs.reference(actor.parent / "actor.full.pt"))
+
+
+@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
+def test_fsdp2_folder_resumes_under_fsdp2_at_another_world_size(saved, tmp_path, world_size, command):
+    """An FSDP2 folder stays one by default: DTensor values and moments on verl's mesh (on one rank too),
+    loaded by an FSDP2 job with verl's plain model.load_state_dict and optimizer.load_state_dict."""
+    actor = saved("fsdp2")
+    info = json.loads(dcptool("inspect", actor, "--json").stdout)["info"]
+    assert (info["optimizer_form"], info["model_values"]) == ("fsdp2", "dtensor") and not info["not_read"]
+    assert info["mesh"] == {"device_type": "cpu", "dim_names": ["fsdp"]}
+    out = tmp_path / f"w{world_size}"
+    result = write_for(actor, out, world_size, command, fsdp_version=2)
+    said = result.stdout + result.stderr
+    assert "optimizer.state_dict() of FSDP2" in said and "DTensor on a 1-D cpu mesh" in said
+    assert_only_rng_dropped(actor, out)
+    got = resumed_losses(out, world_size)
+    assert got["extra_keys"] == ["lr_scheduler"]
+    assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
 
 
 @pytest.mark.parametrize("options,said", [
     (["--model-values", "dtensor:CUDA!"], "--model-values dtensor:CUDA!: choose sharded-tensor, dtensor"),
     (["--optim-form", "flat", "--to", "dcp"], "--optim-form goes with --to fsdp1"),
+    (["--optim-form", "fsdp2", "--model-values", "sharded-tensor"], "FSDP2's model files hold DTensors"),
 ])
 def test_bad_form_options_are_one_line(saved, tmp_path, options, said):
     to = [] if "--to" in options else ["--to", "fsdp1"]
