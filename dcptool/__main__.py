@@ -1,10 +1,13 @@
 """``python -m dcptool`` and the ``dcptool`` command: a Ctrl-C while the CLI's modules are still
 being imported ends with the same one line as one later on (``cli.main`` takes over from there)."""
 
+import os
 import sys
 
 
 def run() -> None:
+    # dcptool runs no linear algebra: numpy's OpenBLAS would start a spinning thread per core for nothing.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         from dcptool.cli import main
     except KeyboardInterrupt:

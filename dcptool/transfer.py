@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import math
 import mmap
 import os
@@ -83,15 +84,22 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     threads = max(1, min(threads, len(placed)))
     # Two buffers per thread (a slab and its reads), none larger than the work needs.
     buffer_bytes = max(2**15, min(max_memory // (2 * threads), 3 * largest))
-    tasks = [task for piece, file, offset in placed
-             for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes), whole_records=crc)]
+    tasks = _across_files([task for piece, file, offset in placed
+                           for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes),
+                                                  whole_records=crc)])
     mover = _Mover(checkpoint, out, crc, buffer_bytes, _start_writeback() if flush else None)
     parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
     report = on_bytes or (lambda n: None)
-    with _Workers(mover.run, tasks, threads) as finished:
-        for task, value in finished:
-            parts[task.piece].append((task.index, value, task.nbytes))
-            report(task.nbytes)
+    collecting = gc.isenabled()
+    gc.disable()  # tasks and their results hold no cycles; collections would walk the whole plan again and again
+    try:
+        with _Workers(mover.run, tasks, threads) as finished:
+            for task, value in finished:
+                parts[task.piece].append((task.index, value, task.nbytes))
+                report(task.nbytes)
+    finally:
+        if collecting:
+            gc.enable()
     if not crc:
         return {}
     result = {}
@@ -101,6 +109,19 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
             value = crc32_combine(value, part_crc, nbytes)
         result[piece] = value
     return result
+
+
+def _across_files(tasks: list[Task]) -> list[Task]:
+    """The tasks of each output file in their order, the files taken in turn: threads that write different
+    files at once do not queue on one file's lock."""
+    by_file: dict[str, deque[Task]] = {}
+    for task in tasks:
+        by_file.setdefault(task.file, deque()).append(task)
+    files, ordered = list(by_file.values()), []
+    while files:
+        ordered += [pending.popleft() for pending in files]
+        files = [pending for pending in files if pending]
+    return ordered
 
 
 class _Workers:
