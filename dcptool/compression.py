@@ -38,7 +38,7 @@ from typing import Any
 from dcptool import safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import _FIELD_LIMIT, _LOCAL_HEADER, RawBytes, _zip64_values
+from dcptool.torch_archive import _FIELD_LIMIT, _LOCAL_HEADER, RawBytes, _zip64_values, archive_prefix
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13
 SUPPORTED = (ZSTD,)
@@ -283,10 +283,7 @@ class CompressedArchive:
         except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
             raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip header: "
                                   f"{printable(str(exc), 120)})") from None
-        pickles = sorted((n for n in self._entries if n.endswith("data.pkl")), key=len)
-        if not pickles:
-            raise CheckpointError(f"{self.where}: not a torch.save archive (no data.pkl in its first {HEAD:,} bytes)")
-        self.prefix = pickles[0][: -len("data.pkl")]
+        self.prefix = archive_prefix(self._entries, self.where, f" in its first {HEAD:,} bytes")
 
     def _entry(self, name: str) -> tuple[int, int | None]:
         entry = self._entries.get(self.prefix + name)

@@ -60,6 +60,14 @@ class RawBytes:
         return (last + 1) * self.itemsize
 
 
+def archive_prefix(entries, where: str, looked_in: str = "") -> str:
+    """The folder of a ``torch.save`` archive's entries: its ``data.pkl``'s (the shortest one's)."""
+    pickles = sorted((name for name in entries if name.endswith("data.pkl")), key=len)
+    if not pickles:
+        raise CheckpointError(f"{where}: not a torch.save archive (no data.pkl{looked_in})")
+    return pickles[0][: -len("data.pkl")]
+
+
 class Archive:
     """One ``torch.save`` archive at ``[offset, offset+length)`` of a checkpoint file.
 
@@ -80,10 +88,7 @@ class Archive:
         except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
             raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip directory: "
                                   f"{printable(str(exc), 120)})") from None
-        pickles = sorted((n for n in self._entries if n.endswith("data.pkl")), key=len)
-        if not pickles:
-            raise CheckpointError(f"{self.where}: not a torch.save archive (no data.pkl)")
-        self.prefix = pickles[0][: -len("data.pkl")]
+        self.prefix = archive_prefix(self._entries, self.where)
 
     def _read(self, start: int, size: int) -> bytes:
         """Bytes ``[start, start+size)`` of the archive."""
