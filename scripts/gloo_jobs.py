@@ -23,9 +23,15 @@ Subcommands (see ``--help`` of each):
 * ``load-fsdp1 DIR``  Load verl-style FSDP1 shards into a real FSDP1 job and
                       compare the gathered full state dict with a reference.
 
+Several command lines joined by ``--then`` run one after the other in one job, so
+that torch starts once for all of them (each checks on its own: it builds its own
+model and mesh); each is told apart in the output by ``== step N ...`` lines::
+
+    ... gloo_jobs.py load-dcp A --dp 4 --expect A.reference/full.pt --then load-dcp B --dp 4 ...
+
 Nothing here is mocked: real process groups, real FSDP2 / FSDP1 / TP / EP.  Every
 rank builds the identical model on CPU from a fixed seed before sharding.
-Exit status 0 means success; 1 means a comparison failed.
+Exit status 0 means success; 1 means a comparison failed (in any step).
 """
 
 from __future__ import annotations
@@ -1351,11 +1357,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+THEN = "--then"  # separates the command lines of the steps of one job
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cuts = [-1] + [i for i, arg in enumerate(argv) if arg == THEN] + [len(argv)]
+    steps = [parse_args(argv[start + 1:end]) for start, end in zip(cuts, cuts[1:])]  # every one before any runs
     init_distributed()
+    status = 0
     try:
-        status = args.func(args)
+        for number, args in enumerate(steps):
+            # The barriers keep what every rank prints for a step between its two lines.
+            dist.barrier()
+            log(f"== step {number} begins")
+            step_status = args.func(args)
+            dist.barrier()
+            log(f"== step {number} exit {step_status}")
+            status = status or step_status
     finally:
         dist.destroy_process_group()
     return status

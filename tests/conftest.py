@@ -1,20 +1,41 @@
 """Shared fixtures: checkpoints saved by real multi-process gloo jobs (scripts/gloo_jobs.py), made once per session."""
 
+import atexit
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from jobs import ForkServer  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+SESSION_ENV, SESSION_CWD = dict(os.environ), os.getcwd()
+_cli: ForkServer | None = None
 
 
 def dcptool(*args, check=True):
-    """Run the real command line; returns the CompletedProcess (text output)."""
-    result = subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], capture_output=True, text=True)
+    """Run the real command line; returns the CompletedProcess (text output).
+
+    Forked from a server that has dcptool imported (tests/jobs.py) while the environment and working
+    directory are the session's; a new ``python -m dcptool`` process when a test has changed them."""
+    global _cli
+    if _cli is None:
+        work = Path(tempfile.mkdtemp(prefix="dcptool-cli-"))
+        _cli = ForkServer(work, env=SESSION_ENV, cwd=SESSION_CWD)
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+        atexit.register(_cli.close)
+    argv = [*map(str, args)]
+    if _cli.serves_here():
+        [result] = _cli.run([argv])
+    else:
+        result = subprocess.run([sys.executable, "-m", "dcptool", *argv], capture_output=True, text=True)
     if check and result.returncode != 0:
         raise AssertionError(f"dcptool {' '.join(map(str, args))} exited {result.returncode}:\n{result.stderr}")
     return result

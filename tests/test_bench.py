@@ -43,7 +43,7 @@ def test_bench_smoke(tmp_path):
 
     report = json.loads((out / "results.json").read_text())
     rows = {r["id"]: r for r in report["rows"]}
-    assert set(rows) == DCPTOOL_ROWS | PEER_ROWS | {"cp"} | READER_EXTRA
+    assert set(rows) == DCPTOOL_ROWS | PEER_ROWS | {"cp", "cp-sync", "import-hf"} | READER_EXTRA
     assert len(report["rows"]) == len(rows)  # one size: one row each
     for row in rows.values():
         for key in NUMERIC if row["has_peer"] else set(NUMERIC) - {"ratio_to_peer"}:
@@ -54,6 +54,12 @@ def test_bench_smoke(tmp_path):
     for rid in DCPTOOL_ROWS - {"export-hf-moe"}:
         assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
     assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
+    # The durable floor (cp -r && sync) that issue 12's target compares the copy commands with.
+    assert rows["cp-sync"]["kind"] == "floor" and rows["cp-sync"]["ratio_to_durable_cp"] == 1.0
+    for rid in ("export-hf", "convert-torch", "reshard-dp4", "reshard-tp4", "import-hf"):
+        assert math.isclose(rows[rid]["ratio_to_durable_cp"], rows[rid]["median_s"] / rows["cp-sync"]["median_s"])
+        assert any(t["target"].startswith(f"{rid}: wall time <= 1.25x") for t in report["targets"]), rid
+    assert rows["import-hf"]["kind"] == "dcptool" and not rows["import-hf"]["has_peer"]
     assert rows["checksum"]["peer"] == "sha256sum" and rows["export-hf"]["peer"] == "peer-export-hf"
 
     # Each reader row and its peer against cp -r of their own source folder (plain time ratios).

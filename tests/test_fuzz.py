@@ -13,8 +13,8 @@ and a 300 s alarm. Every run must exit 0 (the mutant still reads) or 2 with exac
 stderr; never 1 (a mutant differs from itself), 3 (a bug), a signal, a traceback or a hang. On
 exit 2 nothing may be left at the output path, and no mutant may be modified.
 
-The runs are forked, one at a time, from one driver process (this file run as a script), which
-has dcptool imported once: ``python tests/test_fuzz.py drive JOBS.json RESULTS.json``.
+The runs (these and those of the targeted cases below) are forked, two at a time, from one server
+process that has dcptool imported once (``ForkServer`` of tests/jobs.py).
 """
 
 from __future__ import annotations
@@ -30,100 +30,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from jobs import ForkServer
+
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20241122
 MEMORY_LIMIT = 2 * 2**30  # bytes of address space for each run
 TIMEOUT = 300  # seconds before a run counts as a hang (generous: CI machines are loaded)
 VERIFY_EVERY = 4  # verify runs on every fourth mutant (inspect and convert on all)
-
-
-# ---------------------------------------------------------------------------------------------
-# The driver (its own process): fork one run per job, with limits, and record what happened
-
-
-def drive(jobs_file: str, results_file: str) -> None:
-    import resource
-    import signal
-    import threading
-    import time
-    import traceback
-
-    from dcptool import cli
-
-    plan = json.loads(Path(jobs_file).read_text())
-    # Run each command once here on the unmutated checkpoints, so that what they import lazily is
-    # imported once, before forking, rather than in every run.
-    saved = os.dup(1), os.dup(2)
-    quiet = os.open(os.devnull, os.O_WRONLY)
-    for argv in plan["warmup"]:
-        os.dup2(quiet, 1)
-        os.dup2(quiet, 2)
-        try:
-            cli.main(argv)
-        except SystemExit:
-            pass
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-    for thread in threading.enumerate():  # forking while another thread holds a lock could hang a run
-        if thread is not threading.main_thread():
-            thread.join(10)
-    results = []
-    for index, job in enumerate(plan["jobs"]):
-        logs = Path(job["logs"])
-        out, err = logs / f"{index}.out", logs / f"{index}.err"
-        sys.stdout.flush()
-        sys.stderr.flush()
-        started = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the run
-            code = 98
-            try:
-                resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-                signal.alarm(TIMEOUT)
-                for fd, path in ((1, out), (2, err)):
-                    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-                cli.main(job["argv"])
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 97)
-            except BaseException:  # noqa: BLE001 (anything that escapes main is a finding)
-                traceback.print_exc()
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except BaseException:  # noqa: BLE001
-                        pass
-                os._exit(code)
-        status = None
-        while status is None:
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = raw
-            elif time.monotonic() - started > TIMEOUT + 30:  # the alarm did not end it
-                os.kill(pid, signal.SIGKILL)
-                status = os.waitpid(pid, 0)[1]
-            else:
-                time.sleep(0.002)
-        results.append({
-            "code": os.waitstatus_to_exitcode(status),
-            "stderr": err.read_text(errors="backslashreplace"),
-            "stdout": out.read_text(errors="backslashreplace")[-2000:],
-        })
-    Path(results_file).write_text(json.dumps(results))
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["drive"]:
-    drive(sys.argv[2], sys.argv[3])
-    sys.exit(0)
+AT_ONCE = 2  # runs forked at a time (a CI machine has two cores)
 
 
 # ---------------------------------------------------------------------------------------------
 # Mutations (deterministic: each takes the random generator of its case)
-
-import pytest  # noqa: E402
 
 EXTREMES_4 = [b"\xff\xff\xff\xff", b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80", b"\x00\xca\x9a\x3b", b"\x00\x00\x00\x00"]
 EXTREMES_8 = [b"\xff" * 8, b"\xff" * 7 + b"\x7f", b"\x00" * 7 + b"\x80", b"\x00\x00\x00\x00\x01\x00\x00\x00"]
@@ -480,21 +400,27 @@ def digest(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def run_driver(jobs: list[dict], warmup: list[list[str]], work: Path) -> list[dict]:
-    jobs_file, results_file = work / "jobs.json", work / "results.json"
-    jobs_file.write_text(json.dumps({"jobs": jobs, "warmup": warmup}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, __file__, "drive", str(jobs_file), str(results_file)], cwd=ROOT, env=env,
-                   check=True, timeout=60 * 60)
-    return json.loads(results_file.read_text())
+@pytest.fixture(scope="module")
+def forked_runs(bases, tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("warmup")
+    warmup = [["--quiet", "inspect", str(bases / "dcp")], ["--quiet", "verify", str(bases / "dcp"), str(bases / "hf2")]]
+    warmup += [["--quiet", "convert", str(bases / name), str(scratch / name), "--to", to, "--no-fsync"]
+               for name, to in (("dcp", "hf"), ("hf", "dcp"), ("fsdp1", "torch"), ("fsdp1-dtensor", "hf"),
+                                ("torch", "fsdp1"))]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MALLOC_ARENA_MAX="2",
+               PYTHONWARNINGS="ignore")
+    runs = ForkServer(tmp_path_factory.mktemp("fork-server"), warmup, memory_limit=MEMORY_LIMIT, timeout=TIMEOUT,
+                      at_once=AT_ONCE, env=env, cwd=str(ROOT))
+    yield runs
+    runs.close()
 
 
-def check_run(job: dict, result: dict) -> str | None:
+def check_run(job: dict, result: subprocess.CompletedProcess) -> str | None:
     """What is wrong with one run, or None."""
-    code, stderr = result["code"], result["stderr"]
+    code, stderr = result.returncode, result.stderr
     lines = stderr.strip().splitlines()
     if code not in (0, 2):
-        return f"exit {code}: {stderr.strip()[-600:] or result['stdout'][-300:]}"
+        return f"exit {code}: {stderr.strip()[-600:] or result.stdout[-300:]}"
     if "Traceback" in stderr:
         return f"traceback on exit {code}: {stderr[-600:]}"
     if code == 2:
@@ -507,11 +433,9 @@ def check_run(job: dict, result: dict) -> str | None:
     return None
 
 
-def test_fuzzed_headers_exit_0_or_2_with_one_line(bases, tmp_path):
+def test_fuzzed_headers_exit_0_or_2_with_one_line(bases, forked_runs, tmp_path):
     rng = random.Random(SEED)
     jobs, cases = [], []
-    logs = tmp_path / "logs"
-    logs.mkdir()
     number = 0
     for kind, count in CORPUS.items():
         for _ in range(count):
@@ -530,16 +454,11 @@ def test_fuzzed_headers_exit_0_or_2_with_one_line(bases, tmp_path):
                 commands.append(["verify", str(path), str(path)])
             for argv in commands:
                 jobs.append({"argv": ["--quiet", *argv], "out": str(out) if argv[0] == "convert" else None,
-                             "logs": str(logs), "case": cases[-1][2]})
+                             "case": cases[-1][2]})
             number += 1
     assert number == sum(CORPUS.values())
 
-    scratch = tmp_path / "warmup"
-    warmup = [["--quiet", "inspect", str(bases / "dcp")], ["--quiet", "verify", str(bases / "dcp"), str(bases / "hf2")]]
-    warmup += [["--quiet", "convert", str(bases / name), str(scratch / name), "--to", to, "--no-fsync"]
-               for name, to in (("dcp", "hf"), ("hf", "dcp"), ("fsdp1", "torch"), ("fsdp1-dtensor", "hf"),
-                                ("torch", "fsdp1"))]
-    results = run_driver(jobs, warmup, tmp_path)
+    results = forked_runs.run([job["argv"] for job in jobs])
     assert len(results) == len(jobs)
     problems = []
     for job, result in zip(jobs, results):
@@ -549,7 +468,7 @@ def test_fuzzed_headers_exit_0_or_2_with_one_line(bases, tmp_path):
     for path, before, name in cases:
         if digest(path) != before:
             problems.append(f"{name}: the source was modified")
-    refused = sum(1 for r in results if r["code"] == 2)
+    refused = sum(1 for r in results if r.returncode == 2)
     assert not problems, f"{len(problems)} of {len(jobs)} runs went wrong:\n" + "\n".join(problems[:25])
     assert refused > len(jobs) // 4, "the corpus should break many checkpoints"  # it does bite
 
@@ -558,23 +477,13 @@ def test_fuzzed_headers_exit_0_or_2_with_one_line(bases, tmp_path):
 # Targeted cases: each input that broke before (a traceback and exit 1, tens of GB, a hang)
 
 
-def limited_dcptool(*args) -> subprocess.CompletedProcess:
-    """The real command line under the fuzz run's limits: 2 GB of address space, 300 s."""
-    import resource
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
-    return subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], capture_output=True, text=True,
-                          preexec_fn=limit, timeout=TIMEOUT, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-
-
-def refused(path: Path, *names: str, tmp_path: Path, command: str = "convert") -> str:
-    """Exit 2 with one line naming ``names``, no traceback, nothing written, the source unchanged."""
+def refused(runs: ForkServer, path: Path, *names: str, tmp_path: Path, command: str = "convert") -> str:
+    """Exit 2 with one line naming ``names``, no traceback, nothing written, the source unchanged (the real
+    command line, forked by the fuzz runs' server, under their limits)."""
     before = digest(path)
     out = tmp_path / "refused-out"
     args = ["convert", path, out, "--to", "torch", "--no-fsync"] if command == "convert" else ["inspect", path]
-    result = limited_dcptool(*args)
+    [result] = runs.run([[*map(str, args)]])
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for name in names:
@@ -601,9 +510,9 @@ def test_safetensors_header_that_is_not_an_object(tmp_path, header, kind):
         open_checkpoint(path)
 
 
-def test_safetensors_header_cases_through_the_command_line(tmp_path):
-    line = refused(safetensors_file(tmp_path / "model.safetensors", "[1, 2]"), "model.safetensors", "header",
-                   tmp_path=tmp_path)
+def test_safetensors_header_cases_through_the_command_line(forked_runs, tmp_path):
+    line = refused(forked_runs, safetensors_file(tmp_path / "model.safetensors", "[1, 2]"), "model.safetensors",
+                   "header", tmp_path=tmp_path)
     assert "an array, not an object" in line
 
 
@@ -626,17 +535,17 @@ def hf_dcp_header(sharding, dtype: str = "F32") -> str:
     ([hf_dcp_header({"w": {"saved_offsets": [0, 0]}}), hf_dcp_header({"w": {"saved_offsets": [2, 0]}}, "F16")],
      "is float16 here but float32"),
 ])
-def test_hf_dcp_bad_sharding_info_is_refused(tmp_path, headers, said):
+def test_hf_dcp_bad_sharding_info_is_refused(forked_runs, tmp_path, headers, said):
     folder = tmp_path / "hf-dcp"
     folder.mkdir()
     for rank, header in enumerate(headers, start=1):
         safetensors_file(folder / f"shard-{rank:05d}-model-00001-of-00001.safetensors", header)
-    line = refused(folder, said, tmp_path=tmp_path)
+    line = refused(forked_runs, folder, said, tmp_path=tmp_path)
     assert ".safetensors" in line or "hf-dcp" in line
 
 
 @pytest.mark.parametrize("where", ["header", "index", "fsdp_config"])
-def test_json_nested_100000_deep(bases, tmp_path, where):
+def test_json_nested_100000_deep(forked_runs, bases, tmp_path, where):
     deep = DEEP_LIST
     if where == "header":
         path = safetensors_file(tmp_path / "model.safetensors", '{"a": ' + deep + "}")
@@ -651,13 +560,13 @@ def test_json_nested_100000_deep(bases, tmp_path, where):
         shutil.copytree(bases / "fsdp1", path)
         (path / "fsdp_config.json").write_text('{"world_size": ' + deep + "}")
         name = "fsdp_config.json"
-    assert "nested too deeply" in refused(path, name, tmp_path=tmp_path)
+    assert "nested too deeply" in refused(forked_runs, path, name, tmp_path=tmp_path)
 
 
-def test_tensor_name_with_a_lone_surrogate_is_named_printably(tmp_path):
+def test_tensor_name_with_a_lone_surrogate_is_named_printably(forked_runs, tmp_path):
     path = safetensors_file(tmp_path / "model.safetensors",
                             json.dumps({"a\ud800b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}))
-    line = refused(path, "model.safetensors", "a\\ud800b", tmp_path=tmp_path, command="inspect")
+    line = refused(forked_runs, path, "model.safetensors", "a\\ud800b", tmp_path=tmp_path, command="inspect")
     assert "not valid UTF-8" in line
 
 
@@ -685,25 +594,26 @@ def test_index_weight_map_checked_as_data(bases, tmp_path, weight_map, says):
     assert says in str(raised.value)
 
 
-def test_index_file_name_with_a_nul_byte_through_the_command_line(bases, tmp_path):
+def test_index_file_name_with_a_nul_byte_through_the_command_line(forked_runs, bases, tmp_path):
     path = tmp_path / "hf"
     shutil.copytree(bases / "hf2", path)
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "x\x00y.safetensors"}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert "NUL" in refused(path, "model.safetensors.index.json", "x\\x00y.safetensors", tmp_path=tmp_path)
+    line = refused(forked_runs, path, "model.safetensors.index.json", "x\\x00y.safetensors", tmp_path=tmp_path)
+    assert "NUL" in line
 
 
-def test_world_size_of_a_billion_is_checked_against_the_files(bases, tmp_path):
+def test_world_size_of_a_billion_is_checked_against_the_files(forked_runs, bases, tmp_path):
     path = tmp_path / "fsdp1"
     shutil.copytree(bases / "fsdp1", path)
     (path / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": 10**9}))
-    line = refused(path, "model_world_size_1000000000_rank_0.pt: missing", tmp_path=tmp_path)
+    line = refused(forked_runs, path, "model_world_size_1000000000_rank_0.pt: missing", tmp_path=tmp_path)
     assert "fsdp_config.json says world size 1000000000" in line and "1,000,000,000 missing" in line
     # The same world size from the file names alone (no config): named as the first missing rank.
     (path / "fsdp_config.json").unlink()
     for rank in range(2):
         (path / f"model_world_size_2_rank_{rank}.pt").rename(path / f"model_world_size_1000000000_rank_{rank}.pt")
-    line = refused(path, "model_world_size_1000000000_rank_2.pt", tmp_path=tmp_path)
+    line = refused(forked_runs, path, "model_world_size_1000000000_rank_2.pt", tmp_path=tmp_path)
     assert "999,999,998 missing" in line
 
 
@@ -727,13 +637,13 @@ def crafted_rank_file(folder: Path, pickled: bytes) -> Path:
     (b"\x80\x02X\xff\xff\xff\xffx.", "needs 4,294,967,295 bytes"),  # BINUNICODE
     (b"\x80\x02\x8b\xff\xff\xff\x7fx.", "an integer of 2,147,483,647 bytes"),  # LONG4
 ])
-def test_flipped_lengths_in_an_fsdp1_pickle_allocate_nothing(tmp_path, pickled, says):
+def test_flipped_lengths_in_an_fsdp1_pickle_allocate_nothing(forked_runs, tmp_path, pickled, says):
     path = crafted_rank_file(tmp_path / "fsdp1", pickled)
-    line = refused(path, "model_world_size_1_rank_0.pt", "data.pkl", tmp_path=tmp_path)
+    line = refused(forked_runs, path, "model_world_size_1_rank_0.pt", "data.pkl", tmp_path=tmp_path)
     assert says in line
 
 
-def test_a_flipped_byte_in_a_real_fsdp1_pickle(bases, tmp_path):
+def test_a_flipped_byte_in_a_real_fsdp1_pickle(forked_runs, bases, tmp_path):
     """A BINPUT turned into LONG_BINPUT: the next four bytes become a memo index in the billions."""
     path = tmp_path / "fsdp1"
     shutil.copytree(bases / "fsdp1", path)
@@ -748,7 +658,7 @@ def test_a_flipped_byte_in_a_real_fsdp1_pickle(bases, tmp_path):
     else:
         pytest.fail("no BINPUT followed by bytes that read as a large index")
     target.write_bytes(bytes(data))
-    assert "memo index" in refused(path, "model_world_size_2_rank_0.pt", tmp_path=tmp_path)
+    assert "memo index" in refused(forked_runs, path, "model_world_size_2_rank_0.pt", tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("shape, data_offsets, says", [
@@ -771,21 +681,21 @@ def test_safetensors_shapes_and_offsets_are_checked(tmp_path, shape, data_offset
     assert says in str(raised.value)
 
 
-def test_huge_shape_is_not_converted(tmp_path):
+def test_huge_shape_is_not_converted(forked_runs, tmp_path):
     """[0, 2**70, 2**70] holds no bytes, but no file torch loads can hold that shape."""
     header = {"a": {"dtype": "F32", "shape": [0, 2**70, 2**70], "data_offsets": [0, 0]}}
     path = safetensors_file(tmp_path / "model.safetensors", json.dumps(header))
-    assert "2**70" in refused(path, "model.safetensors", "shape", tmp_path=tmp_path)
+    assert "2**70" in refused(forked_runs, path, "model.safetensors", "shape", tmp_path=tmp_path)
 
 
-def test_overlapping_safetensors_data_is_refused(tmp_path):
+def test_overlapping_safetensors_data_is_refused(forked_runs, tmp_path):
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
               "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
     path = safetensors_file(tmp_path / "model.safetensors", json.dumps(header))
-    assert "the data of a and b overlap" in refused(path, "model.safetensors", tmp_path=tmp_path)
+    assert "the data of a and b overlap" in refused(forked_runs, path, "model.safetensors", tmp_path=tmp_path)
 
 
-def test_dcp_metadata_sizes_are_checked(bases, tmp_path):
+def test_dcp_metadata_sizes_are_checked(forked_runs, bases, tmp_path):
     import pickle
 
     path = tmp_path / "dcp"
@@ -794,15 +704,15 @@ def test_dcp_metadata_sizes_are_checked(bases, tmp_path):
     entry = metadata.state_dict_metadata["model.w"]
     entry.size = type(entry.size)([0, 2**70, 2**70])
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    assert "size has dimension 2**70" in refused(path, ".metadata", "model.w", tmp_path=tmp_path)
+    assert "size has dimension 2**70" in refused(forked_runs, path, ".metadata", "model.w", tmp_path=tmp_path)
 
 
-def test_torch_save_tensor_sizes_are_checked(tmp_path):
+def test_torch_save_tensor_sizes_are_checked(forked_runs, tmp_path):
     from dcptool.torch_archive import StorageOut, TensorOut, dumps
 
     pickled = dumps({"w": TensorOut(StorageOut("0", "float32", 0), (0, 2**70, 2**70))})
     path = crafted_rank_file(tmp_path / "fsdp1", pickled)
-    assert "tensor size has dimension 2**70" in refused(path, "data.pkl", tmp_path=tmp_path)
+    assert "tensor size has dimension 2**70" in refused(forked_runs, path, "data.pkl", tmp_path=tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -903,19 +813,19 @@ def test_ordinary_pickles_load_as_pickle_loads_them():
     assert load_bytes(pickle.dumps(bytearray(b"ab"), protocol=5), "x.pkl") == bytearray(b"ab")
 
 
-def test_zip64_locator_that_says_nonsense(bases, tmp_path):
+def test_zip64_locator_that_says_nonsense(forked_runs, bases, tmp_path):
     """A zip64 locator claiming several disks: zipfile raises BadZipFile from is_zipfile; one line here."""
     path = tmp_path / "full.pt"
     data = (bases / "torch" / "full.pt").read_bytes()
     end = data.rfind(b"PK\x05\x06")
     locator = struct.pack("<4sLQL", b"PK\x06\x07", 3, 0, 7)  # on disk 3 of 7
     path.write_bytes(data[:end] + locator + data[end:end + 10] + b"\xff\xff" + data[end + 12:])
-    assert "full.pt" in refused(path, "full.pt", tmp_path=tmp_path)
+    assert "full.pt" in refused(forked_runs, path, "full.pt", tmp_path=tmp_path)
 
 
-def test_verify_of_a_checkpoint_with_a_nan_entry_against_itself(tmp_path):
+def test_verify_of_a_checkpoint_with_a_nan_entry_against_itself(forked_runs, tmp_path):
     import torch
 
     torch.save({"w": torch.ones(2), "lr": float("nan")}, tmp_path / "nan.pt")
-    result = limited_dcptool("verify", tmp_path / "nan.pt", tmp_path / "nan.pt")
+    [result] = forked_runs.run([["verify", str(tmp_path / "nan.pt"), str(tmp_path / "nan.pt")]])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,6 +1,8 @@
 """Smoke tests for scripts/gloo_jobs.py: real gloo jobs, no mocks.
 
-Each job is a torchrun launch on CPU (a few seconds each on 2 cores).
+Besides the MoE save, the jobs run as the steps of two torchrun launches, one of 2 ranks and one of 4
+(``run_steps`` of tests/jobs.py): torch starts three times in all rather than once per job, and each
+test checks its own step.
 """
 
 from __future__ import annotations
@@ -10,23 +12,22 @@ import json
 import pytest
 import torch
 
-from jobs import run_job
+from conftest import placements
+from jobs import run_job, run_steps
 
 
 @pytest.fixture(scope="module")
-def dcp_dp2(tmp_path_factory):
-    """FSDP2 dp=2 checkpoint (torchtitan layout) and its reference folder."""
-    out = tmp_path_factory.mktemp("dcp") / "dp2"
-    run_job(2, "save-dcp", out, "--dp", "2")
+def dcp_dp2(checkpoints):
+    """FSDP2 dp=2 checkpoint (torchtitan layout): the session's, saved once for every test file."""
+    out, _ = checkpoints("fsdp2_dp2")
     return out
 
 
 @pytest.fixture(scope="module")
-def dcp_dp2_tp2(tmp_path_factory):
-    """FSDP2 dp=2 x TP tp=2 checkpoint (torchtitan layout)."""
-    out = tmp_path_factory.mktemp("dcp") / "dp2tp2"
-    proc = run_job(4, "save-dcp", out, "--dp", "2", "--tp", "2")
-    assert "_StridedShard" in proc.stdout
+def dcp_dp2_tp2(checkpoints):
+    """FSDP2 dp=2 x TP tp=2 checkpoint (AReaL layout): the session's, saved once for every test file."""
+    out, ref = checkpoints("fsdp2_dp2_tp2")
+    assert any("_StridedShard" in placement for placement in placements(ref).values())
     return out
 
 
@@ -56,6 +57,57 @@ def chunk_layout(checkpoint):
             for key, value in metadata.items() if isinstance(value, TensorStorageMetadata)}
 
 
+def changed_reference(out, key, index, folder):
+    """``out``'s full.pt with one element of ``key`` changed, saved in ``folder``: a checker must refuse it."""
+    full = torch.load(reference(out) / "full.pt", weights_only=True)
+    full[key][index] += 1.0
+    bad = folder / "full.pt"
+    torch.save(full, bad)
+    return bad
+
+
+DENSE_CHANGED = "model.layers.1.mlp.down_proj.weight"
+MOE_CHANGED = "optimizer.state.layers.1.moe.experts.w2.exp_avg"
+FSDP1_VALUES = ["sharded_tensor", "dtensor"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(dcp_dp2, tmp_path_factory):
+    """The 2-rank steps: FSDP1 saves and loads of both kinds of values, and a load that must fail."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    steps = {f"save-fsdp1-{values}": ["save-fsdp1", root / f"fsdp1_{values}", "--world-size", "2",
+                                      "--values", values] for values in FSDP1_VALUES}
+    steps |= {f"load-fsdp1-{values}": ["load-fsdp1", root / f"fsdp1_{values}", "--world-size", "2",
+                                       "--expect", reference(root / f"fsdp1_{values}") / "full.pt"]
+              for values in FSDP1_VALUES}
+    bad = changed_reference(dcp_dp2, DENSE_CHANGED, (-1, -1), root)
+    steps["dense-mismatch"] = ["load-dcp", dcp_dp2, "--dp", "2", "--expect", bad,
+                               "--model-config", reference(dcp_dp2) / "config.json"]
+    return root, run_steps(2, steps)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(dcp_dp2, dcp_dp2_tp2, moe_dp2_ep2, tmp_path_factory):
+    """The 4-rank steps: loads on other meshes (some saving that mesh's own layout first), and one that must fail."""
+    root = tmp_path_factory.mktemp("four-ranks")
+    bad = changed_reference(moe_dp2_ep2, MOE_CHANGED, (-1, -1, -1), root)
+    steps = {
+        "dp2-to-dp4": ["load-dcp", dcp_dp2, "--dp", "4", "--expect", reference(dcp_dp2) / "full.pt"],
+        "dp2-tp2-same-mesh": ["load-dcp", dcp_dp2_tp2, "--dp", "2", "--tp", "2", "--layout", "areal",
+                              "--expect", reference(dcp_dp2_tp2) / "full.pt"],
+        "dp2-tp2-to-dp4": ["load-dcp", dcp_dp2_tp2, "--dp", "4", "--layout", "areal",
+                           "--expect", reference(dcp_dp2_tp2) / "full.pt"],
+        # Load on (dp=2, tp=2, ep=2, etp=tp) and save that mesh's own layout first.
+        "moe-tp2-ep2-etp2": ["load-dcp", moe_dp2_ep2, "--dp", "2", "--tp", "2", "--ep", "2",
+                             "--expect", reference(moe_dp2_ep2) / "full.pt", "--save-layout", root / "moe-own"],
+        "moe-mismatch": ["load-dcp", moe_dp2_ep2, "--model", "moe", "--dp", "4", "--expect", bad,
+                         "--model-config", reference(moe_dp2_ep2) / "config.json"],
+        "dp2-to-hsdp": ["load-dcp", dcp_dp2, "--dp-replicate", "2", "--dp", "2",
+                        "--expect", reference(dcp_dp2) / "full.pt", "--save-layout", root / "hsdp-own"],
+    }
+    return root, run_steps(4, steps)
+
+
 def test_save_dcp_writes_reference(dcp_dp2):
     ref = reference(dcp_dp2)
     assert (dcp_dp2 / ".metadata").is_file()
@@ -67,49 +119,49 @@ def test_save_dcp_writes_reference(dcp_dp2):
     assert "optimizer.state.model.layers.0.self_attn.q_proj.weight.exp_avg" in full
 
 
-def test_dcp_dp2_to_dp4(dcp_dp2):
-    proc = run_job(4, "load-dcp", dcp_dp2, "--dp", "4",
-                   "--expect", reference(dcp_dp2) / "full.pt")
-    assert "OK:" in proc.stdout
-    assert "train_state.step=7" in proc.stdout
+def test_dcp_dp2_to_dp4(four_ranks):
+    _, steps = four_ranks
+    step = steps["dp2-to-dp4"]
+    assert step.returncode == 0, step.stdout
+    assert "OK:" in step.stdout
+    assert "train_state.step=7" in step.stdout
 
 
-def test_dcp_load_detects_mismatch(dcp_dp2, tmp_path):
+def test_dcp_load_detects_mismatch(two_ranks):
     """The checker must fail on a one-element difference (not a no-op)."""
-    full = torch.load(reference(dcp_dp2) / "full.pt", weights_only=True)
-    full["model.layers.1.mlp.down_proj.weight"][-1, -1] += 1.0
-    bad = tmp_path / "full.pt"
-    torch.save(full, bad)
-    proc = run_job(2, "load-dcp", dcp_dp2, "--dp", "2", "--expect", bad,
-                   "--model-config", reference(dcp_dp2) / "config.json", check=False)
-    assert proc.returncode != 0
-    assert "MISMATCH" in proc.stdout and "model.layers.1.mlp.down_proj.weight" in proc.stdout
+    _, steps = two_ranks
+    step = steps["dense-mismatch"]
+    assert step.returncode == 1, step.stdout
+    assert "MISMATCH" in step.stdout and DENSE_CHANGED in step.stdout
 
 
-def test_dcp_dp2_tp2_same_mesh(dcp_dp2_tp2):
-    run_job(4, "load-dcp", dcp_dp2_tp2, "--dp", "2", "--tp", "2",
-            "--expect", reference(dcp_dp2_tp2) / "full.pt")
+def test_dcp_dp2_tp2_same_mesh(four_ranks):
+    _, steps = four_ranks
+    step = steps["dp2-tp2-same-mesh"]
+    assert step.returncode == 0, step.stdout
 
 
-def test_dcp_dp2_tp2_to_dp4(dcp_dp2_tp2):
-    run_job(4, "load-dcp", dcp_dp2_tp2, "--dp", "4",
-            "--expect", reference(dcp_dp2_tp2) / "full.pt")
+def test_dcp_dp2_tp2_to_dp4(four_ranks):
+    _, steps = four_ranks
+    step = steps["dp2-tp2-to-dp4"]
+    assert step.returncode == 0, step.stdout
 
 
-@pytest.mark.parametrize("values", ["sharded_tensor", "dtensor"])
-def test_fsdp1_round_trip(tmp_path, values):
-    out = tmp_path / f"fsdp1_{values}"
-    proc = run_job(2, "save-fsdp1", out, "--world-size", "2", "--values", values)
+@pytest.mark.parametrize("values", FSDP1_VALUES)
+def test_fsdp1_round_trip(two_ranks, values):
+    root, steps = two_ranks
+    saved, loaded = steps[f"save-fsdp1-{values}"], steps[f"load-fsdp1-{values}"]
+    assert saved.returncode == 0, saved.stdout
     expected_type = "ShardedTensor" if values == "sharded_tensor" else "DTensor"
-    assert expected_type in proc.stdout
+    assert expected_type in saved.stdout
+    out = root / f"fsdp1_{values}"
     for r in range(2):
         for kind in ("model", "optim", "extra_state"):
             assert (out / f"{kind}_world_size_2_rank_{r}.pt").is_file()
     assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": 1, "world_size": 2}
     assert (out / "huggingface" / "config.json").is_file()
-    proc = run_job(2, "load-fsdp1", out, "--world-size", "2",
-                   "--expect", reference(out) / "full.pt")
-    assert f"values: {values}" in proc.stdout
+    assert loaded.returncode == 0, loaded.stdout
+    assert f"values: {values}" in loaded.stdout
 
 
 def test_moe_save_dcp_reference(moe_dp2_ep2):
@@ -128,17 +180,17 @@ def test_moe_save_dcp_reference(moe_dp2_ep2):
     assert layout["layers.1.moe.experts.w1"] == {((0, 0, 0), (2, 32, 64)), ((2, 0, 0), (2, 32, 64))}
 
 
-def test_moe_ep2_to_tp2_ep2_etp2_with_own_layout(moe_dp2_ep2, tmp_path):
+def test_moe_ep2_to_tp2_ep2_etp2_with_own_layout(moe_dp2_ep2, four_ranks):
     """Load on (dp=2, tp=2, ep=2, etp=tp) and save that mesh's own layout first."""
-    own = tmp_path / "own"
-    proc = run_job(4, "load-dcp", moe_dp2_ep2, "--dp", "2", "--tp", "2", "--ep", "2",
-                   "--expect", reference(moe_dp2_ep2) / "full.pt", "--save-layout", own)
-    assert "OK: 101 tensors" in proc.stdout
+    root, steps = four_ranks
+    step = steps["moe-tp2-ep2-etp2"]
+    assert step.returncode == 0, step.stdout
+    assert "OK: 101 tensors" in step.stdout
     assert ("placements layers.1.moe.experts.w2: (_StridedShard(dim=0, sf=2), Shard(dim=0), "
-            "Shard(dim=2)) on mesh ('efsdp', 'ep', 'etp') (1, 2, 2)") in proc.stdout
+            "Shard(dim=2)) on mesh ('efsdp', 'ep', 'etp') (1, 2, 2)") in step.stdout
     assert ("placements layers.0.attention.wq.weight: (_StridedShard(dim=0, sf=2), Shard(dim=0)) "
-            "on mesh ('dp_shard', 'tp') (2, 2)") in proc.stdout
-    layout = chunk_layout(own)
+            "on mesh ('dp_shard', 'tp') (2, 2)") in step.stdout
+    layout = chunk_layout(root / "moe-own")
     # ep splits the experts (dim 0), etp their hidden dim: dim 1 of w1/w3, dim 2 of w2.
     w1 = {((2 * e, 16 * t, 0), (2, 16, 64)) for e in range(2) for t in range(2)}
     w2 = {((2 * e, 0, 16 * t), (2, 64, 16)) for e in range(2) for t in range(2)}
@@ -149,25 +201,20 @@ def test_moe_ep2_to_tp2_ep2_etp2_with_own_layout(moe_dp2_ep2, tmp_path):
     assert set(layout) == set(chunk_layout(moe_dp2_ep2))
 
 
-def test_moe_load_detects_mismatch(moe_dp2_ep2, tmp_path):
+def test_moe_load_detects_mismatch(four_ranks):
     """A one-element change in an expert's optimizer state must fail the moe check too."""
-    full = torch.load(reference(moe_dp2_ep2) / "full.pt", weights_only=True)
-    key = "optimizer.state.layers.1.moe.experts.w2.exp_avg"
-    full[key][-1, -1, -1] += 1.0
-    bad = tmp_path / "full.pt"
-    torch.save(full, bad)
-    proc = run_job(2, "load-dcp", moe_dp2_ep2, "--model", "moe", "--dp", "2", "--expect", bad,
-                   "--model-config", reference(moe_dp2_ep2) / "config.json", check=False)
-    assert proc.returncode != 0
-    assert "MISMATCH" in proc.stdout and key in proc.stdout
+    _, steps = four_ranks
+    step = steps["moe-mismatch"]
+    assert step.returncode == 1, step.stdout
+    assert "MISMATCH" in step.stdout and MOE_CHANGED in step.stdout
 
 
-def test_dcp_dp2_to_hsdp(dcp_dp2, tmp_path):
+def test_dcp_dp2_to_hsdp(dcp_dp2, four_ranks):
     """HSDP (2 replicas x dp_shard 2) saves exactly the chunks of a dp=2 job."""
-    own = tmp_path / "own"
-    proc = run_job(4, "load-dcp", dcp_dp2, "--dp-replicate", "2", "--dp", "2",
-                   "--expect", reference(dcp_dp2) / "full.pt", "--save-layout", own)
-    assert "OK:" in proc.stdout
+    root, steps = four_ranks
+    step = steps["dp2-to-hsdp"]
+    assert step.returncode == 0, step.stdout
+    assert "OK:" in step.stdout
     assert ("placements model.embed_tokens.weight: (Replicate(), Shard(dim=0)) "
-            "on mesh ('dp_replicate', 'dp_shard') (2, 2)") in proc.stdout
-    assert chunk_layout(own) == chunk_layout(dcp_dp2)
+            "on mesh ('dp_replicate', 'dp_shard') (2, 2)") in step.stdout
+    assert chunk_layout(root / "hsdp-own") == chunk_layout(dcp_dp2)

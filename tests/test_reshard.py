@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from conftest import dcptool, load_reference, read_tensor
 from dcptool import formats
-from jobs import run_job
+from jobs import run_job, run_steps
 
 MOE_SOURCE = {"dp": 4, "ep": 2}  # differs from every target below
 
@@ -54,17 +57,88 @@ def moe_source(tmp_path_factory):
     return out, out.with_name("src.reference")
 
 
+@dataclass
+class Loaded:
+    """A dcptool output and the job step that loaded it."""
+
+    made: subprocess.CompletedProcess  # the dcptool command that wrote ``out`` (the first one that failed)
+    out: Path
+    job_layout: Path  # where the job saved its own state first (load-dcp --save-layout)
+    load: subprocess.CompletedProcess | None = None  # None when dcptool failed
+
+    def checked(self) -> Loaded:
+        """Itself, once dcptool and the job both succeeded."""
+        assert self.made.returncode == 0, self.made.stderr
+        assert self.load.returncode == 0 and "OK:" in self.load.stdout, self.load.stdout
+        return self
+
+
+@pytest.fixture(scope="module")
+def loads(moe_source, checkpoints, tmp_path_factory) -> dict[str, Loaded]:
+    """Every output of this file that a job loads, by case: written by dcptool, then loaded as the steps of one
+    4-rank and one 2-rank torchrun launch (tests/jobs.py run_steps), so that torch starts twice, not per case."""
+    root = tmp_path_factory.mktemp("loads")
+    moe, moe_reference = moe_source
+    dense_tp, dense_tp_reference = checkpoints("fsdp2_dp2_tp2")
+    dense, dense_reference = checkpoints("fsdp2_dp2")
+    cases, jobs = {}, {}  # name -> Loaded; name -> (ranks, load arguments)
+
+    def paths(name: str) -> tuple[Path, Path]:
+        """Where case ``name``'s output goes, and the job's own save of the same state."""
+        (root / name).mkdir(exist_ok=True)
+        return root / name / "out", root / name / "job-layout"
+
+    def case(name: str, commands: list[list], ranks: int, load: list) -> None:
+        """Run the dcptool ``commands`` that make case ``name``'s output; if they succeed, ``load`` it on ``ranks``."""
+        for command in commands:
+            made = dcptool(*command, check=False)
+            if made.returncode != 0:
+                break
+        cases[name] = Loaded(made, *paths(name))
+        if made.returncode == 0:
+            jobs[name] = ranks, load
+
+    for target, mesh in MOE_TARGETS.items():
+        out, job_layout = paths(target)
+        case(target, [["reshard", moe, out, *flags(mesh), "--etp", str(mesh.get("etp", 1))]], world(mesh),
+             ["load-dcp", out, "--model", "moe", "--layout", "torchtitan", *flags(mesh),
+              "--expect", moe_reference / "full.pt", "--save-layout", job_layout])
+    out, job_layout = paths("dense-dp4")
+    case("dense-dp4", [["reshard", dense_tp, out, "--tp", "1"]], 4,  # dp derived: the source was saved by 4 ranks
+         ["load-dcp", out, "--dp", "4", "--layout", "areal", "--expect", dense_tp_reference / "full.pt",
+          "--save-layout", job_layout])
+    out, job_layout = paths("dense-hsdp")
+    case("dense-hsdp", [["reshard", dense, out, "--dp-replicate", "2", "--dp", "2"]], 4,
+         ["load-dcp", out, "--dp-replicate", "2", "--dp", "2", "--layout", "torchtitan",
+          "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
+    out, job_layout = paths("import-hf")
+    hf = root / "import-hf" / "hf"
+    case("import-hf", [["export-hf", dense, hf, "--config-dir", dense_reference],
+                       ["import-hf", hf, out, "--dp", "2", "--tp", "2"]], 4,
+         ["load-dcp", out, "--dp", "2", "--tp", "2", "--layout", "torchtitan", "--model-only",
+          "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
+    # AReaL's (dp=2, tp=2) DCP to verl-style FSDP1 files: the model part, unwrapped, against the reference's.
+    out, _ = paths("fsdp1")
+    expect = root / "fsdp1" / "expect"
+    expect.mkdir()
+    full = load_reference(dense_tp_reference)
+    torch.save({k[len("dcp.model."):]: v for k, v in full.items() if k.startswith("dcp.model.")}, expect / "full.pt")
+    shutil.copy(dense_tp_reference / "config.json", expect / "config.json")
+    case("fsdp1", [["reshard", dense_tp, out, "--to", "fsdp1", "--world-size", "2"]], 2,
+         ["load-fsdp1", out, "--world-size", "2", "--expect", expect / "full.pt"])
+
+    for ranks in sorted({ranks for ranks, _ in jobs.values()}, reverse=True):
+        steps = run_steps(ranks, {name: load for name, (at, load) in jobs.items() if at == ranks})
+        for name, step in steps.items():
+            cases[name].load = step
+    return cases
+
+
 @pytest.mark.parametrize("target", MOE_TARGETS, ids=list(MOE_TARGETS))
-def test_moe_reshard_loads_on_target_mesh_with_the_jobs_own_layout(moe_source, target, tmp_path):
-    source, reference = moe_source
-    mesh = MOE_TARGETS[target]
-    out, job_layout = tmp_path / "out", tmp_path / "job-layout"
-    dcptool("reshard", source, out, *flags(mesh), "--etp", str(mesh.get("etp", 1)))
-    proc = run_job(world(mesh), "load-dcp", out, "--model", "moe", "--layout", "torchtitan", *flags(mesh),
-                   "--expect", reference / "full.pt", "--save-layout", job_layout)
-    assert "OK:" in proc.stdout
-    assert chunk_layout(out) == chunk_layout(job_layout)
-    assert data_files(out) == [f"__{rank}_0.distcp" for rank in range(world(mesh))]
+def test_moe_reshard_loads_on_target_mesh_with_the_jobs_own_layout(loads, target):
+    loaded = loads[target].checked()
+    assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
+    assert data_files(loaded.out) == [f"__{rank}_0.distcp" for rank in range(world(MOE_TARGETS[target]))]
 
 
 def test_moe_inspect_reports_the_saving_mesh(moe_source):
@@ -90,57 +164,33 @@ def test_reshard_there_and_back_returns_the_same_bytes(moe_source, tmp_path):
         {k: original.object_blob(o) for k, o in original.objects.items()}
 
 
-def test_dense_uneven_dp4_from_fsdp_tp(checkpoints, tmp_path):
+def test_dense_uneven_dp4_from_fsdp_tp(loads):
     """vocab 250 over dp=4: torch.chunk-style shards of 63, 63, 63 and 61 rows (AReaL layout, HF names)."""
-    source, reference = checkpoints("fsdp2_dp2_tp2")
-    out, job_layout = tmp_path / "dp4", tmp_path / "job-layout"
-    result = dcptool("reshard", source, out, "--tp", "1")  # dp derived: the source was saved by 4 ranks
-    assert "4 ranks: dp=4" in result.stderr
-    proc = run_job(4, "load-dcp", out, "--dp", "4", "--layout", "areal", "--expect", reference / "full.pt",
-                   "--save-layout", job_layout)
-    assert "OK:" in proc.stdout
-    layout = chunk_layout(out)
-    assert layout == chunk_layout(job_layout)
+    loaded = loads["dense-dp4"].checked()
+    assert "4 ranks: dp=4" in loaded.made.stderr
+    layout = chunk_layout(loaded.out)
+    assert layout == chunk_layout(loaded.job_layout)
     assert [s[0] for _, s in layout["dcp.model.model.embed_tokens.weight"]] == [63, 63, 63, 61]
 
 
-def test_dense_hsdp(checkpoints, tmp_path):
-    source, reference = checkpoints("fsdp2_dp2")
-    out, job_layout = tmp_path / "hsdp", tmp_path / "job-layout"
-    dcptool("reshard", source, out, "--dp-replicate", "2", "--dp", "2")
-    proc = run_job(4, "load-dcp", out, "--dp-replicate", "2", "--dp", "2", "--layout", "torchtitan",
-                   "--expect", reference / "full.pt", "--save-layout", job_layout)
-    assert "OK:" in proc.stdout
-    assert chunk_layout(out) == chunk_layout(job_layout)
+def test_dense_hsdp(loads):
+    loaded = loads["dense-hsdp"].checked()
+    assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
     # replicas are saved once: the 4 ranks hold 2 distinct shards of each sharded weight
-    assert len(chunk_layout(out)["model.layers.0.mlp.up_proj.weight"]) == 2
+    assert len(chunk_layout(loaded.out)["model.layers.0.mlp.up_proj.weight"]) == 2
 
 
-def test_reshard_to_fsdp1_loads_in_fsdp1_job(checkpoints, tmp_path):
+def test_reshard_to_fsdp1_loads_in_fsdp1_job(loads):
     """AReaL's (dp=2, tp=2) DCP to verl-style FSDP1 files for 2 ranks: the model part, unwrapped."""
-    source, reference = checkpoints("fsdp2_dp2_tp2")
-    out, expect = tmp_path / "fsdp1", tmp_path / "expect"
-    dcptool("reshard", source, out, "--to", "fsdp1", "--world-size", "2")
-    assert sorted(p.name for p in out.glob("model_world_size_*.pt")) == [
+    loaded = loads["fsdp1"].checked()
+    assert sorted(p.name for p in loaded.out.glob("model_world_size_*.pt")) == [
         "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
-    expect.mkdir()
-    full = load_reference(reference)
-    torch.save({k[len("dcp.model."):]: v for k, v in full.items() if k.startswith("dcp.model.")}, expect / "full.pt")
-    shutil.copy(reference / "config.json", expect / "config.json")
-    proc = run_job(2, "load-fsdp1", out, "--world-size", "2", "--expect", expect / "full.pt")
-    assert "OK:" in proc.stdout
 
 
-def test_import_hf_lays_weights_out_for_a_mesh(checkpoints, tmp_path):
-    source, reference = checkpoints("fsdp2_dp2")
-    hf, out, job_layout = tmp_path / "hf", tmp_path / "dcp", tmp_path / "job-layout"
-    dcptool("export-hf", source, hf, "--config-dir", reference)
-    dcptool("import-hf", hf, out, "--dp", "2", "--tp", "2")
-    proc = run_job(4, "load-dcp", out, "--dp", "2", "--tp", "2", "--layout", "torchtitan", "--model-only",
-                   "--expect", reference / "full.pt", "--save-layout", job_layout)
-    assert "OK:" in proc.stdout
-    model_layout = {k: v for k, v in chunk_layout(job_layout).items() if not k.startswith("optimizer.")}
-    assert chunk_layout(out) == model_layout
+def test_import_hf_lays_weights_out_for_a_mesh(loads):
+    loaded = loads["import-hf"].checked()
+    model_layout = {k: v for k, v in chunk_layout(loaded.job_layout).items() if not k.startswith("optimizer.")}
+    assert chunk_layout(loaded.out) == model_layout
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):

@@ -65,15 +65,30 @@ def temporaries(folder: Path) -> list[str]:
     return [p.name for p in folder.iterdir() if ".dcptool-" in p.name]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=list(COMMANDS))
-def test_output_is_identical_to_one_process(checkpoints, command, tmp_path):
+@pytest.fixture(scope="module")
+def alone(checkpoints, tmp_path_factory):
+    """Each command's output written by one process (made once, on first use): {command: contents}."""
     source, _ = checkpoints("fsdp2_dp2_tp2")
-    suffix = ".pt" if command == "torch-file" else ""
-    alone, shared = tmp_path / f"alone{suffix}", tmp_path / f"shared{suffix}"
-    dcptool(*command_line(command, source, alone))
+    root = tmp_path_factory.mktemp("alone")
+    made = {}
+
+    def get(command: str) -> dict[str, bytes]:
+        if command not in made:
+            out = root / (f"{command}.pt" if command == "torch-file" else command)
+            dcptool(*command_line(command, source, out))
+            made[command] = contents(out)
+        return made[command]
+
+    return get
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=list(COMMANDS))
+def test_output_is_identical_to_one_process(checkpoints, alone, command, tmp_path):
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    shared = tmp_path / ("shared.pt" if command == "torch-file" else "shared")
     result = torchrun(*command_line(command, source, shared))
     assert result.returncode == 0, result.stderr[-3000:]
-    expected, got = contents(alone), contents(shared)
+    expected, got = alone(command), contents(shared)
     assert sorted(got) == sorted(expected)
     assert [name for name in expected if got[name] != expected[name]] == []
     if command != "torch-file":
@@ -83,20 +98,18 @@ def test_output_is_identical_to_one_process(checkpoints, command, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["reshard-dp4", "torch-file"])
-def test_remote_destination_each_rank_uploads_its_files(checkpoints, command, tmp_path):
+def test_remote_destination_each_rank_uploads_its_files(checkpoints, alone, command, tmp_path):
     """A URL destination under torchrun: every rank stages and uploads its own files, rank 0 the index
     last. fsspec's ``local://`` protocol goes through the same upload path as s3:// and is seen by
     every rank (``memory://`` lives inside one process)."""
     source, _ = checkpoints("fsdp2_dp2_tp2")
-    suffix = ".pt" if command == "torch-file" else ""
-    alone, uploaded = tmp_path / f"alone{suffix}", tmp_path / f"uploaded{suffix}"
-    dcptool(*command_line(command, source, alone))
-    if not suffix:
+    uploaded = tmp_path / ("uploaded.pt" if command == "torch-file" else "uploaded")
+    if command != "torch-file":
         uploaded.mkdir()
         (uploaded / "stale.distcp").write_bytes(b"from an earlier run")  # --overwrite removes the old output
     result = torchrun(*command_line(command, source, f"local://{uploaded}"), "--overwrite")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert contents(uploaded) == contents(alone)
+    assert contents(uploaded) == alone(command)
 
 
 def test_bad_source_fails_on_every_rank_with_one_line(tmp_path):
