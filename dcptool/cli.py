@@ -379,7 +379,7 @@ def convert_command(
     source, = hub.with_revision(source, revision=revision)
     if compress and to != "dcp":
         raise UsageError(f"--compress {compress} goes with --to dcp")
-    _fsdp1_forms_only(to, optim_form, model_values)
+    conversion.fsdp1_forms_only(to, optim_form, model_values)
     checkpoint, quant_notes = _dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir, dtype)
     planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
                                       config_dir=config_dir, world_size=world_size, max_shard_size=_size(max_shard_size),
@@ -388,11 +388,6 @@ def convert_command(
     if compress:
         planned.writer_options["compress"] = compress
     _write(planned, destination, max_memory, overwrite, fsync)
-
-
-def _fsdp1_forms_only(to: str, optim_form, model_values) -> None:
-    if (optim_form or model_values) and to != "fsdp1":
-        raise UsageError(f"--{'optim-form' if optim_form else 'model-values'} goes with --to fsdp1")
 
 
 def _dequantized(checkpoint, dequantize: bool, config_dir, dtype):
@@ -577,10 +572,10 @@ def reshard(
       [cyan]dcptool reshard step-1000 moe-ep --dp 4 --tp 2 --ep 4 --etp 1 --dry-run[/cyan]
       [cyan]dcptool reshard global_step_10/actor fsdp1-w8 --to fsdp1 --world-size 8[/cyan]
     """
-    from dcptool import resharding
+    from dcptool import conversion, resharding
 
     mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    _fsdp1_forms_only(to, optim_form, model_values)
+    conversion.fsdp1_forms_only(to, optim_form, model_values)
     if to == "fsdp1":
         if compress:
             raise UsageError(f"--compress {compress} goes with --to dcp")

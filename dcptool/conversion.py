@@ -302,6 +302,12 @@ class Conversion:
         return report
 
 
+def fsdp1_forms_only(to: str, optim_form: str | None, model_values: str | None) -> None:
+    """Refuse ``--optim-form`` / ``--model-values`` (``converters/fsdp1.output_forms``) for any output but fsdp1."""
+    if (optim_form or model_values) and to != "fsdp1":
+        raise UsageError(f"--{'optim-form' if optim_form else 'model-values'} goes with --to fsdp1")
+
+
 def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, include: str | None = None,
                  exclude: str | None = None, adapter: str | None = None, config_dir: str | Path | None = None,
                  world_size: int = 1, max_shard_size: int | str = "5GB", keep_rank_state: bool = False,
@@ -320,8 +326,7 @@ def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, i
                                       optim_form, model_values)
         conversion.notes[:0] = notes
         return conversion
-    if optim_form or model_values:
-        raise UsageError("optim_form and model_values go with an fsdp1 output")
+    fsdp1_forms_only(to, optim_form, model_values)
     tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
     options = {"hf": {"max_shard_size": max_shard_size}}.get(to, {})
     reasons = (f"the {to} output holds model weights only" if getattr(formats.get(to), "MODEL_ONLY", False) else "",

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes, formats, plans
-from dcptool.conversion import Conversion, Report, adapted, entries_for, model_part, read_config
+from dcptool.conversion import Conversion, Report, adapted, entries_for, fsdp1_forms_only, model_part, read_config
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
@@ -276,8 +276,7 @@ def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replica
     if to == "fsdp1":
         return fsdp1_conversion(checkpoint, sizes, dtype, keep_rank_state=keep_rank_state, optim_form=optim_form,
                                 model_values=model_values).write(destination, **options)
-    if optim_form or model_values:
-        raise UsageError("--optim-form and --model-values go with --to fsdp1")
+    fsdp1_forms_only(to, optim_form, model_values)
     if to != "dcp":
         raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
     result = plan_for(checkpoint, sizes, plan, adapter=adapter, wrapper=wrapper, config_dir=config_dir,

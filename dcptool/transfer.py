@@ -44,6 +44,9 @@ TASK_BYTES = 64 * 2**20
 # Source runs shorter than this on average are read into a slab rather than copied run by run: a
 # kernel copy and a CRC mapping per run cost more than the bytes.
 SMALL_RUN = 2**20
+# Runs shorter than this are checksummed rather than have their record's zip directory read for its CRC-32:
+# opening a record takes two reads (chunks of a thousand ranks are a few KB each).
+STORED_CRC_RUN = 2**18
 # Bytes mapped at once to checksum a run: mapped pages count as this process's memory.
 CRC_WINDOW = 8 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
@@ -243,7 +246,8 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
     """``(start in piece, source file, source offset, length, chunk)`` of every source run, in bytes, when
     the piece is the concatenation of contiguous runs of source bytes (no cast, no reordering);
     else None. Dim-0 shards (FSDP) and whole chunks are; a column block of a TP row-wise weight is not.
-    ``chunk`` is the source chunk when the run is all of it, else None.
+    ``chunk`` is the source chunk when the run is all of it and long enough that its record's stored CRC-32
+    is worth reading (``STORED_CRC_RUN``), else None.
     """
     source = piece.tensor.source
     if source.dtype != piece.tensor.dtype or source.transform is not None:  # computed values are no source bytes
@@ -262,8 +266,9 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
             return None
         source_offset = raw.offset + sum((l - c) * s for l, c, s in zip(lo, chunk.offsets, raw.strides)) * itemsize
         start = sum((l - o) * s for l, o, s in zip(lo, piece.offsets, piece_strides)) * itemsize
-        whole = chunk if list(extent) == list(chunk.sizes) else None
-        runs.append((start, raw.file, source_offset, math.prod(extent) * itemsize, whole))
+        length = math.prod(extent) * itemsize
+        whole = chunk if list(extent) == list(chunk.sizes) and length >= STORED_CRC_RUN else None
+        runs.append((start, raw.file, source_offset, length, whole))
     return sorted(runs, key=lambda run: run[0])
 
 

@@ -12,6 +12,7 @@ import torch
 
 from conftest import dcptool, load_reference
 from dcptool import conversion, formats, transfer
+from dcptool.core import Checkpoint
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import ArchiveLayout, StorageOut, TensorOut, dumps
 
@@ -74,13 +75,19 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
     pieces = formats.get("hf").Writer(tmp_path / "plan").plan(conversion.hf_export_entries(checkpoint)[0], [])
     kinds = {transfer.source_runs(checkpoint, piece) is None for piece in pieces}
     assert kinds == {True, False}  # both paths are exercised
+    stored = []  # CRC-32s taken from the source records' zip directories
     if kernel_copy == "remote source":
         monkeypatch.setattr(CheckpointFiles, "local_fd", lambda self, relative: None)
     elif kernel_copy == "across filesystems":
         monkeypatch.setattr(os, "copy_file_range", _refuse_across_filesystems)
+    else:  # these chunks are small: let each one copied whole take its record's CRC-32, as large ones do
+        monkeypatch.setattr(transfer, "STORED_CRC_RUN", 1)
+        read_crc = Checkpoint.stored_crc
+        monkeypatch.setattr(Checkpoint, "stored_crc", lambda self, *args: stored.append(read_crc(self, *args)) or stored[-1])
     out = tmp_path / "full.pt"
     conversion.convert_checkpoint(source, out, to="torch", max_memory=2**16)
     assert zipfile.ZipFile(out).testzip() is None
+    assert (kernel_copy == "yes") == bool(stored) and None not in stored
     expected = load_reference(reference)
     loaded = torch.load(out, weights_only=True)
     flat, expected = dict(_flatten(loaded)), dict(_flatten(expected))
