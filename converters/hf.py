@@ -219,16 +219,15 @@ class Writer(SafetensorsFiles):
         by_key = {t.key: t for t in tensors}
         if len(by_key) != len(tensors):
             raise UsageError("two tensors would get the same name in the safetensors output")
-        self.split = split_state_dict_into_shards_factory(
+        split = split_state_dict_into_shards_factory(
             by_key, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors",
             max_shard_size=self.max_shard_size,
         )
-        return self.lay_out({name: [_whole(by_key[k]) for k in keys]
-                             for name, keys in self.split.filename_to_tensors.items()})
+        return self.lay_out({name: [_whole(by_key[k]) for k in keys] for name, keys in split.filename_to_tensors.items()})
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Write the index (when sharded) and copy the config; returns the objects safetensors cannot hold."""
-        if self.split.is_sharded:
+        if len(self._pieces) > 1:  # sharded, as the hub's split says when it makes more than one file
             weight_map = dict(sorted((piece.tensor.key, name) for piece, (name, _) in self._place.items()))
             index = {"metadata": {"total_size": sum(self.files().values())}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
