@@ -13,7 +13,6 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
-import click
 import typer
 
 from dcptool import core, dtypes, formats, hub
@@ -814,7 +813,7 @@ GLOBAL_FLAGS = ("--debug", "--quiet", "-q")
 COMMAND_FLAGS_FIRST = ("--json",)
 
 
-def _arranged(group: click.Group, argv: list[str]) -> list[str]:
+def _arranged(group: typer.core.TyperGroup, argv: list[str]) -> list[str]:
     """``argv`` with GLOBAL_FLAGS moved before the command name and COMMAND_FLAGS_FIRST after it.
 
     Option values are skipped by the command's own options (``--include -q`` keeps ``-q`` as the
@@ -848,7 +847,7 @@ def _arranged(group: click.Group, argv: list[str]) -> list[str]:
     return [arg for arg in before if arg not in COMMAND_FLAGS_FIRST] + [argv[at]] + first + after
 
 
-def _command() -> click.Command:
+def _command() -> typer.core.TyperGroup:
     """The click command of ``app``, its flags shown without a ``<bool>`` type in help."""
     command = typer.main.get_command(app)
     for each in [command, *command.commands.values()]:
@@ -859,10 +858,9 @@ def _command() -> click.Command:
     return command
 
 
-# typer >= 0.29 runs on its own copy of click: catch the usage errors of both.
-CLICK_ERRORS = tuple({click.exceptions.ClickException,
-                      next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
-CLICK_ABORTS = tuple({click.exceptions.Abort, typer.Abort})
+# typer runs on its own copy of click, whose usage errors all derive from its ClickException.
+CLICK_ERRORS = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+CLICK_ABORTS = typer.Abort
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -342,6 +342,7 @@ class OutputFiles:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self._fds: dict[str, int] = {}
+        self._writing: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
     def fd(self, name: str) -> int:
@@ -352,13 +353,25 @@ class OutputFiles:
                 path = self.folder / name
                 fd = self._fds[name] = _attempt(
                     "creating", path, lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                self._writing[name] = threading.Lock()
             return fd
 
+    @contextmanager
+    def writing(self, name: str) -> Iterator[int]:
+        """The file's descriptor, held by this thread alone while it writes.
+
+        A filesystem lets one write into a file at a time (ext4, xfs: the inode's lock), and a thread
+        waiting there spins on a core; waiting here sleeps, leaving the core to threads that read."""
+        fd = self.fd(name)
+        with self._writing[name]:
+            yield fd
+
     def write_at(self, name: str, offset: int, data) -> None:
-        fd, view, done = self.fd(name), memoryview(data).cast("B"), 0
+        view, done = memoryview(data).cast("B"), 0
         try:
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
+            with self.writing(name) as fd:
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
         except OSError as exc:
             raise self.failed(exc, name, offset + done) from None
 

@@ -41,6 +41,9 @@ from dcptool.torch_archive import row_major
 IO_THREADS = min(8, 2 * (os.cpu_count() or 1))
 # The largest task: progress and checks on the other ranks come at least this often.
 TASK_BYTES = 64 * 2**20
+# The most a task assembled in a buffer holds: its bytes are still in the core's cache when written out
+# (32 MB slabs made the write from them cost three times the read into them).
+SLAB_BYTES = int(os.environ.get("SLAB", 2 * 2**20))
 # Source runs shorter than this on average are read into a slab rather than copied run by run: a
 # kernel copy and a CRC mapping per run cost more than the bytes.
 SMALL_RUN = 2**20
@@ -49,6 +52,8 @@ SMALL_RUN = 2**20
 STORED_CRC_RUN = 2**18
 # Bytes mapped at once to checksum a run: mapped pages count as this process's memory.
 CRC_WINDOW = 8 * 2**20
+# The most one kernel copy moves while it holds the output file (a whole record may be gigabytes).
+KERNEL_COPY_STEP = 16 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
 # copy_file_range cannot copy between these filesystems or files: fall back to read and write.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF}
@@ -235,7 +240,7 @@ def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, tas
     source_itemsize = dtypes.dtype(piece.tensor.source.dtype).itemsize
     cast = piece.tensor.source.dtype != piece.tensor.dtype
     per_element = source_itemsize + (itemsize if cast else 0)  # a cast allocates its result beside the buffer
-    for offsets, sizes in slabs(piece.sizes, max(1, task_bytes // per_element)):
+    for offsets, sizes in slabs(piece.sizes, max(1, min(task_bytes, SLAB_BYTES) // per_element)):
         start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
         tasks.append(Task(piece, len(tasks), file, offset + start, math.prod(sizes) * itemsize,
                           region=(offsets, sizes)))
@@ -340,11 +345,12 @@ class _Mover:
     def _kernel_copy(self, source_fd: int, task: Task) -> bool:
         """Copy the run inside the kernel; False where the filesystems cannot."""
         file, source_offset = task.source
-        target_fd, done = self.out.fd(task.file), 0
+        done = 0
         while done < task.nbytes:
             try:
-                copied = os.copy_file_range(source_fd, target_fd, task.nbytes - done,
-                                            source_offset + done, task.offset + done)
+                with self.out.writing(task.file) as target_fd:
+                    copied = os.copy_file_range(source_fd, target_fd, min(task.nbytes - done, KERNEL_COPY_STEP),
+                                                source_offset + done, task.offset + done)
             except OSError as exc:
                 if exc.errno in _NO_KERNEL_COPY and done == 0:
                     return False

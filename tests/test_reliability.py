@@ -342,13 +342,13 @@ def test_ctrl_c_at_any_moment_exits_130_with_one_line_and_leaves_nothing(made, t
 
 
 def test_interrupt_while_the_command_line_is_imported(made, tmp_path):
-    """SIGINT during ``import click`` (the first import of dcptool.cli), delivered by a sitecustomize."""
+    """SIGINT during ``import typer`` (the first import of dcptool.cli), delivered by a sitecustomize."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(
         "import os, signal, sys\n"
         "class Trap:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'click':\n"
+        "        if name == 'typer':\n"
         "            sys.meta_path.remove(self)\n"
         "            os.kill(os.getpid(), signal.SIGINT)\n"
         "sys.meta_path.insert(0, Trap())\n")
