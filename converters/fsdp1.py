@@ -57,7 +57,6 @@ import json
 import math
 import re
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ from dcptool.errors import (CheckpointError, UsageError, json_kind, printable, s
                             with_article)
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.storage import CheckpointFiles, OutputFiles
-from dcptool.transfer import crc32_combine
+from dcptool.transfer import crc32, crc32_combine
 from dcptool.torch_archive import (Archive, ArchiveLayout, Global, Reduced, StorageOut, TensorOut, dumps, new_object,
                                    row_major, torch_size)
 from dcptool.converters.hf import copy_config
@@ -1213,14 +1212,14 @@ class Writer:
         fixed = self._fixed.get((name, storage.key))
         if fixed is not None:
             self.out.write_at(name, start, fixed)
-            return zlib.crc32(fixed)
+            return crc32(fixed)
         crc, done = 0, 0
         end = storage.numel * dtypes.dtype(storage.dtype).itemsize
         for offset, piece in sorted(self._parts[(name, storage.key)], key=lambda part: part[0]) + [(end, None)]:
             if offset > done:
                 zeros = bytes(offset - done)
                 self.out.write_at(name, start + done, zeros)
-                crc = crc32_combine(crc, zlib.crc32(zeros), len(zeros)) if done else zlib.crc32(zeros)
+                crc = crc32_combine(crc, crc32(zeros), len(zeros)) if done else crc32(zeros)
                 done = offset
             if piece is not None:
                 crc = crc32_combine(crc, crcs[piece], piece.nbytes) if offset else crcs[piece]

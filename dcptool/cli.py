@@ -33,6 +33,10 @@ app = typer.Typer(
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+# An output: a local Path, or a URL kept as given (storage.output_path decides). Not annotated Path:
+# typer would make the URL "s3://b/x" the path "s3:/b/x".
+OutputLocation = str
+
 # Choices as Literal types, so that help lists them and click refuses anything else with exit 2.
 FormatName = Literal[tuple(formats.names())]
 OutputFormat = Literal[tuple(formats.writable())]
@@ -344,7 +348,7 @@ ModelValuesOption = typer.Option(None, "--model-values", help="With --to fsdp1: 
 @app.command(name="convert")
 def convert_command(
     source: str = typer.Argument(..., help="Checkpoint to read (a path, a URL or a hub repo ORG/NAME)."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch); a path or a URL."),
+    destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch); a path or a URL."),
     to: OutputFormat = typer.Option(..., "--to", help="Output format."),
     source_format: Optional[FormatName] = FromOption,
     dtype: Optional[CastDtype] = DtypeOption,
@@ -413,7 +417,7 @@ def _write(planned: conversion.Conversion, destination, max_memory, overwrite, f
 @app.command(name="export-hf")
 def export_hf(
     source: str = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file; a path or a URL)."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
+    destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with config.json and tokenizer files to copy."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
     source_format: Optional[FormatName] = FromOption,
@@ -538,7 +542,7 @@ def _print_plan(result, as_json: bool) -> None:
 @app.command()
 def reshard(
     source: str = typer.Argument(..., help="Checkpoint to read (DCP, FSDP1 folder, torch.save file, HF folder; a path or a URL)."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output folder; a path or a URL."),
+    destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder; a path or a URL."),
     dp: Optional[int] = DpOption,
     tp: int = TpOption,
     ep: int = EpOption,
@@ -590,7 +594,7 @@ def reshard(
 @app.command(name="import-hf")
 def import_hf(
     source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path, a URL or a hub repo ORG/NAME."),
-    destination: Path = typer.Argument(..., parser=output_path, help="Output DCP folder; a path or a URL."),
+    destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output DCP folder; a path or a URL."),
     dp: Optional[int] = typer.Option(None, "--dp", help="FSDP shard degree of the job that will load it (default 1)."),
     tp: int = TpOption,
     ep: int = EpOption,

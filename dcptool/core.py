@@ -368,11 +368,14 @@ class Checkpoint:
             return
         if span > len(scratch):  # a single element larger than the scratch buffer cannot happen in practice
             raise CheckpointError("read buffer smaller than one element")
-        buffer = scratch[:span]
-        self.files.read_into(raw.file, raw.offset + first * itemsize, buffer)
-        flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
-        view = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
-        target[...] = view
+        start = raw.offset + first * itemsize
+        with self.files.mapped(raw.file, start, span) as mapped:
+            buffer = mapped if mapped is not None else scratch[:span]
+            if mapped is None:
+                self.files.read_into(raw.file, start, buffer)
+            flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
+            target[...] = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
+            del flat  # the mapping closes only once no array points into it
 
 
 # Rows shorter than this are gathered through the scratch buffer: one read and a copy beat thousands of tiny iovecs.

@@ -13,6 +13,7 @@ import fnmatch
 import hashlib
 import io
 import itertools
+import mmap
 import os
 import platform
 import re
@@ -182,6 +183,24 @@ class CheckpointFiles:
                     got -= len(pending.popleft())
                 else:
                     pending[0], got = pending[0][got:], 0
+
+    @contextmanager
+    def mapped(self, relative: str, offset: int, length: int) -> Iterator[memoryview | None]:
+        """The file's bytes ``offset..offset + length`` mapped read-only in place (a gather from them copies
+        once, where a read into a buffer first would copy twice, gaps included); None for a file that is
+        not local, which the caller reads instead."""
+        self.check_range(relative, offset, length)
+        fd = self.local_fd(relative)
+        if fd is None or length == 0:
+            yield None
+            return
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            region = mmap.mmap(fd, offset + length - base, offset=base, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise _annotate(exc, "reading", self.path(relative), f" at byte {offset:,}") from None
+        with region, memoryview(region) as whole, whole[offset - base:] as view:
+            yield view
 
     def read(self, relative: str, offset: int, length: int) -> bytes:
         buffer = bytearray(length)
