@@ -264,7 +264,7 @@ def _chunk_table(files, storage: _Storage, key: str, chunk_list: list, dtype: st
     bad = np.flatnonzero((offset < 0) | (length < 0) | (offset >= SIZE_LIMIT) | (length >= SIZE_LIMIT))
     if len(bad):
         raise CheckpointError(f"{at} at {offsets[bad[0]].tolist()}: storage record offset and length are not byte counts")
-    used = np.unique(path)
+    used = np.flatnonzero(np.bincount(path))  # the files' codes, sorted (np.unique would import numpy.ma: 12 ms)
     names = [storage.path_names[p] for p in used.tolist()]
     sizes_on_disk = [storage.file_size(files, name, at) for name in names]
     file_index = np.searchsorted(used, path)

@@ -146,7 +146,7 @@ def _global(
 @contextmanager
 def _progress(total: int, what: str):
     """A byte progress bar on a terminal, unless --quiet; yields the callback to advance it."""
-    if _state["quiet"] or not _err().is_terminal:
+    if _state["quiet"] or not sys.stderr.isatty():  # rich, imported only for a bar, costs 20 ms of start-up
         yield lambda n: None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn

@@ -191,17 +191,11 @@ class DecompressingFiles(CheckpointFiles):
         return None if relative in self._records else super().local_fd(relative)
 
     def read_into(self, relative: str, offset: int, buffer: memoryview) -> None:
-        if relative in self._records:
-            self.read_scattered(relative, offset, [buffer])
-        else:
-            super().read_into(relative, offset, buffer)
-
-    def read_scattered(self, relative: str, offset: int, buffers: list[memoryview]) -> None:
         record = self._records.get(relative)
         if record is None:
-            super().read_scattered(relative, offset, buffers)
+            super().read_into(relative, offset, buffer)
             return
-        end = offset + sum(len(b) for b in buffers)
+        end = offset + len(buffer)
         if end > record.limit:
             raise self.too_large(relative)
         self.check_range(relative, offset, end - offset)
@@ -210,7 +204,7 @@ class DecompressingFiles(CheckpointFiles):
         cursor = self._take(relative, record, offset, end)
         failed = True
         try:
-            cursor.read(offset, buffers)
+            cursor.read(offset, [buffer])
             failed = False
         finally:
             self._give_back(cursor, failed)

@@ -347,10 +347,9 @@ class Checkpoint:
     def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch,
                   split_gaps: bool = False) -> None:
         itemsize = raw.itemsize
-        first = sum(l * s for l, s in zip(lo, raw.strides))
-        rows = _rows_of(target) if is_contiguous(extent, raw.strides) else None
-        if rows is not None:  # one run in the file: read straight into its places (a column block's rows)
-            self.files.read_scattered(raw.file, raw.offset + first * itemsize, rows)
+        start = raw.offset + sum(l * s for l, s in zip(lo, raw.strides)) * itemsize
+        if target.flags.c_contiguous and is_contiguous(extent, raw.strides):  # one run to one run: read in place
+            self.files.read_into(raw.file, start, memoryview(target).cast("B"))
             return
         span = (sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1) * itemsize
         # Split what does not fit, and views that are mostly gaps (rows of a permuted view far apart).
@@ -359,16 +358,17 @@ class Checkpoint:
             dim = max((d for d, n in enumerate(extent) if n > 1), key=lambda d: raw.strides[d]) if sparse else \
                 next(d for d, n in enumerate(extent) if n > 1)
             half = extent[dim] // 2
-            for start, count in ((0, half), (half, extent[dim] - half)):
+            for begin, count in ((0, half), (half, extent[dim] - half)):
                 sub_lo, sub_extent = list(lo), list(extent)
-                sub_lo[dim] += start
+                sub_lo[dim] += begin
                 sub_extent[dim] = count
-                index = tuple(slice(start, start + count) if d == dim else slice(None) for d in range(len(extent)))
+                index = tuple(slice(begin, begin + count) if d == dim else slice(None) for d in range(len(extent)))
                 self._copy_box(raw, sub_lo, sub_extent, target[index], scratch, split_gaps)
             return
         if span > len(scratch):  # a single element larger than the scratch buffer cannot happen in practice
             raise CheckpointError("read buffer smaller than one element")
-        start = raw.offset + first * itemsize
+        # Strided on either side (a column block's rows): copied from the file's pages in place where it is local,
+        # else read whole into the scratch buffer first. The mapping spans at most the scratch buffer's bytes.
         with self.files.mapped(raw.file, start, span) as mapped:
             buffer = mapped if mapped is not None else scratch[:span]
             if mapped is None:
@@ -376,10 +376,6 @@ class Checkpoint:
             flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
             target[...] = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
             del flat  # the mapping closes only once no array points into it
-
-
-# Rows shorter than this are gathered through the scratch buffer: one read and a copy beat thousands of tiny iovecs.
-SCATTER_ROW = 4096
 
 
 def is_contiguous(extent, strides) -> bool:
@@ -391,20 +387,6 @@ def is_contiguous(extent, strides) -> bool:
                 return False
             expected *= count
     return True
-
-
-def _rows_of(target: np.ndarray) -> list[memoryview] | None:
-    """``target``'s memory as its contiguous runs in row-major order (one if it is contiguous), or None when
-    they are shorter than ``SCATTER_ROW`` bytes."""
-    inner, run = target.ndim, target.itemsize
-    while inner > 0 and (target.shape[inner - 1] == 1 or target.strides[inner - 1] == run):
-        run *= target.shape[inner - 1]
-        inner -= 1
-    if target.size == 0 or (inner and run < SCATTER_ROW):
-        return None
-    if inner == 0:
-        return [memoryview(target).cast("B")]
-    return [memoryview(target[index]).cast("B") for index in np.ndindex(*target.shape[:inner])]
 
 
 # What writers consume: output tensors and objects, and the pieces a writer stores them as.

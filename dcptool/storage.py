@@ -12,7 +12,6 @@ import errno
 import fnmatch
 import hashlib
 import io
-import itertools
 import mmap
 import os
 import platform
@@ -24,7 +23,6 @@ import socket
 import stat
 import sys
 import threading
-from collections import deque
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -35,7 +33,6 @@ from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json
 # ``scheme://...`` or fsspec's chained ``blockcache::s3://...``; ``file://`` URLs are read as local paths.
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*(://|::)")
 _FILE_URL = "file://"
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers one preadv may take
 
 
 def is_remote(location: str | Path) -> bool:
@@ -159,36 +156,12 @@ class CheckpointFiles:
         self.check_range(relative, offset, len(buffer))
         self._store.read_into(relative, offset, buffer)
 
-    def read_scattered(self, relative: str, offset: int, buffers: list[memoryview]) -> None:
-        """Fill ``buffers`` in turn with the file's bytes from ``offset``: a local file in ``preadv`` calls
-        (the bytes land in their places with no copy), any other one buffer at a time."""
-        self.check_range(relative, offset, sum(len(b) for b in buffers))
-        fd = self.local_fd(relative)
-        if fd is None:
-            for buffer in buffers:
-                self.read_into(relative, offset, buffer)
-                offset += len(buffer)
-            return
-        pending = deque(buffers)
-        while pending:
-            try:
-                got = os.preadv(fd, list(itertools.islice(pending, _IOV_MAX)), offset)
-            except OSError as exc:
-                raise _annotate(exc, "reading", self.path(relative), f" at byte {offset:,}") from None
-            if got <= 0:
-                raise CheckpointError(f"{self.path(relative)}: file shrank while reading at byte {offset}")
-            offset += got
-            while got:  # drop what was filled; a short read leaves the rest of a buffer for the next call
-                if got >= len(pending[0]):
-                    got -= len(pending.popleft())
-                else:
-                    pending[0], got = pending[0][got:], 0
-
     @contextmanager
     def mapped(self, relative: str, offset: int, length: int) -> Iterator[memoryview | None]:
         """The file's bytes ``offset..offset + length`` mapped read-only in place (a gather from them copies
         once, where a read into a buffer first would copy twice, gaps included); None for a file that is
-        not local, which the caller reads instead."""
+        not local, which the caller reads instead. The range is checked against the file's size first: only
+        a file cut short by another process while mapped could still fault (SIGBUS)."""
         self.check_range(relative, offset, length)
         fd = self.local_fd(relative)
         if fd is None or length == 0:
