@@ -20,8 +20,8 @@ from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, Piece, Tenso
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, printable, shape_problem,
                             utf8_problem, with_article)
 from dcptool.storage import CheckpointFiles, OutputFiles
-from dcptool.torch_archive import (ArchiveLayout, Global, Reduced, StorageOut, TensorOut, archive_bytes, dumps,
-                                   new_object, torch_size)
+from dcptool.torch_archive import (ArchiveLayout, Global, PickleStream, Reduced, StorageOut, Streamed, TensorOut,
+                                   archive_bytes, dumps, new_object, torch_size)
 
 NAME = "dcp"
 WRITES_FOLDER = True
@@ -432,13 +432,18 @@ class Writer:
         return records
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
-        """Write ``.metadata`` from the records of every writer."""
+        """Write ``.metadata`` from the records of every writer, streamed: a thousand ranks make a million
+        chunks, too many to build as objects first."""
         merged = {where: place for part in records for where, place in part.items()}
-        (self.folder / METADATA).write_bytes(dumps(self._metadata(objects, merged), protocol=4))
+        with open(self.folder / METADATA, "wb") as file:
+            stream = PickleStream(file)
+            stream.start()
+            stream.save(self._metadata(objects, merged))
+            stream.stop()
         return []
 
-    def _metadata(self, objects, records):
-        entries, storage = {}, {}
+    def _metadata(self, objects, records) -> Reduced:
+        """torch's ``Metadata``; its tensor entries and storage records are made one at a time as they are written."""
         chunks_of: dict[str, list] = {}
         for piece in self._rank_of:
             chunks_of.setdefault(piece.tensor.key, []).append(piece)
@@ -449,33 +454,38 @@ class Writer:
                 position_of.setdefault((key, piece.offsets), i)
         # In the order one process writes them (file by file, then the objects), whoever wrote them.
         ordered = [(p.tensor.key, p.offsets) for p in self.pieces] + [(o.key, None) for o in objects]
-        for key, offsets in dict.fromkeys(ordered):
-            file, start, length = records[(key, offsets)]
-            position = None if offsets is None else position_of[(key, offsets)]
-            index = new_object(_METADATA_MODULE, "MetadataIndex", {
-                "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})
-            info = {"relative_path": file, "offset": start, "length": length}
-            if self.compress:
-                info["transform_descriptors"] = [compression.ZSTD]
-            storage[index] = new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo", info)
-        for tensor in self.tensors:
-            properties = new_object(_METADATA_MODULE, "TensorProperties", (
-                Global("torch", tensor.dtype),
-                Reduced(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
-                False,
-                Reduced(Global(_METADATA_MODULE, "_MEM_FORMAT_ENCODING"), (0,)),
-                False,
-            ))
-            chunks = [new_object(_METADATA_MODULE, "ChunkStorageMetadata",
-                                 {"offsets": torch_size(p.offsets), "sizes": torch_size(p.sizes)})
-                      for p in chunks_of[tensor.key]]
-            entries[tensor.key] = new_object(_METADATA_MODULE, "TensorStorageMetadata",
+
+        def storage():
+            for key, offsets in dict.fromkeys(ordered):
+                file, start, length = records[(key, offsets)]
+                position = None if offsets is None else position_of[(key, offsets)]
+                index = new_object(_METADATA_MODULE, "MetadataIndex", {
+                    "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})
+                info = {"relative_path": file, "offset": start, "length": length}
+                if self.compress:
+                    info["transform_descriptors"] = [compression.ZSTD]
+                yield index, new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo", info)
+
+        def entries():
+            for tensor in self.tensors:
+                properties = new_object(_METADATA_MODULE, "TensorProperties", (
+                    Global("torch", tensor.dtype),
+                    Reduced(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+                    False,
+                    Reduced(Global(_METADATA_MODULE, "_MEM_FORMAT_ENCODING"), (0,)),
+                    False,
+                ))
+                chunks = [new_object(_METADATA_MODULE, "ChunkStorageMetadata",
+                                     {"offsets": torch_size(p.offsets), "sizes": torch_size(p.sizes)})
+                          for p in chunks_of[tensor.key]]
+                yield tensor.key, new_object(_METADATA_MODULE, "TensorStorageMetadata",
                                              {"properties": properties, "size": torch_size(tensor.shape), "chunks": chunks})
-        for obj in objects:
-            entries[obj.key] = new_object(_METADATA_MODULE, "BytesStorageMetadata", {})
+            for obj in objects:
+                yield obj.key, new_object(_METADATA_MODULE, "BytesStorageMetadata", {})
+
         planner_data = {t.key: t.path for t in self.tensors} | {o.key: o.path for o in objects}
         return new_object(_METADATA_MODULE, "Metadata", {
-            "state_dict_metadata": entries, "planner_data": planner_data, "storage_data": storage,
+            "state_dict_metadata": Streamed(entries()), "planner_data": planner_data, "storage_data": Streamed(storage()),
             "storage_meta": None, "version": "1.0.0"})
 
 

@@ -301,6 +301,148 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
 
 
 @dataclass
+class Streamed:
+    """A dict that ``PickleStream`` writes from ``pairs`` (an iterable of ``(key, value)``), made as they are written."""
+
+    pairs: Any
+
+
+class PickleStream:
+    """Protocol-4 pickle opcodes written straight to a file, for pickles too large to build as objects first
+    (the ``.metadata`` of a thousand ranks: a million chunks). Only globals and strings are memoized, so
+    memory stays that of the distinct strings; values may be ``Streamed``, made as they are written.
+
+    >>> stream = PickleStream(io.BytesIO())
+    >>> stream.start(); stream.save({"a": (1, None)}); stream.stop()
+    >>> pickle.loads(stream.file.getvalue())
+    {'a': (1, None)}
+    """
+
+    BATCH = 1000  # items per SETITEMS / APPENDS, as pickle batches them (the unpickler's stack stays small)
+
+    def __init__(self, file, buffer_bytes: int = 2**20):
+        self.file, self._buffer, self._limit = file, bytearray(), buffer_bytes
+        self._memo: dict[tuple, int] = {}
+
+    def write(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) >= self._limit:
+            self.file.write(self._buffer)
+            self._buffer.clear()
+
+    def start(self) -> None:
+        self.write(pickle.PROTO + b"\x04")
+
+    def stop(self) -> None:
+        self.write(pickle.STOP)
+        self.file.write(self._buffer)
+        self._buffer.clear()
+
+    def _memoized(self, key: tuple, emit) -> None:
+        index = self._memo.get(key)
+        if index is not None:
+            self.write(pickle.BINGET + bytes([index]) if index < 256 else pickle.LONG_BINGET + struct.pack("<I", index))
+            return
+        emit()
+        self._memo[key] = len(self._memo)
+        self.write(pickle.MEMOIZE)
+
+    def string(self, text: str) -> None:
+        def emit():
+            data = text.encode("utf-8", "surrogatepass")
+            self.write((pickle.SHORT_BINUNICODE + bytes([len(data)]) if len(data) < 256 else
+                        pickle.BINUNICODE + struct.pack("<I", len(data))) + data)
+        self._memoized(("s", text), emit)
+
+    def integer(self, value: int) -> None:
+        if 0 <= value < 256:
+            self.write(pickle.BININT1 + bytes([value]))
+        elif 0 <= value < 65536:
+            self.write(pickle.BININT2 + struct.pack("<H", value))
+        elif -2**31 <= value < 2**31:
+            self.write(pickle.BININT + struct.pack("<i", value))
+        else:
+            data = pickle.encode_long(value)
+            self.write(pickle.LONG1 + bytes([len(data)]) + data)
+
+    def global_ref(self, ref: Global) -> None:
+        def emit():
+            self.string(ref.module)
+            self.string(ref.name)
+            self.write(pickle.STACK_GLOBAL)
+        self._memoized(("g", ref.module, ref.name), emit)
+
+    def save(self, value: Any) -> None:
+        """Any value of ``None``, bools, ints, floats, strings, tuples, lists, dicts, ``Global`` and ``Reduced``."""
+        if value is None:
+            self.write(pickle.NONE)
+        elif value is True or value is False:
+            self.write(pickle.NEWTRUE if value else pickle.NEWFALSE)
+        elif type(value) is int:
+            self.integer(value)
+        elif type(value) is float:
+            self.write(pickle.BINFLOAT + struct.pack(">d", value))
+        elif type(value) is str:
+            self.string(value)
+        elif type(value) is tuple:
+            self.tuple(value)
+        elif type(value) is list:
+            self.write(pickle.EMPTY_LIST)
+            self._batched(pickle.APPENDS, value, self.save)
+        elif type(value) is dict:
+            self.dict(value.items())
+        elif isinstance(value, Streamed):
+            self.dict(value.pairs)
+        elif isinstance(value, Global):
+            self.global_ref(value)
+        elif isinstance(value, Reduced):
+            self.reduced(value)
+        else:
+            raise Unpicklable(f"cannot write a {type(value).__name__} into a streamed pickle")
+
+    def tuple(self, items: tuple) -> None:
+        if not items:
+            self.write(pickle.EMPTY_TUPLE)
+            return
+        if len(items) > 3:
+            self.write(pickle.MARK)
+        for item in items:
+            self.save(item)
+        self.write(pickle.TUPLE if len(items) > 3 else (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)[len(items) - 1])
+
+    def dict(self, items) -> None:
+        """A dict from ``(key, value)`` pairs, which may be a generator (nothing is held but a batch)."""
+        self.write(pickle.EMPTY_DICT)
+        self._batched(pickle.SETITEMS, items, lambda pair: (self.save(pair[0]), self.save(pair[1])))
+
+    def _batched(self, opcode: bytes, items, save_one) -> None:
+        count = 0
+        for item in items:
+            if count % self.BATCH == 0:
+                if count:
+                    self.write(opcode)
+                self.write(pickle.MARK)
+            save_one(item)
+            count += 1
+        if count:
+            self.write(opcode)
+
+    def reduced(self, value: Reduced) -> None:
+        if value.func.name == "__newobj__" and value.func.module == "copyreg":
+            cls, *cls_args = value.args  # NEWOBJ, as pickle writes an object of a class with no __reduce__
+            self.global_ref(cls)
+            self.tuple(tuple(cls_args))
+            self.write(pickle.NEWOBJ)
+        else:
+            self.global_ref(value.func)
+            self.tuple(value.args)
+            self.write(pickle.REDUCE)
+        if value.state is not None:
+            self.save(value.state)
+            self.write(pickle.BUILD)
+
+
+@dataclass
 class _Record:
     name: bytes
     header: int  # where its local header starts, from the archive's start

@@ -6,6 +6,7 @@ functions); torch itself (``torch.load``) is the oracle for what a file holds.
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import random
@@ -19,7 +20,7 @@ from conftest import dcptool
 from jobs import REPO, run_job
 from dcptool.errors import CheckpointError, UnsafePickleError
 from dcptool.safe_pickle import TensorRef, load_bytes
-from dcptool.torch_archive import dumps
+from dcptool.torch_archive import Global, PickleStream, Reduced, Streamed, Unpicklable, dumps, new_object
 
 
 def data_pkl(path_or_bytes) -> bytes:
@@ -154,3 +155,35 @@ def test_metadata_rows_read_as_torch_reads_them_in_other_protocols(tmp_path, pro
     mine = {(i.fqn, i.offset): (s.relative_path, s.offset, s.length) for i, s in each_item(ours.storage_data)}
     assert mine == {(i.fqn, tuple(i.offset) if i.offset is not None else None): (s.relative_path, s.offset, s.length)
                     for i, s in theirs.storage_data.items()}
+
+
+def test_streamed_pickles_load_as_the_values_they_stand_for():
+    """PickleStream (the ``.metadata`` of a thousand ranks) against pickle.loads: every integer width,
+    long strings, more memoized strings than one-byte memo indices reach, batches past 1,000 items,
+    tuples past 3, objects rebuilt with NEWOBJ + BUILD and REDUCE, and dicts made as they are written."""
+    rng = random.Random(0)
+    ints = [0, 255, 256, 65535, 65536, -1, -2**31, 2**31 - 1, 2**31, 2**63 - 1, -2**63, 10**30]
+    strings = [f"key-{i}" for i in range(700)] + ["x" * 300, "é✓"]
+    pairs = [(rng.choice(strings), tuple(rng.choice(ints) for _ in range(rng.randint(0, 5)))) for _ in range(2500)]
+    value = {
+        "ints": ints, "floats": [0.5, -2.25], "flags": (True, False, None),
+        "strings": strings + strings,  # the second time as memo references, past index 255
+        "list": list(range(2500)),
+        "ordered": Reduced(Global("collections", "OrderedDict"), ([("a", 1), ("b", (1, 2, 3, 4))],)),
+        "counter": new_object("collections", "Counter", {"hits": 3}),
+        "streamed": Streamed(iter(pairs)),
+    }
+    stream = PickleStream(io.BytesIO(), buffer_bytes=4096)
+    stream.start()
+    stream.save(value)
+    stream.stop()
+    loaded = pickle.loads(stream.file.getvalue())
+    expected = collections.Counter()
+    expected.hits = 3
+    assert loaded["ints"] == ints and loaded["floats"] == [0.5, -2.25] and loaded["flags"] == (True, False, None)
+    assert loaded["strings"] == strings + strings and loaded["list"] == list(range(2500))
+    assert loaded["ordered"] == collections.OrderedDict([("a", 1), ("b", (1, 2, 3, 4))])
+    assert type(loaded["counter"]) is collections.Counter and loaded["counter"].hits == 3
+    assert loaded["streamed"] == dict(pairs)
+    with pytest.raises(Unpicklable):
+        PickleStream(io.BytesIO()).save(object())
