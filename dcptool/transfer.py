@@ -47,9 +47,10 @@ SLAB_BYTES = 2 * 2**20
 # Source runs shorter than this on average are read into a slab rather than copied run by run: a
 # kernel copy and a CRC mapping per run cost more than the bytes.
 SMALL_RUN = 2**20
-# Runs shorter than this are checksummed rather than have their record's zip directory read for its CRC-32:
-# opening a record takes two reads (chunks of a thousand ranks are a few KB each).
-STORED_CRC_RUN = 2**18
+# Runs shorter than this are read and written through the thread's buffer and checksummed there: a kernel
+# copy, then a mapping to checksum it or two reads of its record's zip directory for the stored CRC-32, cost
+# more than such bytes (chunks of a thousand ranks are a few KB each).
+KERNEL_COPY_RUN = 2**18
 # Bytes mapped at once to checksum a run: mapped pages count as this process's memory.
 CRC_WINDOW = 8 * 2**20
 # The most one kernel copy moves while it holds the output file (a whole record may be gigabytes).
@@ -252,7 +253,7 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
     the piece is the concatenation of contiguous runs of source bytes (no cast, no reordering);
     else None. Dim-0 shards (FSDP) and whole chunks are; a column block of a TP row-wise weight is not.
     ``chunk`` is the source chunk when the run is all of it and long enough that its record's stored CRC-32
-    is worth reading (``STORED_CRC_RUN``), else None.
+    is worth reading (``KERNEL_COPY_RUN``), else None.
     """
     source = piece.tensor.source
     if source.dtype != piece.tensor.dtype or source.transform is not None:  # computed values are no source bytes
@@ -272,7 +273,7 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
         source_offset = raw.offset + sum((l - c) * s for l, c, s in zip(lo, chunk.offsets, raw.strides)) * itemsize
         start = sum((l - o) * s for l, o, s in zip(lo, piece.offsets, piece_strides)) * itemsize
         length = math.prod(extent) * itemsize
-        whole = chunk if list(extent) == list(chunk.sizes) and length >= STORED_CRC_RUN else None
+        whole = chunk if list(extent) == list(chunk.sizes) and length >= KERNEL_COPY_RUN else None
         runs.append((start, raw.file, source_offset, length, whole))
     return sorted(runs, key=lambda run: run[0])
 
@@ -328,7 +329,7 @@ class _Mover:
             return crc32(data) if self.crc else 0
         file, source_offset = task.source
         files.check_range(file, source_offset, task.nbytes)
-        source_fd = files.local_fd(file)
+        source_fd = files.local_fd(file) if task.nbytes >= KERNEL_COPY_RUN else None
         if source_fd is not None and self._kernel_copy(source_fd, task):
             if not self.crc:
                 return 0

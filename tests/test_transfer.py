@@ -66,12 +66,12 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
     kinds = {transfer.source_runs(checkpoint, piece) is None for piece in pieces}
     assert kinds == {True, False}  # both paths are exercised
     stored = []  # CRC-32s taken from the source records' zip directories
+    monkeypatch.setattr(transfer, "KERNEL_COPY_RUN", 1)  # these chunks are small: copy them as large ones are
     if kernel_copy == "remote source":
         monkeypatch.setattr(CheckpointFiles, "local_fd", lambda self, relative: None)
     elif kernel_copy == "across filesystems":
         monkeypatch.setattr(os, "copy_file_range", _refuse_across_filesystems)
-    else:  # these chunks are small: let each one copied whole take its record's CRC-32, as large ones do
-        monkeypatch.setattr(transfer, "STORED_CRC_RUN", 1)
+    else:  # each chunk copied whole takes its record's CRC-32
         read_crc = Checkpoint.stored_crc
         monkeypatch.setattr(Checkpoint, "stored_crc", lambda self, *args: stored.append(read_crc(self, *args)) or stored[-1])
     out = tmp_path / "full.pt"
