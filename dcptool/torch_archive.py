@@ -314,7 +314,7 @@ class PickleStream:
 
     >>> stream = PickleStream(io.BytesIO())
     >>> stream.start(); stream.save({"a": (1, None)}); stream.stop()
-    >>> pickle.loads(stream.file.getvalue())
+    >>> safe_pickle.load_bytes(stream.file.getvalue(), "streamed.pkl")
     {'a': (1, None)}
     """
 
