@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcptool import dtypes
+from dcptool import dtypes, selection
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, OutObject, OutTensor, Piece, TensorInfo, join_path
 from dcptool.errors import (CheckpointError, UsageError, json_kind, printable, shape_problem,
                             with_article)
@@ -830,16 +830,15 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     >>> [t.key for t in tensors][-1], reasons                                             # doctest: +SKIP
     ('optimizer.state.lm_head.weight.exp_avg_sq', {'extra_state.rank_0.rng': 'state of single ranks of the source job ...'})
     """
-    from dcptool import conversion  # conversion imports the registry of formats, which imports this module
 
-    model = conversion.select(conversion.model_part(checkpoint), include, exclude)
+    model = selection.select(selection.model_part(checkpoint), include, exclude)
     if not model:
         raise UsageError(f"{checkpoint.root}: no model weight matches the --include/--exclude filters")
-    tensors = conversion.out_tensors(model, dtype, keep_paths=False)
-    model_objects = conversion.model_part(checkpoint, entries=checkpoint.objects)
+    tensors = selection.out_tensors(model, dtype, keep_paths=False)
+    model_objects = selection.model_part(checkpoint, entries=checkpoint.objects)
     objects = [OutObject(k, o.path if o.key == k else (k,), o, checkpoint)
-               for k, o in conversion.select(model_objects, include, exclude).items()]
-    everything = conversion.model_part(checkpoint)  # parameters left out by --include/--exclude keep their state out
+               for k, o in selection.select(model_objects, include, exclude).items()]
+    everything = selection.model_part(checkpoint)  # parameters left out by --include/--exclude keep their state out
     used = {id(entry) for entry in [*everything.values(), *model_objects.values()]}
     left_out: dict[str, list[str]] = {}
     flat_groups: dict[str, dict[str, Any]] = {}  # parameter -> its settings, from a flattened state dict
@@ -849,13 +848,13 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
             continue
         shape = entry.shape if isinstance(entry, TensorInfo) else None
         flat = _FLAT_PARAM_GROUP.search(key) if shape is None else None
-        parameter = conversion.WRAPPER_PREFIXES.sub(r"\1", flat.group("param")) if flat else None
+        parameter = selection.WRAPPER_PREFIXES.sub(r"\1", flat.group("param")) if flat else None
         if parameter in everything:
             if parameter in model:
                 flat_groups.setdefault(parameter, {})[flat.group("setting")] = checkpoint.object_value(entry)
                 merged.append(entry)
             continue
-        path, problem = _training_path(key, entry.path, everything, model, shape, conversion.WRAPPER_PREFIXES)
+        path, problem = _training_path(key, entry.path, everything, model, shape, selection.WRAPPER_PREFIXES)
         own = _RANK_ENTRY.match(str(path[1])) if path and path[0] == EXTRA_STATE else None
         if own and not keep_rank_state:
             path, problem = None, "state of single ranks of the source job; --keep-rank-state keeps it"
@@ -975,9 +974,8 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
                          "needs (--model-values dtensor[:DEVICE])")
     config_dir = checkpoint.info.get("hf_config_dir")
     if form != "named":
-        from dcptool.conversion import read_config  # conversion imports the formats, which import this module
 
-        tied = read_config(config_dir).get("tie_word_embeddings") if config_dir else None
+        tied = selection.read_config(config_dir).get("tie_word_embeddings") if config_dir else None
         untied = tied is False
         tied_pair = None if untied else _looks_tied(checkpoint)
         if tied is True or tied_pair:
@@ -1009,9 +1007,8 @@ _OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
 def _looks_tied(checkpoint: Checkpoint) -> tuple[str, str] | None:
     """The input and output embeddings when they hold the same first MiB of values, as tied ones do (the
     files do not record a tie: a tied model saves the one tensor under both names); else None."""
-    from dcptool.conversion import model_part  # conversion imports the formats, which import this module
 
-    params = model_part(checkpoint)
+    params = selection.model_part(checkpoint)
     inputs = [k for k in params if _INPUT_EMBEDDING.search(k)]
     outputs = [k for k in params if _OUTPUT_EMBEDDING.search(k)]
     for a in inputs:
@@ -1253,7 +1250,6 @@ class PlainOptimizer:
 
     def __init__(self, form: str, parameters: list[OutTensor], tensors, objects, world_size: int,
                  orig_alignment: int | None = None):
-        from dcptool.conversion import WRAPPER_PREFIXES  # conversion imports the formats, which import this module
 
         self.form, self.world_size = form, world_size
         dtype_of = {t.key: t.dtype for t in parameters}
@@ -1268,7 +1264,7 @@ class PlainOptimizer:
         group_of: dict[str, int] = {}
         for index, group in enumerate(groups):
             for name in group["params"]:
-                group_of.setdefault(WRAPPER_PREFIXES.sub(r"\1", name), index)
+                group_of.setdefault(selection.WRAPPER_PREFIXES.sub(r"\1", name), index)
         # What each position holds, in the order of model.parameters(): flat parameters unit by unit (the
         # root's first); with use_orig_params=True the parameters themselves, as the model lists them.
         model_order = {t.key: number for number, t in enumerate(parameters)}

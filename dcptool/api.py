@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from dcptool import dtypes, formats
-from dcptool.conversion import DEFAULT_MAX_MEMORY, Report
+from dcptool.conversion import Report
+from dcptool.transfer import DEFAULT_MAX_MEMORY
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.storage import output_path, parse_size

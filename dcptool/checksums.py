@@ -28,7 +28,7 @@ from typing import Any, Callable
 import blake3
 import numpy as np
 
-from dcptool import conversion, dtypes, formats
+from dcptool import dtypes, formats, transfer
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
@@ -222,7 +222,7 @@ def count_nonfinite(bits: np.ndarray, dtype: str) -> tuple[int, int] | None:
 
 def write_manifest(path: str | Path, manifest: str | Path | None = None, *, source_format: str | None = None,
                    scan_nonfinite: bool = False, overwrite: bool = False,
-                   max_memory: int = conversion.DEFAULT_MAX_MEMORY, threads: int | None = None,
+                   max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
                    progress: Callable[[int], None] | None = None) -> Result:
     """Hash every file and tensor of the checkpoint at ``path`` and write the manifest, atomically.
 
@@ -263,7 +263,7 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
 def run(path: str | Path, *, write: bool = False, check: bool = False, against: str | Path | None = None,
         manifest: str | Path | None = None, source_format: str | None = None, scan_nonfinite: bool = False,
         prefix: str | None = None, against_prefix: str | None = None, overwrite: bool = False,
-        max_memory: int = conversion.DEFAULT_MAX_MEMORY, threads: int | None = None,
+        max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
         progress: Callable[[int], None] | None = None) -> Result:
     """``dcptool checksum``: one of ``write_manifest`` (``write``), ``check_manifest`` (``check``) and
     ``check_against`` (``against``), refusing options that do not go with the one chosen."""
@@ -313,7 +313,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def check_manifest(path: str | Path, manifest: str | Path | None = None, *, source_format: str | None = None,
-                   scan_nonfinite: bool = False, max_memory: int = conversion.DEFAULT_MAX_MEMORY,
+                   scan_nonfinite: bool = False, max_memory: int = transfer.DEFAULT_MAX_MEMORY,
                    threads: int | None = None, progress: Callable[[int], None] | None = None) -> Result:
     """Check the checkpoint at ``path`` against its manifest: every file, then the tensors a change touches.
 
@@ -417,7 +417,7 @@ def _compare_digests(recorded: dict[str, dict], digests: dict[str, TensorDigest]
 
 def check_against(path: str | Path, other: str | Path, manifest: str | Path | None = None, *,
                   other_format: str | None = None, prefix: str | None = None, other_prefix: str | None = None,
-                  max_memory: int = conversion.DEFAULT_MAX_MEMORY, threads: int | None = None,
+                  max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
                   progress: Callable[[int], None] | None = None) -> Result:
     """Check another checkpoint (any format or layout) against the manifest of ``path``, by tensor hashes only.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 import typer
 
-from dcptool import core, dtypes, formats, hub
+from dcptool import core, dtypes, formats, hub, selection
 from dcptool.adapters.table import FAMILIES
 from dcptool.errors import DcptoolError, MismatchError, UsageError, counted
 from dcptool.storage import check_destination, is_remote, output_path, parse_size
@@ -328,13 +328,13 @@ def _naming(checkpoint) -> dict | None:
     """The naming family and model kind of the model weights (``dcptool.adapters``), or None for names no table knows."""
     from dcptool import adapters, conversion
 
-    params = conversion.model_part(checkpoint)
+    params = selection.model_part(checkpoint)
     family = adapters.detect_family(params)
     if family is None:
         return None
     config_dir = checkpoint.info.get("hf_config_dir")
     try:
-        kind = adapters.detect_kind(params, family, conversion.read_config(config_dir) if config_dir else None)
+        kind = adapters.detect_kind(params, family, selection.read_config(config_dir) if config_dir else None)
     except UsageError:  # a model type with no table: the family is still worth showing
         kind = None
     return {"family": family, "kind": kind}

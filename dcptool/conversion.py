@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dcptool import adapters, distributed, dtypes, formats, transfer
+from dcptool import adapters, distributed, formats, transfer
+from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
 from dcptool.storage import CheckpointFiles, check_destination, fsync_paths, fsync_tree, is_remote
 
-DEFAULT_MAX_MEMORY = 256 * 2**20
 
 
 @dataclass
@@ -44,42 +44,6 @@ class Report:
     bytes_written: int = 0
     left_out: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what planning renamed, made or left out, one line each
-
-
-# Wrappers under which checkpoints nest the model, tried in order; the first that holds tensors is the model part.
-MODEL_WRAPPERS: list[tuple[str, ...]] = [("dcp", "model"), ("model",), ("module",), ("state_dict",)]
-# Top-level entries that are never model weights when a checkpoint keeps its model at the top level.
-NON_MODEL_ROOTS = {"optimizer", "optim", "optimizers", "lr_scheduler", "lr_schedulers", "scheduler",
-                   "dataloader", "train_state", "extra_state", "rng", "rng_state"}
-# Prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1, DDP).
-WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.|^module\.")
-
-
-def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict | None = None) -> dict:
-    """The model's tensors (or, given ``entries``, those entries) under their model names.
-
-    The wrapper is found from the checkpoint's own nesting: ``{"dcp": {"model": {...}}}`` (AReaL)
-    and ``{"model": {...}, "optim": ...}`` are unwrapped; a checkpoint with its model at the top
-    level keeps it, minus optimizer and other state. ``prefix`` (``"dcp.model"``) names it by hand.
-    """
-    tensors = checkpoint.tensors.values()
-    wrapper = None if prefix else next(
-        (w for w in MODEL_WRAPPERS if any(len(t.path) > len(w) and t.path[: len(w)] == w for t in tensors)), None)
-    start = prefix.rstrip(".") + "." if prefix else None
-    found = {}
-    for entry in (checkpoint.tensors if entries is None else entries).values():
-        if start:
-            key = entry.key[len(start):] if entry.key.startswith(start) else None
-        elif wrapper:
-            inside = len(entry.path) > len(wrapper) and entry.path[: len(wrapper)] == wrapper
-            key = join_path(entry.path[len(wrapper):]) if inside else None
-        else:
-            key = entry.key if entry.path[0] not in NON_MODEL_ROOTS else None
-        if key is not None:
-            found[WRAPPER_PREFIXES.sub(r"\1", key)] = entry
-    if start and entries is None and not found:
-        raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
-    return found
 
 
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
@@ -140,36 +104,6 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto", co
                       checkpoint._resolved), notes
 
 
-def read_config(config_dir: str | Path) -> dict:
-    """The ``config.json`` of a model folder (a path or a URL); a missing or broken file is a usage error naming it."""
-    files = CheckpointFiles(config_dir)
-    if not files.is_file("config.json"):
-        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
-    try:
-        return json.loads(files.read_all("config.json"))
-    except ValueError as exc:
-        raise UsageError(f"{files.path('config.json')}: not valid JSON ({exc})") from None
-
-
-def select(names: dict[str, Any], include: str | None, exclude: str | None) -> dict[str, Any]:
-    """Keep the entries whose output name matches ``include`` and not ``exclude`` (regular expressions)."""
-    inc = re.compile(include) if include else None
-    exc = re.compile(exclude) if exclude else None
-    return {k: v for k, v in names.items() if (not inc or inc.search(k)) and not (exc and exc.search(k))}
-
-
-def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: bool) -> list[OutTensor]:
-    """Output tensors; ``dtype`` casts floating-point tensors only (integer state such as steps stays)."""
-    if dtype and dtype not in dtypes.CASTABLE:
-        raise UsageError(f"--dtype {dtype}: choose {', '.join(dtypes.CASTABLE)}")
-    result = []
-    for key, tensor in named.items():
-        target = dtype if dtype and tensor.dtype in dtypes.CASTABLE else tensor.dtype
-        path = tensor.path if keep_paths else (key,)
-        result.append(OutTensor(key, path, target, tensor.shape, tensor))
-    return result
-
-
 def write_checkpoint(
     checkpoint: Checkpoint,
     destination: Path | str,
@@ -178,7 +112,7 @@ def write_checkpoint(
     objects: list[OutObject],
     *,
     overwrite: bool = False,
-    max_memory: int = DEFAULT_MAX_MEMORY,
+    max_memory: int = transfer.DEFAULT_MAX_MEMORY,
     fsync: bool = True,
     progress: Callable[[int], None] | None = None,
     writer_options: dict | None = None,
@@ -353,9 +287,6 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     options = {"max_shard_size": max_shard_size, "config_dir": config_dir, "config": config}
     why = "export-hf writes model weights only" + (", as selected by --include/--exclude" if include or exclude else "")
     return Conversion(checkpoint, "hf", tensors, [], options, notes, why)
-
-
-OPTIMIZER_ROOTS = {"optimizer", "optim", "optimizers"}
 
 
 def left_out(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, list[str]]:

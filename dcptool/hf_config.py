@@ -42,7 +42,7 @@ def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype
     """
     if config_dir is None:
         return None
-    from dcptool.conversion import read_config
+    from dcptool.selection import read_config
 
     config = read_config(config_dir)
     problem = misfit(config, {t.key: t.shape for t in tensors})

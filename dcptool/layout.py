@@ -20,7 +20,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from dcptool import conversion, loadcheck
+from dcptool import loadcheck, selection
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted
 from dcptool.mesh import Axis, Mesh, local_chunk, spec_str
@@ -89,7 +89,7 @@ def _planned_spec(checkpoint: Checkpoint, key: str, mesh_options: dict, plan: st
     found = next((layout for layout in result.layouts if layout.tensor.source.key == key), None)
     if found is None:
         # Problems name the parameter a tensor follows, by its model name (without a dcp.model. wrapper).
-        names = [key] + [name for name, info in conversion.model_part(checkpoint).items() if info.key == key]
+        names = [key] + [name for name, info in selection.model_part(checkpoint).items() if info.key == key]
         problem = next((p for p in result.problems if any(p.startswith(f"{name}:") for name in names)),
                        "reshard leaves it out")
         raise UsageError(f"{checkpoint.root}: {key} has no layout on {result.mesh.describe()}: {problem}")

@@ -179,7 +179,7 @@ def _worker(args) -> int:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from dcptool import dtypes, formats
-    from dcptool.conversion import select
+    from dcptool.selection import select
     from dcptool.mesh import Mesh, Strided, local_chunk
     from dcptool.resharding import prepare
     from dcptool.torch_archive import row_major

@@ -112,7 +112,7 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
     """The checkpoint with every block-scaled float8 weight as a ``dtype`` (default bfloat16) weight and
     its scale left out, and notes saying so. ``config_dir`` (else the folder the reader found) holds the
     config.json with the block size."""
-    from dcptool.conversion import read_config
+    from dcptool.selection import read_config
 
     dtype = dtype or "bfloat16"
     pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dcptool import conversion, dtypes
+from dcptool import dtypes, selection, transfer
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 
@@ -237,7 +237,7 @@ class _Scanner:
 
 
 def compute(checkpoint: Checkpoint, tensors: dict[str, TensorInfo] | None = None, *,
-            max_memory: int = conversion.DEFAULT_MAX_MEMORY, threads: int | None = None,
+            max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
             progress: Callable[[int], None] | None = None) -> StatsReport:
     """Statistics of ``tensors`` (default: all of the checkpoint's, by key) and the flags they raise.
 
@@ -247,7 +247,7 @@ def compute(checkpoint: Checkpoint, tensors: dict[str, TensorInfo] | None = None
     """
     started = time.perf_counter()
     tensors = checkpoint.tensors if tensors is None else tensors
-    model_keys = {info.key for info in conversion.model_part(checkpoint).values()}
+    model_keys = {info.key for info in selection.model_part(checkpoint).values()}
     grouped = {key for key, t in tensors.items()
                if key in model_keys and len(t.shape) >= 3 and t.shape[0] > 1 and GROUPED_EXPERTS.search(key)}
     scanner = _Scanner(checkpoint, max_memory, threads, progress)
@@ -311,7 +311,7 @@ def _ranges(numbers) -> str:
 def parameter_counts(checkpoint: Checkpoint, tensors: dict[str, TensorInfo] | None = None) -> dict[str, Any]:
     """Model parameters (total, per top-level group, per routed expert) and the elements of everything else.
 
-    Model parameters are the model part's tensors (``conversion.model_part``: optimizer moments, step
+    Model parameters are the model part's tensors (``selection.model_part``: optimizer moments, step
     counters and other state are counted apart, as ``other_elements``). A group is the module path
     up to the first number (``model.layers``, ``model.embed_tokens``, ``lm_head``).
 
@@ -319,7 +319,7 @@ def parameter_counts(checkpoint: Checkpoint, tensors: dict[str, TensorInfo] | No
     {'count': 128, 'per_expert': 14155776, 'total': 1811939328, 'layers': 48}
     """
     tensors = checkpoint.tensors if tensors is None else tensors
-    params = {name: info for name, info in conversion.model_part(checkpoint).items() if info.key in tensors}
+    params = {name: info for name, info in selection.model_part(checkpoint).items() if info.key in tensors}
     groups: dict[str, int] = {}
     for name, info in params.items():
         parts = name.split(".")[:-1] or name.split(".")
@@ -385,7 +385,7 @@ def included(entries: dict[str, Any], pattern: str | None) -> dict[str, Any]:
     if pattern is None:
         return entries
     try:
-        return conversion.select(entries, pattern, None)
+        return selection.select(entries, pattern, None)
     except re.error as exc:
         raise UsageError(f"--include {pattern!r}: not a regular expression ({exc})") from None
 

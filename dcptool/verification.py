@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dcptool import adapters, conversion, dtypes, formats, transfer
+from dcptool import adapters, conversion, dtypes, formats, selection, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted
 
@@ -92,13 +92,13 @@ def select_side(checkpoint: Checkpoint, prefix: str | None = None, include: str 
     """
     if prefix:
         by_hand = None if prefix == AUTO else prefix
-        tensors = conversion.model_part(checkpoint, by_hand)
-        objects = conversion.model_part(checkpoint, by_hand, entries=checkpoint.objects)
+        tensors = selection.model_part(checkpoint, by_hand)
+        objects = selection.model_part(checkpoint, by_hand, entries=checkpoint.objects)
     else:
         tensors, objects = dict(checkpoint.tensors), dict(checkpoint.objects)
     _split_out_tensors(checkpoint, tensors, objects)
     label = f"{checkpoint.root} ({checkpoint.format}" + (f", prefix {prefix})" if prefix else ")")
-    return Side(checkpoint, conversion.select(tensors, include, exclude), conversion.select(objects, include, exclude), label)
+    return Side(checkpoint, selection.select(tensors, include, exclude), selection.select(objects, include, exclude), label)
 
 
 def _split_out_tensors(checkpoint: Checkpoint, tensors: dict[str, TensorInfo], objects: dict[str, ObjectInfo]) -> None:
@@ -126,13 +126,13 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     """Sides whose model weights use different naming families (an Archon checkpoint and its HF
     export): both reduced to their model parts, B's mapped to A's names (``dcptool.adapters``), and a
     line saying so. Sides of one family come back as they are, with no line."""
-    params_a, params_b = conversion.model_part(a.checkpoint), conversion.model_part(b.checkpoint)
+    params_a, params_b = selection.model_part(a.checkpoint), selection.model_part(b.checkpoint)
     found_a = adapters.detect_family(params_a) if family_a == AUTO else family_a
     found_b = adapters.detect_family(params_b) if family_b == AUTO else family_b
     if found_a is None or found_b is None or found_a == found_b:
         return a, b, None
     config_dir = b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
-    config = conversion.read_config(config_dir) if config_dir is not None else None
+    config = selection.read_config(config_dir) if config_dir is not None else None
     mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config)
     result = mapping.convert(params_b)
     adapters.refuse_unmatched(result.unmatched, mapping, "check --adapter-a / --adapter-b")
@@ -142,8 +142,8 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     if config is not None and config.get("tie_word_embeddings") and found_a == "hf":
         no_place.append("lm_head.weight")
     params_a = {k: v for k, v in params_a.items() if k not in no_place}
-    side_a = Side(a.checkpoint, conversion.select(params_a, include, exclude), {}, f"{a.label}, model weights")
-    side_b = Side(b.checkpoint, conversion.select(mapped, include, exclude), {}, f"{b.label}, model weights as {found_a}")
+    side_a = Side(a.checkpoint, selection.select(params_a, include, exclude), {}, f"{a.label}, model weights")
+    side_b = Side(b.checkpoint, selection.select(mapped, include, exclude), {}, f"{b.label}, model weights as {found_a}")
     note = f"comparing model weights across families: B's {found_b} names ({mapping.kind}) as {found_a}"
     if no_place:
         note += f"; not compared, {found_b} names have no place for them: {', '.join(no_place[:4])}" + \
@@ -260,7 +260,7 @@ def compare(a: str | Path, b: str | Path, *, format_a: str | None = None, format
 
 
 def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | None = None,
-                  max_memory: int = conversion.DEFAULT_MAX_MEMORY,
+                  max_memory: int = transfer.DEFAULT_MAX_MEMORY,
                   progress: Callable[[int], None] | None = None) -> Report:
     """Compare two sides key by key; half of ``max_memory`` buffers each side's reads.
 
@@ -442,7 +442,7 @@ def _plain(value: Any) -> bool:
 
 
 def roundtrip(source: str | Path, via: str, *, source_format: str | None = None, include: str | None = None,
-              exclude: str | None = None, max_memory: int = conversion.DEFAULT_MAX_MEMORY, **options) -> Report:
+              exclude: str | None = None, max_memory: int = transfer.DEFAULT_MAX_MEMORY, **options) -> Report:
     """Convert ``source`` to format ``via`` and back to its own format in a temporary folder, then compare.
 
     Only what ``via`` holds is compared: ``hf`` takes the model part as export-hf does (no optimizer,

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint  # noqa: F401  (the classes .metadata pickle
 from conftest import dcptool, load_reference
 from safetensors.torch import load_file, save_file
 
-from dcptool.conversion import model_part
+from dcptool.selection import model_part
 from dcptool.formats import open_checkpoint
 
 UP = "layers.0.mlp.up_proj.weight"  # the tensor the corruptions aim at
