@@ -26,11 +26,11 @@ from typing import Any
 
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError
+from dcptool.format_interface import Format
 from dcptool.storage import CheckpointFiles
 from dcptool.converters import dcp, torch_save
 
 NAME = "accelerate"
-WRITES_FOLDER = True
 MODEL_DCP = "pytorch_model_fsdp_0"
 MODEL_FULL = "pytorch_model_fsdp.bin"
 OPTIMIZER_DCP = "optimizer_0"
@@ -122,3 +122,17 @@ def _config_dir(files: CheckpointFiles):
             return parent.location
     return None
 
+
+class AccelerateFolder(Format):
+    """A checkpoint folder of HF Trainer / accelerate with FSDP (read only)."""
+
+    name = NAME
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return read(files)
+
+
+FORMAT = AccelerateFolder()

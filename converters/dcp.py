@@ -19,14 +19,13 @@ from dcptool.compression import DecompressingFiles
 from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, Piece, TensorInfo, join_path
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, printable, shape_problem,
                             utf8_problem, with_article)
+from dcptool.format_interface import Format, Layout
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import (ArchiveLayout, Global, PickleStream, Reduced, StorageOut, Streamed, TensorOut,
                                    archive_bytes, dumps, new_object, torch_size)
 
 NAME = "dcp"
-WRITES_FOLDER = True
 METADATA = ".metadata"
-COMPLETES = [METADATA]  # uploaded last to remote storage: without it the folder is no checkpoint
 _DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 
@@ -500,3 +499,26 @@ def _chunk_archive(piece: Piece) -> tuple[ArchiveLayout, int, int]:
 def _chunk_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
     """A chunk's ``data.pkl``, the same for every chunk of its dtype and shape (pickling is slow in Python)."""
     return dumps(TensorOut(StorageOut("0", dtype, math.prod(sizes)), sizes))
+
+
+class Dcp(Format):
+    """A PyTorch Distributed Checkpoint folder (``.metadata`` and ``__R_0.distcp`` files), as ``dcp.save`` writes it."""
+
+    name = NAME
+    completes = (METADATA,)  # without it the folder is no checkpoint
+    writable = True
+    layout = Layout.MESH
+    compressions = ("zstd",)
+    options = {"compress": "--compress"}
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return read(files)
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        return Writer(destination, **writer_options)
+
+
+FORMAT = Dcp()

@@ -18,13 +18,12 @@ from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
                             shape_problem, utf8_problem)
+from dcptool.format_interface import Format
+from dcptool.sizes import parse_size
 from dcptool.storage import CheckpointFiles, OutputFiles
 
 NAME = "hf"
-WRITES_FOLDER = True
 INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-COMPLETES = [INDEX]  # uploaded last to remote storage: without it a sharded folder is incomplete
 MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the __metadata__ entry of torch's HF-storage DCP files
 # Files that make an export usable by transformers, copied from --config-dir.
@@ -211,7 +210,8 @@ class Writer(SafetensorsFiles):
 
     def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
                  config: dict | None = None):
-        self.folder, self.max_shard_size, self.config_dir = folder, max_shard_size, config_dir
+        self.folder, self.config_dir = folder, config_dir
+        self.max_shard_size = parse_size(max_shard_size, "--max-shard-size")  # the hub's split gets bytes
         self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
         self.out = OutputFiles(folder)
 
@@ -253,3 +253,24 @@ def copy_config(config_dir: str | Path, folder: Path, config: dict | None = None
 
 def _whole(tensor):
     return Piece(tensor, tuple(0 for _ in tensor.shape), tuple(tensor.shape))
+
+
+class HuggingFace(Format):
+    """A Hugging Face model folder: safetensors files, their index, and the config and tokenizer files."""
+
+    name = NAME
+    completes = (INDEX,)  # without the index a sharded folder is incomplete
+    writable = True
+    options = {"max_shard_size": "--max-shard-size"}
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return read(files)
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        return Writer(destination, **writer_options)
+
+
+FORMAT = HuggingFace()

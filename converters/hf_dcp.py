@@ -20,14 +20,13 @@ from pathlib import Path
 
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem
+from dcptool.format_interface import Format, Layout
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.converters import hf
 
 NAME = "hf-dcp"
-WRITES_FOLDER = True
 SHARDED = "sharded"  # where HuggingFaceStorageWriter(enable_consolidation=True) puts the chunks
 DCP_VERSION = "1.0"
-COMPLETES: list[str] = []  # no index: every file stands alone
 
 
 def detect(files: CheckpointFiles) -> bool:
@@ -146,3 +145,23 @@ class Writer(hf.SafetensorsFiles):
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Nothing to index; returns the non-tensor entries, which safetensors cannot hold."""
         return [o.key for o in objects]
+
+
+class HuggingFaceDcp(Format):
+    """Safetensors files that torch's ``HuggingFaceStorageWriter`` writes under ``dcp.save``, one per rank."""
+
+    name = NAME
+    writable = True
+    layout = Layout.MESH
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return read(files)
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        return Writer(destination, **writer_options)
+
+
+FORMAT = HuggingFaceDcp()

@@ -14,14 +14,15 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from dcptool.core import Checkpoint, Chunk, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError, printable, utf8_problem
+from dcptool.core import Checkpoint, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
+from dcptool.errors import CheckpointError, printable
 from dcptool.safe_pickle import TensorRef
+from dcptool.format_interface import Format
+from dcptool.state_dicts import archive_tensor, flatten, nest, split_object
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut, Unpicklable, dumps
 
 NAME = "torch"
-WRITES_FOLDER = False
 
 
 def detect(files: CheckpointFiles) -> bool:
@@ -30,6 +31,8 @@ def detect(files: CheckpointFiles) -> bool:
         return False
     try:
         return zipfile.is_zipfile(files.window(name, 0, files.size(name)))
+    except CheckpointError:  # a read that failed says why itself
+        raise
     except (zipfile.BadZipFile, ValueError, struct.error):  # a zip directory that says nonsense: read() says what
         return True
 
@@ -52,110 +55,12 @@ def read(files: CheckpointFiles) -> Checkpoint:
             if value.subclass:
                 raise CheckpointError(f"{path}: {printable(key)} is a {printable(value.subclass)}; "
                                       "per-rank files are read with --from fsdp1")
-            tensors[key] = _tensor_info(archive, value, nested)
+            tensors[key] = archive_tensor(archive, value, nested)
         else:
             objects[key] = ObjectInfo(nested, value=value)
     checkpoint = Checkpoint(NAME, files.location, files, tensors, objects)
     checkpoint.validate()
     return checkpoint
-
-
-def _tensor_info(archive: Archive, tensor: TensorRef, path: tuple) -> TensorInfo:
-    """A plain tensor of ``archive`` as one chunk: its elements where they lie in the file."""
-    raw = archive.raw_bytes(tensor)
-    chunk = Chunk(tuple(0 for _ in raw.shape), raw.shape, raw.file, raw.offset, raw.span, "raw", raw.strides)
-    return TensorInfo(path, tensor.dtype.name, raw.shape, [chunk])
-
-
-def split_object(checkpoint: Checkpoint, obj: ObjectInfo, path: tuple) -> tuple[dict[tuple, Any], list[TensorInfo]]:
-    """An object as entries of ``nest`` under ``path``, and the tensors inside it as tensors of their own.
-
-    A tensor inside an object (torch's CPU RNG state in a Trainer's ``rng_state_<r>.pth``) is split
-    out as ``read`` splits a file's tensors (``flatten``), its elements read in place from the
-    object's archive: a writer stores it like any tensor, as a storage of its own archive, and
-    ``nest`` puts it back in its place. Raises ``Unpicklable`` for a tensor that cannot be split out.
-    """
-    value = checkpoint.object_value(obj)
-    if not _holds_tensor(value, {}):
-        return {path: value}, []
-    if obj.blob is None:  # readers split out the tensors of what they unpickle whole: none are left
-        raise Unpicklable(f"{printable(join_path(path))}: holds tensors outside a torch.save archive")
-    archive = Archive(checkpoint.files, *obj.blob)
-    entries, tensors = {}, []
-    for nested, leaf in flatten(value, path, archive.where):
-        if not isinstance(leaf, TensorRef):
-            entries[nested] = leaf
-        elif leaf.subclass:
-            raise Unpicklable(f"{archive.where}: {printable(join_path(nested))} is a {printable(leaf.subclass)}, "
-                              "not a plain tensor")
-        else:
-            tensors.append(_tensor_info(archive, leaf, nested))
-    return entries, tensors
-
-
-def flatten(obj, prefix: tuple[str, ...] = (), where: object = "state dict"):
-    """Yield ``(path, leaf)`` as DCP flattens a state dict: into dicts, and into lists that hold tensors.
-
-    Keys become their ``str``, as in DCP; one that is not UTF-8 text is refused, naming ``where``.
-    ``obj`` comes from ``safe_pickle.load_bytes``, which bounds its nesting and size.
-    """
-    yield from _flatten(obj, prefix, where, {})
-
-
-def _flatten(obj, prefix: tuple, where, holds: dict):
-    if isinstance(obj, dict) and obj:
-        for key, value in obj.items():
-            name = key if type(key) is str else str(key)
-            problem = utf8_problem(name)
-            if problem:
-                raise CheckpointError(f"{where}: the key under {printable(join_path(prefix)) or 'the top level'} {problem}")
-            yield from _flatten(value, prefix + (name,), where, holds)
-    elif isinstance(obj, (list, tuple)) and prefix and _holds_tensor(obj, holds):
-        for index, value in enumerate(obj):
-            yield from _flatten(value, prefix + (index,), where, holds)
-    else:
-        yield prefix, obj
-
-
-def _holds_tensor(obj, seen: dict[int, bool]) -> bool:
-    """Whether a tensor is nested in ``obj``'s dicts, lists and tuples (each shared container looked at once)."""
-    found = seen.get(id(obj))
-    if found is None:
-        if isinstance(obj, TensorRef):
-            found = True
-        elif isinstance(obj, dict):
-            found = any(_holds_tensor(value, seen) for value in obj.values())
-        elif isinstance(obj, (list, tuple)):
-            found = any(_holds_tensor(value, seen) for value in obj)
-        else:
-            found = False
-        seen[id(obj)] = found  # obj lives as long as the state dict it is in: its id stays its own
-    return found
-
-
-def nest(entries: dict[tuple, object]) -> dict:
-    """Rebuild the nesting from paths, as DCP does: ``{("model", "w"): t, ("groups", 0, "lr"): 1}`` ->
-    ``{"model": {"w": t}, "groups": [{"lr": 1}]}`` (int parts index lists)."""
-    root: dict = {}
-    for path, value in entries.items():
-        node = root
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise UsageError(f"{join_path(path)}: a parent of this entry is itself an entry")
-        if path[-1] in node:
-            raise UsageError(f"{join_path(path)}: two entries have this path")
-        node[path[-1]] = value
-    return _lists(root)
-
-
-def _lists(node):
-    if not isinstance(node, dict):
-        return node
-    node = {key: _lists(value) for key, value in node.items()}
-    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
-        return [node[i] for i in range(len(node))]
-    return node
 
 
 class Writer:
@@ -227,3 +132,23 @@ def _picklable(entries: dict[tuple, Any]) -> bool:
     except Unpicklable:
         return False
     return True
+
+
+class TorchSave(Format):
+    """A single ``torch.save`` file of a state dict (``.pt``, ``.pth``, ``.bin``)."""
+
+    name = NAME
+    writes_folder = False
+    writable = True
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return read(files)
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        return Writer(destination, **writer_options)
+
+
+FORMAT = TorchSave()

@@ -1,12 +1,16 @@
 """dcptool as a Python library: open a checkpoint and read its tensors, or run a command as a function.
 
-Each function does what the ``dcptool`` command of the same name does, with the same options
-(``--from`` is ``source_format``), through the same library code, and returns the report that the
-command prints instead of printing it. Bad input raises the exceptions of ``dcptool.errors``:
-``CheckpointError`` for a checkpoint that cannot be read, ``UsageError`` for options that cannot
-work together (the command exits 2 for both). A check that finds a difference is not an error
-here: look at ``report.equal`` (verify) or ``result.ok`` (checksum, ``verify(load_on=...)``).
-Sizes (``max_memory``, ``max_shard_size``) are bytes or text such as ``"256MB"`` or ``"5GB"``.
+This module is the one orchestrator of the commands: each function does what the ``dcptool``
+command of the same name does, with every option it has (``--from`` is ``source_format``,
+``--revision`` of a hub source ``revision``), and returns the report that the command prints
+instead of printing it; the command line only parses options, calls these and renders. Bad input
+raises the exceptions of ``dcptool.errors``: ``CheckpointError`` for a checkpoint that cannot be
+read, ``UsageError`` for options that cannot work together (the command exits 2 for both). A check
+that finds a difference is not an error here: look at ``report.equal`` (verify) or ``result.ok``
+(checksum, ``verify(load_on=...)``). Sizes (``max_memory``, ``max_shard_size``) are bytes or text
+such as ``"256MiB"`` or ``"5GB"``. ``dry_run=True`` plans and reports, and writes nothing.
+``progress`` is a callable ``progress(total_bytes, label)`` returning a context manager that
+yields ``advance(n)`` (the command line passes its progress bar).
 
 Nothing here imports torch unless asked to (``read(..., as_torch=True)``, ``verify(load_on=...)``).
 
@@ -20,233 +24,190 @@ array([[3., 4., 5.],
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Union
 
-import numpy as np
-
-from dcptool import dtypes, formats
-from dcptool.conversion import Report
-from dcptool.transfer import DEFAULT_MAX_MEMORY
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool import formats, hub
+from dcptool.conversion import Conversion, Report
+from dcptool.core import Checkpoint
 from dcptool.errors import UsageError
-from dcptool.storage import output_path, parse_size
+from dcptool.format_interface import OutputRequest
+from dcptool.mesh import parse_mesh
+from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
+from dcptool.sizes import parse_size
+from dcptool.storage import check_destination, is_remote, output_path
+from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
-    import torch
-
     from dcptool.checksums import Result
     from dcptool.loadcheck import LoadReport
     from dcptool.resharding import ReshardReport
     from dcptool.verification import Report as VerifyReport
 
-__all__ = ["open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard", "verify",
-           "checksum"]
+__all__ = ["open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard",
+           "verify", "checksum"]
 
-# A part of a tensor: a slice or index per leading dim (numpy's basic indexing, steps of 1), or the
-# box ``(offsets, sizes)`` with one entry per dim.
-Region = Union[slice, int, tuple[Union[slice, int], ...], tuple[Sequence[int], Sequence[int]]]
 Size = Union[int, str]
-READ_BUFFER = 16 * 2**20  # the most bytes one file read of ``Reader.read`` asks for
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor's dtype (torch's name: ``"bfloat16"``), global shape, size in bytes, and the chunks it is saved in."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    chunks: int
-
-
-class Reader(Mapping[str, TensorSpec]):
-    """An open checkpoint: a mapping of tensor keys (nested keys joined with ``.``) to ``TensorSpec``,
-    and ``read`` for their values. Made by ``dcptool.open``; close it, or use it in a ``with`` block.
-
-    ``format`` is the format read, ``objects`` the keys of non-tensor entries (step counters,
-    scheduler state: not read, as they are pickles), ``info`` what the format records (world size...).
-    """
-
-    def __init__(self, checkpoint: Checkpoint):
-        self._checkpoint = checkpoint
-        self.path = str(checkpoint.root)
-        self.format = checkpoint.format
-        self.objects = list(checkpoint.objects)
-        self.info = dict(checkpoint.info)
-
-    def __getitem__(self, key: str) -> TensorSpec:
-        tensor = self._checkpoint.tensors[key]
-        return TensorSpec(tensor.dtype, tensor.shape, tensor.nbytes, len(tensor.chunks))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._checkpoint.tensors)
-
-    def __len__(self) -> int:
-        return len(self._checkpoint.tensors)
-
-    def __repr__(self) -> str:
-        return f"<dcptool.Reader {self.path} ({self.format}): {len(self)} tensors>"
-
-    def read(self, key: str, region: Region | None = None, *, as_torch: bool = False) -> np.ndarray | torch.Tensor:
-        """The values of tensor ``key``, or of a region of it, assembled from every chunk it overlaps.
-
-        ``region`` is a slice or index per leading dim (``(slice(0, 2), 5)``: an integer drops its
-        dim, as in numpy; steps other than 1 are refused) or ``(offsets, sizes)`` with one entry per
-        dim. Only the region's bytes are read and held, so a slice of a tensor larger than memory works.
-
-        Returns a numpy array; bfloat16 and float8 need ``ml_dtypes`` for that (numpy has no such
-        types). With ``as_torch=True``: a torch tensor of the saved dtype (needs ``dcptool[torch]``).
-
-        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
-        >>> folder = tempfile.mkdtemp()
-        >>> safetensors.numpy.save_file({"w": np.arange(12, dtype=np.int64).reshape(4, 3)}, f"{folder}/model.safetensors")
-        >>> with dcptool.open(folder) as ckpt:
-        ...     ckpt["w"], ckpt.read("w", (slice(2, None), 1)), ckpt.read("w", ((1, 1), (1, 2)))
-        (TensorSpec(dtype='int64', shape=(4, 3), nbytes=96, chunks=1), array([ 7, 10]), array([[4, 5]]))
-        """
-        tensor = self._checkpoint.tensors.get(key)
-        if tensor is None:
-            what = "a non-tensor entry" if key in self._checkpoint.objects else "not in it"
-            raise UsageError(f"{self.path}: {key!r} is {what} (keys: list(dcptool.open(...)))")
-        offsets, sizes, dropped = _box(tensor, region, f"{self.path}: {key}")
-        itemsize = dtypes.dtype(tensor.dtype).itemsize
-        raw = np.empty(sizes, dtype=dtypes.raw_view_type(itemsize))
-        scratch = memoryview(bytearray(min(READ_BUFFER, max(raw.nbytes, 2**16))))
-        self._checkpoint.read_region(tensor, offsets, sizes, raw, scratch)
-        raw = raw.reshape([n for dim, n in enumerate(sizes) if dim not in dropped])
-        return _torch_tensor(raw, tensor.dtype) if as_torch else _numpy_array(raw, tensor.dtype, f"{self.path}: {key}")
-
-    def close(self) -> None:
-        """Close the files read so far (a Reader keeps them open for the next read)."""
-        self._checkpoint.files.close()
-
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-def open(path: str | Path, format: str | None = None) -> Reader:  # noqa: A001 - dcptool.open, as builtins.open opens a file
-    """Open the checkpoint at ``path`` (a folder or file of any format dcptool reads, a URL, or a
-    Hugging Face hub repo id); ``format`` (dcp, fsdp1, torch, hf, ...) is detected when left out.
-    Only metadata is read here; values are read by ``Reader.read``.
-
-    >>> import tempfile, numpy as np, safetensors.numpy, dcptool
-    >>> folder = tempfile.mkdtemp()
-    >>> safetensors.numpy.save_file({"w": np.ones((2, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> ckpt = dcptool.open(folder)
-    >>> ckpt.format, list(ckpt), ckpt["w"].shape
-    ('hf', ['w'], (2, 3))
-    """
-    return Reader(formats.open_checkpoint(path, format))
+Progress = Callable[[int, str], ContextManager[Callable[[int], None]]]
 
 
 def convert(source: str | Path, destination: str | Path, to: str, *, source_format: str | None = None,
-            dtype: str | None = None, include: str | None = None, exclude: str | None = None, world_size: int = 1,
-            max_shard_size: Size = "5GB", adapter: str | None = None, config_dir: str | Path | None = None,
-            keep_rank_state: bool = False, optim_form: str | None = None, model_values: str | None = None,
-            max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True) -> Report:
-    """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, fsdp1), every key as saved.
+            revision: str | None = None, dtype: str | None = None, include: str | None = None,
+            exclude: str | None = None, world_size: int | None = None, max_shard_size: Size | None = None,
+            adapter: str | None = None, config_dir: str | Path | None = None, keep_rank_state: bool = False,
+            optim_form: str | None = None, model_values: str | None = None, dequantize: bool = False,
+            compress: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False,
+            fsync: bool = True, dry_run: bool = False, progress: Progress | None = None) -> Report:
+    """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, hf-dcp, fsdp1), every key as
+    saved (or what the format holds), renamed to ``adapter``'s family if given.
 
-    For ``to="fsdp1"`` (verl's per-rank files): ``world_size``, ``keep_rank_state``, and the forms
-    ``optim_form`` (named, flat, orig, fsdp2) and ``model_values`` (sharded-tensor, dtensor[:DEVICE]).
+    Args:
+        source: a checkpoint of any format dcptool reads (a path, a URL or a hub repo id).
+        destination: the output (a folder or a file, by format), which appears atomically.
+        to: the output format. Options a format does not take are refused: ``compress`` goes with dcp,
+            ``max_shard_size`` with hf, ``world_size``, ``keep_rank_state``, ``optim_form`` and
+            ``model_values`` with fsdp1.
+        dequantize: block-scaled float8 weights become ``dtype`` (default bfloat16) weights.
 
-    ``report.left_out`` lists what the format cannot hold, ``report.notes`` what an adapter renamed or left out.
+    Returns:
+        ``Report``: ``left_out`` lists what the format cannot hold, ``notes`` what an adapter renamed or
+        left out, ``dropped`` what planning did not choose.
 
-    >>> import tempfile, numpy as np, safetensors.numpy, dcptool
-    >>> folder = tempfile.mkdtemp()
-    >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> report = dcptool.convert(folder, f"{folder}/dcp", to="dcp")
-    >>> report.format, report.tensors, report.bytes_written
-    ('dcp', 1, 48)
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> report = dcptool.convert(folder, f"{folder}/dcp", to="dcp")
+        >>> report.format, report.tensors, report.bytes_written
+        ('dcp', 1, 48)
     """
     from dcptool import conversion
 
-    checkpoint = formats.open_checkpoint(source, source_format)
-    planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
-                                      config_dir=config_dir, world_size=world_size,
-                                      max_shard_size=_bytes(max_shard_size), keep_rank_state=keep_rank_state,
-                                      optim_form=optim_form, model_values=model_values)
-    return planned.write(output_path(destination), **_writing(max_memory, overwrite, fsync))
+    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
+    shard_size = None if max_shard_size is None else parse_size(max_shard_size, "--max-shard-size")
+    request = OutputRequest(dtype=dtype, include=include, exclude=exclude, world_size=world_size, compress=compress,
+                            max_shard_size=shard_size, keep_rank_state=keep_rank_state,
+                            forms=_forms(optim_form, model_values))
+    planned = conversion.plan_convert(checkpoint, to, request, adapter=adapter, config_dir=config_dir)
+    planned.notes += notes
+    return _run(planned, destination, dry_run, progress, max_memory, overwrite, fsync)
 
 
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
-              prefix: str | None = None, source_format: str | None = None, dtype: str | None = None,
-              include: str | None = None, exclude: str | None = None, max_shard_size: Size = "5GB",
-              adapter: str = "auto", hf_experts: str = "per-expert", max_memory: Size = DEFAULT_MAX_MEMORY,
-              overwrite: bool = False, fsync: bool = True) -> Report:
+              prefix: str | None = None, source_format: str | None = None, revision: str | None = None,
+              dtype: str | None = None, include: str | None = None, exclude: str | None = None,
+              max_shard_size: Size = "5GB", adapter: str = "auto", hf_experts: str = "per-expert",
+              dequantize: bool = False, push_to_hub: str | None = None, private: bool = False,
+              hub_branch: str | None = None, commit_message: str | None = None,
+              max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
+              dry_run: bool = False, progress: Progress | None = None) -> Report:
     """``dcptool export-hf``: the model weights as Hugging Face safetensors under HF names, with
-    ``config_dir``'s config and tokenizer files. (Push the folder with ``huggingface_hub`` or the CLI.)
+    ``config_dir``'s config and tokenizer files.
 
-    >>> import tempfile, numpy as np, safetensors.numpy, dcptool
-    >>> folder = tempfile.mkdtemp()
-    >>> safetensors.numpy.save_file({"model.norm.weight": np.ones(3, np.float32)}, f"{folder}/model.safetensors")
-    >>> report = dcptool.export_hf(folder, f"{folder}/export", dtype="bfloat16")
-    >>> report.tensors, report.bytes_written
-    (1, 6)
+    Args:
+        adapter: the family of the checkpoint's names (auto, hf, archon, torchtitan).
+        push_to_hub: then upload the export to this hub repo (``ORG/NAME``), with ``private``,
+            ``hub_branch`` and ``commit_message`` as the command's ``--private``, ``--revision``,
+            ``--commit-message``.
+
+    Returns:
+        ``Report``; after a push, ``report.pushed_to`` is the repo's URL.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"model.norm.weight": np.ones(3, np.float32)}, f"{folder}/model.safetensors")
+        >>> report = dcptool.export_hf(folder, f"{folder}/export", dtype="bfloat16")
+        >>> report.tensors, report.bytes_written
+        (1, 6)
     """
     from dcptool import conversion
 
-    checkpoint = formats.open_checkpoint(source, source_format)
+    if push_to_hub:  # before the export: a push that cannot start should not cost one
+        hub.check_repo_id(push_to_hub)
+        if is_remote(destination):
+            raise UsageError(f"{destination}: --push-to-hub uploads a local export folder: give a local output folder")
+        hub.check_can_push()
+    elif private or hub_branch or commit_message:
+        raise UsageError("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
+    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype,
                                         include=include, exclude=exclude, adapter=adapter, hf_experts=hf_experts,
-                                        max_shard_size=_bytes(max_shard_size))
-    return planned.write(output_path(destination), **_writing(max_memory, overwrite, fsync))
+                                        max_shard_size=parse_size(max_shard_size, "--max-shard-size"))
+    if dequantize:  # a quantization_config left in would make transformers quantize the weights again
+        from dcptool import quant
+
+        planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
+    planned.notes += notes
+    report = _run(planned, destination, dry_run, progress, max_memory, overwrite, fsync)
+    if push_to_hub and not dry_run:
+        report.pushed_to = hub.push(destination, push_to_hub, private=private, revision=hub_branch,
+                                    commit_message=commit_message)
+    return report
 
 
 def reshard(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,
             etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
             to: str = "dcp", keep_rank_state: bool = False, adapter: str | None = None,
-            config_dir: str | Path | None = None, source_format: str | None = None, dtype: str | None = None,
-            optim_form: str | None = None, model_values: str | None = None,
-            max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False,
-            fsync: bool = True) -> ReshardReport | Report:
-    """``dcptool reshard``: lay ``source`` out for a mesh, as a job on it saves with ``dcp.save``
-    (``to="fsdp1"``: per-rank FSDP1 files, in the forms ``optim_form`` and ``model_values`` choose, as in
-    ``convert``). Plan problems raise ``UsageError``; ``report.warnings`` says what was dropped or kept
-    (entries of single data-parallel ranks).
+            config_dir: str | Path | None = None, source_format: str | None = None, revision: str | None = None,
+            dtype: str | None = None, optim_form: str | None = None, model_values: str | None = None,
+            dequantize: bool = False, compress: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
+            overwrite: bool = False, fsync: bool = True, dry_run: bool = False,
+            progress: Progress | None = None) -> ReshardReport:
+    """``dcptool reshard``: lay ``source`` out for a mesh as a job on it saves it: ``to="dcp"`` chunk for
+    chunk as ``dcp.save`` writes it; ``to="fsdp1"`` per-rank FSDP1 files (data parallel only), in the
+    forms ``optim_form`` and ``model_values`` choose.
 
-    >>> import tempfile, numpy as np, safetensors.numpy, dcptool
-    >>> folder = tempfile.mkdtemp()
-    >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> report = dcptool.reshard(folder, f"{folder}/dp2", dp=2)
-    >>> report.mesh.describe(), sorted(p.name for p in Path(folder, "dp2").iterdir())
-    ('2 ranks: dp=2', ['.metadata', '__0_0.distcp', '__1_0.distcp'])
+    Returns:
+        ``ReshardReport``: ``mesh``, ``plan``, ``warnings`` (what was dropped or kept); with ``dry_run``
+        also ``summary`` (what ``--dry-run --json`` prints) and ``problems``. Without ``dry_run`` a plan
+        with problems raises ``UsageError``.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> report = dcptool.reshard(folder, f"{folder}/dp2", dp=2)
+        >>> report.mesh.describe(), sorted(p.name for p in Path(folder, "dp2").iterdir())
+        ('2 ranks: dp=2', ['.metadata', '__0_0.distcp', '__1_0.distcp'])
     """
-    from dcptool import resharding
-
-    return resharding.reshard(source, output_path(destination), dp=dp, tp=tp, ep=ep, etp=etp, cp=cp,
-                              dp_replicate=dp_replicate, world_size=world_size, plan=plan, to=to,
-                              keep_rank_state=keep_rank_state, adapter=adapter, config_dir=config_dir,
-                              source_format=source_format, dtype=dtype, optim_form=optim_form,
-                              model_values=model_values, **_writing(max_memory, overwrite, fsync))
+    return _reshard(source, destination, source_format, revision,
+                    _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size), plan=plan, to=to,
+                    keep_rank_state=keep_rank_state, adapter=adapter, wrapper=(), config_dir=config_dir,
+                    dtype=dtype, dequantize=dequantize, compress=compress, forms=_forms(optim_form, model_values),
+                    max_memory=max_memory, overwrite=overwrite, fsync=fsync, dry_run=dry_run, progress=progress)
 
 
 def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,
               etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None,
-              plan: str = "auto", adapter: str = "hf", config_dir: str | Path | None = None, dtype: str | None = None,
-              max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True) -> ReshardReport:
+              plan: str = "auto", adapter: str = "hf", config_dir: str | Path | None = None,
+              revision: str | None = None, dtype: str | None = None, dequantize: bool = False,
+              max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
+              dry_run: bool = False, progress: Progress | None = None) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
     out for the mesh, under the names of the job that loads it (``adapter``: hf, archon, torchtitan).
 
-    >>> import tempfile, numpy as np, safetensors.numpy, dcptool
-    >>> folder = tempfile.mkdtemp()
-    >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-    >>> dcptool.import_hf(folder, f"{folder}/dcp", dp=2).mesh.world
-    2
+    Returns:
+        ``ReshardReport``, as ``reshard`` returns it.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> dcptool.import_hf(folder, f"{folder}/dcp", dp=2).mesh.world
+        2
     """
-    from dcptool import adapters, resharding
+    from dcptool import adapters
 
     if adapter not in adapters.JOB_WRAPPERS:
         raise UsageError(f"--adapter {adapter}: choose one of {', '.join(adapters.JOB_WRAPPERS)}")
-    return resharding.reshard(source, output_path(destination), dp=dp, tp=tp, ep=ep, etp=etp, cp=cp,
-                              dp_replicate=dp_replicate, world_size=world_size, plan=plan, adapter=adapter,
-                              wrapper=adapters.JOB_WRAPPERS[adapter], config_dir=config_dir, source_format="hf",
-                              dtype=dtype, **_writing(max_memory, overwrite, fsync))
+    return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
+                    plan=plan, to="dcp", keep_rank_state=False, adapter=adapter,
+                    wrapper=adapters.JOB_WRAPPERS[adapter], config_dir=config_dir, dtype=dtype,
+                    dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
+                    fsync=fsync, dry_run=dry_run, progress=progress)
 
 
 def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None = None, atol: float | None = None,
@@ -274,9 +235,9 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     from dcptool import loadcheck, verification
 
     verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
-    memory = _bytes(max_memory)
+    memory = parse_size(max_memory, "--max-memory")
     if load_on:
-        mesh = loadcheck.parse_mesh(load_on) if isinstance(load_on, str) else dict(load_on)
+        mesh = parse_mesh(load_on, "--load-on") if isinstance(load_on, str) else dict(load_on)
         return loadcheck.run(a, mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
                              exclude=exclude)
     if roundtrip:
@@ -307,82 +268,79 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
 
     return checksums.run(path, write=write, check=check, against=against, manifest=manifest,
                          source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
-                         against_prefix=against_prefix, overwrite=overwrite, max_memory=_bytes(max_memory),
+                         against_prefix=against_prefix, overwrite=overwrite,
+                         max_memory=parse_size(max_memory, "--max-memory"),
                          threads=threads or None)
 
 
-def _bytes(size: Size) -> int:
-    """A size given as bytes or as text (``"256MB"``)."""
-    if isinstance(size, int):
-        return size
-    try:
-        return parse_size(size)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+def _source(source, source_format, revision, dequantize: bool, config_dir, dtype) -> tuple[Checkpoint, list[str]]:
+    """The source checkpoint (a hub repo at ``revision``), its block-scaled float8 weights dequantized
+    to ``dtype`` where asked (``dcptool.quant``), and notes on that."""
+    source, = hub.with_revision(source, revision=revision)
+    checkpoint = formats.open_checkpoint(source, source_format)
+    if not dequantize:
+        return checkpoint, []
+    from dcptool import quant
+
+    return quant.dequantized(checkpoint, config_dir, dtype)
+
+
+def _forms(optim_form: str | None, model_values: str | None) -> dict[str, str]:
+    """The fsdp1 output forms given (``OutputRequest.forms``)."""
+    return {name: value for name, value in (("optim_form", optim_form), ("model_values", model_values)) if value}
+
+
+def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
+    from dcptool import resharding
+
+    return resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
+
+
+def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
+             wrapper, config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
+             progress) -> ReshardReport:
+    """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
+    from dcptool import resharding
+
+    destination = output_path(destination)
+    if not dry_run:
+        check_destination(destination, overwrite)  # before planning, whose warnings would come first
+    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
+    result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter, wrapper=wrapper,
+                                 config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
+                                 compress=compress, forms=forms)
+    result.conversion.notes[:0] = notes
+    if dry_run:
+        report = result.conversion.dry_run(destination)
+        return resharding.ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name if result.plan else "",
+                                        warnings=result.warnings, problems=result.problems, summary=result.summary(),
+                                        description=result.describe())
+    resharding.raise_problems(result)
+    with _progress(progress, result.conversion.total_bytes, destination) as advance:
+        report = resharding.write_plan(result, destination, **_writing(max_memory, overwrite, fsync), progress=advance)
+    report.description = result.describe()
+    return report
+
+
+def _run(planned: Conversion, destination, dry_run: bool, progress: Progress | None, max_memory, overwrite,
+         fsync) -> Report:
+    """Write a planned conversion with a progress bar, or report it without writing."""
+    destination = output_path(destination)
+    if dry_run:
+        return planned.dry_run(destination)
+    with _progress(progress, planned.total_bytes, destination) as advance:
+        return planned.write(destination, **_writing(max_memory, overwrite, fsync), progress=advance)
+
+
+@contextmanager
+def _no_progress(total: int, what: str):
+    yield lambda n: None
+
+
+def _progress(progress: Progress | None, total: int, destination) -> ContextManager[Callable[[int], None]]:
+    return (progress or _no_progress)(total, f"writing {Path(str(destination)).name}")
 
 
 def _writing(max_memory: Size, overwrite: bool, fsync: bool) -> dict[str, Any]:
-    """The options of ``convert.write_checkpoint`` that every writing command takes."""
-    return {"max_memory": _bytes(max_memory), "overwrite": overwrite, "fsync": fsync}
-
-
-def _box(tensor: TensorInfo, region: Region | None, where: str) -> tuple[tuple[int, ...], tuple[int, ...], set[int]]:
-    """``region`` of ``tensor`` as ``(offsets, sizes)`` and the dims an integer index drops."""
-    shape = tensor.shape
-    if region is None:
-        return (0,) * len(shape), shape, set()
-    if isinstance(region, (tuple, list)) and len(region) == 2 and all(isinstance(p, (tuple, list)) for p in region):
-        offsets, sizes = (tuple(int(n) for n in part) for part in region)
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            raise UsageError(f"{where}: region offsets {list(offsets)}, sizes {list(sizes)} do not fit its shape "
-                             f"{list(shape)}")
-        return offsets, sizes, set()
-    index = region if isinstance(region, tuple) else (region,)
-    if len(index) > len(shape):
-        raise UsageError(f"{where}: region has {len(index)} entries for a tensor of {len(shape)} dims")
-    offsets, sizes, dropped = [], [], set()
-    for dim, length in enumerate(shape):
-        item = index[dim] if dim < len(index) else slice(None)
-        if isinstance(item, slice):
-            start, stop, step = item.indices(length)
-            if step != 1:
-                raise UsageError(f"{where}: region steps other than 1 are not read; read the range and slice the array")
-            offsets.append(start)
-            sizes.append(max(0, stop - start))
-        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-            position = int(item) + (length if item < 0 else 0)
-            if not 0 <= position < length:
-                raise UsageError(f"{where}: index {item} is out of range for dim {dim} of size {length}")
-            offsets.append(position)
-            sizes.append(1)
-            dropped.add(dim)
-        else:
-            raise UsageError(f"{where}: a region is slices and integers, or (offsets, sizes); got {item!r}")
-    return tuple(offsets), tuple(sizes), dropped
-
-
-def _numpy_array(raw: np.ndarray, dtype: str, where: str) -> np.ndarray:
-    """The raw elements as numpy's type of ``dtype``; bfloat16 and float8 through ml_dtypes."""
-    numpy_type = dtypes.dtype(dtype).numpy
-    if numpy_type is not None:
-        return raw.view(numpy_type)
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise UsageError(f"{where} is {dtype}, which numpy has no type for: pip install ml_dtypes, "
-                         "or read it with as_torch=True") from None
-    if not hasattr(ml_dtypes, dtype):
-        raise UsageError(f"{where} is {dtype}, which this ml_dtypes {ml_dtypes.__version__} lacks: upgrade it, "
-                         "or read it with as_torch=True")
-    return raw.view(getattr(ml_dtypes, dtype))
-
-
-def _torch_tensor(raw: np.ndarray, dtype: str) -> torch.Tensor:
-    """The raw elements as a torch tensor of ``dtype`` (sharing the array's memory)."""
-    try:
-        import torch
-    except ImportError:
-        raise UsageError("as_torch=True needs torch: pip install 'dcptool[torch]'") from None
-    # torch has a signed integer type of every width: viewing it as the saved dtype restores the bits.
-    return torch.from_numpy(raw.view(f"i{raw.itemsize}")).view(getattr(torch, dtype))
+    """The options of ``conversion.write_checkpoint`` that every writing command takes."""
+    return {"max_memory": parse_size(max_memory, "--max-memory"), "overwrite": overwrite, "fsync": fsync}

@@ -4,13 +4,8 @@ Planning turns a source ``Checkpoint`` into ``OutTensor``/``OutObject`` lists (s
 dtype) and asks the writer how it lays them out: the ``Piece`` regions it stores, and where each
 one's bytes go. Execution copies every piece to its place, from the source chunks it overlaps.
 
-A writer (``converters/<format>.py``) is made as ``Writer(destination, **options)`` and has:
-``out`` (the ``storage.OutputFiles`` it writes), ``NEEDS_CRC`` (whether its headers need each
-piece's CRC-32), ``plan(tensors, objects)`` (the pieces), ``files()`` (every output file with its
-planned bytes), ``place(piece)`` (``(file, offset)`` of the piece's bytes), ``finish_files(objects,
-files, crcs)`` (writes what is not piece data into the files this process wrote, and returns what
-the index needs from them) and ``finish_index(objects, records)`` (metadata or index from every
-writer's records; returns the entries the format cannot hold). Under torchrun each rank writes only
+The output's format plans what it holds (``Format.plan_output``) and its writer (the
+``format_interface.Writer`` protocol) where each piece goes. Under torchrun each rank writes only
 its files and rank 0 the index (``dcptool.distributed``); one process writes everything.
 
 >>> report = convert_checkpoint("step-100", "out-hf", to="hf", dtype="bfloat16")   # doctest: +SKIP
@@ -20,30 +15,45 @@ its files and rank 0 the index (``dcptool.distributed``); one process writes eve
 
 from __future__ import annotations
 
-import json
+import os
 import posixpath
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from dcptool import adapters, distributed, formats, transfer
 from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
-from dcptool.storage import CheckpointFiles, check_destination, fsync_paths, fsync_tree, is_remote
+from dcptool.format_interface import Format, Output, OutputRequest
+from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
 
 
 
 @dataclass
 class Report:
+    """What a writing command did (or, with ``dry_run``, would do).
+
+    ``left_out``: entries the writer could not hold; ``dropped``: entries of the source that planning did
+    not choose, by kind (``left_out_by_kind``), each for its reason in ``reasons``, else ``why_left_out``;
+    ``notes``: what planning renamed, made or left out, one line each; ``planned_files``: with
+    ``dry_run``, the files and bytes the writer would write.
+    """
+
     destination: Path | str  # a URL for remote outputs
     format: str
     tensors: int = 0
     bytes_written: int = 0
     left_out: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # what planning renamed, made or left out, one line each
+    notes: list[str] = field(default_factory=list)
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+    why_left_out: str = ""
+    reasons: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
+    planned_files: dict[str, int] = field(default_factory=dict)
+    pushed_to: str | None = None  # export-hf --push-to-hub: the hub repo's URL
+    not_read: list[str] = field(default_factory=list)  # files of the source no reader used, one line each
 
 
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
@@ -125,15 +135,15 @@ def write_checkpoint(
     ``across_ranks=False`` makes this process write everything alone. A URL destination
     (``s3://bucket/step-100``) is written to a local staging folder, then uploaded through fsspec.
 
-    >>> ckpt = formats.open_checkpoint("step-100")                                   # doctest: +SKIP
-    >>> write_checkpoint(ckpt, Path("step-100.pt"), "torch", *entries_for(ckpt, "torch"))   # doctest: +SKIP
+    >>> ckpt = formats.open_checkpoint("step-100")                                          # doctest: +SKIP
+    >>> output = formats.get("torch").plan_output(ckpt, OutputRequest())                      # doctest: +SKIP
+    >>> write_checkpoint(ckpt, Path("step-100.pt"), "torch", output.tensors, output.objects)   # doctest: +SKIP
     """
-    module = formats.get(to)
-    if not hasattr(module, "Writer"):  # read-only formats (accelerate's Trainer folders)
-        raise UsageError(f"--to {to}: dcptool reads {to} checkpoints but does not write them")
-    upload = _Upload(str(destination), module) if is_remote(destination) else None
+    fmt = formats.get(to)
+    refuse_read_only(fmt)
+    upload = _Upload(str(destination), fmt) if is_remote(destination) else None
     try:
-        return _write(checkpoint, destination, module, tensors, objects, upload, overwrite=overwrite,
+        return _write(checkpoint, destination, fmt, tensors, objects, upload, overwrite=overwrite,
                       max_memory=max_memory, fsync=fsync and not upload, progress=progress,
                       writer_options=writer_options, across_ranks=across_ranks)
     finally:
@@ -141,16 +151,22 @@ def write_checkpoint(
             upload.close()
 
 
-def _write(checkpoint, destination, module, tensors, objects, upload: _Upload | None, *, overwrite, max_memory,
+def refuse_read_only(fmt: Format) -> None:
+    """Refuse an output format dcptool reads but does not write (accelerate's Trainer folders)."""
+    if not fmt.writable:
+        raise UsageError(f"--to {fmt.name}: dcptool reads {fmt.name} checkpoints but does not write them")
+
+
+def _write(checkpoint, destination, fmt: Format, tensors, objects, upload: _Upload | None, *, overwrite, max_memory,
            fsync, progress, writer_options, across_ranks) -> Report:
     if upload is None and Path(checkpoint.root).resolve() == Path(destination).resolve():
         raise UsageError(f"{destination}: the output would replace its own source")
     ranks = distributed.ranks_for(progress, across_ranks)
-    report = Report(upload.url if upload else Path(destination), module.NAME, tensors=len(tensors))
+    report = Report(upload.url if upload else Path(destination), fmt.name, tensors=len(tensors))
     prepare = (lambda: upload.prepare(overwrite)) if upload else None
-    with ranks.output(upload.local if upload else Path(destination), overwrite, module.WRITES_FOLDER,
+    with ranks.output(upload.local if upload else Path(destination), overwrite, fmt.writes_folder,
                       prepare) as temporary:
-        writer = module.Writer(temporary, **(writer_options or {}))
+        writer = fmt.writer(temporary, **(writer_options or {}))
         pieces = writer.plan(tensors, objects)  # the same on every rank
         mine = ranks.my_files(writer.files())
         placed = [(piece, *writer.place(piece)) for piece in pieces]
@@ -168,7 +184,7 @@ def _write(checkpoint, destination, module, tensors, objects, upload: _Upload | 
         every_rank_records = ranks.gather(records)
         if ranks.rank == 0:
             report.left_out = writer.finish_index(objects, every_rank_records) or []
-            if upload and module.WRITES_FOLDER:
+            if upload and fmt.writes_folder:
                 written = (path.relative_to(temporary).as_posix() for path in temporary.rglob("*") if path.is_file())
                 upload.send(temporary, sorted(set(written) - set(writer.files())))
             elif fsync:
@@ -181,15 +197,15 @@ def _write(checkpoint, destination, module, tensors, objects, upload: _Upload | 
 class _Upload:
     """A URL destination: written to a local staging folder (under ``TMPDIR``; one per rank under
     torchrun), then uploaded through fsspec: every rank its own files, then rank 0 the rest (index,
-    config), the files that complete the checkpoint (the format's ``COMPLETES``) last. Object stores
+    config), the files that complete the checkpoint (the format's ``completes``) last. Object stores
     have no atomic rename, so an interrupted upload never looks like a finished checkpoint.
     """
 
-    def __init__(self, url: str, module):
+    def __init__(self, url: str, fmt: Format):
         from dcptool import remote  # fsspec only for URLs
 
-        self.remote, self.url, self.is_dir = remote, url.rstrip("/"), module.WRITES_FOLDER
-        self.completes = getattr(module, "COMPLETES", [])
+        self.remote, self.url, self.is_dir = remote, url.rstrip("/"), fmt.writes_folder
+        self.completes = fmt.completes
         self._staging = tempfile.TemporaryDirectory(prefix="dcptool-staging-")
         self.local = Path(self._staging.name) / posixpath.basename(self.url)
 
@@ -224,48 +240,53 @@ class Conversion:
     why_left_out: str = ""
     reasons: dict[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, checkpoint: Checkpoint, to: str, output: Output, notes: list[str] = ()) -> Conversion:
+        """The planned write of a format's ``Output``, after ``notes`` of the planning before it."""
+        return cls(checkpoint, to, output.tensors, output.objects, output.writer_options, [*notes, *output.notes],
+                   output.why_left_out, output.reasons)
+
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def planned_files(self) -> dict[str, int]:
+        """The files the writer would write, with their planned bytes; nothing is created (``--dry-run``)."""
+        writer = formats.get(self.to).writer(Path(os.devnull) / "dry-run", **self.writer_options)
+        writer.plan(self.tensors, self.objects)
+        return writer.files()
 
     def write(self, destination: Path | str, **options) -> Report:
         """Write it (``options``: those of ``write_checkpoint``); the report carries the notes."""
         report = write_checkpoint(self.checkpoint, destination, self.to, self.tensors, self.objects,
                                   writer_options=self.writer_options, **options)
+        return self._explained(report)
+
+    def dry_run(self, destination: Path | str) -> Report:
+        """The report of the write, without writing: the files the writer plans, what would be left out."""
+        report = Report(destination, self.to, tensors=len(self.tensors), bytes_written=self.total_bytes,
+                        dry_run=True, planned_files=self.planned_files())
+        return self._explained(report)
+
+    def _explained(self, report: Report) -> Report:
         report.notes = list(self.notes)
+        report.dropped = left_out_by_kind(self.checkpoint, self.tensors, self.objects)
+        report.why_left_out, report.reasons = self.why_left_out, dict(self.reasons)
+        report.not_read = list(self.checkpoint.info.get("not_read") or [])
         return report
 
 
-def fsdp1_forms_only(to: str, optim_form: str | None, model_values: str | None) -> None:
-    """Refuse ``--optim-form`` / ``--model-values`` (``converters/fsdp1.output_forms``) for any output but fsdp1."""
-    if (optim_form or model_values) and to != "fsdp1":
-        raise UsageError(f"--{'optim-form' if optim_form else 'model-values'} goes with --to fsdp1")
-
-
-def plan_convert(checkpoint: Checkpoint, to: str, *, dtype: str | None = None, include: str | None = None,
-                 exclude: str | None = None, adapter: str | None = None, config_dir: str | Path | None = None,
-                 world_size: int = 1, max_shard_size: int | str = "5GB", keep_rank_state: bool = False,
-                 optim_form: str | None = None, model_values: str | None = None) -> Conversion:
-    """What ``dcptool convert`` writes: every key as saved (or under ``adapter``'s names), for format ``to``.
-
-    ``world_size`` is the ranks of an fsdp1 output (``keep_rank_state``: with each source rank's own
-    state; ``optim_form``, ``model_values``: see ``converters/fsdp1.output_forms``), ``max_shard_size``
-    the largest file of an hf one.
+def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None = None, *,
+                 adapter: str | None = None, config_dir: str | Path | None = None) -> Conversion:
+    """What ``dcptool convert`` writes: what format ``to`` holds of the checkpoint (every key as saved unless
+    the format says otherwise), under ``adapter``'s names; ``request`` carries the output's options.
     """
+    fmt = formats.get(to)
+    request = request or OutputRequest()
+    refuse_read_only(fmt)
+    formats.check_request(fmt, request)
     checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
-    if to == "fsdp1":
-        from dcptool.resharding import fsdp1_conversion
-
-        conversion = fsdp1_conversion(checkpoint, {"world_size": world_size}, dtype, include, exclude, keep_rank_state,
-                                      optim_form, model_values)
-        conversion.notes[:0] = notes
-        return conversion
-    fsdp1_forms_only(to, optim_form, model_values)
-    tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
-    options = {"hf": {"max_shard_size": max_shard_size}}.get(to, {})
-    reasons = (f"the {to} output holds model weights only" if getattr(formats.get(to), "MODEL_ONLY", False) else "",
-               "not selected by --include/--exclude" if include or exclude else "")
-    return Conversion(checkpoint, to, tensors, objects, options, notes, " or ".join(filter(None, reasons)))
+    return Conversion.of(checkpoint, to, fmt.plan_output(checkpoint, request), notes)
 
 
 def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
@@ -289,7 +310,7 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     return Conversion(checkpoint, "hf", tensors, [], options, notes, why)
 
 
-def left_out(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, list[str]]:
+def left_out_by_kind(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, list[str]]:
     """The entries of ``checkpoint`` an output of ``tensors`` and ``objects`` does not hold, by kind:
     ``{"optimizer tensors": [...], "other tensors": [...], "non-tensor entries": [...]}`` (empty kinds left out).
 
@@ -297,7 +318,7 @@ def left_out(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[Out
     holds any, the whole model part counts as carried (the adapter's notes say what it left out).
     """
     carried = {id(t.source) for t in tensors} | {id(o.source) for o in objects}
-    carried |= {id(source) for o in objects for source in getattr(o, "merged", ())}  # objects made of several entries
+    carried |= {id(source) for o in objects for source in o.merged}  # objects made of several entries
     own = {id(e) for e in (*checkpoint.tensors.values(), *checkpoint.objects.values())}
     if not carried <= own:
         carried |= {id(e) for e in model_part(checkpoint).values()}
@@ -308,25 +329,6 @@ def left_out(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[Out
             found["optimizer tensors" if optimizer else "other tensors"].append(key)
     found["non-tensor entries"] = [key for key, entry in checkpoint.objects.items() if id(entry) not in carried]
     return {kind: keys for kind, keys in found.items() if keys}
-
-
-def entries_for(checkpoint: Checkpoint, to: str, dtype=None, include=None, exclude=None):
-    """The output tensors and objects of a plain conversion: every key as saved, only the model part
-    for formats that hold nothing else (``MODEL_ONLY``), or what a format with its own ``entries``
-    (fsdp1: model, optimizer, extra state) chooses."""
-    module = formats.get(to)
-    if hasattr(module, "entries"):
-        tensors, objects, _ = module.entries(checkpoint, None, dtype, include, exclude)
-        return tensors, objects
-    model_only = getattr(module, "MODEL_ONLY", False)
-    source = model_part(checkpoint) if model_only else checkpoint.tensors
-    named = select(source, include, exclude)
-    if not named:
-        raise UsageError(f"{checkpoint.root}: no tensor matches the --include/--exclude filters")
-    chosen = model_part(checkpoint, entries=checkpoint.objects) if model_only else checkpoint.objects
-    objects = [OutObject(k, o.path if o.key == k else (k,), o, checkpoint)
-               for k, o in select(chosen, include, exclude).items()]
-    return out_tensors(named, dtype, keep_paths=not model_only), objects
 
 
 def convert_checkpoint(
@@ -345,5 +347,5 @@ def convert_checkpoint(
     >>> convert_checkpoint("step-100", "step-100.pt", to="torch")   # doctest: +SKIP
     """
     checkpoint = formats.open_checkpoint(source, source_format)
-    tensors, objects = entries_for(checkpoint, to, dtype, include, exclude)
-    return write_checkpoint(checkpoint, destination, to, tensors, objects, **options)
+    planned = plan_convert(checkpoint, to, OutputRequest(dtype=dtype, include=include, exclude=exclude))
+    return planned.write(destination, **options)

@@ -415,6 +415,7 @@ class OutObject:
     path: tuple[str, ...]
     source: ObjectInfo
     checkpoint: Checkpoint = field(repr=False)
+    merged: list[ObjectInfo] = field(default_factory=list)  # other source entries it is made of (all carried)
 
     def value(self) -> Any:
         return self.checkpoint.object_value(self.source)

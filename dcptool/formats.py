@@ -1,4 +1,23 @@
-"""The registry of formats: each module of ``converters/`` is one format, found by listing the package."""
+"""Formats: the interface every module of ``converters/`` implements, and the registry that finds them.
+
+A format is one module of ``dcptool/converters/`` (a file or a package) that defines ``FORMAT``, an
+instance of a ``format_interface.Format`` subclass. The registry lists the package, so a new format is one new module
+and nothing else names it: callers ask the interface (``detect``, ``read``, ``plan_output``,
+``writer``, and what the format declares it can take) and never compare a format's name.
+
+The path of a conversion: ``open_checkpoint`` (detect and read: a ``core.Checkpoint``, the
+format-neutral description) -> renames and computed views (``dcptool.adapters``, ``dcptool.quant``)
+-> ``Format.plan_output`` (what the output holds: ``Output``) -> ``Writer.plan`` / ``place`` (where
+each piece's bytes go) -> ``dcptool.transfer`` (the bytes, streamed) -> ``Writer.finish_*`` and the
+atomic commit (``dcptool.storage``).
+
+>>> sorted(names())
+['accelerate', 'dcp', 'fsdp1', 'hf', 'hf-dcp', 'torch']
+>>> get("hf").writes_folder, get("torch").writes_folder, get("accelerate").writable
+(True, False, False)
+>>> get("dcp").layout.value, get("fsdp1").layout.value, get("torch").layout.value
+('mesh', 'data-parallel', 'none')
+"""
 
 from __future__ import annotations
 
@@ -8,21 +27,22 @@ import pkgutil
 import re
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 
 from dcptool import converters, hub
 from dcptool.core import Checkpoint
-from dcptool.errors import CheckpointError
+from dcptool.errors import CheckpointError, CheckpointNotFoundError
+from dcptool.format_interface import Format, OutputRequest
 from dcptool.storage import CheckpointFiles, stale_temporaries
 
 
 @cache
-def all_formats() -> dict[str, ModuleType]:
-    modules = {}
-    for found in pkgutil.iter_modules(converters.__path__):
-        module = importlib.import_module(f"dcptool.converters.{found.name}")
-        modules[module.NAME] = module
-    return modules
+def all_formats() -> dict[str, Format]:
+    """Every format, by name: the ``FORMAT`` of each module of the ``converters`` package."""
+    found = {}
+    for module_info in pkgutil.iter_modules(converters.__path__):
+        declared = importlib.import_module(f"dcptool.converters.{module_info.name}").FORMAT
+        found[declared.name] = declared
+    return found
 
 
 def names() -> list[str]:
@@ -31,10 +51,15 @@ def names() -> list[str]:
 
 def writable() -> list[str]:
     """The formats dcptool writes (some, like accelerate's Trainer folders, are read only)."""
-    return [name for name in names() if hasattr(all_formats()[name], "Writer")]
+    return [name for name in names() if all_formats()[name].writable]
 
 
-def get(name: str) -> ModuleType:
+def check_request(fmt: Format, request: OutputRequest) -> None:
+    """Refuse options of ``request`` that ``fmt`` does not take, naming the formats that do."""
+    fmt.check_request(request, list(all_formats().values()))
+
+
+def get(name: str) -> Format:
     try:
         return all_formats()[name]
     except KeyError:
@@ -63,8 +88,10 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
 def _files_at(path: str | Path) -> CheckpointFiles:
     files = CheckpointFiles(hub.local_path(path))  # a hub repo id: its snapshot in the hub cache
     problem = wrong_path(path, files)
+    if problem and not files.exists():
+        raise CheckpointNotFoundError(problem, path=str(path))
     if problem:
-        raise CheckpointError(problem)
+        raise CheckpointError(problem, path=str(path))
     return files
 
 

@@ -21,10 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes, formats, plans
-from dcptool.conversion import Conversion, Report, adapted, entries_for, fsdp1_forms_only, model_part, read_config
+from dcptool.conversion import Conversion, Report, adapted
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted
+from dcptool.format_interface import Layout, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
+from dcptool.selection import model_part, read_config
 from dcptool.storage import CheckpointFiles
 
 # Entries that belong to one data-parallel rank of the saving job (torchtitan's dataloader state):
@@ -43,9 +45,14 @@ CONFIG_DIVISORS = (
 
 @dataclass
 class ReshardReport(Report):
+    """A reshard's report: the mesh and plan, warnings, and with ``dry_run`` the plan's ``summary`` and problems."""
+
     mesh: Mesh | None = None
     plan: str = ""
     warnings: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    description: str = ""  # the mesh and how it is laid out, one line
 
 
 class Refused(Exception):
@@ -62,32 +69,50 @@ class TensorLayout:
 
 @dataclass
 class ReshardPlan:
+    """A reshard planned: the mesh, each tensor's chunks on it (``layouts``; empty for a format that lays
+    out its own data-parallel ranks), and ``conversion``, the write that puts them in place."""
+
     checkpoint: Checkpoint  # the source, under the names it is written with
     mesh: Mesh
-    plan: plans.Plan
+    plan: plans.Plan | None  # None where the format lays out its ranks itself
     layouts: list[TensorLayout]
     objects: list[OutObject]
     rank_bytes: list[int]
     problems: list[str] = field(default_factory=list)  # any of these refuses the reshard
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what renaming the entries (an adapter) made or left out
+    conversion: Conversion | None = None  # set by ``plan_for``
 
     def layout_of(self):
-        """The DCP writer's ``layout`` callable: a tensor's chunks as ``(offsets, sizes, rank)``."""
+        """The writer's ``layout`` callable: a tensor's chunks as ``(offsets, sizes, rank)``."""
         by_tensor = {layout.tensor: layout.chunks for layout in self.layouts}
         return by_tensor.__getitem__
 
+    def describe(self) -> str:
+        """The mesh and how it is laid out, in one line."""
+        how = f"plan {self.plan.name} ({self.plan.description})" if self.plan else \
+            f"{self.conversion.to} lays out its data-parallel ranks itself"
+        return f"{self.mesh.describe()}; {how}"
+
     def summary(self) -> dict:
+        """What ``--dry-run --json`` prints: the mesh, every tensor's placement and chunks, the files and bytes
+        the writer plans, problems and warnings."""
+        layouts = {layout.tensor.key: layout for layout in self.layouts}
+        tensors = {}
+        for tensor in self.conversion.tensors if self.conversion else [l.tensor for l in self.layouts]:
+            layout = layouts.get(tensor.key)
+            tensors[tensor.key] = {
+                "shape": list(tensor.shape), "dtype": tensor.dtype, "source_chunks": len(tensor.source.chunks),
+                "placement": spec_str(layout.spec) if layout else "per-rank files",
+                "follows": layout.follows if layout else None,
+                "chunks": [[list(o), list(s), r] for o, s, r in layout.chunks] if layout else []}
         return {
             "mesh": self.mesh.as_dict() | {"world_size": self.mesh.world, "description": self.mesh.describe()},
-            "plan": self.plan.name,
-            "tensors": {layout.tensor.key: {
-                "shape": list(layout.tensor.shape), "dtype": layout.tensor.dtype,
-                "source_chunks": len(layout.tensor.source.chunks), "placement": spec_str(layout.spec),
-                "follows": layout.follows, "chunks": [[list(o), list(s), r] for o, s, r in layout.chunks]}
-                for layout in self.layouts},
-            "objects": [obj.key for obj in self.objects],
-            "files": {formats.get("dcp").data_file(rank): size for rank, size in enumerate(self.rank_bytes)},
+            "plan": self.plan.name if self.plan else None,
+            "format": self.conversion.to if self.conversion else None,
+            "tensors": tensors,
+            "objects": [obj.key for obj in (self.conversion.objects if self.conversion else self.objects)],
+            "files": self.conversion.planned_files() if self.conversion and not self.problems else {},
             "problems": self.problems,
             "warnings": self.warnings,
         }
@@ -193,9 +218,11 @@ def is_rank_state(key: str) -> bool:
 
 
 def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_rank_state: bool = False,
-                 config_dir: Path | None = None, dtype: str | None = None) -> ReshardPlan:
-    """Every tensor's chunks on ``mesh``, the objects carried over, and the problems found (none raised)."""
-    tensors, objects = entries_for(checkpoint, "dcp", dtype)
+                 config_dir: Path | None = None, dtype: str | None = None, to: str = "dcp") -> ReshardPlan:
+    """Every tensor's chunks on ``mesh`` (of what format ``to`` holds of the checkpoint), the objects carried
+    over, and the problems found (none raised)."""
+    output = formats.get(to).plan_output(checkpoint, OutputRequest(dtype=dtype))
+    tensors, objects = output.tensors, output.objects
     problems, warnings = _config_problems(config_dir or checkpoint.info.get("hf_config_dir"), mesh), []
     rank_state = [t.key for t in tensors if is_rank_state(t.key)] + [o.key for o in objects if is_rank_state(o.key)]
     if rank_state:
@@ -260,38 +287,49 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
     return problems
 
 
-def reshard(source, destination, *, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None,
-            plan="auto", to="dcp", keep_rank_state=False, adapter=None, wrapper=(), config_dir=None,
-            source_format=None, dtype=None, optim_form=None, model_values=None, **options) -> Report:
-    """Reshard ``source`` (any format) into ``destination`` laid out for the mesh.
-
-    ``to="fsdp1"`` writes per-rank FSDP1 files of the model (data parallel only), their forms as
-    ``optim_form`` and ``model_values`` say (``converters/fsdp1.output_forms``). ``options`` go to
-    ``write_checkpoint``.
-
-    >>> reshard("step-1000", "step-1000-dp4", dp=4)                # doctest: +SKIP
-    """
-    checkpoint = formats.open_checkpoint(source, source_format)
-    sizes = mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    if to == "fsdp1":
-        return fsdp1_conversion(checkpoint, sizes, dtype, keep_rank_state=keep_rank_state, optim_form=optim_form,
-                                model_values=model_values).write(destination, **options)
-    fsdp1_forms_only(to, optim_form, model_values)
-    if to != "dcp":
-        raise UsageError(f"--to {to}: reshard writes dcp or fsdp1")
-    result = plan_for(checkpoint, sizes, plan, adapter=adapter, wrapper=wrapper, config_dir=config_dir,
-                      keep_rank_state=keep_rank_state, dtype=dtype)
-    raise_problems(result)
-    return write_plan(result, destination, **options)
-
-
-def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, adapter: str | None = None,
-             wrapper: tuple[str, ...] = (), config_dir: str | Path | None = None, **planning) -> ReshardPlan:
+def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, to: str = "dcp",
+             adapter: str | None = None, wrapper: tuple[str, ...] = (), config_dir: str | Path | None = None,
+             keep_rank_state: bool = False, dtype: str | None = None, compress: str | None = None,
+             forms: dict | None = None) -> ReshardPlan:
     """What ``dcptool reshard`` and ``import-hf`` write: the entries under ``adapter``'s names (nested in
-    ``wrapper``), planned for the mesh; problems are listed, not raised (``raise_problems``)."""
+    ``wrapper``), laid out for the mesh as format ``to`` lays out ranks; problems are listed, not raised
+    (``raise_problems``).
+
+    A format with mesh layouts (dcp) gets each tensor's chunks as FSDP2 + TP + EP place them; a format of
+    per-rank data-parallel files (fsdp1) lays them out itself, on a mesh of data parallelism only.
+    ``compress`` and ``forms`` (fsdp1's ``optim_form``, ``model_values``) are options of the format.
+    """
+    fmt = formats.get(to)
+    if fmt.layout is Layout.NONE:
+        laid_out = [f.name for f in formats.all_formats().values() if f.writable and f.layout is not Layout.NONE]
+        raise UsageError(f"--to {to}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
+    request = OutputRequest(dtype=dtype, compress=compress, keep_rank_state=keep_rank_state, forms=dict(forms or {}))
+    formats.check_request(fmt, OutputRequest(compress=compress, forms=request.forms))
     checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir, wrapper=wrapper)
-    result = prepare(checkpoint, mesh_options, plan, config_dir=config_dir, **planning)
-    result.notes = notes
+    if fmt.layout is Layout.DATA_PARALLEL:
+        result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, **mesh_options), request)
+    else:
+        result = prepare(checkpoint, mesh_options, plan, config_dir=config_dir, keep_rank_state=keep_rank_state,
+                         dtype=dtype, to=to)
+        writer_options = fmt.writer_options(OutputRequest(layout=result.layout_of(), world_size=result.mesh.world,
+                                                          compress=compress))
+        result.conversion = Conversion(result.checkpoint, to, [layout.tensor for layout in result.layouts],
+                                       result.objects, writer_options)
+    result.notes = notes + result.conversion.notes
+    result.conversion.notes = result.notes
+    return result
+
+
+def _plan_data_parallel(checkpoint: Checkpoint, fmt, mesh: Mesh, request: OutputRequest) -> ReshardPlan:
+    """A format of per-rank data-parallel files plans its own ranks: the mesh must be data parallel only."""
+    if mesh.world != mesh.dp:
+        laid_out = [f.name for f in formats.all_formats().values() if f.layout is Layout.MESH and f.writable]
+        raise UsageError(f"--to {fmt.name} holds data-parallel shards only; {mesh.describe()} needs --to "
+                         f"{' or '.join(laid_out)}")
+    request.world_size = mesh.world
+    output = fmt.plan_output(checkpoint, request)
+    result = ReshardPlan(checkpoint, mesh, None, [], output.objects, [])
+    result.conversion = Conversion.of(checkpoint, fmt.name, output)
     return result
 
 
@@ -302,31 +340,11 @@ def prepare(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", **pl
     return plan_reshard(checkpoint, mesh, chosen, **planning)
 
 
-def write_plan(result: ReshardPlan, destination, compress: str | None = None, **options) -> ReshardReport:
-    """Write the planned layout as a DCP folder (streamed, atomic; ``compress="zstd"``: records compressed as
-    torch's ZStandard extension does); ``options`` go to ``write_checkpoint``."""
-    writer_options = {"layout": result.layout_of(), "world_size": result.mesh.world, "compress": compress}
-    conversion = Conversion(result.checkpoint, "dcp", [layout.tensor for layout in result.layouts], result.objects,
-                            writer_options, result.notes)
-    report = conversion.write(destination, **options)
-    return ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name, warnings=result.warnings)
-
-
-def fsdp1_conversion(checkpoint: Checkpoint, mesh_options: dict, dtype: str | None = None, include: str | None = None,
-                     exclude: str | None = None, keep_rank_state: bool = False, optim_form: str | None = None,
-                     model_values: str | None = None) -> Conversion:
-    """What ``--to fsdp1`` writes for the mesh: verl's model, optimizer and extra-state files for each
-    data-parallel rank (``converters/fsdp1.entries``), its ``fsdp_config.json`` and ``huggingface/``;
-    ``optim_form`` and ``model_values`` as ``converters/fsdp1.output_forms`` says."""
-    mesh = resolve_mesh(checkpoint, **mesh_options)
-    if mesh.world != mesh.dp:
-        raise UsageError(f"--to fsdp1 holds data-parallel shards only; {mesh.describe()} needs --to dcp")
-    tensors, objects, reasons = formats.get("fsdp1").entries(checkpoint, mesh.world, dtype, include, exclude,
-                                                             keep_rank_state)
-    forms, said = formats.get("fsdp1").output_forms(checkpoint, optim_form, model_values)
-    options = {"world_size": mesh.world, "hf_config_dir": checkpoint.info.get("hf_config_dir"), **forms}
-    why = f"the fsdp1 output holds {formats.get('fsdp1').HOLDS} only" + (", as selected by --include/--exclude" if include or exclude else "")
-    return Conversion(checkpoint, "fsdp1", tensors, objects, options, [said], why_left_out=why, reasons=reasons)
+def write_plan(result: ReshardPlan, destination, **options) -> ReshardReport:
+    """Write the planned layout (streamed, atomic); ``options`` go to ``write_checkpoint``."""
+    report = result.conversion.write(destination, **options)
+    return ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name if result.plan else "",
+                         warnings=result.warnings)
 
 
 def raise_problems(result: ReshardPlan) -> None:

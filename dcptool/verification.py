@@ -27,6 +27,9 @@ import numpy as np
 from dcptool import adapters, conversion, dtypes, formats, selection, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted
+from dcptool.format_interface import Layout, OutputRequest
+from dcptool.state_dicts import split_object
+from dcptool.torch_archive import Unpicklable
 
 # Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
 BLOCK = 1 << 16
@@ -104,8 +107,6 @@ def select_side(checkpoint: Checkpoint, prefix: str | None = None, include: str 
 def _split_out_tensors(checkpoint: Checkpoint, tensors: dict[str, TensorInfo], objects: dict[str, ObjectInfo]) -> None:
     """Objects that hold tensors (a Trainer's RNG state) as their other parts and tensors of their own, as the
     torch writer stores them, so that a conversion compares entry for entry with its source."""
-    from dcptool.converters.torch_save import split_object
-    from dcptool.torch_archive import Unpicklable
 
     for key, obj in list(objects.items()):
         try:
@@ -445,8 +446,8 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
               exclude: str | None = None, max_memory: int = transfer.DEFAULT_MAX_MEMORY, **options) -> Report:
     """Convert ``source`` to format ``via`` and back to its own format in a temporary folder, then compare.
 
-    Only what ``via`` holds is compared: ``hf`` takes the model part as export-hf does (no optimizer,
-    no non-tensor entries), ``fsdp1`` the model part; ``report.left_out`` lists the rest. The
+    Only what ``via`` holds is compared (``convert --to VIA`` and back: ``hf`` holds no non-tensor
+    entries, ``fsdp1`` the model and its optimizer state); ``report.left_out`` lists the rest. The
     temporary folder is made under ``$TMPDIR``. ``options`` (tolerances, progress) go to ``compare_sides``.
 
     >>> roundtrip("step-1000", "torch").equal                              # doctest: +SKIP
@@ -454,22 +455,15 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
     """
     formats.get(via)  # an unknown format is refused before anything is read
     checkpoint = formats.open_checkpoint(source, source_format)
-    if via == "hf":
-        # Names stay as saved (adapter "hf": no renaming), so the way back compares key for key.
-        tensors, config_dir, _ = conversion.hf_export_entries(checkpoint, include=include, exclude=exclude, adapter="hf")
-        objects, there = [], {"config_dir": config_dir}
-    else:
-        tensors, objects = conversion.entries_for(checkpoint, via, include=include, exclude=exclude)
-        there = _writer_options(checkpoint, via)
+    there = conversion.plan_convert(checkpoint, via, _request(checkpoint, via, include, exclude))
+    tensors, objects = there.tensors, there.objects
     with tempfile.TemporaryDirectory(prefix="dcptool-roundtrip-") as folder:
         middle_path = _output_path(Path(folder), "there", via)
-        conversion.write_checkpoint(checkpoint, middle_path, via, tensors, objects, max_memory=max_memory, fsync=False,
-                                 writer_options=there)
+        there.write(middle_path, max_memory=max_memory, fsync=False)
         middle = formats.open_checkpoint(middle_path, via)
-        back_tensors, back_objects = conversion.entries_for(middle, checkpoint.format)
         back_path = _output_path(Path(folder), "back", checkpoint.format)
-        conversion.write_checkpoint(middle, back_path, checkpoint.format, back_tensors, back_objects,
-                                 max_memory=max_memory, fsync=False, writer_options=_writer_options(checkpoint, checkpoint.format))
+        conversion.plan_convert(middle, checkpoint.format, _request(checkpoint, checkpoint.format)).write(
+            back_path, max_memory=max_memory, fsync=False)
         back = formats.open_checkpoint(back_path, checkpoint.format)
         expected = Side(checkpoint, {t.key: t.source for t in tensors}, {o.key: o.source for o in objects},
                         f"{checkpoint.root} ({checkpoint.format})")
@@ -485,12 +479,14 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
     return report
 
 
-def _writer_options(checkpoint: Checkpoint, to: str) -> dict:
-    """fsdp1 is written for the source's own world size where it records one, else for 2 ranks."""
-    if to != "fsdp1":
-        return {}
-    return {"world_size": checkpoint.info.get("world_size") or 2}
+def _request(checkpoint: Checkpoint, to: str, include: str | None = None,
+             exclude: str | None = None) -> OutputRequest:
+    """A round trip's output options: formats of per-rank files are written for the source's own world
+    size where it records one, else for 2 ranks."""
+    per_rank = formats.get(to).layout is Layout.DATA_PARALLEL
+    return OutputRequest(include=include, exclude=exclude,
+                         world_size=(checkpoint.info.get("world_size") or 2) if per_rank else None)
 
 
 def _output_path(folder: Path, name: str, to: str) -> Path:
-    return folder / name if formats.get(to).WRITES_FOLDER else folder / f"{name}.pt"
+    return folder / name if formats.get(to).writes_folder else folder / f"{name}.pt"

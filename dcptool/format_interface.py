@@ -1,0 +1,154 @@
+"""The interface of a checkpoint format: what every module of ``dcptool/converters/`` implements.
+
+A format module defines ``FORMAT``, an instance of a ``Format`` subclass; ``dcptool.formats`` finds
+them by listing the package. Readers produce the format-neutral ``core.Checkpoint``; writers consume
+``Output`` (tensors and objects as they go out) through the ``Writer`` protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
+
+from dcptool.core import Checkpoint, OutObject, OutTensor, Piece
+from dcptool.errors import UsageError
+from dcptool.selection import out_tensors, select
+from dcptool.storage import CheckpointFiles, OutputFiles
+
+
+class Layout(enum.Enum):
+    """Which layouts over ranks a format's writer lays out (``reshard`` asks this)."""
+
+    NONE = "none"  # one file or one set of files for every rank (torch, hf)
+    MESH = "mesh"  # a chunk per rank of any mesh, as ``dcp.save`` writes it (dcp, hf-dcp)
+    DATA_PARALLEL = "data-parallel"  # one file per data-parallel rank (FSDP1's per-rank files)
+
+
+@dataclass
+class OutputRequest:
+    """What a command asks of an output, whatever its format; a format takes the options it declares.
+
+    ``world_size``: ranks of a per-rank output; ``layout``: the chunks of each output tensor per rank,
+    as ``reshard`` planned them (``(offsets, sizes, rank)`` per chunk); ``compress``: a compression
+    the format declares; ``max_shard_size``: the largest output file; ``keep_rank_state``: keep state
+    of single ranks of the source job; ``forms``: options of one format (fsdp1's ``optim_form``,
+    ``model_values``), each named by the format's ``options``.
+    """
+
+    dtype: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    world_size: int | None = None
+    layout: Callable[[OutTensor], list] | None = None
+    compress: str | None = None
+    max_shard_size: int | None = None
+    keep_rank_state: bool = False
+    forms: dict[str, Any] = field(default_factory=dict)
+
+    def given(self) -> dict[str, Any]:
+        """The options set to anything but their defaults, by name (``forms`` by their own names)."""
+        general = {f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name not in ("dtype", "include", "exclude", "forms")}
+        return {name: value for name, value in {**general, **self.forms}.items() if value not in (None, False)}
+
+
+@dataclass
+class Output:
+    """What an output holds: its tensors and objects, the writer's options, and what planning says.
+
+    ``why_left_out`` says why entries of the source are not in it (the summary's "left out" line);
+    ``reasons`` gives the reason of particular keys; ``notes`` are lines for the user.
+    """
+
+    tensors: list[OutTensor]
+    objects: list[OutObject]
+    writer_options: dict[str, Any] = field(default_factory=dict)
+    why_left_out: str = ""
+    reasons: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+class Writer(Protocol):
+    """What ``Format.writer`` returns; ``dcptool.conversion.write_checkpoint`` drives it.
+
+    ``out`` is the ``storage.OutputFiles`` it writes; ``needs_crc`` whether its headers need each
+    piece's CRC-32. ``plan`` gives the pieces it stores, ``files`` every output file with its planned
+    bytes, ``place`` a piece's ``(file, offset)``; ``finish_files`` writes what is not piece data into
+    the files this process wrote and returns what the index needs of them; ``finish_index`` writes the
+    metadata or index from every writer's records and returns the entries the format cannot hold.
+    """
+
+    out: OutputFiles
+    NEEDS_CRC: bool
+
+    def plan(self, tensors: list[OutTensor], objects: list[OutObject]) -> list[Piece]: ...
+    def files(self) -> dict[str, int]: ...
+    def place(self, piece: Piece) -> tuple[str, int]: ...
+    def finish_files(self, objects: list[OutObject], files: set[str], crcs: dict) -> dict: ...
+    def finish_index(self, objects: list[OutObject], records: list[dict]) -> list[str]: ...
+
+
+class Format(ABC):
+    """One checkpoint format. Subclasses set the class attributes and implement ``detect`` and ``read``;
+    a format dcptool writes also implements ``writer`` (and ``plan_output`` when its output holds
+    something other than every entry as saved)."""
+
+    name: ClassVar[str]
+    writes_folder: ClassVar[bool] = True  # its output is a folder, else one file
+    completes: ClassVar[tuple[str, ...]] = ()  # files uploaded last: without them the output is no checkpoint
+    writable: ClassVar[bool] = False
+    layout: ClassVar[Layout] = Layout.NONE
+    compressions: ClassVar[tuple[str, ...]] = ()
+    # The options of ``OutputRequest`` it takes (beyond dtype, include and exclude), each with the flag that sets it.
+    options: ClassVar[dict[str, str]] = {}
+
+    @abstractmethod
+    def detect(self, files: CheckpointFiles) -> bool:
+        """Whether the files look like this format (cheap: names and magic bytes, no parsing)."""
+
+    @abstractmethod
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        """The format-neutral description of the checkpoint; a broken one raises ``CheckpointError``."""
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        """A writer of this format into ``destination`` (a temporary folder or file, committed later)."""
+        raise UsageError(f"--to {self.name}: dcptool reads {self.name} checkpoints but does not write them")
+
+    def plan_output(self, checkpoint: Checkpoint, request: OutputRequest) -> Output:
+        """What an output of this format holds of ``checkpoint``: by default every entry as saved, selected
+        by ``include`` / ``exclude`` and cast to ``dtype``, with the request's options as writer options."""
+        named = select(checkpoint.tensors, request.include, request.exclude)
+        if not named:
+            raise UsageError(f"{checkpoint.root}: no tensor matches the --include/--exclude filters")
+        objects = [OutObject(key, obj.path, obj, checkpoint)
+                   for key, obj in select(checkpoint.objects, request.include, request.exclude).items()]
+        why = "not selected by --include/--exclude" if request.include or request.exclude else ""
+        return Output(out_tensors(named, request.dtype, keep_paths=True), objects, self.writer_options(request),
+                      why_left_out=why)
+
+    def writer_options(self, request: OutputRequest) -> dict[str, Any]:
+        """The request's options this format takes, as its writer's keyword arguments."""
+        given = {"world_size": request.world_size, "layout": request.layout, "compress": request.compress,
+                 "max_shard_size": request.max_shard_size, **request.forms}
+        chosen = {name: value for name, value in given.items() if name in self.options and value is not None}
+        if request.layout is not None and self.layout is Layout.MESH:  # a reshard's chunks, rank by rank
+            chosen.update(layout=request.layout, world_size=request.world_size)
+        return chosen
+
+    def check_request(self, request: OutputRequest, others: list[Format]) -> None:
+        """Refuse options this format does not take, naming the formats (of ``others``) that do."""
+        for name, value in request.given().items():
+            if name in self.options or name == "layout":
+                continue
+            takers = [f.name for f in others if name in f.options]
+            flag = next(f.options[name] for f in others if name in f.options) if takers else name
+            if name == "compress" and takers:
+                flag = f"{flag} {value}"
+            raise UsageError(f"{flag} goes with --to {' or '.join(takers)}" if takers else
+                             f"{flag}: no format takes it")
+        if request.compress and request.compress not in self.compressions:
+            raise UsageError(f"--compress {request.compress}: --to {self.name} compresses with "
+                             f"{', '.join(self.compressions) or 'nothing'}")
