@@ -1,0 +1,43 @@
+"""The typer app every command registers on, and its global options (--debug, --quiet, --version)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from dcptool.cli.render import EscapingStream, settings
+
+app = typer.Typer(
+    name="dcptool",
+    help="Inspect, convert, reshard and verify PyTorch distributed checkpoints offline: DCP, FSDP1, torch.save, HF safetensors.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"dcptool {version('dcptool')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("dcptool (not installed: no version recorded)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks of errors (also after the command name)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars (also after the command name)."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    settings["debug"], settings["quiet"] = debug, quiet
+    if quiet or not sys.stderr.isatty():  # huggingface_hub's bars (hub downloads, uploads), like ours; read at its import
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if not isinstance(sys.stdout, EscapingStream):
+        sys.stdout, sys.stderr = EscapingStream(sys.stdout), EscapingStream(sys.stderr)

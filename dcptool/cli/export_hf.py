@@ -1,0 +1,78 @@
+"""``dcptool export-hf``: the model weights as Hugging Face safetensors, optionally pushed to the hub."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import typer
+
+from dcptool import formats, hub
+from dcptool.cli import writing
+from dcptool.cli.app import app
+from dcptool.cli.options import (CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
+                                 FromOption, FsyncOption, IncludeOption, MaxMemoryOption, OutputLocation,
+                                 OverwriteOption)
+from dcptool.errors import UsageError
+from dcptool.sizes import parse_size
+from dcptool.storage import is_remote, output_path
+
+
+@app.command(name="export-hf")
+def export_hf(
+    source: str = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file; a path or a URL)."),
+    destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
+    config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with config.json and tokenizer files to copy."),
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
+    source_format: Optional[FormatName] = FromOption,
+    dtype: Optional[CastDtype] = DtypeOption,
+    include: Optional[str] = IncludeOption,
+    exclude: Optional[str] = ExcludeOption,
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (the hub's default 5GB)."),
+    adapter: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later); the output has HF names."),
+    hf_experts: Literal["per-expert", "fused"] = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Then upload the export to this Hugging Face hub model repo (created if missing)."),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),
+    hub_branch: Optional[str] = typer.Option(None, "--revision", metavar="BRANCH", help="With --push-to-hub: the branch to upload to, created if missing (e.g. one per step)."),
+    commit_message: Optional[str] = typer.Option(None, "--commit-message", metavar="MESSAGE", help="With --push-to-hub: the commit message."),
+    dequantize: bool = DequantizeOption,
+    max_memory: str = MaxMemoryOption,
+    overwrite: bool = OverwriteOption,
+    fsync: bool = FsyncOption,
+) -> None:
+    """Export the model weights as Hugging Face safetensors, ready for transformers' from_pretrained.
+
+    The model part is found from the checkpoint's nesting ({"dcp": {"model": ...}} in AReaL,
+    {"model": ..., "optim": ...}, or model keys at the top level as in torchtitan); optimizer and
+    other state are left out. A verl folder's huggingface/ config is used when --config-dir is not given.
+
+    Archon and torchtitan names (grouped experts, Llama's interleaved q/k rows) become Hugging Face's;
+    the family is detected from the names and printed.
+
+    [bold]Examples[/bold]:
+      [cyan]dcptool export-hf recover_checkpoint hf-out --config-dir base-model --dtype bfloat16[/cyan]
+      [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
+      [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --revision step-1000[/cyan]
+    """
+    from dcptool import conversion
+
+    if push_to_hub:  # before the export: a push that cannot start should not cost one
+        hub.check_repo_id(push_to_hub)
+        if is_remote(destination):
+            raise UsageError(f"{destination}: --push-to-hub uploads a local export folder: give a local output folder")
+        hub.check_can_push()
+    elif private or hub_branch or commit_message:
+        raise UsageError("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
+    checkpoint, quant_notes = writing.dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir,
+                                                  dtype)
+    planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype, include=include,
+                                        exclude=exclude, adapter=adapter, hf_experts=hf_experts,
+                                        max_shard_size=parse_size(max_shard_size, "--max-shard-size"))
+    if dequantize:  # a quantization_config left in would make transformers quantize the weights again
+        from dcptool import quant
+
+        planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
+        planned.notes += quant_notes
+    writing.write(planned, destination, max_memory, overwrite, fsync)
+    if push_to_hub:
+        url = hub.push(destination, push_to_hub, private=private, revision=hub_branch, commit_message=commit_message)
+        print(f"pushed {destination} to {url}")

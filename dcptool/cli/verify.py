@@ -1,0 +1,109 @@
+"""``dcptool verify``: two checkpoints of any formats and layouts compared (exit 1 when they differ),
+a round trip through a format, or a real dcp.load on a mesh (--load-on)."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, Optional
+
+import typer
+
+from dcptool import hub
+from dcptool.cli import render
+from dcptool.cli.app import app
+from dcptool.cli.options import (ExcludeOption, FamilyOrAuto, FormatName, IncludeOption, JsonOption, MaxMemoryOption,
+                                 OutputFormat, PlanOption, RevisionOption)
+from dcptool.cli.render import shown
+from dcptool.errors import DcptoolError, MismatchError
+from dcptool.mesh import parse_mesh
+from dcptool.sizes import parse_size
+
+PrefixHelp = "Compare only keys under this wrapper of {side}, with it stripped (e.g. 'dcp.model'); 'auto' finds the model part as export-hf does."
+
+
+@app.command(name="verify")
+def verify_command(
+    a: str = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout; a path, a URL or a hub repo ORG/NAME)."),
+    b: Optional[str] = typer.Argument(None, metavar="B", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
+    roundtrip: Optional[OutputFormat] = typer.Option(None, "--roundtrip", help="Convert A to this format and back in a temporary folder ($TMPDIR), and compare with A."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for floating-point values (default: bitwise)."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance (of A's values) for floating-point values (default: bitwise)."),
+    include: Optional[str] = IncludeOption,
+    exclude: Optional[str] = ExcludeOption,
+    prefix_a: Optional[str] = typer.Option(None, "--prefix-a", help=PrefixHelp.format(side="A")),
+    prefix_b: Optional[str] = typer.Option(None, "--prefix-b", help=PrefixHelp.format(side="B")),
+    from_a: Optional[FormatName] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
+    from_b: Optional[FormatName] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
+    adapter_a: FamilyOrAuto = typer.Option("auto", "--adapter-a", help="Naming family of A's weights; when A and B differ, B's weights are compared under A's names."),
+    adapter_b: FamilyOrAuto = typer.Option("auto", "--adapter-b", help="Naming family of B's weights."),
+    load_on: Optional[str] = typer.Option(None, "--load-on", help="Load A with torch's dcp.load in a real multi-process job on this mesh (dp=2,tp=2[,ep=2,etp=tp]) and check every rank's shard against the files."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", help="With --load-on: processes to start (default: the mesh's world size)."),
+    backend: Literal["auto", "gloo", "nccl"] = typer.Option("auto", "--backend", help="With --load-on: auto is nccl when GPUs are present, else gloo."),
+    plan: str = PlanOption,
+    timeout: float = typer.Option(600.0, "--timeout", help="With --load-on: seconds before the job is killed."),
+    as_json: bool = JsonOption,
+    revision: Optional[str] = RevisionOption,
+    max_memory: str = MaxMemoryOption,
+) -> None:
+    """Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values (bitwise unless --atol/--rtol).
+
+    Tensors are read region by region within --max-memory. Exit 0 when equal, 1 when they differ (every differing tensor is listed: missing from B, extra in B, dtype, shape, or value with the first differing index), 2 when a checkpoint cannot be read.
+
+    [bold]Examples[/bold]:
+      [cyan]dcptool verify step-1000 step-1000.pt[/cyan]
+      [cyan]dcptool verify recover_checkpoint hf-out --prefix-a dcp.model --json > verify.json[/cyan]
+      [cyan]dcptool verify step-1000 hf-bf16 --prefix-a auto --atol 1e-2 --rtol 1e-2[/cyan]
+      [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
+      [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
+      [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
+    """
+    from dcptool import verification
+
+    a, b = hub.with_revision(a, b, revision=revision)
+    verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
+    if load_on:
+        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json)
+        return
+    memory = parse_size(max_memory, "--max-memory")
+    tolerances = {"atol": atol, "rtol": rtol}
+    if roundtrip:
+        with render.progress(None, f"round trip via {roundtrip}") as advance:
+            report = verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
+                                            max_memory=memory, progress=advance, **tolerances)
+    else:
+        side_a, side_b, note = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a,
+                                                  prefix_b=prefix_b, include=include, exclude=exclude,
+                                                  family_a=adapter_a, family_b=adapter_b)
+        if note and not as_json:  # the first line of the output: the comparison is not the one asked for
+            print(shown(note))
+        total = sum(t.nbytes for k, t in side_a.tensors.items() if k in side_b.tensors)
+        with render.progress(total, "comparing") as advance:
+            report = verification.compare_sides(side_a, side_b, max_memory=memory, progress=advance, **tolerances)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        render.print_verify(report)
+        if not report.tensors and report.differences and all(d.kind in ("missing", "extra") for d in report.differences):
+            print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
+    if not report.equal:
+        raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
+
+
+def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json) -> None:
+    """verify --load-on: a real multi-process dcp.load of ``path`` on ``mesh``, every rank's shard checked."""
+    from dcptool import loadcheck
+
+    loadcheck.check_runnable(path)  # before the line announcing the job
+    if not as_json and not render.settings["quiet"]:
+        render.stderr_console().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
+    report = loadcheck.run(path, parse_mesh(mesh, "--load-on"), nproc=nproc, backend=backend, plan=plan,
+                           timeout=timeout, include=include, exclude=exclude)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        render.print_load_check(path, report)
+    if report.problem or report.missing_ranks:
+        raise DcptoolError(f"{path}: the load job did not finish ({report.problem or 'ranks missing'})")
+    if not report.ok:
+        failed = sorted({r.rank for r in report.ranks if r.failures or r.error})
+        raise MismatchError(f"{path}: ranks {failed} failed the load check on {mesh}")
