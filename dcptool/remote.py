@@ -73,7 +73,7 @@ def put(local: Path, url: str) -> None:
 
 
 class RemoteFolder:
-    """The remote files behind ``CheckpointFiles``: the same operations as ``storage.LocalFolder``, on fsspec."""
+    """The remote files behind ``CheckpointFiles``: the same operations as ``storage.files.LocalFolder``, on fsspec."""
 
     def __init__(self, url: str):
         self.location = url

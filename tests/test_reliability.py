@@ -167,9 +167,10 @@ def test_commit_refuses_an_output_that_appeared_while_writing(tmp_path, monkeypa
     """In one process, deterministically: DST appears between the start and the commit."""
     from dcptool import storage
     from dcptool.errors import UsageError
+    from dcptool.storage import renames
 
     if not kernel_rename:  # no renameat2 here: a hard link for a file, rename for a folder
-        monkeypatch.setattr(storage, "_renameat2", lambda: None)
+        monkeypatch.setattr(renames, "_renameat2", lambda: None)
     out = tmp_path / "out"
     with pytest.raises(UsageError, match="appeared while writing; not replaced"):
         with storage.atomic_output(out, overwrite=False, is_dir=is_dir) as temporary:
@@ -189,7 +190,7 @@ def test_commit_refuses_an_output_that_appeared_while_writing(tmp_path, monkeypa
 
 
 def test_stale_temporaries_of_dead_writers_are_removed_and_only_those(made, tmp_path):
-    from dcptool.storage import _HOST
+    from dcptool.storage.outputs import _HOST
 
     out = tmp_path / "out"
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
@@ -220,7 +221,7 @@ def test_stale_temporaries_of_dead_writers_are_removed_and_only_those(made, tmp_
 
 
 def test_inspect_of_the_parent_lists_the_temporaries_of_dead_writers(tmp_path):
-    from dcptool.storage import _HOST
+    from dcptool.storage.outputs import _HOST
 
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     dead = f".out.dcptool-tmp-{_HOST}-{pid_max + 1}-0badc0de"  # a pid no process can have
