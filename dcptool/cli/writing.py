@@ -30,6 +30,6 @@ def write(planned: conversion.Conversion, destination, max_memory, overwrite, fs
     with render.progress(planned.total_bytes, f"writing {Path(str(destination)).name}") as advance:
         report = planned.write(destination, overwrite=overwrite, max_memory=parse_size(max_memory, "--max-memory"),
                                fsync=fsync, progress=advance)
-    render.summary(report, conversion.left_out(planned.checkpoint, planned.tensors, planned.objects),
+    render.summary(report, conversion.left_out_by_kind(planned.checkpoint, planned.tensors, planned.objects),
                    planned.why_left_out, planned.reasons)
     render.notes([*report.notes, *(planned.checkpoint.info.get("not_read") or [])])  # files of the source no reader used
