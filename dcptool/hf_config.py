@@ -1,11 +1,11 @@
 """Does a Hugging Face ``config.json`` fit the tensors of an export? Checked before export-hf writes anything.
 
-For the model kinds the adapters know (``dcptool.adapters``: llama, qwen2, qwen3, qwen3_moe,
-deepseek_v3) the config gives every weight's name and shape, as transformers builds the model
-(hidden_size, num_hidden_layers, heads, kv heads, head_dim, intermediate_size, vocab_size,
-experts, DeepSeek's latent attention ranks): a weight missing, one too many, or one of another
-shape is refused, the first misfit named. For other kinds the config must at least name its
-``model_type`` (what the Auto classes of transformers dispatch on). No torch: the shapes are worked out from the config alone.
+For the model kinds dcptool knows (``dcptool.models``) the config gives every weight's name and
+shape, as transformers builds the model (hidden_size, num_hidden_layers, heads, kv heads, head_dim,
+intermediate_size, vocab_size, experts, DeepSeek's latent attention ranks): a weight missing, one
+too many, or one of another shape is refused, the first misfit named. For other kinds the config
+must at least name its ``model_type`` (what the Auto classes of transformers dispatch on). No
+torch: the shapes are worked out from the config alone, by the kind.
 
 >>> config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8,
 ...           "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "vocab_size": 10}
@@ -19,8 +19,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dcptool import dtypes
-from dcptool.adapters import EXPERT_COUNT_FIELDS
+from dcptool import dtypes, models
 from dcptool.errors import UsageError
 from dcptool.storage import CheckpointFiles
 
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
     from dcptool.core import OutTensor
 
 Shape = tuple[int, ...]
-KNOWN = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 # Buffers some saves keep and transformers recomputes: allowed, never required.
 RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -57,16 +55,17 @@ def misfit(config: dict[str, Any], shapes: dict[str, Shape]) -> str | None:
     """The first way ``shapes`` (name -> shape) do not fit ``config``, as a phrase; None when they fit."""
     if not isinstance(config, dict):
         return "not a JSON object"
-    kind = config.get("model_type")
-    if not isinstance(kind, str) or not kind:
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
         return "no model_type (transformers cannot tell which model it describes)"
-    if kind not in KNOWN:
+    kind = models.kind_of(config)
+    if kind is None:
         return None
     try:
-        required, optional = expected_weights(config, fused=any(".experts.gate_up_proj" in name for name in shapes))
+        required, optional = expected_weights(config, kind, fused=any(".experts.gate_up_proj" in n for n in shapes))
     except (KeyError, TypeError) as exc:
-        return f"{kind} config without a usable {exc}"
-    extra_layers = int(config.get("num_nextn_predict_layers") or 0) if kind == "deepseek_v3" else 0
+        return f"{kind.name} config without a usable {exc}"
+    extra_layers = int(config.get(kind.extra_layers) or 0) if kind.extra_layers else 0
     layers = int(config["num_hidden_layers"])
     for name, shape in shapes.items():
         expected = required.get(name, optional.get(name))
@@ -74,7 +73,7 @@ def misfit(config: dict[str, Any], shapes: dict[str, Shape]) -> str | None:
             layer = _LAYER.match(name)
             if RECOMPUTED.search(name) or (layer and layers <= int(layer.group(1)) < layers + extra_layers):
                 continue  # a recomputed buffer, or a DeepSeek prediction layer (transformers ignores them)
-            return f"{name} {list(shape)}: no such weight in a {kind} model with this config"
+            return f"{name} {list(shape)}: no such weight in a {kind.name} model with this config"
         if tuple(shape) != expected:
             return f"{name}: the config gives shape {list(expected)}, the tensors {list(shape)}"
     missing = [name for name in required if name not in shapes]
@@ -84,108 +83,14 @@ def misfit(config: dict[str, Any], shapes: dict[str, Shape]) -> str | None:
     return None
 
 
-def expected_weights(config: dict[str, Any], fused: bool = False) -> tuple[dict[str, Shape], dict[str, Shape]]:
-    """The weights a model of ``config`` has: (required, optional) dicts of name -> shape.
+def expected_weights(config: dict[str, Any], kind: models.ModelKind,
+                     fused: bool = False) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """The weights a model of ``config`` has: (required, optional) dicts of name -> shape; the output weights
+    the config ties to an embedding are optional (HF saves none of them).
 
     ``fused``: MoE experts in transformers v5's fused tensors (``experts.gate_up_proj``) instead of one per expert.
     """
-    kind = config["model_type"]
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    required: dict[str, Shape] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    optional: dict[str, Shape] = {}
-    (optional if config.get("tie_word_embeddings", False) else required)["lm_head.weight"] = (vocab, hidden)
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        weights: dict[str, Shape] = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,)}
-        weights.update((_latent_attention if kind == "deepseek_v3" else _attention)(config))
-        weights.update(_mlp(config, layer, fused))
-        required.update({prefix + name: shape for name, shape in weights.items()})
-    return required, optional
-
-
-def _attention(config: dict) -> dict[str, Shape]:
-    """q, k, v, o of Llama, Qwen2 and Qwen3 (biases and q/k norms as each kind has them)."""
-    kind, hidden, heads = config["model_type"], config["hidden_size"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    outputs = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
-    weights = {f"self_attn.{p}_proj.weight": (n, hidden) for p, n in outputs.items()}
-    weights["self_attn.o_proj.weight"] = (hidden, heads * head_dim)
-    if kind == "qwen2" or config.get("attention_bias"):
-        weights.update({f"self_attn.{p}_proj.bias": (n,) for p, n in outputs.items()})
-    if kind != "qwen2" and config.get("attention_bias"):
-        weights["self_attn.o_proj.bias"] = (hidden,)
-    if kind in ("qwen3", "qwen3_moe"):
-        weights.update({f"self_attn.{p}_norm.weight": (head_dim,) for p in ("q", "k")})
-    return weights
-
-
-def _latent_attention(config: dict) -> dict[str, Shape]:
-    """DeepSeek-V3's multi-head latent attention (q through a low rank when ``q_lora_rank`` is set)."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    rope, nope, v_dim = config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]
-    q_rank, kv_rank = config.get("q_lora_rank"), config["kv_lora_rank"]
-    bias = bool(config.get("attention_bias"))
-    weights: dict[str, Shape] = {}
-    if q_rank is None:
-        weights["self_attn.q_proj.weight"] = (heads * (nope + rope), hidden)
-    else:
-        weights.update({"self_attn.q_a_proj.weight": (q_rank, hidden), "self_attn.q_a_layernorm.weight": (q_rank,),
-                        "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank)})
-        if bias:
-            weights["self_attn.q_a_proj.bias"] = (q_rank,)
-    weights.update({"self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, hidden),
-                    "self_attn.kv_a_layernorm.weight": (kv_rank,),
-                    "self_attn.kv_b_proj.weight": (heads * (nope + v_dim), kv_rank),
-                    "self_attn.o_proj.weight": (hidden, heads * v_dim)})
-    if bias:
-        weights.update({"self_attn.kv_a_proj_with_mqa.bias": (kv_rank + rope,), "self_attn.o_proj.bias": (hidden,)})
-    return weights
-
-
-def _mlp(config: dict, layer: int, fused: bool) -> dict[str, Shape]:
-    """The MLP of one layer: dense (gate, up, down), or a router and routed experts (and DeepSeek's shared ones)."""
-    kind, hidden = config["model_type"], config["hidden_size"]
-    if not _sparse(config, layer):
-        return _dense_mlp("mlp", hidden, config["intermediate_size"], bool(config.get("mlp_bias")))
-    experts = _expert_count(config)
-    inner = config["moe_intermediate_size"]
-    weights: dict[str, Shape] = {"mlp.gate.weight": (experts, hidden)}
-    if fused:
-        weights.update({"mlp.experts.gate_up_proj": (experts, 2 * inner, hidden),
-                        "mlp.experts.down_proj": (experts, hidden, inner)})
-    else:
-        for expert in range(experts):
-            weights.update(_dense_mlp(f"mlp.experts.{expert}", hidden, inner, False))
-    if kind == "deepseek_v3":
-        weights["mlp.gate.e_score_correction_bias"] = (experts,)
-        weights.update(_dense_mlp("mlp.shared_experts", hidden, inner * config["n_shared_experts"], False))
-    return weights
-
-
-def _sparse(config: dict, layer: int) -> bool:
-    """Whether a layer's MLP is routed experts, as transformers decides it."""
-    kind = config["model_type"]
-    if kind == "qwen3_moe":
-        return (layer not in (config.get("mlp_only_layers") or []) and _expert_count(config) > 0
-                and (layer + 1) % config.get("decoder_sparse_step", 1) == 0)
-    if kind == "deepseek_v3":
-        return layer >= config.get("first_k_dense_replace", 0)
-    return False
-
-
-def _expert_count(config: dict) -> int:
-    """Routed experts, under whichever name the config uses (transformers v5 writes num_local_experts)."""
-    for field in EXPERT_COUNT_FIELDS:
-        if field in config:
-            return config[field]
-    raise KeyError(EXPERT_COUNT_FIELDS[0])
-
-
-def _dense_mlp(prefix: str, hidden: int, inner: int, bias: bool) -> dict[str, Shape]:
-    weights = {f"{prefix}.gate_proj.weight": (inner, hidden), f"{prefix}.up_proj.weight": (inner, hidden),
-               f"{prefix}.down_proj.weight": (hidden, inner)}
-    if bias:
-        weights.update({f"{prefix}.gate_proj.bias": (inner,), f"{prefix}.up_proj.bias": (inner,),
-                        f"{prefix}.down_proj.bias": (hidden,)})
-    return weights
+    weights = kind.hf_weights(config, fused)
+    tied = {tie.output.hf for tie in models.active_ties(config, kind)}
+    required = {name: shape for name, shape in weights.items() if name not in tied}
+    return required, {name: weights[name] for name in tied if name in weights}

@@ -3,6 +3,7 @@
 A plan is a table of rules, a regular expression on the parameter name and what a training job
 does with matching tensors, as torchtitan and transformers write their TP plans. The first rule
 that matches wins; a tensor no rule matches is replicated across tp and sharded by FSDP on dim 0.
+The built-in plans gather the rules every model kind declares (``dcptool.models``).
 
 * ``tp``: ``colwise`` splits the output features (dim 0 of a Linear weight, the vocabulary of an
   embedding, dim 1 of grouped experts), ``rowwise`` the input features (dim 1, or dim 2 of experts;
@@ -32,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dcptool import models
 from dcptool.errors import UsageError
 
 TP_STYLES = ("colwise", "rowwise", "replicate")
@@ -59,36 +61,14 @@ class Plan:
         return next((rule for rule in self.rules if rule.pattern.search(name)), None)
 
 
-def _table(*rows: tuple) -> list[Rule]:
-    return [Rule(match, **options) for match, options in rows]
+def _table(plan: str) -> list[Rule]:
+    return [Rule(match, **options) for match, options in models.tp_rules(plan)]
 
-
-COLWISE, ROWWISE = {"tp": "colwise"}, {"tp": "rowwise"}
 
 BUILTIN: dict[str, Plan] = {plan.name: plan for plan in (
-    Plan("hf", "Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral names (transformers' TP plans)", _table(
-        (r"embed_tokens\.weight$", COLWISE),  # RowwiseParallel on an embedding splits the vocabulary
-        (r"lm_head\.weight$", COLWISE),
-        (r"self_attn\.[qkv]_proj\.(weight|bias)$", COLWISE),
-        (r"self_attn\.o_proj\.weight$", ROWWISE),
-        (r"experts\.gate_up_proj$", {"tp": "colwise", "experts": True}),  # transformers v5 fused experts
-        (r"experts\.down_proj$", {"tp": "rowwise", "experts": True}),
-        (r"(gate|up)_proj\.weight$", COLWISE),  # dense MLP, per-expert and shared experts
-        (r"down_proj\.weight$", ROWWISE),
-        (r"experts\.\d+\.w[13]\.weight$", COLWISE),  # Mixtral's per-expert names
-        (r"experts\.\d+\.w2\.weight$", ROWWISE),
-    )),
-    Plan("torchtitan", "torchtitan names before and after 0.3, also AReaL's Archon engine (wq wk wv wo w1 w2 w3, grouped experts)", _table(
-        (r"tok_embeddings\.weight$", COLWISE),
-        (r"(^|\.)(output|lm_head)\.weight$", COLWISE),
-        (r"attention\.(qkv_linear\.)?w[qkv]\.(weight|bias)$", COLWISE),
-        (r"attention\.wo\.weight$", ROWWISE),
-        (r"moe\.(experts\.w[13]|routed_experts\.inner_experts\.w[13]_EFD)$", {"tp": "colwise", "experts": True}),
-        (r"moe\.(experts\.w2|routed_experts\.inner_experts\.w2_EDF)$", {"tp": "rowwise", "experts": True}),
-        (r"(feed_forward|shared_experts?)\.w[13]\.weight$", COLWISE),
-        (r"(feed_forward|shared_experts?)\.w2\.weight$", ROWWISE),
-        (r"moe\.(expert_bias|tokens_per_expert)(_E)?$", {"fsdp": None}),  # buffers: FSDP2 leaves them whole
-    )),
+    Plan("hf", "Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral names (transformers' TP plans)", _table("hf")),
+    Plan("torchtitan", "torchtitan names before and after 0.3, also AReaL's Archon engine (wq wk wv wo w1 w2 w3, "
+                       "grouped experts)", _table("torchtitan")),
     Plan("fsdp", "data parallel only: every tensor sharded by FSDP on dim 0, nothing split by tp or ep"),
 )}
 

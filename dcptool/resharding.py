@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool import dtypes, formats, plans
+from dcptool import dtypes, formats, models, plans
 from dcptool.conversion import Conversion, Report, adapted
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted
@@ -34,13 +34,6 @@ from dcptool.storage import CheckpointFiles
 RANK_STATE_PATTERNS = [re.compile(p) for p in (r"(^|\.)dp_rank_\d+(\.|$)", r"(^|\.)rank_\d+(\.|$)")]
 
 DEFAULT_RULE = plans.Rule(r"", "replicate")  # a parameter no rule names: whole on tp, FSDP on dim 0
-
-# config.json fields that tensor and expert parallelism must divide, by naming family.
-CONFIG_DIVISORS = (
-    ("tp", ("num_attention_heads", "n_heads"), "attention heads"),
-    ("tp", ("num_key_value_heads", "n_kv_heads"), "key/value heads"),
-    ("ep", ("num_experts", "num_local_experts", "n_routed_experts"), "experts"),
-)
 
 
 @dataclass
@@ -275,15 +268,11 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
     if config_dir is None:
         return []
     path = CheckpointFiles(config_dir).path("config.json")
-    config = read_config(config_dir)
-    config = config.get("text_config", config)  # multimodal configs nest the language model's
     problems = []
-    for setting, fields, what in CONFIG_DIVISORS:
+    for setting, name, count, what in models.parallel_divisors(read_config(config_dir)):
         size = getattr(mesh, setting)
-        for name in fields:
-            count = config.get(name)
-            if isinstance(count, int) and count % size:
-                problems.append(f"--{setting} {size} does not divide the {count} {what} ({name} in {path})")
+        if count % size:
+            problems.append(f"--{setting} {size} does not divide the {count} {what} ({name} in {path})")
     return problems
 
 

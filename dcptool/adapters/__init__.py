@@ -1,10 +1,9 @@
 """Naming families and the adapters between them: Hugging Face, AReaL Archon and torchtitan names.
 
-A model kind (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``: HF's ``model_type``)
-is one module of this package holding ``ROWS``, a table of ``table.Row``: each parameter under
-every family's name and how its layout differs (grouped experts, transformers v5's fused experts,
-Llama's RoPE-interleaved q/k rows). ``Mapping`` turns entries of one family into another's as
-views of the source's chunks (``dcptool.views``), so an adapter costs planning, not bytes.
+Each model kind (``dcptool.models``) lists its parameters as rows: each under every family's name
+and how its layout differs (grouped experts, transformers v5's fused experts, Llama's
+RoPE-interleaved q/k rows). ``Mapping`` turns entries of one family into another's as views of the
+source's chunks (``dcptool.views``), so an adapter costs planning, not bytes.
 
 >>> mapping = Mapping("qwen3_moe", "archon", "hf", config={})                          # doctest: +SKIP
 >>> result = mapping.convert({"layers.0.moe.experts.w1": grouped_w1})                  # doctest: +SKIP
@@ -14,36 +13,20 @@ views of the source's chunks (``dcptool.views``), so an adapter costs planning, 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Union
 
-from dcptool import views
-from dcptool.adapters.table import FAMILIES, Row
+from dcptool import models, views
 from dcptool.core import ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, counted
+from dcptool.models import FAMILIES, Row
 
 Entry = Union[TensorInfo, ObjectInfo]
 HF_EXPERTS = ("per-expert", "fused")
 # Where each family's training job keeps its model in the state it hands dcp.save (Archon: {"model": ..., "optim": ...}).
 JOB_WRAPPERS = {"hf": (), "archon": ("model",), "torchtitan": ()}
-# Config fields that count routed experts, by model.
-EXPERT_COUNT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
-_NOT_KINDS = {"common", "table"}
-
-
-@cache
-def kinds() -> dict[str, list[Row]]:
-    """Every model kind's table, found by listing this package (a new model is one new module)."""
-    found = {}
-    for module in pkgutil.iter_modules(__path__):
-        if module.name not in _NOT_KINDS:
-            found[module.name] = importlib.import_module(f"{__name__}.{module.name}").ROWS
-    return found
-
 
 # A layer or expert number: a whole dot-separated part of a name.
 _NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")
@@ -55,7 +38,7 @@ def _index(kind: str, family: str) -> dict[str, list[tuple[Row, tuple[str, ...],
     form being plain, expert (one HF tensor per expert) or fused (a part of transformers v5's fused tensor).
     Looking a name up is one dict access, however many rows and names there are."""
     index: dict[str, list] = {}
-    for row in kinds()[kind]:
+    for row in models.kinds()[kind].rows:
         name = row.name(family)
         if name is None:
             continue
@@ -78,35 +61,26 @@ def _matches(kind: str, family: str, name: str) -> list[tuple[Row, dict, str]]:
 def detect_family(names) -> str | None:
     """The family whose tables name the most of ``names`` (torchtitan before 0.3 reads as archon); None if none."""
     shapes = [_NUMBER.sub("#", name) for name in names]
-    known = {family: set().union(*(_index(kind, family) for kind in kinds())) for family in FAMILIES}
+    known = {family: set().union(*(_index(kind, family) for kind in models.kinds())) for family in FAMILIES}
     scores = {family: sum(shape in known[family] for shape in shapes) for family in FAMILIES}
     best = max(FAMILIES, key=lambda f: (scores[f], f == "archon"))  # archon wins its ties with torchtitan
     return best if scores[best] else None
 
 
 def detect_kind(names, family: str, config: dict | None) -> str:
-    """The model kind: the config's ``model_type`` when there is a config, else judged from the names."""
-    config = _text_config(config)
+    """The model kind: the config's ``model_type`` when there is a config, else judged from the names: the
+    kind whose table in ``family`` names the most of them, the one with the fewest rows among equals (a
+    dense Qwen3 fits Qwen3-MoE's table too, Llama's names Qwen2's and Qwen3's)."""
+    config = models.text_config(config)
+    kinds = models.kinds()
     if config.get("model_type"):
         kind = config["model_type"]
-        if kind not in kinds():
-            raise UsageError(f"config.json: model_type {kind!r} has no naming table (known: {', '.join(kinds())})")
+        if kind not in kinds:
+            raise UsageError(f"config.json: model_type {kind!r} has no naming table (known: {', '.join(kinds)})")
         return kind
-    text = "\n".join(names)
-    if "wkv_a" in text or "kv_a_proj_with_mqa" in text:
-        return "deepseek_v3"
-    if "experts" in text:
-        return "qwen3_moe"
-    if "q_norm" in text:
-        return "qwen3"
-    if "wq.bias" in text or "q_proj.bias" in text:
-        return "qwen2"
-    return "llama"
-
-
-def _text_config(config: dict | None) -> dict:
-    config = config or {}
-    return config.get("text_config", config)  # multimodal configs nest the language model's
+    shapes = [_NUMBER.sub("#", name) for name in names]
+    scores = {kind: sum(shape in _index(kind, family) for shape in shapes) for kind in kinds}
+    return max(kinds, key=lambda kind: (scores[kind], -len(kinds[kind].rows)))
 
 
 @dataclass
@@ -134,7 +108,8 @@ class Mapping:
         if hf_experts not in HF_EXPERTS:
             raise UsageError(f"--hf-experts {hf_experts}: choose {' or '.join(HF_EXPERTS)}")
         self.kind, self.source, self.target = kind, source, target
-        self.config = _text_config(config)
+        self.model = models.kinds()[kind]
+        self.config = models.text_config(config)
         self.fused = hf_experts == "fused" and target == "hf"
         # Experts per (row, layer), from the weights: per-expert optimizer counters follow them.
         self._experts: dict[tuple[Row, str], int] = {}
@@ -225,7 +200,7 @@ class Mapping:
             fused = group["fused"]
             if _scalar(fused):
                 return fused
-            parts = sum(1 for other in kinds()[self.kind] if other.fused and other.fused[0] == row.fused[0])
+            parts = sum(1 for other in self.model.rows if other.fused and other.fused[0] == row.fused[0])
             width = fused.shape[1] // parts
             return self._remember_experts(row, layer, views.narrow(fused, 1, row.fused[1] * width, width, fused.path))
         experts = group["experts"]
@@ -250,7 +225,7 @@ class Mapping:
 
     def _split_experts(self, pattern: str, logical: Entry, seen: int | None, first: str, result: Result) -> None:
         if _scalar(logical):
-            count = seen or self._expert_count()
+            count = seen or self.model.expert_count(self.config)
             if count is None:
                 raise UsageError(f"{first}: splitting per-expert state needs the expert count (--config-dir)")
         else:
@@ -261,11 +236,8 @@ class Mapping:
             entry = logical if _scalar(logical) else views.select(logical, 0, expert, (name,))
             result.entries[name] = (_named(entry, name), first)
 
-    def _expert_count(self) -> int | None:
-        return next((self.config[f] for f in EXPERT_COUNT_FIELDS if isinstance(self.config.get(f), int)), None)
-
     def _check_expert_count(self, count: int, where: str) -> None:
-        expected = self._expert_count()
+        expected = self.model.expert_count(self.config)
         if expected is not None and expected != count:
             raise UsageError(f"{where}: {count} experts in the checkpoint, but the config says {expected}")
 
@@ -290,14 +262,14 @@ class Mapping:
 
     def _tie(self, entries: dict[str, Entry], result: Result) -> None:
         """An HF model with tied embeddings saves no lm_head: torchtitan's names still hold the output weight."""
-        if self.source != "hf" or self.target == "hf" or not self.config.get("tie_word_embeddings"):
+        if self.source != "hf" or self.target == "hf":
             return
-        head = next((r for r in kinds()[self.kind] if r.tied_to is not None), None)
-        if head is None or head.hf in entries or head.tied_to.hf not in entries:
-            return
-        name = head.name(self.target)
-        result.entries[name] = (_named(entries[head.tied_to.hf], name), head.tied_to.hf)
-        result.made.append(f"{name} from {head.tied_to.hf} (the config ties them)")
+        for tie in models.active_ties(self.config, self.model):
+            if tie.output.hf in entries or tie.embedding.hf not in entries:
+                continue
+            name, source = tie.output.name(self.target), tie.embedding.hf
+            result.entries[name] = (_named(entries[source], name), source)
+            result.made.append(f"{name} from {source} (the config ties them)")
 
 
 def _scalar(entry: Entry) -> bool:

@@ -1,0 +1,121 @@
+"""Model kinds: one module of this package per kind (HF's ``model_type``) holds everything dcptool knows of it.
+
+Each kind module defines ``KIND``, a ``ModelKind`` (``dcptool.models.kind``): its parameters under
+every naming family (Hugging Face, AReaL Archon, torchtitan), the HF weights and shapes its config
+implies, its tensor-parallel rules, tie rules, expert-count fields, the config counts tp and ep
+must divide, and the layers FSDP wraps. ``kinds()`` finds them by listing the package, so a new
+model kind is one new module; ``common`` holds the parts Llama-shaped kinds share and what dcptool
+knows of models without a module. The functions below answer for every kind at once, so no other
+module names one.
+
+>>> kinds()["qwen3_moe"].expert_count({"num_experts": 128})
+128
+>>> parallel_divisors({"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8})
+[('tp', 'num_attention_heads', 32, 'attention heads'), ('tp', 'num_key_value_heads', 8, 'key/value heads')]
+>>> tied_outputs({"model_type": "qwen3", "tie_word_embeddings": True}, "archon")
+['output.weight']
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+
+from dcptool.models import common
+from dcptool.models.kind import FAMILIES, Divisor, ModelKind, PlanRule, Row, Shape, Tie
+
+__all__ = ["FAMILIES", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
+           "fsdp_units", "tp_rules", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]
+
+_HELPERS = {"common", "kind"}
+
+
+@cache
+def kinds() -> dict[str, ModelKind]:
+    """Every model kind by its ``model_type``, found by listing this package."""
+    found = {}
+    for module in pkgutil.iter_modules(__path__):
+        if module.name not in _HELPERS:
+            kind = importlib.import_module(f"{__name__}.{module.name}").KIND
+            found[kind.name] = kind
+    return found
+
+
+def text_config(config: dict | None) -> dict:
+    """The language model's config: multimodal configs nest it as ``text_config``."""
+    config = config or {}
+    return config.get("text_config", config)
+
+
+def kind_of(config: dict | None) -> ModelKind | None:
+    """The kind ``config``'s ``model_type`` names, None when no module of this package is that kind."""
+    return kinds().get((config or {}).get("model_type"))
+
+
+def parallel_divisors(config: dict | None) -> list[tuple[str, str, int, str]]:
+    """The counts of ``config`` a mesh setting must divide: ``(setting, field, count, what)`` for each field set.
+
+    The kind's own fields; for a model without a kind module, those of every kind.
+    """
+    config = text_config(config)
+    kind = kind_of(config)
+    divisors = kind.divisors if kind else _every_divisor()
+    return [(d.setting, field, config[field], d.what) for d in divisors for field in d.fields
+            if isinstance(config.get(field), int)]
+
+
+@cache
+def _every_divisor() -> tuple[Divisor, ...]:
+    merged: dict[tuple[str, str], tuple[str, ...]] = {}
+    for kind in kinds().values():
+        for d in kind.divisors:
+            merged[d.setting, d.what] = tuple(dict.fromkeys((*merged.get((d.setting, d.what), ()), *d.fields)))
+    return tuple(Divisor(setting, fields, what) for (setting, what), fields in merged.items())
+
+
+@cache
+def fsdp_units() -> tuple[str, ...]:
+    """Regular expressions for the layers FSDP wraps as units of their own (``layers\\.\\d+``), every kind's and others'.
+
+    A parameter belongs to the unit of the outermost such layer its name passes through; the root unit holds the rest.
+    """
+    return tuple(dict.fromkeys([*(u for kind in kinds().values() for u in kind.fsdp_units), *common.OTHER_FSDP_UNITS]))
+
+
+def tp_rules(plan: str) -> list[PlanRule]:
+    """The rules of built-in plan ``plan`` (``hf``, ``torchtitan``): every kind's, then those of models without a module."""
+    rules: dict[tuple, PlanRule] = {}
+    for part in [*(kind.tp_rules for kind in kinds().values()), common.OTHER_TP]:
+        for pattern, options in part.get(plan, ()):
+            rules.setdefault((pattern, tuple(sorted(options.items()))), (pattern, options))
+    return list(rules.values())
+
+
+def active_ties(config: dict | None, kind: ModelKind | None = None) -> list[Tie]:
+    """The ties ``config`` sets: ``kind``'s (by default its ``model_type``'s), or a causal LM's head to its embedding.
+
+    A flag is read from the language model's config, else from the outer one.
+    """
+    config = config or {}
+    inner = text_config(config)
+    kind = kind or kind_of(inner)
+    ties = kind.ties if kind else common.OTHER_TIES
+    return [tie for tie in ties if inner.get(tie.flag, config.get(tie.flag))]
+
+
+def tied_outputs(config: dict | None, family: str = "hf") -> list[str]:
+    """The output weights ``config`` ties to an embedding, as ``family`` names them: an HF export leaves them out."""
+    return [tie.output.name(family) for tie in active_ties(config) if tie.output.name(family)]
+
+
+def expert_of(name: str) -> tuple[str, int, str] | None:
+    """A per-expert parameter's layer prefix, expert number and rest (``model.layers.3.mlp.experts``, 17,
+    ``up_proj.weight``); None for a name of no single expert."""
+    match = common.PER_EXPERT.match(name)
+    return (match[1], int(match[2]), match[3]) if match else None
+
+
+def grouped_experts(name: str, shape: Shape) -> bool:
+    """Whether a model tensor holds routed experts grouped as ``[E, ...]`` (a name part ``expert(s)``, 3 dims or more)."""
+    return len(shape) >= 3 and shape[0] > 1 and bool(common.GROUPED_EXPERTS.search(name))

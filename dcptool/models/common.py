@@ -1,0 +1,222 @@
+"""What Llama-shaped model kinds share: their rows, the HF weights of their parts, their TP rules, ties and units.
+
+Row columns: Hugging Face, AReaL Archon (= torchtitan before 0.3), torchtitan 0.3. ``{L}`` is a layer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+from dcptool.models.kind import Divisor, PlanRule, Row, Shape, Tie
+
+# ---------------------------------------------------------------------------------------------
+# Rows: each parameter under every family's name
+
+EMBEDDINGS = Row("model.embed_tokens.weight", "tok_embeddings.weight", "tok_embeddings.weight")
+FINAL_NORM = Row("model.norm.weight", "norm.weight", "norm.weight")
+LM_HEAD = Row("lm_head.weight", "output.weight", "lm_head.weight")
+
+LAYER_NORMS = (
+    Row("model.layers.{L}.input_layernorm.weight", "layers.{L}.attention_norm.weight", "layers.{L}.attention_norm.weight"),
+    Row("model.layers.{L}.post_attention_layernorm.weight", "layers.{L}.ffn_norm.weight", "layers.{L}.ffn_norm.weight"),
+)
+
+
+def attention_rows(rope: bool, biases: bool = False, qk_norms: bool = False) -> list[Row]:
+    """q, k, v, o projections; ``rope``: torchtitan keeps q and k rows RoPE-interleaved (Llama 3 only)."""
+    rows = []
+    for hf, titan, heads in (("q", "wq", "num_attention_heads"), ("k", "wk", "num_key_value_heads"), ("v", "wv", None)):
+        permute = heads if rope else None
+        rows.append(Row(f"model.layers.{{L}}.self_attn.{hf}_proj.weight", f"layers.{{L}}.attention.{titan}.weight",
+                        f"layers.{{L}}.attention.qkv_linear.{titan}.weight", rope_heads=permute))
+        if biases:
+            rows.append(Row(f"model.layers.{{L}}.self_attn.{hf}_proj.bias", f"layers.{{L}}.attention.{titan}.bias",
+                            f"layers.{{L}}.attention.qkv_linear.{titan}.bias", rope_heads=permute))
+    rows.append(Row("model.layers.{L}.self_attn.o_proj.weight", "layers.{L}.attention.wo.weight",
+                    "layers.{L}.attention.wo.weight"))
+    if qk_norms:
+        rows += [Row(f"model.layers.{{L}}.self_attn.{n}_norm.weight", f"layers.{{L}}.attention.{n}_norm.weight",
+                     f"layers.{{L}}.attention.{n}_norm.weight") for n in ("q", "k")]
+    return rows
+
+
+def dense_mlp_rows(hf_prefix: str = "mlp", titan_prefix: str = "feed_forward") -> list[Row]:
+    """gate / up / down projections as w1 / w3 / w2."""
+    return [Row(f"model.layers.{{L}}.{hf_prefix}.{hf}_proj.weight", f"layers.{{L}}.{titan_prefix}.{w}.weight",
+                f"layers.{{L}}.{titan_prefix}.{w}.weight") for hf, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))]
+
+
+def routed_expert_rows() -> list[Row]:
+    """Per-expert HF weights <-> grouped [E, out, in] tensors; transformers v5's fused layout as the alternative HF form."""
+    fused_gate_up = "model.layers.{L}.mlp.experts.gate_up_proj"
+    return [
+        Row("model.layers.{L}.mlp.experts.{E}.gate_proj.weight", "layers.{L}.moe.experts.w1",
+            "layers.{L}.moe.routed_experts.inner_experts.w1_EFD", experts=True, fused=(fused_gate_up, 0)),
+        Row("model.layers.{L}.mlp.experts.{E}.up_proj.weight", "layers.{L}.moe.experts.w3",
+            "layers.{L}.moe.routed_experts.inner_experts.w3_EFD", experts=True, fused=(fused_gate_up, 1)),
+        Row("model.layers.{L}.mlp.experts.{E}.down_proj.weight", "layers.{L}.moe.experts.w2",
+            "layers.{L}.moe.routed_experts.inner_experts.w2_EDF", experts=True,
+            fused=("model.layers.{L}.mlp.experts.down_proj", 0)),
+        Row("model.layers.{L}.mlp.gate.weight", "layers.{L}.moe.router.gate.weight", "layers.{L}.moe.router.gate.weight"),
+    ]
+
+
+# Recomputed from the config by every engine: dropped with a note, never converted.
+RECOMPUTED = (
+    Row("model.layers.{L}.self_attn.rotary_emb.inv_freq", None, None),
+    Row("model.rotary_emb.inv_freq", None, None),
+    Row(None, "freqs_cis", "freqs_cis"),
+)
+
+
+def dense_decoder_rows(rope: bool = False, biases: bool = False, qk_norms: bool = False) -> list[Row]:
+    """The rows of a dense decoder: everything but the MLP of MoE layers."""
+    return [EMBEDDINGS, FINAL_NORM, LM_HEAD, *LAYER_NORMS, *attention_rows(rope, biases, qk_norms), *dense_mlp_rows(),
+            *RECOMPUTED]
+
+
+# ---------------------------------------------------------------------------------------------
+# The weights transformers builds from a config (HF names, shapes), part by part
+
+def decoder_weights(config: dict, layer_weights: Callable[[int], dict[str, Shape]]) -> dict[str, Shape]:
+    """Embeddings, final norm, output weight and every layer's norms plus ``layer_weights(layer)``, in that order."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    weights: dict[str, Shape] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+                                 "lm_head.weight": (vocab, hidden)}
+    for layer in range(config["num_hidden_layers"]):
+        inner = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+                 **layer_weights(layer)}
+        weights.update((f"model.layers.{layer}.{name}", shape) for name, shape in inner.items())
+    return weights
+
+
+def attention_weights(config: dict, qkv_bias: bool, o_bias: bool, qk_norms: bool) -> dict[str, Shape]:
+    """q, k, v, o of grouped-query attention, with the biases and per-head q/k norms a kind has."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    outputs = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
+    weights = {f"self_attn.{p}_proj.weight": (n, hidden) for p, n in outputs.items()}
+    weights["self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+    if qkv_bias:
+        weights.update({f"self_attn.{p}_proj.bias": (n,) for p, n in outputs.items()})
+    if o_bias:
+        weights["self_attn.o_proj.bias"] = (hidden,)
+    if qk_norms:
+        weights.update({f"self_attn.{p}_norm.weight": (head_dim,) for p in ("q", "k")})
+    return weights
+
+
+def dense_mlp_weights(prefix: str, hidden: int, inner: int, bias: bool) -> dict[str, Shape]:
+    """gate, up and down projections under ``prefix`` (``mlp``, ``mlp.experts.3``, ``mlp.shared_experts``)."""
+    weights = {f"{prefix}.gate_proj.weight": (inner, hidden), f"{prefix}.up_proj.weight": (inner, hidden),
+               f"{prefix}.down_proj.weight": (hidden, inner)}
+    if bias:
+        weights.update({f"{prefix}.gate_proj.bias": (inner,), f"{prefix}.up_proj.bias": (inner,),
+                        f"{prefix}.down_proj.bias": (hidden,)})
+    return weights
+
+
+def dense_layer_mlp(config: dict, bias: bool = False) -> dict[str, Shape]:
+    """The MLP of a dense layer of ``intermediate_size``."""
+    return dense_mlp_weights("mlp", config["hidden_size"], config["intermediate_size"], bias)
+
+
+def routed_experts_weights(config: dict, experts: int, fused: bool) -> dict[str, Shape]:
+    """A router and ``experts`` experts of ``moe_intermediate_size``, one tensor per expert or fused (transformers v5)."""
+    hidden, inner = config["hidden_size"], config["moe_intermediate_size"]
+    weights: dict[str, Shape] = {"mlp.gate.weight": (experts, hidden)}
+    if fused:
+        weights.update({"mlp.experts.gate_up_proj": (experts, 2 * inner, hidden),
+                        "mlp.experts.down_proj": (experts, hidden, inner)})
+    else:
+        for expert in range(experts):
+            weights.update(dense_mlp_weights(f"mlp.experts.{expert}", hidden, inner, False))
+    return weights
+
+
+def required_experts(config: dict, fields: tuple[str, ...]) -> int:
+    """The routed expert count; a config without it raises KeyError naming the kind's own field."""
+    count = next((config[f] for f in fields if isinstance(config.get(f), int)), None)
+    if count is None:
+        raise KeyError(fields[0])
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel rules, by built-in plan: HF names as transformers' TP plans split them, torchtitan's
+# (and Archon's) as torchtitan's parallelize functions do. Each pattern names disjoint tensors.
+
+COLWISE, ROWWISE = {"tp": "colwise"}, {"tp": "rowwise"}
+
+DENSE_TP: dict[str, tuple[PlanRule, ...]] = {
+    "hf": (
+        (r"embed_tokens\.weight$", COLWISE),  # RowwiseParallel on an embedding splits the vocabulary
+        (r"lm_head\.weight$", COLWISE),
+        (r"self_attn\.[qkv]_proj\.(weight|bias)$", COLWISE),
+        (r"self_attn\.o_proj\.weight$", ROWWISE),
+        (r"(gate|up)_proj\.weight$", COLWISE),  # dense MLP, per-expert and shared experts
+        (r"down_proj\.weight$", ROWWISE),
+    ),
+    "torchtitan": (
+        (r"tok_embeddings\.weight$", COLWISE),
+        (r"(^|\.)(output|lm_head)\.weight$", COLWISE),
+        (r"attention\.(qkv_linear\.)?w[qkv]\.(weight|bias)$", COLWISE),
+        (r"attention\.wo\.weight$", ROWWISE),
+        (r"(feed_forward|shared_experts?)\.w[13]\.weight$", COLWISE),
+        (r"(feed_forward|shared_experts?)\.w2\.weight$", ROWWISE),
+    ),
+}
+
+ROUTED_EXPERTS_TP: dict[str, tuple[PlanRule, ...]] = {
+    "hf": (
+        (r"experts\.gate_up_proj$", {"tp": "colwise", "experts": True}),  # transformers v5 fused experts
+        (r"experts\.down_proj$", {"tp": "rowwise", "experts": True}),
+    ),
+    "torchtitan": (
+        (r"moe\.(experts\.w[13]|routed_experts\.inner_experts\.w[13]_EFD)$", {"tp": "colwise", "experts": True}),
+        (r"moe\.(experts\.w2|routed_experts\.inner_experts\.w2_EDF)$", {"tp": "rowwise", "experts": True}),
+        (r"moe\.(expert_bias|tokens_per_expert)(_E)?$", {"fsdp": None}),  # buffers: FSDP2 leaves them whole
+    ),
+}
+
+
+def tp_rules(*parts: dict[str, tuple[PlanRule, ...]]) -> dict[str, tuple[PlanRule, ...]]:
+    """The rules of ``parts`` (like ``DENSE_TP``) joined plan by plan."""
+    plans = dict.fromkeys(plan for part in parts for plan in part)
+    return {plan: tuple(rule for part in parts for rule in part.get(plan, ())) for plan in plans}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ties, mesh divisors, FSDP units
+
+TIED_EMBEDDINGS = Tie(LM_HEAD, EMBEDDINGS)
+
+# HF and torchtitan names of the head counts.
+HEAD_DIVISORS = (
+    Divisor("tp", ("num_attention_heads", "n_heads"), "attention heads"),
+    Divisor("tp", ("num_key_value_heads", "n_kv_heads"), "key/value heads"),
+)
+
+# verl wraps each decoder layer in an FSDP unit of its own (transformer_auto_wrap_policy over the
+# model's decoder-layer class): model.layers.N.
+DECODER_LAYERS = (r"layers\.\d+",)
+
+# ---------------------------------------------------------------------------------------------
+# Models with no kind module (no naming table, no expected weights): what dcptool still knows of them
+
+OTHER_TP: dict[str, tuple[PlanRule, ...]] = {"hf": (
+    (r"experts\.\d+\.w[13]\.weight$", COLWISE),  # Mixtral's per-expert names
+    (r"experts\.\d+\.w2\.weight$", ROWWISE),
+)}
+OTHER_FSDP_UNITS = (
+    r"h\.\d+",  # GPT-2, BLOOM, Falcon: transformer.h.N
+    r"blocks\.\d+",  # vision towers: visual.blocks.N
+    r"layer\.\d+",  # BERT-style encoders: encoder.layer.N
+)
+# The tie of a causal LM's head to its input embedding, as transformers makes it by default.
+OTHER_TIES = (TIED_EMBEDDINGS,)
+# Routed experts of any MoE: a grouped [E, ...] tensor (a name part "expert(s)") or one per expert.
+GROUPED_EXPERTS = re.compile(r"(^|[._])experts?([._]|$)")
+PER_EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)\.(.+)$")  # model.layers.3.mlp.experts.17.up_proj.weight

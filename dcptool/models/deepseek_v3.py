@@ -1,0 +1,91 @@
+"""DeepSeek-V3: multi-head latent attention, dense first layers, routed and shared experts.
+
+HF's ``e_score_correction_bias`` is torchtitan's ``expert_bias``. Its RoPE is interleaved on both
+sides (HF's ``rope_interleave``), so nothing is permuted. The multi-token-prediction layers (HF's
+layer 61 of the 671B model) are torchtitan 0.3's ``mtp_layers``; Archon names have none, and
+transformers ignores them.
+"""
+
+from dataclasses import replace
+
+from dcptool.models import common
+from dcptool.models.kind import Divisor, ModelKind, Row
+
+# transformers v5 reads n_routed_experts as num_local_experts.
+EXPERT_FIELDS = ("n_routed_experts", "num_local_experts")
+
+# HF name in self_attn -> torchtitan name in attention (the same in Archon and torchtitan 0.3).
+MLA = {"q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
+       "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo"}
+
+LAYER = [
+    *common.LAYER_NORMS,
+    *[Row(f"model.layers.{{L}}.self_attn.{hf}.weight", f"layers.{{L}}.attention.{titan}.weight",
+          f"layers.{{L}}.attention.{titan}.weight") for hf, titan in MLA.items()],
+    *common.dense_mlp_rows(),
+    *common.routed_expert_rows(),
+    *common.dense_mlp_rows("mlp.shared_experts", "moe.shared_experts"),
+    Row("model.layers.{L}.mlp.gate.e_score_correction_bias", "layers.{L}.moe.expert_bias",
+        "layers.{L}.moe.expert_bias_E"),
+]
+
+# A prediction layer is a decoder layer, plus norms of the embedding and hidden state and their
+# projection; HF also repeats the embedding and head there (the main ones serve: left out).
+MTP = [
+    *[replace(row, archon=None, torchtitan="mtp_" + row.torchtitan, mtp=True) for row in LAYER],
+    *[Row(f"model.layers.{{L}}.{hf}.weight", None, f"mtp_layers.{{L}}.{titan}.weight", mtp=True)
+      for hf, titan in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                        ("shared_head.norm", "mtp_norm"))],
+    Row("model.layers.{L}.embed_tokens.weight", None, None, mtp=True),
+    Row("model.layers.{L}.shared_head.head.weight", None, None, mtp=True),
+]
+
+
+def hf_weights(config: dict, fused: bool) -> dict:
+    """Latent attention; routed experts (with their score bias) and shared ones from layer ``first_k_dense_replace`` on."""
+    def layer_weights(layer: int) -> dict:
+        if layer < config.get("first_k_dense_replace", 0):
+            return {**latent_attention_weights(config), **common.dense_layer_mlp(config)}
+        experts = common.required_experts(config, EXPERT_FIELDS)
+        shared = config["moe_intermediate_size"] * config["n_shared_experts"]
+        return {**latent_attention_weights(config), **common.routed_experts_weights(config, experts, fused),
+                "mlp.gate.e_score_correction_bias": (experts,),
+                **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+
+    return common.decoder_weights(config, layer_weights)
+
+
+def latent_attention_weights(config: dict) -> dict:
+    """Multi-head latent attention (q through a low rank when ``q_lora_rank`` is set)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    rope, nope, v_dim = config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]
+    q_rank, kv_rank = config.get("q_lora_rank"), config["kv_lora_rank"]
+    bias = bool(config.get("attention_bias"))
+    weights = {}
+    if q_rank is None:
+        weights["self_attn.q_proj.weight"] = (heads * (nope + rope), hidden)
+    else:
+        weights.update({"self_attn.q_a_proj.weight": (q_rank, hidden), "self_attn.q_a_layernorm.weight": (q_rank,),
+                        "self_attn.q_b_proj.weight": (heads * (nope + rope), q_rank)})
+        if bias:
+            weights["self_attn.q_a_proj.bias"] = (q_rank,)
+    weights.update({"self_attn.kv_a_proj_with_mqa.weight": (kv_rank + rope, hidden),
+                    "self_attn.kv_a_layernorm.weight": (kv_rank,),
+                    "self_attn.kv_b_proj.weight": (heads * (nope + v_dim), kv_rank),
+                    "self_attn.o_proj.weight": (hidden, heads * v_dim)})
+    if bias:
+        weights.update({"self_attn.kv_a_proj_with_mqa.bias": (kv_rank + rope,), "self_attn.o_proj.bias": (hidden,)})
+    return weights
+
+
+KIND = ModelKind(
+    name="deepseek_v3",
+    rows=(common.EMBEDDINGS, common.FINAL_NORM, common.LM_HEAD, *common.RECOMPUTED, *LAYER, *MTP),
+    hf_weights=hf_weights,
+    tp_rules=common.tp_rules(common.DENSE_TP, common.ROUTED_EXPERTS_TP),
+    ties=(common.TIED_EMBEDDINGS,),
+    expert_fields=EXPERT_FIELDS,
+    divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
+    fsdp_units=common.DECODER_LAYERS,
+    extra_layers="num_nextn_predict_layers",
+)

@@ -1,0 +1,86 @@
+"""What a model kind declares: its parameters under every naming family, and the facts that follow from its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+FAMILIES = ("hf", "archon", "torchtitan")
+Shape = tuple[int, ...]
+# A rule of a tensor-parallel plan as a plan file writes it: a regular expression on the parameter
+# name and its placement (``dcptool.plans`` turns these into its rules).
+PlanRule = tuple[str, dict]
+
+
+@dataclass(frozen=True, eq=False)
+class Row:
+    """One parameter in every family; ``None`` where a family has no such tensor (dropped with a note).
+
+    ``{L}`` stands for the layer and, in HF names, ``{E}`` for the expert. ``experts``: the
+    torchtitan-style names hold every expert in one grouped ``[E, out, in]`` tensor, HF one tensor
+    per expert; ``fused``: transformers v5's fused HF tensor and this row's part of it (dim 1).
+    ``rope_heads``: the config field with the head count of a weight whose rows torchtitan
+    interleaves for its RoPE (Llama's q and k). ``mtp``: a multi-token-prediction layer, which
+    torchtitan numbers apart (``mtp_layers.{L}``) and HF after the main layers
+    (``model.layers.{num_hidden_layers + L}``).
+    """
+
+    hf: str | None
+    archon: str | None
+    torchtitan: str | None
+    experts: bool = False
+    fused: tuple[str, int] | None = None
+    rope_heads: str | None = None
+    mtp: bool = False
+
+    def name(self, family: str) -> str | None:
+        """This parameter's name in ``family`` (one of ``FAMILIES``), None where the family has no such tensor."""
+        return getattr(self, family)
+
+
+@dataclass(frozen=True)
+class Tie:
+    """An output weight that is the embedding when the config's ``flag`` is set (HF then saves no output weight)."""
+
+    output: Row
+    embedding: Row
+    flag: str = "tie_word_embeddings"
+
+
+@dataclass(frozen=True)
+class Divisor:
+    """A count in the config (under any of ``fields``) that a mesh setting (``tp``, ``ep``) must divide."""
+
+    setting: str
+    fields: tuple[str, ...]
+    what: str
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """Everything dcptool knows of one model kind (HF's ``model_type``); one module of ``dcptool.models`` each.
+
+    ``rows``: its parameters under every family's name. ``hf_weights(config, fused)``: every weight
+    (with its shape) transformers builds from ``config``, output weight included whether tied or not;
+    ``fused``: MoE experts as transformers v5's fused tensors instead of one per expert.
+    ``tp_rules``: rules by built-in plan (``hf``, ``torchtitan``) for its names. ``ties``: output
+    weights the config may tie. ``expert_fields``: config fields counting routed experts, first the
+    kind's own. ``divisors``: config counts tp / ep must divide. ``fsdp_units``: regular expressions
+    for the layers FSDP wraps as units of their own (``model.layers.N``). ``extra_layers``: the
+    config field counting layers after the main ones that transformers ignores (DeepSeek's
+    prediction layers).
+    """
+
+    name: str
+    rows: tuple[Row, ...]
+    hf_weights: Callable[[dict, bool], dict[str, Shape]]
+    tp_rules: dict[str, tuple[PlanRule, ...]]
+    ties: tuple[Tie, ...] = ()
+    expert_fields: tuple[str, ...] = ()
+    divisors: tuple[Divisor, ...] = ()
+    fsdp_units: tuple[str, ...] = ()
+    extra_layers: str | None = None
+
+    def expert_count(self, config: dict) -> int | None:
+        """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""
+        return next((config[f] for f in self.expert_fields if isinstance(config.get(f), int)), None)

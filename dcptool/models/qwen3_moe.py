@@ -1,0 +1,38 @@
+"""Qwen3-MoE: Qwen3 attention, routed experts grouped as [E, out, in] by torchtitan and Archon, a router.
+
+Archon and torchtitan keep a load-balancing ``expert_bias`` that Hugging Face's model has no place
+for: it is dropped on export with a note.
+"""
+
+from dcptool.models import common
+from dcptool.models.kind import Divisor, ModelKind, Row
+
+# transformers v5 writes num_local_experts.
+EXPERT_FIELDS = ("num_experts", "num_local_experts")
+
+
+def hf_weights(config: dict, fused: bool) -> dict:
+    """Qwen3's attention; routed experts in every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
+    bias = bool(config.get("attention_bias"))
+    dense, step = config.get("mlp_only_layers") or [], config.get("decoder_sparse_step", 1)
+
+    def layer_weights(layer: int) -> dict:
+        attention = common.attention_weights(config, qkv_bias=bias, o_bias=bias, qk_norms=True)
+        experts = 0 if layer in dense or (layer + 1) % step else common.required_experts(config, EXPERT_FIELDS)
+        mlp = common.routed_experts_weights(config, experts, fused) if experts > 0 else common.dense_layer_mlp(config)
+        return {**attention, **mlp}
+
+    return common.decoder_weights(config, layer_weights)
+
+
+KIND = ModelKind(
+    name="qwen3_moe",
+    rows=(*common.dense_decoder_rows(qk_norms=True), *common.routed_expert_rows(),
+          Row(None, "layers.{L}.moe.expert_bias", "layers.{L}.moe.expert_bias_E")),
+    hf_weights=hf_weights,
+    tp_rules=common.tp_rules(common.DENSE_TP, common.ROUTED_EXPERTS_TP),
+    ties=(common.TIED_EMBEDDINGS,),
+    expert_fields=EXPERT_FIELDS,
+    divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
+    fsdp_units=common.DECODER_LAYERS,
+)

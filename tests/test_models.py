@@ -1,0 +1,85 @@
+"""Model kinds (dcptool.models): each kind's table of HF weights against the model transformers builds from the
+same config on the meta device, and the answers the registry gives for every kind at once."""
+
+from __future__ import annotations
+
+import pytest
+from harness.family_models import MODELS
+
+from dcptool import adapters, hf_config, models
+
+
+def _variants() -> list[tuple[str, dict]]:
+    """Every model of the family tests, and the config switches each kind's table reads."""
+    found = []
+    for name, (kind, fields) in MODELS.items():
+        config = {"model_type": kind, **fields}
+        found += [(name, config), (f"{name}+attention_bias", {**config, "attention_bias": True}),
+                  (f"{name}+mlp_bias", {**config, "mlp_bias": True})]
+        if kind == "qwen3_moe":
+            found += [(f"{name}+mlp_only_layers", {**config, "mlp_only_layers": [0]}),
+                      (f"{name}+decoder_sparse_step", {**config, "decoder_sparse_step": 2})]
+        if kind == "deepseek_v3":
+            found.append((f"{name}+no_q_lora", {**config, "q_lora_rank": None, "first_k_dense_replace": 0}))
+    return found
+
+
+def meta_weights(config: dict) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of every weight transformers saves for ``config``: the model built on the meta device."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    fields = {key: value for key, value in config.items() if key != "model_type"}
+    settings = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(settings)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name, config", _variants(), ids=[name for name, _ in _variants()])
+def test_table_matches_the_meta_model(name, config):
+    """Names and shapes from the kind's table are those of transformers' model (fused experts as it builds them)."""
+    built = meta_weights(config)
+    kind = models.kind_of(config)
+    fused = any(key.endswith(".experts.gate_up_proj") for key in built)
+    required, optional = hf_config.expected_weights(config, kind, fused)
+    assert {**required, **optional} == built
+    assert set(optional) == ({"lm_head.weight"} if config.get("tie_word_embeddings") else set())
+    assert hf_config.misfit(config, {key: built[key] for key in required}) is None
+
+
+def test_every_kind_is_one_module():
+    assert sorted(models.kinds()) == ["deepseek_v3", "llama", "qwen2", "qwen3", "qwen3_moe"]
+    for kind in models.kinds().values():
+        assert type(kind).__module__ == "dcptool.models.kind"
+        assert {"hf", "torchtitan"} <= set(kind.tp_rules), kind.name
+
+
+@pytest.mark.parametrize("family", models.FAMILIES)
+@pytest.mark.parametrize("kind", sorted(models.kinds()))
+def test_kind_detected_from_its_names(kind, family):
+    """Without a config, a checkpoint's names tell its kind: the smallest table that names them all."""
+    names = []
+    for row in models.kinds()[kind].rows:
+        name = row.name(family)
+        if name and not row.mtp and not name.endswith(("inv_freq", "freqs_cis")):
+            names.append(name.replace("{L}", "1").replace("{E}", "0"))
+    assert adapters.detect_kind(names, family, None) == kind
+
+
+def test_answers_for_every_kind():
+    moe = {"model_type": "qwen3_moe", "num_attention_heads": 8, "num_key_value_heads": 2, "num_experts": 6}
+    assert models.parallel_divisors({"text_config": moe}) == [
+        ("tp", "num_attention_heads", 8, "attention heads"), ("tp", "num_key_value_heads", 2, "key/value heads"),
+        ("ep", "num_experts", 6, "experts")]
+    # A model without a kind module: every kind's fields (torchtitan's names too).
+    assert models.parallel_divisors({"model_type": "mixtral", "n_heads": 4, "num_local_experts": 8}) == [
+        ("tp", "n_heads", 4, "attention heads"), ("ep", "num_local_experts", 8, "experts")]
+    assert models.tied_outputs({"model_type": "llama", "tie_word_embeddings": True}) == ["lm_head.weight"]
+    assert models.tied_outputs({"model_type": "gpt2", "tie_word_embeddings": True}, "hf") == ["lm_head.weight"]
+    assert models.tied_outputs({"model_type": "qwen3", "tie_word_embeddings": False}) == []
+    assert models.tied_outputs({"text_config": {"tie_word_embeddings": True}}, "archon") == ["output.weight"]
+    assert models.fsdp_units()[0] == r"layers\.\d+"
+    assert models.expert_of("model.layers.3.mlp.experts.17.up_proj.weight") == ("model.layers.3.mlp.experts", 17,
+                                                                               "up_proj.weight")
+    assert models.grouped_experts("layers.1.moe.experts.w1", (4, 32, 64))
+    assert not models.grouped_experts("layers.1.moe.shared_experts.w1.weight", (32, 64))
