@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dcptool.errors import CheckpointError, DcptoolError, MismatchError, UnsafePickleError, UsageError
+from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolError, MismatchError, OutputExistsError,
+                            UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
     from dcptool.api import (Reader, Region, TensorSpec, checksum, convert, export_hf, import_hf, open,  # noqa: A004
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 # .resharding, .verification, .checksums), so that these names are the functions.
 _API = ("open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard", "verify", "checksum")
 
-__all__ = [*_API, "api", "DcptoolError", "CheckpointError", "UnsafePickleError", "UsageError", "MismatchError"]
+__all__ = [*_API, "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError",
+           "OutputExistsError", "MismatchError"]
 
 
 def __getattr__(name: str):

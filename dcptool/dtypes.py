@@ -6,6 +6,7 @@ Kept free of torch so that commands which only move bytes never import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -55,6 +56,12 @@ _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": 
 
 CASTABLE = ("bfloat16", "float16", "float32")
 
+# The float8 types decoded to float32: (exponent bits, mantissa bits, exponent bias, special values).
+# "ieee": an all-ones exponent is Inf (zero mantissa) or NaN; "fn": no Inf, only S.1111.111 is NaN;
+# "fnuz": no Inf and no -0, the pattern of -0 (0x80) is the one NaN.
+FLOAT8 = {"float8_e4m3fn": (4, 3, 7, "fn"), "float8_e5m2": (5, 2, 15, "ieee"),
+          "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2fnuz": (5, 2, 16, "fnuz")}
+
 
 def dtype(name: str) -> DType:
     """Look up a dtype by torch name (``"bfloat16"``, ``"torch.float32"`` and aliases such as ``"half"``)."""
@@ -92,6 +99,40 @@ def cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     else:
         result = _float32_to_bfloat16(as_f32)
     return result.reshape(values.shape)
+
+
+def float8_to_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """float8 elements (raw bits, ``uint8``) of ``dtype``, one of ``FLOAT8``, as float32 values of the
+    same shape; exact, since every float8 value is a float32 one.
+
+    >>> float8_to_float32(np.array([0x38, 0xC0, 0x01, 0x7E, 0x7F], dtype=np.uint8), "float8_e4m3fn").tolist()
+    [1.0, -2.0, 0.001953125, 448.0, nan]
+    >>> float8_to_float32(np.array([0x3C, 0x7B, 0xFC, 0x7D], dtype=np.uint8), "float8_e5m2").tolist()
+    [1.0, 57344.0, -inf, nan]
+    """
+    return _float8_values(dtype)[bits]
+
+
+@cache
+def _float8_values(dtype: str) -> np.ndarray:
+    """The float32 value of each of the 256 bit patterns of a float8 dtype (read-only: it is shared)."""
+    exponent_bits, mantissa_bits, bias, special = FLOAT8[dtype]
+    bits = np.arange(256)
+    exponent, mantissa = (bits >> mantissa_bits) & ((1 << exponent_bits) - 1), bits & ((1 << mantissa_bits) - 1)
+    # A zero exponent field is subnormal: no implicit leading 1, and the exponent of the smallest normal.
+    significand = np.where(exponent == 0, mantissa, mantissa + (1 << mantissa_bits))
+    magnitude = np.ldexp(significand.astype(np.float64), np.maximum(exponent, 1) - bias - mantissa_bits)
+    top = exponent == (1 << exponent_bits) - 1
+    if special == "ieee":
+        magnitude[top] = np.where(mantissa[top] == 0, np.inf, np.nan)
+    elif special == "fn":
+        magnitude[top & (mantissa == (1 << mantissa_bits) - 1)] = np.nan
+    values = np.where(bits & 0x80, -magnitude, magnitude)  # NaN too takes the pattern's sign, as torch's do
+    if special == "fnuz":
+        values[0x80] = np.nan
+    table = values.astype(np.float32)
+    table.flags.writeable = False
+    return table
 
 
 def _to_float32(values: np.ndarray, src: str) -> np.ndarray:

@@ -1,4 +1,29 @@
-"""Errors of dcptool. The CLI maps them to exit codes: ``CheckpointError`` -> 2, ``MismatchError`` -> 1."""
+"""Errors of dcptool, and the checks of names and sizes read from files that raise them.
+
+Every error dcptool raises on purpose is a ``DcptoolError``, and each also subclasses the builtin
+that fits it, so that code knowing nothing of dcptool catches it as it would Python's own. Catch:
+
+- ``CheckpointNotFoundError`` (a ``CheckpointError`` and a ``FileNotFoundError``): nothing at the
+  path given as a checkpoint.
+- ``CheckpointError`` (a ``ValueError``): a checkpoint that cannot be read, broken or unsupported;
+  ``UnsafePickleError`` is the one whose pickle names a global off dcptool's allowlist.
+- ``OutputExistsError`` (a ``UsageError`` and a ``FileExistsError``): the output is already there
+  and ``overwrite`` was not given.
+- ``UsageError`` (a ``ValueError``): options that cannot work together.
+- ``MismatchError``: a check found a difference (the commands raise it; the API returns reports).
+- ``DcptoolError``: any of them.
+
+``path`` names the file or folder an error is about and ``key`` the tensor, where one is known
+(None otherwise); the message says the same in words. The CLI exits with ``exit_code``: 1 for
+``MismatchError``, 2 for the others.
+
+>>> import dcptool
+>>> try:
+...     dcptool.open("no-such-step")
+... except FileNotFoundError as exc:
+...     print(exc.path, "|", exc)
+no-such-step | no-such-step: no such file or folder
+"""
 
 from __future__ import annotations
 
@@ -6,12 +31,18 @@ import json
 
 
 class DcptoolError(Exception):
-    """Base class of every error dcptool raises on purpose."""
+    """Base class of every error dcptool raises on purpose; ``path`` and ``key`` say what it is about."""
 
     exit_code = 2
+    # The message alone, also for the subclasses that are OSErrors: OSError's own text shows errno and filename.
+    __str__ = BaseException.__str__
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        super().__init__(message)
+        self.path, self.key = path, key
 
 
-class CheckpointError(DcptoolError):
+class CheckpointError(DcptoolError, ValueError):
     """A checkpoint (or an argument naming one) is unusable: missing, broken, unsafe or unsupported.
 
     The message is one line that names the file and says what is wrong, e.g.
@@ -19,12 +50,20 @@ class CheckpointError(DcptoolError):
     """
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No file or folder at the path given as a checkpoint (``path`` is that path)."""
+
+
 class UnsafePickleError(CheckpointError):
     """A pickle asked for a global that is not on dcptool's allowlist; nothing was executed."""
 
 
-class UsageError(DcptoolError):
-    """Arguments that cannot work together, e.g. an output folder that already exists."""
+class UsageError(DcptoolError, ValueError):
+    """Arguments that cannot work together, e.g. ``--svg`` without ``--layout``."""
+
+
+class OutputExistsError(UsageError, FileExistsError):
+    """The output path is taken and ``overwrite`` was not given (``path`` is the output)."""
 
 
 class MismatchError(DcptoolError):
@@ -108,6 +147,7 @@ def json_kind(value) -> str:
 
 
 def with_article(noun: str) -> str:
+    """``noun`` after "a" or "an" as its first letter asks: ``an object``, ``a string``."""
     return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 

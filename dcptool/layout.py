@@ -20,10 +20,10 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from dcptool import loadcheck, selection
+from dcptool import selection
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted
-from dcptool.mesh import Axis, Mesh, local_chunk, spec_str
+from dcptool.mesh import Axis, Mesh, local_chunk, parse_mesh, spec_str
 from dcptool.storage import atomic_output, is_remote
 
 GRID_ROWS, GRID_WIDTH = 16, 72  # the text grid's most cell rows and characters per row
@@ -138,10 +138,7 @@ def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
 def planned_layout(checkpoint: Checkpoint, key: str, mesh_text: str, plan: str = "auto") -> Layout:
     """The blocks of ``key`` as ``reshard`` lays them out on the mesh ``dp=2,tp=4`` (dcp.save's choice of
     the storing rank among the holders included)."""
-    try:
-        sizes = loadcheck.parse_mesh(mesh_text)
-    except UsageError:
-        raise UsageError(f"--mesh {mesh_text!r}: give sizes as name=N with names {', '.join(loadcheck.MESH_NAMES)}") from None
+    sizes = parse_mesh(mesh_text, "--mesh")
     tensor = _tensor(checkpoint, key)
     planned, result = _planned_spec(checkpoint, key, {"world_size": None} | sizes, plan)
     mesh = result.mesh

@@ -29,22 +29,6 @@ from pathlib import Path
 
 from dcptool.errors import UsageError
 
-MESH_NAMES = ("dp", "tp", "ep", "etp", "cp", "dp_replicate")
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``dp=2,tp=2,ep=2,etp=2`` -> sizes; ``etp=tp`` is allowed."""
-    sizes: dict[str, int | str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        name = name.strip().replace("-", "_")
-        if name not in MESH_NAMES or not (value.isdigit() or (name == "etp" and value == "tp")):
-            raise UsageError(f"--load-on {text!r}: give sizes as name=N with names {', '.join(MESH_NAMES)}")
-        sizes[name] = value if value == "tp" else int(value)
-    if sizes.get("etp") == "tp":
-        sizes["etp"] = sizes.get("tp", 1)
-    return sizes  # type: ignore[return-value]
-
 
 @dataclass
 class RankResult:

@@ -17,7 +17,7 @@ shards, empty shards (recorded at offset = the dim's size) and ``_StridedShard``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from dcptool.errors import UsageError
@@ -120,6 +120,33 @@ class Mesh:
 
     def as_dict(self) -> dict[str, int]:
         return {n: getattr(self, n) for n in ("dp_replicate", "dp", "cp", "tp", "ep", "etp")}
+
+
+SIZE_NAMES = tuple(f.name for f in fields(Mesh))  # what mesh text may set: dp, tp, ep, etp, cp, dp_replicate
+
+
+def parse_mesh(text: str, option: str) -> dict[str, int]:
+    """The sizes set by mesh text such as ``dp=2,tp=2,ep=2,etp=tp`` (``etp=tp``: the same size as tp).
+
+    ``option`` is the flag the text came with (``--load-on``, ``--mesh``); text that is not sizes is
+    refused naming it.
+
+    >>> parse_mesh("dp=2, tp=4, etp=tp", "--mesh")
+    {'dp': 2, 'tp': 4, 'etp': 4}
+    >>> parse_mesh("dp=2,pp=2", "--load-on")
+    Traceback (most recent call last):
+    dcptool.errors.UsageError: --load-on 'dp=2,pp=2': give sizes as name=N with names dp, tp, ep, etp, cp, dp_replicate
+    """
+    sizes: dict[str, int | str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in SIZE_NAMES or not (value.isdigit() or (name == "etp" and value == "tp")):
+            raise UsageError(f"{option} {text!r}: give sizes as name=N with names {', '.join(SIZE_NAMES)}")
+        sizes[name] = value if value == "tp" else int(value)
+    if sizes.get("etp") == "tp":
+        sizes["etp"] = sizes.get("tp", 1)
+    return sizes  # type: ignore[return-value]
 
 
 class NotRectangular(ValueError):

@@ -17,9 +17,7 @@ Nothing is materialized: a dequantized weight is a tensor whose regions are comp
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -29,36 +27,6 @@ from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
-# (exponent bits, mantissa bits, exponent bias, "fn": only all-ones is NaN, no inf; "fnuz": 0x80 is NaN, no -0)
-_FLOAT8 = {"float8_e4m3fn": (4, 3, 7, "fn"), "float8_e5m2": (5, 2, 15, "ieee"),
-           "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2fnuz": (5, 2, 16, "fnuz")}
-
-
-@cache
-def float8_table(name: str) -> np.ndarray:
-    """The float32 value of each of the 256 bit patterns of a float8 dtype (exact: every float8 is a float32).
-
-    >>> float8_table("float8_e4m3fn")[[0x38, 0x7E, 0x7F]]
-    array([  1., 448.,  nan], dtype=float32)
-    """
-    exp_bits, man_bits, bias, kind = _FLOAT8[name]
-    values = np.empty(256, dtype=np.float32)
-    for bits in range(256):
-        sign = -1.0 if bits >> 7 else 1.0
-        exponent, mantissa = (bits >> man_bits) & ((1 << exp_bits) - 1), bits & ((1 << man_bits) - 1)
-        if exponent == 0:
-            value = sign * mantissa / (1 << man_bits) * 2.0 ** (1 - bias)
-        else:
-            value = sign * (1 + mantissa / (1 << man_bits)) * 2.0 ** (exponent - bias)
-        top = exponent == (1 << exp_bits) - 1
-        if kind == "ieee" and top:
-            value = sign * math.inf if mantissa == 0 else math.nan
-        elif kind == "fn" and top and mantissa == (1 << man_bits) - 1:
-            value = math.nan
-        elif kind == "fnuz" and bits == 0x80:
-            value = math.nan
-        values[bits] = value
-    return values
 
 
 @dataclass(frozen=True)
@@ -74,7 +42,6 @@ class BlockDequant:
         """Fill ``out`` (an unsigned view of ``dtype``, shape ``sizes``) with the region at ``offsets``,
         a block row at a time."""
         (row0, col0), (rows, cols), (b0, b1) = offsets, sizes, self.block
-        table = float8_table(self.weight.dtype)
         first_col_block, last_col_block = col0 // b1, (col0 + cols - 1) // b1 if cols else col0 // b1
         # Column j of the region is in block column (col0 + j) // b1: its index among those read.
         col_blocks = (np.arange(col0, col0 + cols) // b1) - first_col_block
@@ -84,7 +51,8 @@ class BlockDequant:
             bits = np.empty((stop - start, cols), dtype=np.uint8)
             checkpoint.read_region(self.weight, (start, col0), (stop - start, cols), bits, scratch)
             scales = self._scales(checkpoint, start // b0, first_col_block, last_col_block, scratch)
-            values = table[bits] * scales[col_blocks]  # float32 times float32, as torch's w.float() * scale
+            # float32 times float32, as torch's w.float() * scale
+            values = dtypes.float8_to_float32(bits, self.weight.dtype) * scales[col_blocks]
             out[start - row0:stop - row0] = dtypes.cast(values.view(np.uint32), "float32", self.dtype)
             start = stop
 
@@ -116,7 +84,7 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
 
     dtype = dtype or "bfloat16"
     pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()
-             if t.dtype in _FLOAT8 and key + SCALE_SUFFIX in checkpoint.tensors}
+             if t.dtype in dtypes.FLOAT8 and key + SCALE_SUFFIX in checkpoint.tensors}
     if not pairs:
         return checkpoint, [f"--dequantize: no float8 weight with a {SCALE_SUFFIX} scale; nothing dequantized"]
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
@@ -134,7 +102,7 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
                              f"the {list(block)} blocks of {key} {list(weight.shape)} ({list(expected)})")
         del tensors[scale.key]
         tensors[key] = dataclasses.replace(weight, dtype=dtype, transform=BlockDequant(weight, scale, block, dtype))
-    left = [k for k, t in tensors.items() if t.dtype in _FLOAT8]
+    left = [k for k, t in tensors.items() if t.dtype in dtypes.FLOAT8]
     notes = [f"dequantized {len(pairs)} float8 weights to {dtype} (blocks of {block[0]}x{block[1]})",
              f"left out {len(pairs)} {SCALE_SUFFIX} scales: folded into their weights by --dequantize"]
     if left:

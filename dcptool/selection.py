@@ -84,7 +84,8 @@ def read_config(config_dir: str | Path) -> dict:
     files = CheckpointFiles(config_dir)
     if not files.is_file("config.json"):
         raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
+    text = files.read_all("config.json")  # outside the try: its CheckpointError is a ValueError too
     try:
-        return json.loads(files.read_all("config.json"))
+        return json.loads(text)
     except ValueError as exc:
         raise UsageError(f"{files.path('config.json')}: not valid JSON ({exc})") from None

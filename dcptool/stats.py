@@ -133,22 +133,9 @@ class _Moments:
         return m2 + count * mean * mean
 
 
-def _float8_e4m3fn_table() -> np.ndarray:
-    """The values of the 256 float8_e4m3fn bit patterns (no Inf; S.1111.111 is NaN), exact in float32."""
-    bits = np.arange(256)
-    sign = np.where(bits & 0x80, -1.0, 1.0)
-    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
-    normal = (1 + mantissa / 8) * np.exp2(exponent - 7.0)
-    values = sign * np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, normal)
-    values[(bits & 0x7F) == 0x7F] = np.nan
-    return values.astype(np.float32)
-
-
-_E4M3FN = _float8_e4m3fn_table()
-
-
 def widen(bits: np.ndarray, dtype: str) -> np.ndarray | None:
-    """Raw element bits (an unsigned view, 1-D) as exact float32 or float64 values; None for complex.
+    """Raw element bits (an unsigned view, 1-D) as exact float32 or float64 values; None for complex and
+    float8_e8m0fnu.
 
     Floats of 32 bits or fewer (bfloat16, float16, float8) become float32, which holds each exactly;
     the rest (float64, integers, bool) float64.
@@ -158,10 +145,8 @@ def widen(bits: np.ndarray, dtype: str) -> np.ndarray | None:
     """
     if dtype in ("bfloat16", "float16", "float32"):
         return dtypes.cast(bits, dtype, "float32").view(np.float32)
-    if dtype == "float8_e5m2":  # the top byte of a float16
-        return (bits.astype(np.uint16) << 8).view(np.float16).astype(np.float32)
-    if dtype == "float8_e4m3fn":
-        return _E4M3FN[bits]
+    if dtype in dtypes.FLOAT8:
+        return dtypes.float8_to_float32(bits, dtype)
     numpy_type = dtypes.dtype(dtype).numpy
     if numpy_type is None or numpy_type.startswith("complex"):
         return None

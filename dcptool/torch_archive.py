@@ -85,6 +85,8 @@ class Archive:
         self._head = files.read(relative, offset, min(self.length, self.HEAD))
         try:
             self._entries = self._directory()
+        except CheckpointError:  # a read that failed says why itself
+            raise
         except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
             raise CheckpointError(f"{self.where}: not a torch.save archive (corrupt zip directory: "
                                   f"{printable(str(exc), 120)})") from None
@@ -139,6 +141,8 @@ class Archive:
             raise CheckpointError(f"{self.where}: entry {printable(name)!r} is compressed; torch.save never compresses")
         try:
             fields = _LOCAL_HEADER.unpack(self._read(header, _LOCAL_HEADER.size))
+        except CheckpointError:  # a read that failed says why itself
+            raise
         except ValueError:
             fields = (b"",)
         if fields[0] != b"PK\x03\x04":

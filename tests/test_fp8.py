@@ -98,3 +98,25 @@ def test_dequantize_without_block_size_is_refused(fp8_model, tmp_path):
                      check=False)
     assert result.returncode == 2 and "weight_block_size" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", FLOAT8[:4])
+def test_one_float8_decoder_matches_torch(name):
+    """dtypes.float8_to_float32, which dequantize, inspect --stats and checksum --scan-nonfinite share,
+    against torch's ``.float()`` on every bit pattern: the same float32 bits (NaN: its sign, not its payload)."""
+    import numpy as np
+
+    from dcptool.checksums import count_nonfinite
+    from dcptool.dtypes import float8_to_float32
+    from dcptool.stats import widen
+
+    patterns = np.arange(256, dtype=np.uint8)
+    expected = torch.from_numpy(patterns.copy()).view(getattr(torch, name)).float().numpy()
+    got = float8_to_float32(patterns, name)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan) and np.array_equal(np.signbit(got), np.signbit(expected))
+    assert np.array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+    assert np.array_equal(widen(patterns, name), got, equal_nan=True)
+    many = np.random.default_rng(0).integers(0, 256, size=300_001, dtype=np.uint8)
+    values = torch.from_numpy(many).view(getattr(torch, name)).float()
+    assert count_nonfinite(many, name) == (int(values.isnan().sum()), int(values.isinf().sum()))

@@ -3,13 +3,16 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 from torch.distributed.tensor import Replicate, Shard as TorchShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from conftest import dcptool
 from dcptool.errors import UsageError
-from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, Strided, fsdp_placement, local_chunk
+from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, Strided, fsdp_placement, local_chunk, parse_mesh
 
 
 def torch_placement(placement):
@@ -64,3 +67,16 @@ def test_mesh_rules():
     with pytest.raises(UsageError, match="--ep 4 with --etp 2"):
         Mesh(dp=2, tp=2, ep=4, etp=2).check()
     Mesh(dp=2, tp=2, ep=4, etp=1).check()
+
+
+def test_mesh_text_refusals_name_the_option_it_came_with(tmp_path):
+    """One parser for --load-on and inspect --mesh; its refusal names the flag the text was given with."""
+    assert parse_mesh("dp=2, tp=4,ep=2,etp=tp", "--load-on") == {"dp": 2, "tp": 4, "ep": 2, "etp": 4}
+    save_file({"w": np.zeros((4, 4), np.float32)}, tmp_path / "model.safetensors")
+    names = "give sizes as name=N with names dp, tp, ep, etp, cp, dp_replicate"
+    for command, option in ([("inspect", tmp_path, "--layout", "w"), "--mesh"], [("verify", tmp_path), "--load-on"]):
+        result = dcptool(*command, option, "dp=2,pp=2", check=False)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines()[-1] == f"dcptool: error: {option} 'dp=2,pp=2': {names}"
+        with pytest.raises(UsageError, match=f"^{option} 'dp=2,pp=2': {names}$"):
+            parse_mesh("dp=2,pp=2", option)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dcptool.errors import UsageError
+from dcptool.errors import OutputExistsError, UsageError
 from dcptool.storage.files import is_remote, local_path
 from dcptool.storage.interrupts import deferred_interrupts
 from dcptool.storage.naming import annotate, showing, shown_path
@@ -32,7 +32,7 @@ def check_destination(location: str | Path, overwrite: bool) -> None:
     else:
         found = Path(location).exists()
     if found and not overwrite:
-        raise UsageError(f"{location}: already exists (pass --overwrite to replace it)")
+        raise OutputExistsError(f"{location}: already exists (pass --overwrite to replace it)", path=str(location))
 
 
 def output_path(location: str | Path) -> Path | str:
@@ -109,7 +109,7 @@ def atomic_output(destination: Path, overwrite: bool, is_dir: bool = True) -> It
     An existing ``destination`` is refused unless ``overwrite``, and replaced only after success.
     Without ``overwrite``, the final rename refuses to replace anything that appeared at
     ``destination`` meanwhile (another run writing the same output): of two runs, one wins and the
-    other raises ``UsageError``. The temporary's name carries this host and process id
+    other raises ``OutputExistsError``. The temporary's name carries this host and process id
     (``.NAME.dcptool-tmp-HOST-PID-XXXXXXXX``), so that a later run removes what a killed one left.
     """
     destination = Path(destination)
@@ -242,7 +242,7 @@ def _process_gone(pid: int) -> bool:
 def _commit(temporary: Path, destination: Path, overwrite: bool) -> Path | None:
     """Put ``temporary`` in place at ``destination``; returns what is left to remove (a replaced output).
 
-    Without ``overwrite`` nothing that appeared at ``destination`` is replaced (``UsageError``).
+    Without ``overwrite`` nothing that appeared at ``destination`` is replaced (``OutputExistsError``).
     With it, an existing output is swapped with the new one in one step where the system can
     (``renameat2(RENAME_EXCHANGE)``), else set aside, and removed by the caller.
     """
@@ -250,7 +250,8 @@ def _commit(temporary: Path, destination: Path, overwrite: bool) -> Path | None:
         try:
             _attempt("renaming into place", temporary, lambda: rename_noreplace(temporary, destination))
         except FileExistsError:
-            raise UsageError(f"{destination}: appeared while writing; not replaced (use --overwrite)") from None
+            raise OutputExistsError(f"{destination}: appeared while writing; not replaced (use --overwrite)",
+                                    path=str(destination)) from None
         return None
     for _ in range(10):  # only another writer, putting its output in place at the same moment, makes it loop
         if not os.path.lexists(destination):
