@@ -6,15 +6,12 @@ from typing import Optional
 
 import typer
 
-from dcptool import formats, hub
-from dcptool.cli import writing
+from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (CastDtype, CompressOption, Compression, DequantizeOption, DtypeOption, ExcludeOption,
+from dcptool.cli.options import (CastDtype, CompressOption, Compression, DequantizeOption, DryRunOption, DtypeOption, ExcludeOption,
                                  Family, FormatName, FromOption, FsyncOption, IncludeOption, MaxMemoryOption,
                                  ModelValuesOption, OptimForm, OptimFormOption, OutputFormat, OutputLocation,
                                  OverwriteOption, RevisionOption, TargetAdapterOption)
-from dcptool.errors import UsageError
-from dcptool.sizes import parse_size
 from dcptool.storage import output_path
 
 
@@ -27,11 +24,11 @@ def convert_command(
     dtype: Optional[CastDtype] = DtypeOption,
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
-    world_size: int = typer.Option(1, "--world-size", help="Ranks to write for --to fsdp1."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks to write for --to fsdp1 (default 1)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="With --to fsdp1: give each new rank the state its source rank saved of its own (RNG) instead of dropping it."),
     optim_form: Optional[OptimForm] = OptimFormOption,
     model_values: Optional[str] = ModelValuesOption,
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file for --to hf."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest safetensors file for --to hf (default 5GB, the hub's)."),
     adapter: Optional[Family] = TargetAdapterOption,
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json, for --adapter (head counts, experts, tied embeddings)."),
     revision: Optional[str] = RevisionOption,
@@ -40,6 +37,7 @@ def convert_command(
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
+    dry_run: bool = DryRunOption,
 ) -> None:
     """Convert between formats, keeping every key as saved (nested keys flattened with '.'), or renamed with --adapter.
 
@@ -50,19 +48,12 @@ def convert_command(
       [cyan]dcptool convert s3://bucket/run-7/step-1000 step-1000.pt --to torch[/cyan]   (with s3fs installed)
       [cyan]dcptool convert archon-step-200 fsdp-engine-step-200 --to dcp --adapter hf[/cyan]   (optimizer state follows)
     """
-    from dcptool import conversion
+    from dcptool import api
 
-    source, = hub.with_revision(source, revision=revision)
-    if compress and to != "dcp":
-        raise UsageError(f"--compress {compress} goes with --to dcp")
-    conversion.fsdp1_forms_only(to, optim_form, model_values)
-    checkpoint, quant_notes = writing.dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir,
-                                                  dtype)
-    planned = conversion.plan_convert(checkpoint, to, dtype=dtype, include=include, exclude=exclude, adapter=adapter,
-                                      config_dir=config_dir, world_size=world_size,
-                                      max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
-                                      keep_rank_state=keep_rank_state, optim_form=optim_form, model_values=model_values)
-    planned.notes += quant_notes
-    if compress:
-        planned.writer_options["compress"] = compress
-    writing.write(planned, destination, max_memory, overwrite, fsync)
+    report = api.convert(source, destination, to, source_format=source_format, revision=revision, dtype=dtype,
+                         include=include, exclude=exclude, world_size=world_size, max_shard_size=max_shard_size,
+                         adapter=adapter, config_dir=config_dir, keep_rank_state=keep_rank_state,
+                         optim_form=optim_form, model_values=model_values, dequantize=dequantize, compress=compress,
+                         max_memory=max_memory, overwrite=overwrite, fsync=fsync, dry_run=dry_run,
+                         progress=render.progress)
+    render.written(report)

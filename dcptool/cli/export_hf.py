@@ -6,15 +6,12 @@ from typing import Literal, Optional
 
 import typer
 
-from dcptool import formats, hub
-from dcptool.cli import writing
+from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
+from dcptool.cli.options import (DryRunOption, CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
                                  FromOption, FsyncOption, IncludeOption, MaxMemoryOption, OutputLocation,
                                  OverwriteOption)
-from dcptool.errors import UsageError
-from dcptool.sizes import parse_size
-from dcptool.storage import is_remote, output_path
+from dcptool.storage import output_path
 
 
 @app.command(name="export-hf")
@@ -38,6 +35,7 @@ def export_hf(
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
+    dry_run: bool = DryRunOption,
 ) -> None:
     """Export the model weights as Hugging Face safetensors, ready for transformers' from_pretrained.
 
@@ -53,26 +51,14 @@ def export_hf(
       [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
       [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --revision step-1000[/cyan]
     """
-    from dcptool import conversion
+    from dcptool import api
 
-    if push_to_hub:  # before the export: a push that cannot start should not cost one
-        hub.check_repo_id(push_to_hub)
-        if is_remote(destination):
-            raise UsageError(f"{destination}: --push-to-hub uploads a local export folder: give a local output folder")
-        hub.check_can_push()
-    elif private or hub_branch or commit_message:
-        raise UsageError("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
-    checkpoint, quant_notes = writing.dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir,
-                                                  dtype)
-    planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype, include=include,
-                                        exclude=exclude, adapter=adapter, hf_experts=hf_experts,
-                                        max_shard_size=parse_size(max_shard_size, "--max-shard-size"))
-    if dequantize:  # a quantization_config left in would make transformers quantize the weights again
-        from dcptool import quant
-
-        planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
-        planned.notes += quant_notes
-    writing.write(planned, destination, max_memory, overwrite, fsync)
-    if push_to_hub:
-        url = hub.push(destination, push_to_hub, private=private, revision=hub_branch, commit_message=commit_message)
-        print(f"pushed {destination} to {url}")
+    report = api.export_hf(source, destination, config_dir=config_dir, prefix=prefix, source_format=source_format,
+                           dtype=dtype, include=include, exclude=exclude,
+                           max_shard_size=max_shard_size, adapter=adapter, hf_experts=hf_experts, dequantize=dequantize,
+                           push_to_hub=push_to_hub, private=private, hub_branch=hub_branch,
+                           commit_message=commit_message, max_memory=max_memory, overwrite=overwrite, fsync=fsync,
+                           dry_run=dry_run, progress=render.progress)
+    render.written(report)
+    if report.pushed_to:
+        print(f"pushed {destination} to {report.pushed_to}")

@@ -19,8 +19,10 @@ OutputFormat = Literal[tuple(formats.writable())]
 CastDtype = Literal[dtypes.CASTABLE]
 Family = Literal[FAMILIES]
 FamilyOrAuto = Literal[("auto", *FAMILIES)]
+# reshard writes the formats laid out over ranks (a mesh, or data-parallel ranks)
+LaidOutFormat = Literal[tuple(name for name in formats.writable() if formats.get(name).layout.value != "none")]
 OptimForm = Literal["named", "flat", "orig", "fsdp2"]
-Compression = Literal["zstd"]
+Compression = Literal[tuple(sorted({c for f in formats.all_formats().values() for c in f.compressions}))]
 
 
 FromOption = typer.Option(None, "--from", help="Source format (detected when omitted).")

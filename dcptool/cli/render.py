@@ -117,20 +117,31 @@ def grouped(keys, limit: int = 12) -> str:
     return ", ".join(f"{g} ({n})" if n > 1 else g for g, n in groups.items())
 
 
-def summary(report: conversion.Report, dropped: dict[str, list[str]] | None = None, why: str = "",
-            reasons: dict[str, str] | None = None) -> None:
-    """The written line, and one line of everything the output does not hold, grouped by why.
+def written(report: conversion.Report) -> None:
+    """What a writing command wrote (or, with --dry-run, would write), what it left out and why, then the notes."""
+    if report.dry_run:
+        files = report.planned_files
+        print(f"would write {report.destination} ({report.format}): {counted(report.tensors, 'tensor')}, "
+              f"{report.bytes_written:,} bytes of tensors in {counted(len(files), 'file')}: {grouped(list(files))}")
+    else:
+        print(f"wrote {report.destination} ({report.format}): {counted(report.tensors, 'tensor')}, "
+              f"{report.bytes_written:,} bytes")
+    _left_out(report)
+    notes([*report.notes, *report.not_read])  # not_read: files of the source no reader used
 
-    ``dropped``: the source's entries planning did not choose (``conversion.left_out``), by kind; each
-    for its reason in ``reasons``, else ``why``. The objects the writer could not hold
+
+def _left_out(report: conversion.Report) -> None:
+    """One line of everything the output does not hold, grouped by why.
+
+    ``report.dropped``: the source's entries planning did not choose, by kind; each for its reason in
+    ``report.reasons``, else ``report.why_left_out``. The objects the writer could not hold
     (``report.left_out``) are said apart.
     """
-    print(f"wrote {report.destination} ({report.format}): {counted(report.tensors, 'tensor')}, {report.bytes_written:,} bytes")
     unheld = f"{report.format} cannot hold them"
     groups: dict[str, dict[str, list[str]]] = {}  # reason -> kind -> keys
-    for kind, keys in (dropped or {}).items():
+    for kind, keys in report.dropped.items():
         for key in keys:
-            reason = unheld if key in report.left_out else (reasons or {}).get(key, why or "not chosen")
+            reason = unheld if key in report.left_out else report.reasons.get(key, report.why_left_out or "not chosen")
             groups.setdefault(reason, {}).setdefault(kind, []).append(key)
     for key in report.left_out:
         if not any(key in keys for kinds in groups.values() for keys in kinds.values()):
@@ -142,20 +153,22 @@ def summary(report: conversion.Report, dropped: dict[str, list[str]] | None = No
         print(f"left out: {said}: {grouped([key for kinds in groups.values() for keys in kinds.values() for key in keys])}")
 
 
-def print_plan(result, as_json: bool) -> None:
-    """--dry-run: per tensor its source chunks -> target placement and chunks, bytes per rank file, problems."""
-    plan = result.summary()
+def print_plan(plan: dict, as_json: bool) -> None:
+    """--dry-run of reshard: per tensor its source chunks -> target placement and chunks, the files the writer
+    plans and their bytes, problems."""
     if as_json:
         print(json.dumps(plan, indent=2))
         return
-    print(f"{plan['mesh']['description']} (plan {plan['plan']})")
+    how = f"plan {plan['plan']}" if plan["plan"] else f"{plan['format']} lays out its data-parallel ranks itself"
+    print(f"{plan['mesh']['description']} ({how})")
     rows = [(shown(key), str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
             for key, tensor in plan["tensors"].items()]
     print("\n".join(aligned(("key", "shape", "placement", "chunks"), rows, right=set())))
     if plan["objects"]:
         print(f"non-tensor entries carried over ({len(plan['objects'])}): {grouped(plan['objects'])}")
     names, sizes = list(plan["files"]), list(plan["files"].values())
-    print(f"{counted(len(sizes), 'file')} ({names[0]} to {names[-1]}), {min(sizes):,} to {max(sizes):,} bytes each")
+    if names:
+        print(f"{counted(len(sizes), 'file')} ({grouped(names)}), {min(sizes):,} to {max(sizes):,} bytes each")
     for warning in plan["warnings"]:
         print(f"warning: {warning}")
     for problem in plan["problems"]:

@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import typer
 
-from dcptool import formats, hub
-from dcptool.cli import render, writing
+from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (CastDtype, CompressOption, Compression, ConfigDirOption, CpOption, DequantizeOption,
+from dcptool.cli.options import (LaidOutFormat, CastDtype, CompressOption, Compression, ConfigDirOption, CpOption, DequantizeOption,
                                  DpReplicateOption, DryRunOption, DtypeOption, EpOption, EtpOption, Family, FormatName,
                                  FromOption, FsyncOption, MaxMemoryOption, ModelValuesOption, OptimForm,
                                  OptimFormOption, OutputLocation, OverwriteOption, PlanOption, RevisionOption,
                                  TargetAdapterOption, TpOption, WorldSizeOption)
 from dcptool.cli.render import shown
-from dcptool.errors import UsageError
-from dcptool.sizes import parse_size
-from dcptool.storage import check_destination, output_path
+from dcptool.storage import output_path
 
 
 @app.command()
@@ -34,7 +30,7 @@ def reshard(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    to: Literal["dcp", "fsdp1"] = typer.Option("dcp", "--to", help="dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
+    to: LaidOutFormat = typer.Option("dcp", "--to", help="dcp (chunks per rank of any mesh), hf-dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
     optim_form: Optional[OptimForm] = OptimFormOption,
     model_values: Optional[str] = ModelValuesOption,
@@ -58,20 +54,14 @@ def reshard(
       [cyan]dcptool reshard step-1000 moe-ep --dp 4 --tp 2 --ep 4 --etp 1 --dry-run[/cyan]
       [cyan]dcptool reshard global_step_10/actor fsdp1-w8 --to fsdp1 --world-size 8[/cyan]
     """
-    from dcptool import conversion, resharding
+    from dcptool import api
 
-    mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    conversion.fsdp1_forms_only(to, optim_form, model_values)
-    if to == "fsdp1":
-        if compress:
-            raise UsageError(f"--compress {compress} goes with --to dcp")
-        checkpoint = formats.open_checkpoint(source, source_format)
-        writing.write(resharding.fsdp1_conversion(checkpoint, mesh_options, dtype, keep_rank_state=keep_rank_state,
-                                                  optim_form=optim_form, model_values=model_values),
-                      destination, max_memory, overwrite, fsync)
-        return
-    _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
-             as_json, max_memory, overwrite, fsync, adapter, compress=compress)
+    report = api.reshard(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
+                         world_size=world_size, plan=plan, to=to, keep_rank_state=keep_rank_state, adapter=adapter,
+                         config_dir=config_dir, source_format=source_format, dtype=dtype, optim_form=optim_form,
+                         model_values=model_values, compress=compress, max_memory=max_memory, overwrite=overwrite,
+                         fsync=fsync, dry_run=dry_run, progress=render.progress)
+    _show(report, as_json)
 
 
 @app.command(name="import-hf")
@@ -106,43 +96,26 @@ def import_hf(
       [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
       [cyan]dcptool import-hf Qwen/Qwen3-8B qwen3-dcp --revision main[/cyan]   (a hub repo, through the hub cache)
     """
-    from dcptool import adapters, resharding
+    from dcptool import api
 
-    source, = hub.with_revision(source, revision=revision)
-    mesh_options = resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-    _reshard(source, destination, "hf", mesh_options, plan, False, config_dir, dtype, dry_run, False,
-             max_memory, overwrite, fsync, adapter, adapters.JOB_WRAPPERS[adapter], dequantize=dequantize)
+    report = api.import_hf(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
+                           world_size=world_size, plan=plan, adapter=adapter, config_dir=config_dir, revision=revision,
+                           dtype=dtype, dequantize=dequantize, max_memory=max_memory, overwrite=overwrite, fsync=fsync,
+                           dry_run=dry_run, progress=render.progress)
+    _show(report, False)
 
 
-def _reshard(source, destination, source_format, mesh_options, plan, keep_rank_state, config_dir, dtype, dry_run,
-             as_json, max_memory, overwrite, fsync, adapter=None, wrapper=(), dequantize=False, compress=None) -> None:
-    """Plan the layout on the mesh; print it (--dry-run, exit 2 on problems) or write it with a bar and summarize."""
-    from dcptool import resharding
-
-    if not dry_run:
-        check_destination(destination, overwrite)  # before planning prints its warnings
-    checkpoint, quant_notes = writing.dequantized(formats.open_checkpoint(source, source_format), dequantize, config_dir,
-                                                  dtype)
-    result = resharding.plan_for(checkpoint, mesh_options, plan, adapter=adapter,
-                                 wrapper=wrapper, config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype)
-    result.notes[:0] = quant_notes
-    if dry_run:
-        render.print_plan(result, as_json)
+def _show(report, as_json: bool) -> None:
+    """A reshard's plan (--dry-run; exit 2 on problems) or what it wrote, with the mesh line and warnings first."""
+    if report.dry_run:
+        render.print_plan(report.summary, as_json)
         if not as_json:
-            render.notes(result.notes)
-        if result.problems:
+            render.notes([*report.notes, *report.not_read])
+        if report.problems:
             raise typer.Exit(2)
         return
-    resharding.raise_problems(result)
     if not render.settings["quiet"]:
-        render.stderr_console().print(f"{result.mesh.describe()}; plan {result.plan.name} ({result.plan.description})",
-                                      soft_wrap=True)
-    for warning in result.warnings:
+        render.stderr_console().print(report.description, soft_wrap=True)
+    for warning in report.warnings:
         render.stderr_console().print("[yellow]warning[/yellow]: " + shown(warning).replace("[", "\\["), soft_wrap=True)
-    total = sum(layout.tensor.nbytes for layout in result.layouts)
-    with render.progress(total, f"writing {Path(str(destination)).name}") as advance:
-        report = resharding.write_plan(result, destination, compress=compress,
-                                       max_memory=parse_size(max_memory, "--max-memory"),
-                                       overwrite=overwrite, fsync=fsync, progress=advance)
-    render.summary(report)
-    render.notes(report.notes)
+    render.written(report)

@@ -1,0 +1,124 @@
+"""One path per command: the command line only parses and calls the API, so for every option both write
+the same bytes; and --dry-run writes nothing, for every writing command and every writable format."""
+
+from pathlib import Path
+
+import pytest
+
+import dcptool
+from conftest import dcptool as run_cli
+from dcptool import formats
+
+CONFIG = "<the source's config folder>"  # replaced by the reference folder of the saving job
+
+# (command, its command-line options, the API's keyword arguments for the same): each option of the
+# writing commands appears in at least one case.
+CASES = [
+    ("convert", ["--to", "torch"], {"to": "torch"}),
+    ("convert", ["--to", "dcp", "--dtype", "bfloat16", "--exclude", r"^optimizer\."],
+     {"to": "dcp", "dtype": "bfloat16", "exclude": r"^optimizer\."}),
+    ("convert", ["--to", "dcp", "--compress", "zstd", "--include", "layers"],
+     {"to": "dcp", "compress": "zstd", "include": "layers"}),
+    ("convert", ["--to", "hf", "--max-shard-size", "20KB"], {"to": "hf", "max_shard_size": "20KB"}),
+    ("convert", ["--to", "hf-dcp"], {"to": "hf-dcp"}),
+    ("convert", ["--to", "dcp", "--adapter", "hf"], {"to": "dcp", "adapter": "hf"}),
+    ("convert", ["--to", "fsdp1", "--world-size", "2", "--optim-form", "flat", "--model-values", "dtensor:cpu"],
+     {"to": "fsdp1", "world_size": 2, "optim_form": "flat", "model_values": "dtensor:cpu"}),
+    ("convert", ["--to", "fsdp1", "--world-size", "3", "--keep-rank-state"],
+     {"to": "fsdp1", "world_size": 3, "keep_rank_state": True}),
+    ("export-hf", ["--dtype", "bfloat16", "--max-shard-size", "30KB"], {"dtype": "bfloat16", "max_shard_size": "30KB"}),
+    ("export-hf", ["--include", "norm", "--hf-experts", "fused", "--adapter", "hf"],
+     {"include": "norm", "hf_experts": "fused", "adapter": "hf"}),
+    ("export-hf", ["--config-dir", CONFIG, "--exclude", "xyz"], {"config_dir": CONFIG, "exclude": "xyz"}),
+    ("reshard", ["--dp", "4", "--tp", "1"], {"dp": 4, "tp": 1}),
+    ("reshard", ["--dp", "1", "--tp", "2", "--dtype", "bfloat16", "--keep-rank-state"],
+     {"dp": 1, "tp": 2, "dtype": "bfloat16", "keep_rank_state": True}),
+    ("reshard", ["--dp", "2", "--compress", "zstd", "--adapter", "archon", "--config-dir", CONFIG],
+     {"dp": 2, "compress": "zstd", "adapter": "archon", "config_dir": CONFIG}),
+    ("reshard", ["--to", "fsdp1", "--world-size", "2", "--optim-form", "orig"],
+     {"to": "fsdp1", "world_size": 2, "optim_form": "orig"}),
+    ("import-hf", ["--dp", "2", "--tp", "2", "--adapter", "torchtitan"], {"dp": 2, "tp": 2, "adapter": "torchtitan"}),
+    ("import-hf", ["--world-size", "2", "--dtype", "bfloat16"], {"world_size": 2, "dtype": "bfloat16"}),
+]
+API = {"convert": dcptool.convert, "export-hf": dcptool.export_hf, "reshard": dcptool.reshard,
+       "import-hf": dcptool.import_hf}
+
+
+@pytest.fixture(scope="module")
+def sources(checkpoints, tmp_path_factory):
+    """A torchtitan-layout DCP saved by a real FSDP2 job (dp=2), its HF config, and its Hugging Face export."""
+    dcp_path, reference = checkpoints("fsdp2_dp2")
+    hf_path = tmp_path_factory.mktemp("one-path") / "hf"
+    dcptool.export_hf(dcp_path, hf_path, config_dir=reference)
+    return {"dcp": dcp_path, "hf": hf_path, "config": str(reference)}
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    """Every file of an output (a folder or one file) with its bytes."""
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def source_for(command: str, sources: dict) -> Path:
+    return sources["hf" if command == "import-hf" else "dcp"]
+
+
+@pytest.mark.parametrize("command, cli_options, api_options", CASES,
+                         ids=[f"{c}{''.join(o)}" for c, o, _ in CASES])
+def test_command_line_and_api_write_the_same_bytes(sources, tmp_path, command, cli_options, api_options):
+    source = source_for(command, sources)
+    cli_options = [sources["config"] if option == CONFIG else option for option in cli_options]
+    api_options = {key: sources["config"] if value == CONFIG else value for key, value in api_options.items()}
+    name = "out.pt" if api_options.get("to") == "torch" else "out"  # a torch.save archive holds its file's name
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "api").mkdir()
+    by_cli, by_api = tmp_path / "cli" / name, tmp_path / "api" / name
+    run_cli(command, source, by_cli, *cli_options)
+    API[command](source, by_api, **api_options)
+    cli_files, api_files = files_of(by_cli), files_of(by_api)
+    assert cli_files, f"{command} wrote nothing"
+    assert sorted(cli_files) == sorted(api_files)
+    assert [name for name in cli_files if cli_files[name] != api_files[name]] == []
+
+
+# Every writing command with every format it can write; reshard's --to takes the formats laid out over ranks.
+DRY_RUNS = ([("convert", ["--to", name]) for name in formats.writable()] + [("export-hf", [])]
+            + [("reshard", ["--to", name, "--world-size", "2"]) for name in formats.writable()
+               if formats.get(name).layout.value != "none"]
+            + [("import-hf", ["--dp", "2"])])
+
+
+@pytest.mark.parametrize("command, options", DRY_RUNS, ids=[f"{c}{''.join(o)}" for c, o in DRY_RUNS])
+def test_dry_run_writes_nothing(sources, tmp_path, command, options):
+    destination = tmp_path / "out"
+    before = sorted(tmp_path.rglob("*"))
+    result = run_cli(command, source_for(command, sources), destination, *options, "--dry-run")
+    assert not destination.exists() and sorted(tmp_path.rglob("*")) == before
+    assert "would write" in result.stdout or "no problems" in result.stdout, result.stdout
+    api_command = API[command]
+    api_options = {"to": options[1]} if command == "convert" else {}
+    report = api_command(source_for(command, sources), destination, **api_options, dry_run=True)
+    assert report.dry_run and report.planned_files and not destination.exists()
+
+
+def test_reshard_to_fsdp1_dry_run_lists_its_files_and_writes_nothing(sources, tmp_path):
+    """The bug issue 20 names: reshard --to fsdp1 --dry-run wrote its output and ignored --plan."""
+    destination = tmp_path / "fsdp1"
+    result = run_cli("reshard", sources["dcp"], destination, "--to", "fsdp1", "--world-size", "2", "--dry-run")
+    assert not destination.exists()
+    assert "model_world_size_2_rank_1.pt" in result.stdout
+    refused = run_cli("reshard", sources["dcp"], destination, "--to", "fsdp1", "--tp", "2", "--dry-run", check=False)
+    assert refused.returncode == 2 and "data-parallel" in refused.stderr and not destination.exists()
+
+
+def test_options_a_format_does_not_take_are_refused_by_both(sources, tmp_path):
+    for cli_options, api_options, expected in [
+            (["--to", "torch", "--compress", "zstd"], {"to": "torch", "compress": "zstd"}, "--compress zstd goes with --to dcp"),
+            (["--to", "dcp", "--optim-form", "flat"], {"to": "dcp", "optim_form": "flat"}, "--optim-form goes with --to fsdp1"),
+            (["--to", "hf", "--world-size", "4"], {"to": "hf", "world_size": 4}, "--world-size goes with --to fsdp1")]:
+        result = run_cli("convert", sources["dcp"], tmp_path / "out", *cli_options, check=False)
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        with pytest.raises(dcptool.UsageError, match=expected):
+            dcptool.convert(sources["dcp"], tmp_path / "out", **api_options)
+        assert not (tmp_path / "out").exists()
