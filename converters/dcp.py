@@ -509,6 +509,7 @@ class Dcp(Format):
     writable = True
     layout = Layout.MESH
     compressions = ("zstd",)
+    dcp_loadable = True
     options = {"compress": "--compress"}
 
     def detect(self, files: CheckpointFiles) -> bool:

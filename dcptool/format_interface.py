@@ -102,6 +102,8 @@ class Format(ABC):
     writable: ClassVar[bool] = False
     layout: ClassVar[Layout] = Layout.NONE
     compressions: ClassVar[tuple[str, ...]] = ()
+    # torch's ``dcp.load`` with its ``FileSystemReader`` reads it (``verify --load-on`` runs that load).
+    dcp_loadable: ClassVar[bool] = False
     # The options of ``OutputRequest`` it takes (beyond dtype, include and exclude), each with the flag that sets it.
     options: ClassVar[dict[str, str]] = {}
 

@@ -92,7 +92,7 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
     check_runnable(checkpoint)
     checkpoint = Path(checkpoint)
     source = formats.open_checkpoint(checkpoint)
-    if source.format != "dcp":
+    if not formats.get(source.format).dcp_loadable:
         raise UsageError(f"{checkpoint}: --load-on loads DCP checkpoints with dcp.load (this is {source.format})")
     world = nproc or None
     planned = prepare(source, {**mesh_options, "world_size": world}, plan)
@@ -178,7 +178,7 @@ def _worker(args) -> int:
     dist.init_process_group(args.backend)
     try:
         mesh = Mesh(**json.loads(args.mesh))
-        checkpoint = formats.open_checkpoint(args.checkpoint, "dcp")
+        checkpoint = formats.open_checkpoint(args.checkpoint)
         planned = prepare(checkpoint, mesh.as_dict(), args.plan, keep_rank_state=True)
         # Dense tensors live on (dp_replicate, fsdp, tp); experts on (dp_replicate, efsdp, ep[, etp]).
         inner = (("etp", mesh.tp),) if mesh.etp == mesh.tp else ()
