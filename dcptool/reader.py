@@ -88,7 +88,7 @@ class Reader(Mapping[str, TensorSpec]):
         tensor = self._checkpoint.tensors.get(key)
         if tensor is None:
             what = "a non-tensor entry" if key in self._checkpoint.objects else "not in it"
-            raise UsageError(f"{self.path}: {key!r} is {what} (keys: list(dcptool.open(...)))")
+            raise UsageError(f"{self.path}: {key!r} is {what} (keys: list(dcptool.open(...)))", path=self.path, key=key)
         offsets, sizes, dropped = _box(tensor, region, f"{self.path}: {key}")
         itemsize = dtypes.dtype(tensor.dtype).itemsize
         raw = np.empty(sizes, dtype=dtypes.raw_view_type(itemsize))

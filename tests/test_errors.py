@@ -60,6 +60,13 @@ def test_an_existing_output_is_a_file_exists(tmp_path):
     assert taken.read_bytes() == b"mine"
 
 
+def test_a_tensor_not_there_names_its_key(tmp_path):
+    save_file({"w": np.ones((2, 2), np.float32)}, tmp_path / "model.safetensors")
+    with dcptool.open(tmp_path) as checkpoint, pytest.raises(ValueError) as caught:
+        checkpoint.read("v")
+    assert isinstance(caught.value, UsageError) and (caught.value.key, caught.value.path) == ("v", str(tmp_path))
+
+
 def test_a_failed_read_is_not_relabelled_by_a_value_error_clause(tmp_path, monkeypatch):
     """CheckpointError is a ValueError now: the clauses that turn a parser's ValueError into "not valid
     JSON", "not a torch.save archive" or "a torch file" must not catch it from the read beside the parse."""
