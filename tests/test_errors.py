@@ -24,7 +24,8 @@ def test_each_error_is_also_its_builtin():
                             (UsageError, (ValueError,)), (MismatchError, ())]:
         assert all(issubclass(error, b) for b in (DcptoolError, *builtins)), error
         assert getattr(dcptool, error.__name__) is error and error.__name__ in dcptool.__all__
-    assert [e.exit_code for e in (CheckpointNotFoundError, OutputExistsError, UsageError, MismatchError)] == [2, 2, 2, 1]
+    exit_codes = [e.exit_code for e in (CheckpointNotFoundError, OutputExistsError, UsageError, MismatchError)]
+    assert exit_codes == [2, 2, 2, 1]
     # What OSError's machinery sets (storage names the file of a failed write) leaves the message as it was.
     missing = CheckpointNotFoundError("step-9: no such file or folder", path="step-9")
     missing.filename = "step-9"
