@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from dcptool.models.kind import Divisor, PlanRule, Row, Shape, Tie
+from dcptool.models.kind import Divisor, ModelKind, PlanRule, Row, Shape, Tie
 
 # ---------------------------------------------------------------------------------------------
 # Rows: each parameter under every family's name
@@ -136,11 +136,11 @@ def routed_experts_weights(config: dict, experts: int, fused: bool) -> dict[str,
     return weights
 
 
-def required_experts(config: dict, fields: tuple[str, ...]) -> int:
+def required_experts(kind: ModelKind, config: dict) -> int:
     """The routed expert count; a config without it raises KeyError naming the kind's own field."""
-    count = next((config[f] for f in fields if isinstance(config.get(f), int)), None)
+    count = kind.expert_count(config)
     if count is None:
-        raise KeyError(fields[0])
+        raise KeyError(kind.expert_fields[0])
     return count
 
 

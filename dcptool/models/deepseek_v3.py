@@ -46,7 +46,7 @@ def hf_weights(config: dict, fused: bool) -> dict:
     def layer_weights(layer: int) -> dict:
         if layer < config.get("first_k_dense_replace", 0):
             return {**latent_attention_weights(config), **common.dense_layer_mlp(config)}
-        experts = common.required_experts(config, EXPERT_FIELDS)
+        experts = common.required_experts(KIND, config)
         shared = config["moe_intermediate_size"] * config["n_shared_experts"]
         return {**latent_attention_weights(config), **common.routed_experts_weights(config, experts, fused),
                 "mlp.gate.e_score_correction_bias": (experts,),

@@ -18,7 +18,7 @@ def hf_weights(config: dict, fused: bool) -> dict:
 
     def layer_weights(layer: int) -> dict:
         attention = common.attention_weights(config, qkv_bias=bias, o_bias=bias, qk_norms=True)
-        experts = 0 if layer in dense or (layer + 1) % step else common.required_experts(config, EXPERT_FIELDS)
+        experts = 0 if layer in dense or (layer + 1) % step else common.required_experts(KIND, config)
         mlp = common.routed_experts_weights(config, experts, fused) if experts > 0 else common.dense_layer_mlp(config)
         return {**attention, **mlp}
 
