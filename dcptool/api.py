@@ -50,7 +50,7 @@ __all__ = ["open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "im
            "verify", "checksum"]
 
 Size = Union[int, str]
-Progress = Callable[[int, str], ContextManager[Callable[[int], None]]]
+Progress = Callable[[Union[int, None], str], ContextManager[Callable[[int], None]]]
 
 
 def convert(source: str | Path, destination: str | Path, to: str, *, source_format: str | None = None,
@@ -215,7 +215,8 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
            prefix_a: str | None = None, prefix_b: str | None = None, from_a: str | None = None,
            from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto",
            load_on: str | Mapping[str, int] | None = None, nproc: int | None = None, backend: str = "auto",
-           plan: str = "auto", timeout: float = 600.0, max_memory: Size = DEFAULT_MAX_MEMORY) -> VerifyReport | LoadReport:
+           plan: str = "auto", timeout: float = 600.0, max_memory: Size = DEFAULT_MAX_MEMORY,
+           revision: str | None = None, progress: Progress | None = None) -> VerifyReport | LoadReport:
     """``dcptool verify``: compare ``a`` with ``b`` (any formats and layouts), or with its own round
     trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``. ``report.equal`` says whether
     they match, ``report.differences`` how not. With ``load_on`` (``"dp=2,tp=2"``): load ``a`` with
@@ -234,6 +235,7 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     """
     from dcptool import loadcheck, verification
 
+    a, b = hub.with_revision(a, b, revision=revision)
     verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
     memory = parse_size(max_memory, "--max-memory")
     if load_on:
@@ -241,17 +243,24 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
         return loadcheck.run(a, mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
                              exclude=exclude)
     if roundtrip:
-        return verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
-                                      max_memory=memory, atol=atol, rtol=rtol)
-    return verification.compare(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a, prefix_b=prefix_b,
-                                include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b,
-                                atol=atol, rtol=rtol, max_memory=memory)
+        with _progress(progress, None, f"round trip via {roundtrip}") as advance:
+            return verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
+                                          max_memory=memory, atol=atol, rtol=rtol, progress=advance)
+    side_a, side_b, note = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a,
+                                              prefix_b=prefix_b, include=include, exclude=exclude,
+                                              family_a=adapter_a, family_b=adapter_b)
+    total = sum(t.nbytes for k, t in side_a.tensors.items() if k in side_b.tensors)
+    with _progress(progress, total, "comparing") as advance:
+        report = verification.compare_sides(side_a, side_b, atol=atol, rtol=rtol, max_memory=memory, progress=advance)
+    report.note = note
+    return report
 
 
 def checksum(path: str | Path, *, write: bool = False, check: bool = False, against: str | Path | None = None,
              manifest: str | Path | None = None, scan_nonfinite: bool = False, prefix: str | None = None,
              against_prefix: str | None = None, source_format: str | None = None, threads: int = 0,
-             max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False) -> Result:
+             max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, revision: str | None = None,
+             progress: Progress | None = None) -> Result:
     """``dcptool checksum``: ``write`` an integrity manifest (a BLAKE3 hash per file and per tensor),
     ``check`` the checkpoint against it, or check another checkpoint ``against`` it by tensor hashes.
     ``result.ok`` says whether everything matches, ``result.problems`` what does not.
@@ -266,11 +275,18 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
     """
     from dcptool import checksums
 
-    return checksums.run(path, write=write, check=check, against=against, manifest=manifest,
-                         source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
-                         against_prefix=against_prefix, overwrite=overwrite,
-                         max_memory=parse_size(max_memory, "--max-memory"),
-                         threads=threads or None)
+    path, against = hub.with_revision(path, against, revision=revision)
+    if hub.parse(path):  # the hub cache is huggingface_hub's: no manifest is written into it or read from it
+        if manifest is None:
+            raise UsageError(f"{path}: a hub repo holds no dcptool manifest: give --manifest FILE")
+        if check:
+            path = hub.local_path(path)
+    with _progress(progress, None, "hashing") as advance:
+        return checksums.run(path, write=write, check=check, against=against, manifest=manifest,
+                             source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
+                             against_prefix=against_prefix, overwrite=overwrite,
+                             max_memory=parse_size(max_memory, "--max-memory"), threads=threads or None,
+                             progress=advance)
 
 
 def _source(source, source_format, revision, dequantize: bool, config_dir, dtype) -> tuple[Checkpoint, list[str]]:
@@ -316,7 +332,7 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
                                         warnings=result.warnings, problems=result.problems, summary=result.summary(),
                                         description=result.describe())
     resharding.raise_problems(result)
-    with _progress(progress, result.conversion.total_bytes, destination) as advance:
+    with _progress(progress, result.conversion.total_bytes, _writing_label(destination)) as advance:
         report = resharding.write_plan(result, destination, **_writing(max_memory, overwrite, fsync), progress=advance)
     report.description = result.describe()
     return report
@@ -328,17 +344,22 @@ def _run(planned: Conversion, destination, dry_run: bool, progress: Progress | N
     destination = output_path(destination)
     if dry_run:
         return planned.dry_run(destination)
-    with _progress(progress, planned.total_bytes, destination) as advance:
+    with _progress(progress, planned.total_bytes, _writing_label(destination)) as advance:
         return planned.write(destination, **_writing(max_memory, overwrite, fsync), progress=advance)
 
 
 @contextmanager
-def _no_progress(total: int, what: str):
+def _no_progress(total: int | None, what: str):
     yield lambda n: None
 
 
-def _progress(progress: Progress | None, total: int, destination) -> ContextManager[Callable[[int], None]]:
-    return (progress or _no_progress)(total, f"writing {Path(str(destination)).name}")
+def _progress(progress: Progress | None, total: int | None, what: str) -> ContextManager[Callable[[int], None]]:
+    """The caller's progress bar for ``total`` bytes (None: unknown) labelled ``what``, or none."""
+    return (progress or _no_progress)(total, what)
+
+
+def _writing_label(destination) -> str:
+    return f"writing {Path(str(destination)).name}"
 
 
 def _writing(max_memory: Size, overwrite: bool, fsync: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dcptool import adapters, distributed, formats, transfer
+from dcptool import adapters, distributed, formats, models, transfer
 from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
@@ -64,7 +64,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     ``adapter`` is the family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
     Archon and torchtitan names become HF's. ``include`` / ``exclude`` match the names as saved.
     Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
-    ``huggingface/``) is used; a config with ``tie_word_embeddings`` drops ``lm_head.weight``, which
+    ``huggingface/``) is used; a config that ties the output to the embedding drops the output weight, which
     transformers recreates from the embedding.
     """
     named = select(model_part(checkpoint, prefix), include, exclude)
@@ -79,8 +79,9 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         adapters.refuse_unmatched(result.unmatched, mapping, "leave them out with --exclude")
         named = {name: entry for name, (entry, _) in result.entries.items()}
         notes += [f"left out {line}" for line in result.dropped]
-    if config is not None and config.get("tie_word_embeddings") and named.pop("lm_head.weight", None):
-        notes.append("left out lm_head.weight: the config ties it to the embedding")
+    for output in models.tied_outputs(config):  # transformers recreates a tied output from the embedding
+        if named.pop(output, None) is not None:
+            notes.append(f"left out {output}: the config ties it to the embedding")
     return out_tensors(named, dtype, keep_paths=False), config_dir, notes
 
 
@@ -340,12 +341,16 @@ def convert_checkpoint(
     dtype: str | None = None,
     include: str | None = None,
     exclude: str | None = None,
+    writer_options: dict | None = None,
     **options,
 ) -> Report:
-    """Convert a checkpoint to another format, keeping every key (tensors and objects) as saved.
+    """Convert a checkpoint to another format as ``dcptool.convert`` plans it, with ``writer_options`` given to
+    the format's writer over what planning chose (its own knobs, such as fsdp1's ``replicate``); ``options``
+    go to ``write_checkpoint`` (``across_ranks`` inside a job that has its own process group).
 
     >>> convert_checkpoint("step-100", "step-100.pt", to="torch")   # doctest: +SKIP
     """
     checkpoint = formats.open_checkpoint(source, source_format)
     planned = plan_convert(checkpoint, to, OutputRequest(dtype=dtype, include=include, exclude=exclude))
+    planned.writer_options.update(writer_options or {})
     return planned.write(destination, **options)

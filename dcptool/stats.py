@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dcptool import dtypes, selection, transfer
+from dcptool import dtypes, models, selection, transfer
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
 
@@ -41,8 +41,6 @@ from dcptool.errors import CheckpointError, UsageError
 # 16 free cores: 443 MB/s on 1 thread, 640 MB/s on 2 to 4, 440 MB/s on 16).
 MAX_THREADS = 4
 # A model tensor whose name holds "experts" and that has this many dims is grouped experts [E, ...].
-GROUPED_EXPERTS = re.compile(r"(^|[._])experts?([._]|$)")
-PER_EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)\.(.+)$")  # model.layers.3.mlp.experts.17.up_proj.weight
 NUMBER_PART = re.compile(r"^\d+$")
 
 
@@ -234,7 +232,7 @@ def compute(checkpoint: Checkpoint, tensors: dict[str, TensorInfo] | None = None
     tensors = checkpoint.tensors if tensors is None else tensors
     model_keys = {info.key for info in selection.model_part(checkpoint).values()}
     grouped = {key for key, t in tensors.items()
-               if key in model_keys and len(t.shape) >= 3 and t.shape[0] > 1 and GROUPED_EXPERTS.search(key)}
+               if key in model_keys and models.grouped_experts(key, t.shape)}
     scanner = _Scanner(checkpoint, max_memory, threads, progress)
     stats = scanner.run(tensors, grouped)
     report = StatsReport(stats, threads=scanner.threads, seconds=time.perf_counter() - started,
@@ -256,9 +254,10 @@ def flags(stats: dict[str, TensorStats], model_keys: set[str]) -> list[Flag]:
             found.append(Flag("zero expert", [key], f"{which} all zeros, the others are not"))
     per_expert: dict[tuple[str, str], dict[int, str]] = {}
     for key in stats:
-        match = PER_EXPERT.match(key)
-        if key in model_keys and match and stats[key].l2 is not None:
-            per_expert.setdefault((match[1], match[3]), {})[int(match[2])] = key
+        slot = models.expert_of(key)
+        if key in model_keys and slot and stats[key].l2 is not None:
+            prefix, number, rest = slot
+            per_expert.setdefault((prefix, rest), {})[number] = key
     for (prefix, suffix), keys in per_expert.items():
         zero = [keys[n] for n in sorted(keys) if stats[keys[n]].l2 == 0 and not stats[keys[n]].nan]
         if zero and len(zero) < len(keys):
@@ -322,12 +321,12 @@ def _expert_counts(params: dict[str, TensorInfo]) -> dict[str, int] | None:
     """Routed experts: how many, parameters of one expert over all layers, their total and the MoE layers."""
     per_expert_total, experts, layers = 0, set(), set()
     for name, info in params.items():
-        match = PER_EXPERT.match(name)
-        if match:
-            experts.add(int(match[2]))
-            layers.add(match[1])
+        slot = models.expert_of(name)
+        if slot:
+            experts.add(slot[1])
+            layers.add(slot[0])
             per_expert_total += math.prod(info.shape)
-        elif len(info.shape) >= 3 and info.shape[0] > 1 and GROUPED_EXPERTS.search(name):
+        elif models.grouped_experts(name, info.shape):
             experts.update(range(info.shape[0]))
             layers.add(name.rsplit(".", 1)[0])
             per_expert_total += math.prod(info.shape)

@@ -8,12 +8,10 @@ from typing import Optional
 
 import typer
 
-from dcptool import hub
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import FormatName, JsonOption, MaxMemoryOption, RevisionOption
-from dcptool.errors import MismatchError, UsageError, counted
-from dcptool.sizes import parse_size
+from dcptool.errors import MismatchError, counted
 
 
 # The help writes out the manifest's name and the thread cap so that the other commands start without
@@ -45,20 +43,12 @@ def checksum_command(
       [cyan]dcptool checksum step-1000 --against hf-out --prefix auto[/cyan]
       [cyan]dcptool checksum model.pt --write --manifest manifests/model.json[/cyan]
     """
-    from dcptool import checksums
+    from dcptool import api
 
-    path, against = hub.with_revision(path, against, revision=revision)
-    if hub.parse(path):  # the hub cache is huggingface_hub's: no manifest is written into it or read from it
-        if manifest is None:
-            raise UsageError(f"{path}: a hub repo holds no dcptool manifest: give --manifest FILE")
-        if check:
-            path = hub.local_path(path)
-    with render.progress(None, "hashing") as advance:
-        result = checksums.run(path, write=write, check=check, against=against, manifest=manifest,
-                               source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
-                               against_prefix=against_prefix, overwrite=overwrite,
-                               max_memory=parse_size(max_memory, "--max-memory"),
-                               threads=threads or None, progress=advance)
+    result = api.checksum(path, write=write, check=check, against=against, manifest=manifest,
+                          scan_nonfinite=scan_nonfinite, prefix=prefix, against_prefix=against_prefix,
+                          source_format=source_format, threads=threads, max_memory=max_memory, overwrite=overwrite,
+                          revision=revision, progress=render.progress)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
     else:

@@ -8,7 +8,6 @@ from typing import Literal, Optional
 
 import typer
 
-from dcptool import hub
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import (ExcludeOption, FamilyOrAuto, FormatName, IncludeOption, JsonOption, MaxMemoryOption,
@@ -16,7 +15,6 @@ from dcptool.cli.options import (ExcludeOption, FamilyOrAuto, FormatName, Includ
 from dcptool.cli.render import shown
 from dcptool.errors import DcptoolError, MismatchError
 from dcptool.mesh import parse_mesh
-from dcptool.sizes import parse_size
 
 PrefixHelp = "Compare only keys under this wrapper of {side}, with it stripped (e.g. 'dcp.model'); 'auto' finds the model part as export-hf does."
 
@@ -57,31 +55,19 @@ def verify_command(
       [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
     """
-    from dcptool import verification
+    from dcptool import api
 
-    a, b = hub.with_revision(a, b, revision=revision)
-    verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
     if load_on:
-        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json)
+        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json, revision)
         return
-    memory = parse_size(max_memory, "--max-memory")
-    tolerances = {"atol": atol, "rtol": rtol}
-    if roundtrip:
-        with render.progress(None, f"round trip via {roundtrip}") as advance:
-            report = verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
-                                            max_memory=memory, progress=advance, **tolerances)
-    else:
-        side_a, side_b, note = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a,
-                                                  prefix_b=prefix_b, include=include, exclude=exclude,
-                                                  family_a=adapter_a, family_b=adapter_b)
-        if note and not as_json:  # the first line of the output: the comparison is not the one asked for
-            print(shown(note))
-        total = sum(t.nbytes for k, t in side_a.tensors.items() if k in side_b.tensors)
-        with render.progress(total, "comparing") as advance:
-            report = verification.compare_sides(side_a, side_b, max_memory=memory, progress=advance, **tolerances)
+    report = api.verify(a, b, roundtrip=roundtrip, atol=atol, rtol=rtol, include=include, exclude=exclude,
+                        prefix_a=prefix_a, prefix_b=prefix_b, from_a=from_a, from_b=from_b, adapter_a=adapter_a,
+                        adapter_b=adapter_b, max_memory=max_memory, revision=revision, progress=render.progress)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
+        if report.note:  # the first line of the output: the comparison is not the one asked for
+            print(shown(report.note))
         render.print_verify(report)
         if not report.tensors and report.differences and all(d.kind in ("missing", "extra") for d in report.differences):
             print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
@@ -89,15 +75,16 @@ def verify_command(
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
 
 
-def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json) -> None:
+def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json, revision) -> None:
     """verify --load-on: a real multi-process dcp.load of ``path`` on ``mesh``, every rank's shard checked."""
-    from dcptool import loadcheck
+    from dcptool import api, loadcheck
 
-    loadcheck.check_runnable(path)  # before the line announcing the job
+    loadcheck.check_runnable(path)  # refusals before the line announcing the job
+    parse_mesh(mesh, "--load-on")
     if not as_json and not render.settings["quiet"]:
         render.stderr_console().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
-    report = loadcheck.run(path, parse_mesh(mesh, "--load-on"), nproc=nproc, backend=backend, plan=plan,
-                           timeout=timeout, include=include, exclude=exclude)
+    report = api.verify(path, load_on=mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
+                        exclude=exclude, revision=revision)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
