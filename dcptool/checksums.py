@@ -32,6 +32,7 @@ import numpy as np
 from dcptool import dtypes, formats, transfer
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
+from dcptool.sizes import check_memory_budget
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
 from dcptool.verification import BLOCK, RegionReader, align_families, buffer_size, select_side
 
@@ -117,8 +118,7 @@ class _Hasher:
     """Hashes files and tensors on a thread pool; each thread reuses one buffer, a share of ``max_memory``."""
 
     def __init__(self, max_memory: int, threads: int | None, progress: Callable[[int], None] | None):
-        if max_memory < 2**16:
-            raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+        check_memory_budget(max_memory)
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         wanted = threads or min(available, MAX_THREADS)
         self.threads = max(1, min(wanted, max_memory // 2**16))

@@ -153,20 +153,17 @@ def _kill_tree(job: subprocess.Popen) -> None:
 
 
 def _worker(args) -> int:
-    import numpy as np
+    """One rank of the load job: DTensors laid out on the mesh, filled by ``dcp.load``, then checked
+    against the files; the rank's result goes to its JSON file."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    from dcptool import dtypes, formats
-    from dcptool.selection import select
-    from dcptool.mesh import Mesh, Strided, local_chunk
+    from dcptool import formats
+    from dcptool.mesh import Mesh
     from dcptool.resharding import prepare
-    from dcptool.torch_archive import row_major
+    from dcptool.selection import select
 
     rank = int(os.environ["RANK"])
     result = RankResult(rank)
@@ -180,37 +177,8 @@ def _worker(args) -> int:
         mesh = Mesh(**json.loads(args.mesh))
         checkpoint = formats.open_checkpoint(args.checkpoint)
         planned = prepare(checkpoint, mesh.as_dict(), args.plan, keep_rank_state=True)
-        # Dense tensors live on (dp_replicate, fsdp, tp); experts on (dp_replicate, efsdp, ep[, etp]).
-        inner = (("etp", mesh.tp),) if mesh.etp == mesh.tp else ()
-        views = {
-            "dense": (("dp_replicate", mesh.dp_replicate), ("fsdp", mesh.fsdp), ("tp", mesh.tp)),
-            "experts": (("dp_replicate", mesh.dp_replicate), ("efsdp", mesh.efsdp), ("ep", mesh.ep)) + inner,
-        }
-        device_meshes = {view: init_device_mesh(device, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
-                         for view, dims in views.items()}
-        coordinates = mesh.coordinates(rank)
-        chosen = select({l.tensor.key: l for l in planned.layouts}, args.include, args.exclude)
-
-        def torch_placement(placement):
-            if isinstance(placement, Strided):
-                return _StridedShard(placement.dim, split_factor=placement.split_factor)
-            return Shard(placement.dim) if placement is not None else Replicate()
-
-        state, regions = {}, {}
-        for key, layout in chosen.items():
-            dtype = getattr(torch, layout.tensor.dtype)
-            offsets, sizes = local_chunk(layout.tensor.shape, layout.spec, coordinates)
-            regions[key] = (offsets, sizes)
-            local = torch.empty(sizes, dtype=dtype, device=device)
-            if not layout.spec:
-                state[key] = local
-                continue
-            view = "experts" if any(a.name == "ep" for a in layout.spec) else "dense"
-            on_axis = {a.name: a.placement for a in layout.spec}
-            placements = [torch_placement(on_axis.get(name)) for name, _ in views[view]]
-            state[key] = DTensor.from_local(local, device_meshes[view], placements, run_check=False,
-                                            shape=torch.Size(layout.tensor.shape),
-                                            stride=tuple(row_major(layout.tensor.shape)))
+        chosen = select({layout.tensor.key: layout for layout in planned.layouts}, args.include, args.exclude)
+        state, regions = _empty_state(chosen, mesh, rank, device)
         dist.barrier()
         started = time.perf_counter()
         try:
@@ -220,32 +188,85 @@ def _worker(args) -> int:
                                for r, (error, _traceback) in sorted(exc.failures.items()))
             result.error = f"dcp.load failed ({failed})"
         result.load_seconds = round(time.perf_counter() - started, 3)
-
-        scratch = memoryview(bytearray(1 << 22))
-        for key, layout in chosen.items():
-            source = checkpoint.tensors[layout.tensor.source.key]
-            offsets, sizes = regions[key]
-            value = state[key].to_local() if isinstance(state[key], DTensor) else state[key]
-            view_type = dtypes.raw_view_type(dtypes.dtype(source.dtype).itemsize)
-            expected = np.empty(sizes, dtype=view_type)
-            try:
-                checkpoint.read_region(source, offsets, sizes, expected, scratch)
-            except Exception as exc:
-                result.failures.append({"key": key, "reason": f"cannot read it from the files: {exc}"})
-                continue
-            result.tensors += 1
-            if result.error:
-                continue
-            loaded = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().view(view_type)
-            if not np.array_equal(loaded.reshape(sizes), expected):
-                mismatch = np.argwhere(loaded.reshape(sizes) != expected)[0]
-                index = [int(i) + o for i, o in zip(mismatch, offsets)]
-                result.failures.append({"key": key, "reason": f"local shard differs from the files first at {index}"})
+        _check_shards(checkpoint, chosen, state, regions, result)
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     out.write_text(json.dumps(vars(result)))
     dist.destroy_process_group()
     return 0
+
+
+def _empty_state(chosen: dict, mesh, rank: int, device: str) -> tuple[dict, dict]:
+    """The state dict this rank hands ``dcp.load``: each tensor an empty DTensor placed as its layout says
+    (plain where every rank holds it whole), and each tensor's region on this rank."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from dcptool.mesh import Strided, local_chunk
+    from dcptool.torch_archive import row_major
+
+    # Dense tensors live on (dp_replicate, fsdp, tp); experts on (dp_replicate, efsdp, ep[, etp]).
+    inner = (("etp", mesh.tp),) if mesh.etp == mesh.tp else ()
+    views = {
+        "dense": (("dp_replicate", mesh.dp_replicate), ("fsdp", mesh.fsdp), ("tp", mesh.tp)),
+        "experts": (("dp_replicate", mesh.dp_replicate), ("efsdp", mesh.efsdp), ("ep", mesh.ep)) + inner,
+    }
+    device_meshes = {view: init_device_mesh(device, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+                     for view, dims in views.items()}
+    coordinates = mesh.coordinates(rank)
+
+    def torch_placement(placement):
+        if isinstance(placement, Strided):
+            return _StridedShard(placement.dim, split_factor=placement.split_factor)
+        return Shard(placement.dim) if placement is not None else Replicate()
+
+    state, regions = {}, {}
+    for key, layout in chosen.items():
+        offsets, sizes = local_chunk(layout.tensor.shape, layout.spec, coordinates)
+        regions[key] = (offsets, sizes)
+        local = torch.empty(sizes, dtype=getattr(torch, layout.tensor.dtype), device=device)
+        if not layout.spec:
+            state[key] = local
+            continue
+        view = "experts" if any(a.name == "ep" for a in layout.spec) else "dense"
+        on_axis = {a.name: a.placement for a in layout.spec}
+        placements = [torch_placement(on_axis.get(name)) for name, _ in views[view]]
+        state[key] = DTensor.from_local(local, device_meshes[view], placements, run_check=False,
+                                        shape=torch.Size(layout.tensor.shape), stride=tuple(row_major(layout.tensor.shape)))
+    return state, regions
+
+
+def _check_shards(checkpoint, chosen: dict, state: dict, regions: dict, result: RankResult) -> None:
+    """Every loaded local shard against the same region read from the files by dcptool; mismatches and
+    unreadable tensors go into ``result``."""
+    import numpy as np
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from dcptool import dtypes
+
+    scratch = memoryview(bytearray(1 << 22))
+    for key, layout in chosen.items():
+        source = checkpoint.tensors[layout.tensor.source.key]
+        offsets, sizes = regions[key]
+        value = state[key].to_local() if isinstance(state[key], DTensor) else state[key]
+        view_type = dtypes.raw_view_type(dtypes.dtype(source.dtype).itemsize)
+        expected = np.empty(sizes, dtype=view_type)
+        try:
+            checkpoint.read_region(source, offsets, sizes, expected, scratch)
+        except Exception as exc:
+            result.failures.append({"key": key, "reason": f"cannot read it from the files: {exc}"})
+            continue
+        result.tensors += 1
+        if result.error:
+            continue
+        loaded = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().view(view_type)
+        if not np.array_equal(loaded.reshape(sizes), expected):
+            mismatch = np.argwhere(loaded.reshape(sizes) != expected)[0]
+            index = [int(i) + o for i, o in zip(mismatch, offsets)]
+            result.failures.append({"key": key, "reason": f"local shard differs from the files first at {index}"})
 
 
 def main(argv=None) -> int:

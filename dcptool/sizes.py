@@ -40,3 +40,18 @@ def parse_size(value: int | str, option: str) -> int:
         raise UsageError(f"{option} {value}: not a size such as 256MB, 5GB or 256MiB")
     fraction = found["fraction"] or ""
     return int(found["whole"] or 0) * unit + int(fraction or 0) * unit // 10 ** len(fraction)
+
+
+MIN_MEMORY = 2**16  # the smallest --max-memory: a few buffers of a page-multiple size each
+
+
+def check_memory_budget(max_memory: int) -> None:
+    """Refuse a ``--max-memory`` budget too small to hold the buffers of a read.
+
+    >>> check_memory_budget(1000)
+    Traceback (most recent call last):
+    ...
+    dcptool.errors.UsageError: --max-memory 1000 is too small (at least 64KB)
+    """
+    if max_memory < MIN_MEMORY:
+        raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")

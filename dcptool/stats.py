@@ -33,6 +33,7 @@ import numpy as np
 from dcptool import dtypes, models, selection, transfer
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError
+from dcptool.sizes import check_memory_budget
 
 # The readers (dcptool.verification) and blake3 are imported by ``compute`` alone: plain inspect, which uses
 # the counts and folded rows here, starts without them (issue 5's start-up time).
@@ -156,8 +157,7 @@ class _Scanner:
 
     def __init__(self, checkpoint: Checkpoint, max_memory: int, threads: int | None,
                  progress: Callable[[int], None] | None):
-        if max_memory < 2**16:
-            raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+        check_memory_budget(max_memory)
         available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.threads = max(1, min(threads or min(available, MAX_THREADS), max_memory // 2**16))
         self.checkpoint, self.max_memory = checkpoint, max_memory

@@ -33,7 +33,8 @@ from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 
 
 from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import CheckpointError
+from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts
 from dcptool.torch_archive import row_major
 
@@ -89,8 +90,7 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     fsyncs at the end, which then has little left to wait for). ``on_bytes`` is called from this
     thread as tasks finish (progress, and checks on the other ranks, which may raise to stop the work).
     """
-    if max_memory < 2**16:
-        raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+    check_memory_budget(max_memory)
     largest = max((piece.nbytes for piece, _, _ in placed), default=0)
     threads = max(1, min(threads, len(placed)))
     # Two buffers per thread (a slab and its reads), none larger than the work needs.

@@ -28,6 +28,7 @@ from dcptool import adapters, conversion, dtypes, formats, models, selection, tr
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted
 from dcptool.format_interface import Layout, OutputRequest
+from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import split_object
 from dcptool.torch_archive import Unpicklable
 
@@ -66,8 +67,7 @@ class RegionReader:
 def buffer_size(max_memory: int, tensors, readers: int = 1) -> int:
     """Bytes for each of ``readers`` ``RegionReader``s sharing ``max_memory``: no more than the largest of
     ``tensors`` needs, since fresh memory costs time to touch."""
-    if max_memory < 2**16:
-        raise UsageError(f"--max-memory {max_memory} is too small (at least 64KB)")
+    check_memory_budget(max_memory)
     largest = max((t.nbytes for t in tensors), default=0)
     return min(max_memory // readers, max(2 * largest, 2**15))
 

@@ -343,7 +343,7 @@ def test_bad_manifest_or_arguments_exit_2(pristine, tmp_path):
 
 
 def test_help_states_the_manifest_name_and_thread_cap():
-    # cli.py writes them out so that the other commands start without importing checksum (and blake3)
+    # dcptool/cli/checksum.py writes them out so that the other commands start without importing checksum (and blake3)
     import os
     import subprocess
     import sys

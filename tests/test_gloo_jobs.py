@@ -1,4 +1,4 @@
-"""Smoke tests for scripts/gloo_jobs.py: real gloo jobs, no mocks.
+"""Smoke tests for tests/harness/gloo_jobs.py: real gloo jobs, no mocks.
 
 Besides the MoE save, the jobs run as the steps of two torchrun launches, one of 2 ranks and one of 4
 (``run_steps`` of tests/jobs.py): torch starts three times in all rather than once per job, and each

@@ -62,7 +62,7 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
     has no descriptor; copy_file_range refuses with EXDEV across filesystems)."""
     source, reference = checkpoints("fsdp2_dp2_tp2")
     checkpoint = formats.open_checkpoint(source)
-    pieces = formats.get("hf").Writer(tmp_path / "plan").plan(conversion.hf_export_entries(checkpoint)[0], [])
+    pieces = formats.get("hf").writer(tmp_path / "plan").plan(conversion.hf_export_entries(checkpoint)[0], [])
     kinds = {transfer.source_runs(checkpoint, piece) is None for piece in pieces}
     assert kinds == {True, False}  # both paths are exercised
     stored = []  # CRC-32s taken from the source records' zip directories
@@ -123,7 +123,7 @@ def test_a_failing_progress_callback_stops_the_remaining_tasks(checkpoints, tmp_
     """
     source, _ = checkpoints("fsdp2_dp2")
     checkpoint = formats.open_checkpoint(source)
-    writer = formats.get("hf").Writer(tmp_path)
+    writer = formats.get("hf").writer(tmp_path)
     placed = [(piece, *writer.place(piece)) for piece in writer.plan(conversion.hf_export_entries(checkpoint)[0], [])]
     total = len([t for p, f, o in placed for t in transfer.plan_tasks(checkpoint, p, f, o, 2**15)])
     started, failed = [], threading.Event()
