@@ -15,7 +15,7 @@ OUT="${1:-demo-out}"
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 echo "== a 4-process gloo job trains one step of a tiny Llama with FSDP2 (dp=2) + TP (tp=2) and saves DCP"
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 4 scripts/gloo_jobs.py save-dcp "$OUT/step-1" --dp 2 --tp 2
+PYTHONPATH=tests "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 -m harness.gloo_jobs save-dcp "$OUT/step-1" --dp 2 --tp 2
 
 echo "== dcptool inspect"
 dcptool inspect "$OUT/step-1"

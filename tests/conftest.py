@@ -1,4 +1,4 @@
-"""Shared fixtures: checkpoints saved by real multi-process gloo jobs (scripts/gloo_jobs.py), made once per session."""
+"""Shared fixtures: checkpoints saved by real multi-process gloo jobs (harness.gloo_jobs), made once per session."""
 
 import atexit
 import json

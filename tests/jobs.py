@@ -2,13 +2,13 @@
 
     from jobs import run_job, run_steps, FAMILY_JOBS
     run_job(2, "save-dcp", str(out), "--dp", "2")
-    run_job(2, "load-family", str(ckpt), "--kind", "llama", ..., script=FAMILY_JOBS)
+    run_job(2, "load-family", str(ckpt), "--kind", "llama", ..., module=FAMILY_JOBS)
     steps = run_steps(4, {"dp4": ["load-dcp", a, "--dp", "4", ...], "tp4": ["load-dcp", b, ...]})
 
     runs = ForkServer(work)
     [result] = runs.run([["inspect", str(ckpt)]])   # a CompletedProcess, as subprocess.run gives
 
-Works from any working directory: the script paths are resolved from this file.
+Works from any working directory: jobs run from the repository root with the tests folder on the path.
 """
 
 from __future__ import annotations
@@ -21,22 +21,27 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GLOO_JOBS = REPO / "scripts" / "gloo_jobs.py"
-FAMILY_JOBS = REPO / "scripts" / "family_jobs.py"
+# The torchrun entry points of the test harness (tests/harness/), run as modules.
+GLOO_JOBS = "harness.gloo_jobs"
+FAMILY_JOBS = "harness.family_jobs"
+VERL_JOBS = "harness.verl_jobs"
+ACCELERATE_JOBS = "harness.accelerate_jobs"
+STORAGE_JOBS = "harness.storage_jobs"
 
 
 def run_job(nproc: int, *args: str, timeout: float = 300, check: bool = True,
-            env: dict[str, str] | None = None, script: Path = GLOO_JOBS) -> subprocess.CompletedProcess:
-    """Run ``script ARGS...`` (default gloo_jobs.py) on ``nproc`` CPU ranks with torchrun.
+            env: dict[str, str] | None = None, module: str = GLOO_JOBS) -> subprocess.CompletedProcess:
+    """Run ``python -m MODULE ARGS...`` (default harness.gloo_jobs) on ``nproc`` CPU ranks with torchrun.
 
     Returns the CompletedProcess (stdout and stderr merged into ``.stdout``).
     With ``check=True`` (the default) a non-zero exit raises AssertionError
     carrying the command line and the tail of the output.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(script), *map(str, args)]
+           f"--nproc-per-node={nproc}", "-m", module, *map(str, args)]
     job_env = dict(os.environ)
     job_env.setdefault("OMP_NUM_THREADS", "1")
+    job_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), job_env.get("PYTHONPATH")]))
     job_env.update(env or {})
     proc = subprocess.run(cmd, cwd=REPO, env=job_env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -48,7 +53,7 @@ def run_job(nproc: int, *args: str, timeout: float = 300, check: bool = True,
 
 
 def run_steps(nproc: int, steps: dict[str, list], timeout: float = 300) -> dict[str, subprocess.CompletedProcess]:
-    """Run gloo_jobs.py command lines one after the other in one job of ``nproc`` ranks (joined by its
+    """Run harness.gloo_jobs command lines one after the other in one job of ``nproc`` ranks (joined by its
     ``--then``): torch starts once for all of them, each still checks on its own.
 
     Returns, by the names of ``steps``, a CompletedProcess with the step's exit status and its part of the
@@ -192,7 +197,7 @@ def serve(settings_file: str) -> None:
     from dcptool import __main__ as entry, cli
 
     # Every module of dcptool imported here once rather than in each run (none imports torch at its top).
-    for package in ("dcptool", "dcptool.adapters", "dcptool.converters"):
+    for package in ("dcptool", "dcptool.adapters", "dcptool.models", "dcptool.converters"):
         for module in pkgutil.iter_modules(importlib.import_module(package).__path__, f"{package}."):
             importlib.import_module(module.name)
 

@@ -1,6 +1,6 @@
 """HF Trainer / accelerate FSDP checkpoint folders (``checkpoint-N/``), written by accelerate's own save functions.
 
-scripts/accelerate_jobs.py trains a tiny transformers Llama under FSDP1 in a real 2-rank gloo job
+harness.accelerate_jobs trains a tiny transformers Llama under FSDP1 in a real 2-rank gloo job
 and saves it with accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer`` (SHARDED_STATE_DICT),
 plus the scheduler, RNG and trainer-state files ``Trainer`` adds. The oracles are transformers
 (``from_pretrained`` of the export gives the FSDP model's logits) and torch's own
@@ -18,16 +18,15 @@ import pytest
 import torch
 
 from conftest import dcptool
-from jobs import REPO, run_job
+from jobs import ACCELERATE_JOBS, run_job
 
-ACCELERATE_JOBS = REPO / "scripts" / "accelerate_jobs.py"
 pytest.importorskip("accelerate")
 
 
 @pytest.fixture(scope="module")
 def trainer_folder(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("accelerate") / "checkpoint-2"
-    run_job(2, "save", out, script=ACCELERATE_JOBS)
+    run_job(2, "save", out, module=ACCELERATE_JOBS)
     return out
 
 

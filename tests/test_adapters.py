@@ -1,8 +1,8 @@
 """Naming-family adapters (hf, archon, torchtitan) against an independent oracle and real gloo jobs.
 
-The oracle is tests/family_models.py (plain torch renames, stacks and the Llama
+The oracle is harness.family_models (plain torch renames, stacks and the Llama
 RoPE permutation, checked here against RoPE itself); the checkpoints come from
-scripts/family_jobs.py (real FSDP2 + EP on gloo, one AdamW step); the tests after
+harness.family_jobs (real FSDP2 + EP on gloo, one AdamW step); the tests after
 the oracle's run dcptool's --adapter options and family detection on them.
 
 Checkpoint and output folders have neutral names (m0, s0, e0, ...) so that
@@ -19,7 +19,7 @@ from itertools import count
 import pytest
 import torch
 from conftest import dcptool, read_dcp
-from family_models import (
+from harness.family_models import (
     FAMILIES,
     MODELS,
     family_to_hf,
@@ -52,7 +52,7 @@ def kind_of(name: str) -> str:
 
 
 def family_job(*args, check: bool = True):
-    return run_job(2, *args, script=FAMILY_JOBS, check=check)
+    return run_job(2, *args, module=FAMILY_JOBS, check=check)
 
 
 def lazily(make):
@@ -210,7 +210,7 @@ def test_llama_permutation_matches_rope():
 
 
 # ---------------------------------------------------------------------------
-# The gloo jobs (scripts/family_jobs.py)
+# The gloo jobs (harness.family_jobs)
 # ---------------------------------------------------------------------------
 
 

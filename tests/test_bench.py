@@ -115,14 +115,10 @@ def test_bench_smoke(tmp_path):
 
 def test_moe_shape_is_qwen3_moe_in_archon_names():
     """The moe model: dense first layer, then router + grouped experts + expert_bias; no shared expert."""
-    spec = importlib.util.spec_from_file_location("dcptool_bench_script", ROOT / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules[spec.name]
-    shape = bench.choose_shape("moe", 2 * 10**9)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchmark.shapes import choose_shape
+
+    shape = choose_shape("moe", 2 * 10**9)
     names = {name: (dims, dtype) for name, dims, dtype in shape.tensors()}
     assert not any("shared" in n for n in names) and "no shared expert" in shape.describe()
     assert {f"layers.0.feed_forward.{w}.weight" for w in ("w1", "w2", "w3")} <= set(names)
@@ -134,5 +130,5 @@ def test_moe_shape_is_qwen3_moe_in_archon_names():
         assert names[f"layers.{i}.moe.router.gate.weight"] == ((E, H), "bf16")
         assert names[f"layers.{i}.moe.expert_bias"] == ((E,), "f32")
         assert not any(n.startswith(f"layers.{i}.feed_forward") for n in names)
-    dense = bench.choose_shape("dense", 2 * 10**9)
+    dense = choose_shape("dense", 2 * 10**9)
     assert abs(shape.nbytes() / dense.nbytes() - 1) < 0.1  # the same size as the dense rows, near enough

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import dcptool
-from family_models import MODELS, save_hf
+from harness.family_models import MODELS, save_hf
 
 from dcptool import cli, formats
 

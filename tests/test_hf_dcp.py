@@ -7,17 +7,15 @@ import pytest
 import torch
 
 from conftest import dcptool, read_tensor
-from jobs import REPO, run_job
+from jobs import STORAGE_JOBS, run_job
 from dcptool import formats
-
-STORAGE_JOBS = REPO / "tests" / "storage_jobs.py"
 
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_dcp")
-    run_job(2, "save-hf", root / "sharded-only", script=STORAGE_JOBS)
-    run_job(2, "save-hf", root / "consolidated", "--consolidate", script=STORAGE_JOBS)
+    run_job(2, "save-hf", root / "sharded-only", module=STORAGE_JOBS)
+    run_job(2, "save-hf", root / "consolidated", "--consolidate", module=STORAGE_JOBS)
     return root
 
 
@@ -51,5 +49,5 @@ def test_hf_dcp_output_loads_with_torch_reader(saves, tmp_path):
     source = saves / "sharded-only"
     dcptool("convert", source, tmp_path / "out", "--to", "hf-dcp")
     # every rank checks its loaded shards against the reference (the job fails on a mismatch)
-    job = run_job(2, "load-hf", tmp_path / "out", f"{source}.reference.pt", script=STORAGE_JOBS)
+    job = run_job(2, "load-hf", tmp_path / "out", f"{source}.reference.pt", module=STORAGE_JOBS)
     assert job.stdout.count("5 tensors equal") == 2

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import dcptool
-from jobs import REPO, run_job
+from jobs import VERL_JOBS, run_job
 from dcptool.errors import CheckpointError, UnsafePickleError
 from dcptool.safe_pickle import TensorRef, load_bytes
 from dcptool.torch_archive import Global, PickleStream, Reduced, Streamed, Unpicklable, dumps, new_object
@@ -97,7 +97,7 @@ def test_numpy_shell_used_before_its_data_is_refused():
 @pytest.fixture(scope="module")
 def one_rank_verl(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl1") / "actor"
-    run_job(1, "save", out, script=REPO / "scripts" / "verl_jobs.py")
+    run_job(1, "save", out, module=VERL_JOBS)
     return out
 
 
@@ -140,10 +140,7 @@ def test_metadata_rows_read_as_torch_reads_them_in_other_protocols(tmp_path, pro
     """Runs of records keep their memo slots as index ranges: with protocol 5 (MEMOIZE) later records
     refer into earlier runs' slots, which must resolve as pickle does; protocol 2 (BINPUT) takes the
     ordinary opcodes and must agree too."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    import synth_dcp
+    from harness import synth_dcp
     from dcptool.safe_pickle import each_item, each_record
 
     synth_dcp.main([str(tmp_path), "--ranks", "32", "--tp", "2", "--layers", "2", "--rows", "16", "--width", "4"])

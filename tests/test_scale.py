@@ -2,7 +2,6 @@
 as columns (``safe_pickle`` rows, ``core.ChunkTable``) checked against torch's own readers."""
 
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,15 +9,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import ROOT, dcptool, read_dcp, read_tensor
+from conftest import dcptool, read_dcp, read_tensor
+from harness import synth_dcp
 
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import synth_dcp  # noqa: E402
-
-from dcptool import formats, plans, safe_pickle  # noqa: E402
-from dcptool.core import ChunkTable  # noqa: E402
-from dcptool.mesh import Mesh  # noqa: E402
+from dcptool import formats, plans, safe_pickle
+from dcptool.core import ChunkTable
+from dcptool.mesh import Mesh
 
 
 def entries_like(metadata, files: Path, hf: plans.Plan) -> list:

@@ -1,6 +1,6 @@
 """verl resume at another world size: model, optimizer and extra state, checked by real gloo jobs.
 
-scripts/verl_jobs.py saves verl's per-rank files from real FSDP1 jobs (and a real FSDP2 job) at W=2
+harness.verl_jobs saves verl's per-rank files from real FSDP1 jobs (and a real FSDP2 job) at W=2
 with verl's calls: the plain ``optimizer.state_dict()``, under FSDP1 of flat parameters
 (use_orig_params=False, verl's default, with verl's device mesh: DTensor values) or of 1-D pieces
 of each parameter (use_orig_params=True, ShardedTensor values). dcptool lays them out for W=4 and
@@ -16,18 +16,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import dcptool
-from jobs import REPO, run_job
-
-VERL_JOBS = REPO / "scripts" / "verl_jobs.py"
-sys.path.insert(0, str(REPO / "scripts"))
-import verl_jobs  # noqa: E402  (the reference run: plain torch in this process)
+from harness import verl_jobs  # the reference run: plain torch in this process
+from jobs import VERL_JOBS, run_job
 
 SAVE_JOBS = {
     "verl": ("save", "--dtensor", "--flat-params"),  # stock verl: use_orig_params=False, a device mesh
@@ -46,7 +42,7 @@ def saved(tmp_path_factory):
         if kind not in made:
             out = root / kind / "actor"
             job, *flags = SAVE_JOBS[kind]
-            run_job(2, job, out, *flags, script=VERL_JOBS)
+            run_job(2, job, out, *flags, module=VERL_JOBS)
             made[kind] = out
         return made[kind]
 
@@ -64,7 +60,7 @@ def resumed_losses(folder: Path, world_size: int, *flags: str) -> dict:
         flags = tuple(flag for flag, wanted in (("--dtensor", info["model_values"] == "dtensor"),
                                                 ("--orig-params", info["optimizer_form"] == "orig")) if wanted)
     result = folder.parent / f"{folder.name}.result.json"
-    run_job(world_size, job, folder, result, *flags, script=VERL_JOBS)
+    run_job(world_size, job, folder, result, *flags, module=VERL_JOBS)
     return json.loads(result.read_text())
 
 

@@ -18,20 +18,19 @@ import pytest
 import torch
 
 from conftest import dcptool, read_tensor
-from jobs import REPO, run_job
+from jobs import STORAGE_JOBS, run_job
 from dcptool import compression, formats
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 
 zstandard = pytest.importorskip("zstandard",
                                 reason="zstd DCP needs the zstandard package (pip install 'dcptool[zstd]')")
-STORAGE_JOBS = REPO / "tests" / "storage_jobs.py"
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("zstd") / "ckpt"
-    run_job(2, "save-zstd", path, script=STORAGE_JOBS)
+    run_job(2, "save-zstd", path, module=STORAGE_JOBS)
     return path
 
 
@@ -53,7 +52,7 @@ def test_compressed_output_loads_in_a_real_job(saved, tmp_path):
     dcptool("reshard", saved, tmp_path / "out", "--dp", "2", "--compress", "zstd")
     out = formats.open_checkpoint(tmp_path / "out")
     assert {c.encoding for t in out.tensors.values() for c in t.chunks} == {"zstd-archive"}
-    job = run_job(2, "load-zstd", tmp_path / "out", f"{saved}.reference.pt", script=STORAGE_JOBS)
+    job = run_job(2, "load-zstd", tmp_path / "out", f"{saved}.reference.pt", module=STORAGE_JOBS)
     assert job.stdout.count("5 tensors equal") == 2
 
 

@@ -1,12 +1,12 @@
-#!/usr/bin/env python
 """verl's FSDP1 checkpoint save and resume, in real gloo jobs on CPU, for testing dcptool.
 
-Run under torchrun::
+Run under torchrun from the repository root, with the tests folder on the path (``PYTHONPATH=tests``);
+``JOB`` stands for ``python -m torch.distributed.run --standalone --nproc-per-node``::
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/verl_jobs.py save OUT [--by-name] [--dtensor] [--flat-params]
-    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume-verl DIR RESULT.json [--dtensor] [--orig-params]
-    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume DIR RESULT.json
-    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/verl_jobs.py resume-fsdp2 DIR RESULT.json
+    JOB 2 -m harness.verl_jobs save OUT [--by-name] [--dtensor] [--flat-params]
+    JOB 4 -m harness.verl_jobs resume-verl DIR RESULT.json [--dtensor] [--orig-params]
+    JOB 4 -m harness.verl_jobs resume DIR RESULT.json
+    JOB 4 -m harness.verl_jobs resume-fsdp2 DIR RESULT.json
 
 ``save`` trains two steps of a tiny model under FSDP1 and saves it as verl's
 ``FSDPCheckpointManager.save_checkpoint`` does (verl/utils/checkpoint/fsdp_checkpoint_manager.py):
@@ -40,6 +40,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from harness.runtime import exit_now
 
 BATCH = torch.arange(4 * 6).reshape(4, 6) % 11  # the global batch: every world size dividing 4 sees the same rows
 
@@ -309,3 +311,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_now(0)  # gloo's threads can abort the interpreter's teardown

@@ -1,7 +1,7 @@
-#!/usr/bin/env python
 """An HF Trainer / accelerate FSDP checkpoint folder from a real gloo job on CPU, for testing dcptool.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/accelerate_jobs.py save OUT/checkpoint-2
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node 2 -m harness.accelerate_jobs \
+        save OUT/checkpoint-2
 
 A tiny transformers Llama is wrapped in FSDP1 (one unit per decoder layer), trained two steps and
 saved with accelerate's own ``save_fsdp_model`` / ``save_fsdp_optimizer`` under

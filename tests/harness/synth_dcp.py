@@ -10,8 +10,8 @@ it is made once with ``torch.save`` and patched: 1,024 ranks x 80 layers (~740k 
 
 Values are a pattern (``value_of``), so readers can be checked element by element.
 
-    python scripts/synth_dcp.py /tmp/llama-1024 --ranks 1024 --layers 80 --rows 1024 --width 8
-    python scripts/synth_dcp.py /tmp/llama-tp --ranks 8 --tp 2 --layers 2
+    PYTHONPATH=tests python -m harness.synth_dcp /tmp/llama-1024 --ranks 1024 --layers 80 --rows 1024 --width 8
+    PYTHONPATH=tests python -m harness.synth_dcp /tmp/llama-tp --ranks 8 --tp 2 --layers 2
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dcptool import plans  # noqa: E402
-from dcptool.mesh import Mesh, local_chunk  # noqa: E402
-from dcptool.resharding import DEFAULT_RULE, tensor_spec  # noqa: E402
+from dcptool import plans
+from dcptool.mesh import Mesh, local_chunk
+from dcptool.resharding import DEFAULT_RULE, tensor_spec
 
 
 @dataclass

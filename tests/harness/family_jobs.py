@@ -1,17 +1,16 @@
-#!/usr/bin/env python
 """Real gloo jobs that save and load checkpoints named as AReaL Archon or torchtitan name them.
 
-Run under torchrun, for example::
+Run under torchrun from the repository root, with the tests folder on the path, for example::
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/family_jobs.py \
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node 4 -m harness.family_jobs \
         save-family /tmp/ckpt --kind qwen3_moe --family archon --hf /tmp/hf --dp 2 --ep 2
-    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/family_jobs.py \
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node 4 -m harness.family_jobs \
         load-family /tmp/ckpt --kind qwen3_moe --family archon --expect /tmp/hf --dp 2 --ep 2
 
 Subcommands:
 
 * ``save-family OUT``  Convert an HF folder's weights to the family's names with the
-                       test oracle (tests/family_models.py), build a module tree with
+                       test oracle (harness.family_models), build a module tree with
                        exactly those names, shard it with FSDP2 (experts: EP Shard(0),
                        then FSDP on the rest), take one AdamW step on synthetic
                        gradients and ``dcp.save`` it in the family's layout:
@@ -33,45 +32,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
 )
 
-import family_models  # noqa: E402
-from gloo_jobs import (  # noqa: E402
-    LOADER_SEED,
-    LR_SCHEDULER_STATE,
-    MODEL_SEED,
-    TRAIN_STATE,
-    Parallel,
-    Timer,
-    compare_all,
-    finish_check,
-    flatten,
-    init_distributed,
-    log,
-    make_optimizer,
-    placements_of,
-    rank,
-    reference_dir,
-    split_tensors,
-    synthetic_step,
-)
+from harness import family_models
+from harness.models import LOADER_SEED, MODEL_SEED, make_optimizer, synthetic_step
+from harness.parallel import Parallel, placements_of
+from harness.runtime import Timer, exit_now, init_distributed, log, rank, reference_dir
+from harness.states import LR_SCHEDULER_STATE, TRAIN_STATE, compare_all, finish_check, flatten, split_tensors
 
 # Model state kept as persistent buffers, not parameters (torchtitan's MoE load-balancing bias).
 BUFFER_SUFFIXES = (".expert_bias", ".expert_bias_E")
@@ -287,8 +266,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # As gloo_jobs.py: gloo's threads can abort the interpreter's teardown; all is written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_now(main())

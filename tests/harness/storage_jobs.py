@@ -1,4 +1,5 @@
-"""Gloo jobs that save and load with torch's other DCP storage layers (run under torchrun by tests/jobs.py):
+"""Gloo jobs that save and load with torch's other DCP storage layers (run under torchrun by tests/jobs.py,
+as ``-m harness.storage_jobs``):
 HuggingFaceStorageWriter / Reader (HF-storage DCP) and FileSystemWriter with the ZStandard extension.
 
     save-hf OUT [--consolidate]   FSDP2 on every rank; dcp.save(HuggingFaceStorageWriter(save_distributed=True))
