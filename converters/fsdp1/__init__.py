@@ -1,0 +1,78 @@
+"""verl's FSDP1 checkpoint folder: one ``torch.save`` file per rank of FSDP1 ``SHARDED_STATE_DICT`` values.
+
+A folder holds ``model_world_size_{W}_rank_{r}.pt`` for every rank ``r`` of ``W``, optionally
+``optim_world_size_{W}_rank_{r}.pt``, ``extra_state_world_size_{W}_rank_{r}.pt``,
+``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``) and ``huggingface/`` (config,
+tokenizer). Each model file is a flat state dict whose parameters are
+
+* ``ShardedTensor`` (FSDP1 without a device mesh): the rank's local shard plus the global
+  ``ShardedTensorMetadata`` listing every shard's offsets and sizes;
+* ``DTensor`` (FSDP1 given a device mesh): the local tensor plus a ``DTensorSpec`` with the
+  placements, the mesh and the rank's coordinate in it, and the global shape;
+* plain tensors for what FSDP1 does not shard (buffers), repeated in every rank's file.
+
+FSDP1 shards the unflattened parameters row-wise on dim 0, ``torch.chunk`` style: rank ``r``
+holds rows ``[r*ceil(n/W), (r+1)*ceil(n/W))``, so trailing ranks may hold fewer rows or none.
+
+dcptool reads and writes these folders without torch and without a process group. The rooms:
+
+* ``folder``: the files' names and the roots the entries go under;
+* ``reader``: detecting a folder and reading it (world size, model, optimizer, extra state);
+* ``gathering``: every rank's values gathered into whole tensors, chunk by chunk;
+* ``codecs``: the ShardedTensor, DTensor and DeviceMesh pickles, decoded and encoded;
+* ``flat``: FSDP1's flat parameters (which parameters share one, where each lies, their alignment);
+* ``optimizer``: the four forms of the optimizer files (``OPTIMIZER_FORMS``), read and written;
+* ``planning``: what an output holds (``entries``) and in which forms (``output_forms``);
+* ``writer``: the per-rank files, ``fsdp_config.json`` and ``huggingface/``.
+
+The pickles, the DeviceMesh state and the flat-parameter layout are torch 2.13's, checked against
+real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dcptool.core import Checkpoint
+from dcptool.format_interface import Format, Layout, Output, OutputRequest
+from dcptool.storage import CheckpointFiles
+from dcptool.converters.fsdp1 import planning, reader
+from dcptool.converters.fsdp1.folder import CONFIG, NAME
+from dcptool.converters.fsdp1.writer import Writer
+
+
+class Fsdp1(Format):
+    """verl's FSDP1 (and FSDP2) folders: model, optimizer and extra-state files per rank, ``fsdp_config.json``
+    and the model's ``huggingface/`` config; written for ``world_size`` data-parallel ranks."""
+
+    name = NAME
+    completes = (CONFIG,)
+    writable = True
+    layout = Layout.DATA_PARALLEL
+    options = {"world_size": "--world-size", "keep_rank_state": "--keep-rank-state", "optim_form": "--optim-form",
+               "model_values": "--model-values"}
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return reader.detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return reader.read(files)
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        return Writer(destination, **writer_options)
+
+    def plan_output(self, checkpoint: Checkpoint, request: OutputRequest) -> Output:
+        """The model, its optimizer state and the lr scheduler for each rank (``entries``), in the forms
+        ``optim_form`` and ``model_values`` choose (``output_forms``)."""
+        world_size = request.world_size or 1
+        tensors, objects, reasons = planning.entries(checkpoint, world_size, request.dtype, request.include,
+                                                     request.exclude, request.keep_rank_state)
+        forms, said = planning.output_forms(checkpoint, request.forms.get("optim_form"),
+                                            request.forms.get("model_values"))
+        options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"), **forms}
+        selected = ", as selected by --include/--exclude" if request.include or request.exclude else ""
+        why = f"the fsdp1 output holds {planning.HOLDS} only{selected}"
+        return Output(tensors, objects, options, why, reasons, [said])
+
+
+FORMAT = Fsdp1()

@@ -1,0 +1,33 @@
+"""What a verl folder is made of: its files' names, the roots its entries go under, a piece of one rank's file.
+
+The leaf of the fsdp1 package: the reader, the planning and the writer all name the same files.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dcptool.core import Piece
+
+NAME = "fsdp1"
+CONFIG = "fsdp_config.json"  # {"FSDP_version": 1, "world_size": W}
+HF_DIR = "huggingface"  # the model's config and tokenizer, as verl saves them
+RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+
+OPTIMIZER = "optimizer"  # the optimizer's entries are read under this root: optimizer.state.<param>.exp_avg
+EXTRA_STATE = "extra_state"  # extra_state.lr_scheduler.*, and extra_state.rank_<r>.rng.* of each saving rank
+RANK_ENTRY = re.compile(r"rank_(\d+)$")  # extra_state.rank_<r>: what source rank r saved of its own
+
+
+def file_name(kind: str, world_size: int, rank: int) -> str:
+    """verl's per-rank file name: ``model_world_size_2_rank_0.pt``."""
+    return f"{kind}_world_size_{world_size}_rank_{rank}.pt"
+
+
+@dataclass(frozen=True)
+class RankPiece(Piece):
+    """A piece of one rank's file: replicated tensors give every rank an equal region, told apart by ``rank``."""
+
+    rank: int
+    file: str
