@@ -12,18 +12,12 @@ import math
 import re
 from dataclasses import dataclass
 
+from dcptool import models
 
-# Model-kind knowledge, kept here until the model kinds (above the formats) hand it to the format.
-# verl wraps each decoder layer in an FSDP unit of its own (transformer_auto_wrap_policy over the model's
-# decoder-layer class); the root unit holds every other parameter. A parameter belongs to the unit of the
-# outermost of these layers its key passes through.
-WRAPPED_LAYERS = (
-    r"layers\.\d+",  # Llama, Qwen, Mistral, Gemma, DeepSeek: model.layers.N
-    r"h\.\d+",  # GPT-2, BLOOM, Falcon: transformer.h.N
-    r"blocks\.\d+",  # vision towers: visual.blocks.N
-    r"layer\.\d+",  # BERT-style encoders: encoder.layer.N
-)
-_WRAPPED_LAYER = re.compile(r"(?:.*?\.)?(?:" + "|".join(WRAPPED_LAYERS) + r")\.")
+
+# verl wraps each decoder layer in an FSDP unit of its own; which layers those are is model-kind knowledge
+# (dcptool.models). A parameter belongs to the unit of the outermost such layer its key passes through.
+_WRAPPED_LAYER = re.compile(r"(?:.*?\.)?(?:" + "|".join(models.fsdp_units()) + r")\.")
 
 
 @dataclass(frozen=True)
@@ -76,7 +70,7 @@ class FlatParameter:
 
 def flat_parameters(params: list[str], numels: dict[str, int], aligned_numel=lambda unit: 0) -> list[FlatParameter]:
     """The flat parameters of FSDP1 wrapped as verl wraps it, in the optimizer's order: the root unit's
-    (parameters under no ``WRAPPED_LAYERS``) first, then each layer's, as the model lists them.
+    (parameters under no layer ``models.fsdp_units`` names) first, then each layer's, as the model lists them.
     ``aligned_numel(unit parameters)``: the alignment of a unit (0: ``use_orig_params=False``)."""
     units: dict[str, list[str]] = {"": []}
     for key in params:
