@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcptool import safe_pickle
+from dcptool import dtypes, encodings, safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import _FIELD_LIMIT, _LOCAL_HEADER, RawBytes, _zip64_values, archive_prefix
+from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, RawBytes, archive_prefix, chunk_bytes,
+                                           zip64_values)
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13
+ZSTD_ARCHIVE = "zstd-archive"  # the chunk encoding of a torch.save archive in a zstd record
 SUPPORTED = (ZSTD,)
 BLOCK = 4 * 2**20  # bytes compressed at a time when writing
 INPUT = 2**17  # compressed bytes read at a time (zstd's recommended input size)
@@ -67,9 +69,9 @@ def _zstandard():
 def encoding_of(transforms, at: str) -> str:
     """The chunk encoding of a record stored with ``transforms`` (None or empty: a plain archive)."""
     if not transforms:
-        return "torch-archive"
+        return TORCH_ARCHIVE
     if isinstance(transforms, (list, tuple)) and tuple(transforms) == (ZSTD,):
-        return "zstd-archive"
+        return ZSTD_ARCHIVE
     shown = ", ".join(printable(t, 40) if isinstance(t, str) else type(t).__name__ for t in transforms[:4]) \
         if isinstance(transforms, (list, tuple)) else type(transforms).__name__
     raise CheckpointError(f"{at} is stored with transforms [{shown}]; dcptool reads {', '.join(SUPPORTED)} only")
@@ -313,21 +315,21 @@ def _local_entries(head: bytes) -> dict[str, tuple[int, int | None]]:
     first bytes, walked in order; the size is None for the last one when its end is beyond ``head``."""
     entries: dict[str, tuple[int, int | None]] = {}
     position = 0
-    while head.startswith(b"PK\x03\x04", position) and position + _LOCAL_HEADER.size <= len(head):
-        fields = _LOCAL_HEADER.unpack_from(head, position)
+    while head.startswith(b"PK\x03\x04", position) and position + LOCAL_HEADER.size <= len(head):
+        fields = LOCAL_HEADER.unpack_from(head, position)
         flags, method, size, name_length, extra_length = fields[3], fields[4], fields[9], fields[10], fields[11]
-        name_end = position + _LOCAL_HEADER.size + name_length
+        name_end = position + LOCAL_HEADER.size + name_length
         start = name_end + extra_length
         if start > len(head):
             break
-        name = head[position + _LOCAL_HEADER.size:name_end].decode()
+        name = head[position + LOCAL_HEADER.size:name_end].decode()
         if method != 0:
             raise ValueError(f"entry {name!r} is compressed; torch.save never compresses")
         end = None
         if flags & _HAS_DESCRIPTOR:
             size, end = _described(head, start) or (None, None)
-        elif size == _FIELD_LIMIT:
-            size, _ = _zip64_values(head[name_end:start], (fields[8], fields[9]), 0)
+        elif size == FIELD_LIMIT:
+            size, _ = zip64_values(head[name_end:start], (fields[8], fields[9]), 0)
         entries[name] = (start, size)
         if size is None:
             break
@@ -369,3 +371,12 @@ def compress_records(folder: Path, name: str, records: list[tuple[int, int]]) ->
             placed.append((start, out.tell() - start))
     os.replace(target, source)
     return placed
+
+
+def _locate(files: DecompressingFiles, tensor, chunk) -> RawBytes:
+    """A chunk's elements in its zstd record: located from the record's head, read by streaming decompression."""
+    limit = chunk.numel * dtypes.dtype(tensor.dtype).itemsize + ARCHIVE_SLACK
+    return chunk_bytes(CompressedArchive(files, chunk.file, chunk.offset, chunk.length, limit), tensor, chunk)
+
+
+encodings.register(encodings.Encoding(ZSTD_ARCHIVE, locate=_locate))

@@ -21,23 +21,23 @@ from typing import Any
 
 import numpy as np
 
-from dcptool import dtypes
-from dcptool.compression import ARCHIVE_SLACK, CompressedArchive
+from dcptool import dtypes, encodings
 from dcptool.errors import CheckpointError
-from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive, RawBytes, row_major
+
+RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
 
 
 @dataclass(frozen=True)
 class Chunk:
     """A rectangular piece of a tensor and where its bytes are.
 
-    ``encoding`` says how ``[offset, offset+length)`` of ``file`` holds the elements:
-    ``"raw"``: the elements themselves, row-major unless ``strides`` (in elements) says otherwise;
-    ``"torch-archive"``: a ``torch.save`` archive of one tensor (DCP's per-chunk records);
-    ``"zstd-archive"``: such an archive compressed by torch's zstd extension;
-    ``"view"``: elements of another chunk, picked as ``view`` says (renamed, stacked, split or
+    ``encoding`` says how ``[offset, offset+length)`` of ``file`` holds the elements: ``RAW``, the
+    elements themselves, row-major unless ``strides`` (in elements) says otherwise; any other is a
+    record read by the codec that registered that encoding (``dcptool.encodings``: a ``torch.save``
+    archive of one tensor, as DCP's chunk records; such an archive in a zstd record). A chunk with a
+    ``view`` holds elements of another chunk, picked as ``view`` says (renamed, stacked, split or
     permuted tensors of ``dcptool.views``; ``file``, ``offset``, ``length`` and ``rank`` are the base's).
     """
 
@@ -46,7 +46,7 @@ class Chunk:
     file: str
     offset: int
     length: int
-    encoding: str = "raw"
+    encoding: str = RAW
     strides: tuple[int, ...] | None = None
     rank: int | None = None  # the rank whose file holds it, where the format records one (DCP)
     view: ChunkView | None = None
@@ -226,7 +226,7 @@ class Checkpoint:
     info: dict[str, Any] = field(default_factory=dict)  # format facts worth showing (world size, ...)
     # Filled from several threads (dcptool.transfer): a race resolves a chunk twice, to the same value.
     _resolved: dict[Chunk, RawBytes] = field(default_factory=dict, repr=False)
-    # (dtype, sizes, record length) -> where a DCP record's elements start in it (see raw_bytes)
+    # (encoding, dtype, sizes, record length) -> where the elements start in records of a uniform encoding
     _layouts: dict[tuple, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -246,16 +246,17 @@ class Checkpoint:
             check_cover(tensor, where=str(self.root))
 
     def raw_bytes(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
-        """Where a chunk's elements are, opening its archive the first time it is needed.
+        """Where a chunk's elements are, opening its record the first time it is needed.
 
-        ``torch.save`` lays out every archive of one dtype and shape alike, so a DCP record of the same
-        dtype, shape and length as one already opened has its elements at the same place in it: a
-        million chunks cost one archive each of their few shapes, not two reads each."""
+        A record of a uniform encoding (``torch.save`` lays out every archive of one dtype and shape alike)
+        of the same dtype, shape and length as one already opened has its elements at the same place in it:
+        a million chunks cost one record each of their few shapes, not two reads each."""
         raw = self._resolved.get(chunk)
         if raw is not None:
             return raw
-        if chunk.encoding == "torch-archive" and chunk.view is None:
-            shape = (tensor.dtype, chunk.sizes, chunk.length)
+        encoding = encodings.get(chunk.encoding) if chunk.view is None else None
+        if encoding is not None and encoding.uniform:
+            shape = (chunk.encoding, tensor.dtype, chunk.sizes, chunk.length)
             start = self._layouts.get(shape)
             if start is not None:
                 itemsize = dtypes.dtype(tensor.dtype).itemsize
@@ -272,9 +273,10 @@ class Checkpoint:
     def stored_crc(self, chunk: Chunk, offset: int, length: int) -> int | None:
         """The CRC-32 that ``chunk``'s record stores for file bytes ``[offset, offset+length)``, when they
         are its whole storage (a copied chunk then needs no pass over its bytes to checksum them); else None."""
-        if chunk.encoding != "torch-archive" or chunk.view is not None:
+        encoding = encodings.get(chunk.encoding) if chunk.view is None else None
+        if encoding is None or encoding.stored_crc is None:
             return None
-        return Archive(self.files, chunk.file, chunk.offset, chunk.length).stored_crc(offset, length)
+        return encoding.stored_crc(self.files, chunk, offset, length)
 
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize
@@ -283,25 +285,15 @@ class Checkpoint:
             first = sum(i * s for i, s in zip(view.start, base.strides))
             strides = tuple(sum(n * s for n, s in zip(step, base.strides)) for step in view.steps)
             return RawBytes(base.file, base.offset + first * itemsize, chunk.sizes, strides, itemsize)
-        if chunk.encoding == "raw":
+        if chunk.encoding == RAW:
             strides = chunk.strides or row_major(chunk.sizes)
             raw = RawBytes(chunk.file, chunk.offset, chunk.sizes, strides, itemsize)
             self.files.check_range(chunk.file, chunk.offset, raw.span)
             return raw
-        if chunk.encoding in ("torch-archive", "zstd-archive"):
-            if chunk.encoding == "zstd-archive":  # located from its head, read by streaming decompression
-                limit = chunk.numel * itemsize + ARCHIVE_SLACK
-                archive = CompressedArchive(self.files, chunk.file, chunk.offset, chunk.length, limit)
-            else:
-                archive = Archive(self.files, chunk.file, chunk.offset, chunk.length)
-            ref = archive.load()
-            if not isinstance(ref, TensorRef) or tuple(ref.shape) != chunk.sizes or ref.dtype.name != tensor.dtype:
-                raise CheckpointError(
-                    f"{archive.where}: holds {_describe(ref)}, but the metadata says {tensor.key} chunk at "
-                    f"{list(chunk.offsets)} is {tensor.dtype}{list(chunk.sizes)}"
-                )
-            return archive.raw_bytes(ref)
-        raise CheckpointError(f"{self.files.path(chunk.file)}: unsupported chunk encoding {chunk.encoding!r}")
+        encoding = encodings.get(chunk.encoding)
+        if encoding is None:
+            raise CheckpointError(f"{self.files.path(chunk.file)}: unsupported chunk encoding {chunk.encoding!r}")
+        return encoding.locate(self.files, tensor, chunk)
 
     def object_value(self, obj: ObjectInfo) -> Any:
         """The object's value, unpickled with the allowlist (tensors inside come back as references)."""
@@ -436,12 +428,6 @@ class Piece:
     def nbytes(self) -> int:
         return math.prod(self.sizes) * dtypes.dtype(self.tensor.dtype).itemsize
 
-
-
-def _describe(obj: Any) -> str:
-    if isinstance(obj, TensorRef):
-        return f"{obj.dtype.name}{list(obj.shape)}"
-    return type(obj).__name__
 
 
 def check_cover(tensor: TensorInfo, where: str) -> None:

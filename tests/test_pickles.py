@@ -141,11 +141,11 @@ def test_metadata_rows_read_as_torch_reads_them_in_other_protocols(tmp_path, pro
     refer into earlier runs' slots, which must resolve as pickle does; protocol 2 (BINPUT) takes the
     ordinary opcodes and must agree too."""
     from harness import synth_dcp
-    from dcptool.safe_pickle import each_item, each_record
+    from dcptool.converters.dcp.metadata import each_item, each_record, unpickle
 
     synth_dcp.main([str(tmp_path), "--ranks", "32", "--tp", "2", "--layers", "2", "--rows", "16", "--width", "4"])
     theirs = pickle.loads((tmp_path / ".metadata").read_bytes())
-    ours = load_bytes(pickle.dumps(theirs, protocol=protocol), "x")
+    ours = unpickle(pickle.dumps(theirs, protocol=protocol), "x")
     for key, md in theirs.state_dict_metadata.items():
         chunks = list(each_record(ours.state_dict_metadata[key].chunks)) if hasattr(md, "chunks") else []
         assert [(c.offsets, c.sizes) for c in chunks] == [(tuple(c.offsets), tuple(c.sizes)) for c in getattr(md, "chunks", [])]

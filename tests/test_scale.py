@@ -1,5 +1,5 @@
 """Checkpoints of many ranks: the synthetic generator against a real gloo save, and reading metadata
-as columns (``safe_pickle`` rows, ``core.ChunkTable``) checked against torch's own readers."""
+as columns (``converters.dcp.metadata`` rows, ``core.ChunkTable``) checked against torch's own readers."""
 
 import pickle
 from pathlib import Path
@@ -12,7 +12,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from conftest import dcptool, read_dcp, read_tensor
 from harness import synth_dcp
 
-from dcptool import formats, plans, safe_pickle
+from dcptool import formats, plans
+from dcptool.converters.dcp import metadata as dcp_metadata
 from dcptool.core import ChunkTable
 from dcptool.mesh import Mesh
 
@@ -74,12 +75,12 @@ def synthetic(tmp_path_factory):
 def test_metadata_rows_read_as_torch_reads_them(synthetic):
     """The unpickler keeps chunk and storage records as rows; expanded, they are what pickle gives."""
     data = (synthetic / ".metadata").read_bytes()
-    ours, theirs = safe_pickle.load_bytes(data, "x"), pickle.loads(data)
-    assert any(type(k) is safe_pickle.StorageRows for k in ours.storage_data)
+    ours, theirs = dcp_metadata.unpickle(data, "x"), pickle.loads(data)
+    assert any(type(k) is dcp_metadata.StorageRows for k in ours.storage_data)
     for key, md in theirs.state_dict_metadata.items():
-        chunks = list(safe_pickle.each_record(ours.state_dict_metadata[key].chunks))
+        chunks = list(dcp_metadata.each_record(ours.state_dict_metadata[key].chunks))
         assert [(c.offsets, c.sizes) for c in chunks] == [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-    mine = {(i.fqn, i.offset): (s.relative_path, s.offset, s.length) for i, s in safe_pickle.each_item(ours.storage_data)}
+    mine = {(i.fqn, i.offset): (s.relative_path, s.offset, s.length) for i, s in dcp_metadata.each_item(ours.storage_data)}
     assert mine == {(i.fqn, tuple(i.offset)): (s.relative_path, s.offset, s.length) for i, s in theirs.storage_data.items()}
 
 

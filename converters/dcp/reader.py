@@ -1,51 +1,43 @@
-"""PyTorch Distributed Checkpoint (DCP): a folder with ``.metadata`` and ``__{rank}_{n}.distcp`` files.
+"""Reading a DCP folder offline: ``.metadata`` checked as data, each tensor's chunks as a table where it can be.
 
-Read offline with no process group; ``.metadata`` goes through dcptool's restricted unpickler, so
-inspecting a hostile checkpoint runs no code. Each tensor chunk is a ``torch.save`` archive at a
-known offset of a ``.distcp`` file.
+``.metadata`` goes through dcptool's restricted unpickler (``metadata.unpickle``), so inspecting a
+hostile checkpoint runs no code. Each tensor chunk is a ``torch.save`` archive at a known offset of a
+``.distcp`` file (zstd-compressed when its storage record says so). A tensor whose chunk records the
+unpickler kept as columns becomes a ``core.ChunkTable``, checked in numpy against the storage records
+and the files' sizes; any other is read record by record into a list of ``core.Chunk``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 
 from dcptool import compression, dtypes, safe_pickle
-from dcptool.compression import DecompressingFiles
-from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, Piece, TensorInfo, join_path
-from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, printable, shape_problem,
-                            utf8_problem, with_article)
-from dcptool.format_interface import Format, Layout
-from dcptool.storage import CheckpointFiles, OutputFiles
-from dcptool.torch_archive import (ArchiveLayout, Global, PickleStream, Reduced, StorageOut, Streamed, TensorOut,
-                                   archive_bytes, dumps, new_object, torch_size)
-
-NAME = "dcp"
-METADATA = ".metadata"
-_DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
-
-
-def saving_rank(file: str) -> int | None:
-    """The rank whose ``dcp.save`` wrote a data file (``__3_0.distcp`` -> 3)."""
-    match = _DATA_FILE.match(file)
-    return int(match.group(1)) if match else None
+from dcptool.compression import ZSTD_ARCHIVE, DecompressingFiles
+from dcptool.converters.dcp.metadata import INFO_CLASS, ChunkRows, StorageRows, each_record, unpickle
+from dcptool.converters.dcp.names import DATA_FILE, FILESYSTEM_MODULE, METADATA, METADATA_MODULE, NAME, saving_rank
+from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, TensorInfo, join_path
+from dcptool.errors import (SIZE_LIMIT, CheckpointError, file_name_problem, printable, shape_problem, utf8_problem,
+                            with_article)
+from dcptool.safe_pickle import Record
+from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive import TORCH_ARCHIVE
 
 
 def detect(files: CheckpointFiles) -> bool:
+    """Whether ``files`` is a folder with a ``.metadata`` file or ``.distcp`` data files."""
     return files.is_dir() and (files.is_file(METADATA) or bool(files.names("*.distcp")))
 
 
 def read(files: CheckpointFiles) -> Checkpoint:
+    """The checkpoint a DCP folder holds; metadata that contradicts itself or the files raises ``CheckpointError``."""
     if not files.is_dir():
         raise CheckpointError(f"{files.location}: not a folder (a DCP checkpoint is a folder with a .metadata file)")
     where = str(files.path(METADATA))
     if not files.is_file(METADATA):
         raise CheckpointError(f"{where}: missing (a DCP checkpoint folder needs its .metadata file)")
-    metadata = safe_pickle.load_bytes(files.read_all(METADATA), where)
+    metadata = unpickle(files.read_all(METADATA), where)
     if not _is(metadata, "Metadata") or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{where}: not DCP metadata (holds {_kind(metadata)})")
     storage = _storage_index(metadata, where)
@@ -66,7 +58,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
         nested = _nested_path(planner_data.get(key, (key,)), key, where)
         if _is(entry, "BytesStorageMetadata"):
             file, offset, length, encoding = _storage_info(files, storage, key, None, where)
-            if encoding == "zstd-archive":  # objects are small: decompressed now, then read as plain records
+            if encoding == ZSTD_ARCHIVE:  # objects are small: decompressed now, then read as plain records
                 files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
                 (file, length), offset = files.decompressed(file, offset, length), 0
             objects[key] = ObjectInfo(nested, blob=(file, offset, length))
@@ -82,14 +74,14 @@ def read(files: CheckpointFiles) -> Checkpoint:
                 tensors[key] = TensorInfo(nested, dtype, shape, table)
                 continue
             chunks = []
-            for chunk in safe_pickle.each_record(chunk_list):
+            for chunk in each_record(chunk_list):
                 if not _is(chunk, "ChunkStorageMetadata"):
                     raise CheckpointError(f"{where}: {printable(key)}: a chunk is {_kind(chunk)}, not ChunkStorageMetadata")
                 at = f"{where}: {printable(key)}: chunk"
                 offsets = _dims(getattr(chunk, "offsets", None), f"{at} offsets")
                 sizes = _dims(getattr(chunk, "sizes", None), f"{at} sizes", itemsize)
                 file, offset, length, encoding = _storage_info(files, storage, key, offsets, where)
-                if encoding == "zstd-archive":  # decompressed on first read (dcptool.compression)
+                if encoding == ZSTD_ARCHIVE:  # decompressed on first read (dcptool.compression)
                     files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
                 elif length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
                     raise CheckpointError(f"{at} at {list(offsets)}: a record of {length:,} bytes cannot hold "
@@ -99,7 +91,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
         else:
             raise CheckpointError(f"{where}: {printable(key)}: unknown entry type {_kind(entry)}")
 
-    ranks = {int(m.group(1)) for name in files.names("*.distcp") if (m := _DATA_FILE.match(name))}
+    ranks = {int(m.group(1)) for name in files.names("*.distcp") if (m := DATA_FILE.match(name))}
     info = {"version": version, "world_size": len(ranks) or None}  # one data file per saving rank
     checkpoint = Checkpoint(NAME, files.location, files, tensors, objects, info)
     checkpoint.validate()
@@ -108,15 +100,15 @@ def read(files: CheckpointFiles) -> Checkpoint:
 
 def _is(obj, name: str) -> bool:
     """Whether ``obj`` is the stand-in of DCP's metadata class ``name`` (``_StorageInfo`` lives in filesystem)."""
-    module = "torch.distributed.checkpoint.filesystem" if name == "_StorageInfo" else _METADATA_MODULE
-    return isinstance(obj, safe_pickle.Record) and type(obj).qualname == f"{module}.{name}"
+    module = FILESYSTEM_MODULE if name == "_StorageInfo" else METADATA_MODULE
+    return isinstance(obj, Record) and type(obj).qualname == f"{module}.{name}"
 
 
 def _kind(obj) -> str:
     """What a pickled ``obj`` is, with its article: "a TensorStorageMetadata", "a list", "None"."""
     if obj is None:
         return "None"
-    name = type(obj).qualname.rsplit(".", 1)[-1] if isinstance(obj, safe_pickle.Record) else type(obj).__name__
+    name = type(obj).qualname.rsplit(".", 1)[-1] if isinstance(obj, Record) else type(obj).__name__
     return with_article(name)
 
 
@@ -146,7 +138,7 @@ class _Storage:
     """storage_data: ``get((fqn, offsets or None))`` gives a record's ``_StorageInfo``; the records the
     unpickler kept as rows (``StorageRows``) are also columns, grouped by tensor (``rows_of``)."""
 
-    def __init__(self, records: dict, rows: list[safe_pickle.StorageRows]):
+    def __init__(self, records: dict, rows: list[StorageRows]):
         self.records = records
         self.record_fqns = {fqn for fqn, _ in records}
         fqn = [name for part in rows for name in part.fqn]
@@ -194,7 +186,7 @@ class _Storage:
         fqn, offsets = place
         for row in self.rows_of(fqn).tolist():
             if self.key_ndim[row] == len(offsets) and tuple(self.key[row, :len(offsets)].tolist()) == offsets:
-                return safe_pickle._record(safe_pickle.ALLOWED["torch.distributed.checkpoint.filesystem._StorageInfo"], {
+                return safe_pickle.record(INFO_CLASS, {
                     "relative_path": self.path_names[self.path[row]], "offset": int(self.offset[row]),
                     "length": int(self.length[row])})
         return None
@@ -206,15 +198,15 @@ _NO_ROWS = np.zeros(0, np.int64)
 def _chunk_table(files, storage: _Storage, key: str, chunk_list: list, dtype: str, where: str) -> ChunkTable | None:
     """The chunks of a tensor as columns when the unpickler kept its records as rows; None leaves the
     tensor to the record-by-record reading (records of other shapes, transforms)."""
-    rows = [item for item in chunk_list if type(item) is safe_pickle.ChunkRows]
-    if not rows or any(type(item) is not safe_pickle.ChunkRows and not _is(item, "ChunkStorageMetadata")
+    rows = [item for item in chunk_list if type(item) is ChunkRows]
+    if not rows or any(type(item) is not ChunkRows and not _is(item, "ChunkStorageMetadata")
                        for item in chunk_list):
         return None
     itemsize = dtypes.dtype(dtype).itemsize
     at = f"{where}: {printable(key)}: chunk"
     parts = []
     for item in chunk_list:
-        if type(item) is safe_pickle.ChunkRows:
+        if type(item) is ChunkRows:
             parts.append((item.offsets, item.sizes))
         else:
             offsets = _dims(getattr(item, "offsets", None), f"{at} offsets")
@@ -278,7 +270,7 @@ def _chunk_table(files, storage: _Storage, key: str, chunk_list: list, dtype: st
         first = int(small[0])
         raise CheckpointError(f"{at} at {offsets[first].tolist()}: a record of {int(length[first]):,} bytes cannot hold "
                               f"{dtype}{sizes[first].tolist()}")
-    return ChunkTable(offsets, sizes, names, file_index, offset, length, "torch-archive",
+    return ChunkTable(offsets, sizes, names, file_index, offset, length, TORCH_ARCHIVE,
                       [storage.ranks[n] for n in names])
 
 
@@ -290,7 +282,7 @@ def _storage_index(metadata, where: str) -> _Storage:
     storage: dict[tuple[str, tuple[int, ...] | None], object] = {}
     rows = []
     for index, info in records.items():
-        if type(index) is safe_pickle.StorageRows:
+        if type(index) is StorageRows:
             rows.append(index)
             continue
         fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
@@ -336,190 +328,3 @@ def _dtype_of(properties, key: str, where: str) -> str:
         return dtypes.dtype(value).name
     except CheckpointError:
         raise CheckpointError(f"{where}: {printable(key)}: dtype {printable(value, 40)} is not one dcptool reads") from None
-
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-
-
-def data_file(rank: int) -> str:
-    """The data file ``dcp.save`` writes on ``rank``: ``__3_0.distcp``."""
-    return f"__{rank}_0.distcp"
-
-
-class Writer:
-    """Writes a DCP folder that torch's ``dcp.load`` reads: one ``__{rank}_0.distcp`` per rank, then ``.metadata``.
-
-    ``layout(tensor)`` gives each tensor's chunks as ``(offsets, sizes, rank)``; by default a tensor
-    is one chunk in rank 0's file, as a single process saves it. Every one of ``world_size`` ranks
-    gets a file, even an empty one, as with ``dcp.save``, so the world size can be read back.
-    Non-tensor entries go at the end of rank 0's file. ``finish_files`` returns where each chunk
-    went, ``(key, offsets) -> (file, offset, length)``, which ``finish_index`` turns into ``.metadata``.
-    """
-
-    NEEDS_CRC = True
-
-    def __init__(self, folder: Path, layout=None, world_size: int = 1, compress: str | None = None):
-        if compress not in (None, "zstd"):
-            raise UsageError(f"--compress {compress}: choose zstd")
-        self.folder, self.compress = folder, compress
-        self.out = OutputFiles(folder)
-        self.world_size = world_size
-        self.layout = layout or (lambda t: [(tuple(0 for _ in t.shape), tuple(t.shape), 0)])
-        self._rank_of: dict = {}
-        # (key, offsets) -> (file, offset, length) of every chunk's record, fixed by the plan.
-        self._records: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-        self._data_start: dict[Piece, int] = {}
-
-    def plan(self, tensors, objects):
-        pieces = []
-        for tensor in tensors:
-            for offsets, sizes, rank in self.layout(tensor):
-                piece = Piece(tensor, tuple(offsets), tuple(sizes))
-                self._rank_of[piece] = rank
-                pieces.append(piece)
-        pieces.sort(key=lambda p: self._rank_of[p])  # one file at a time
-        self._ends: dict[int, int] = {}
-        for piece in pieces:
-            rank = self._rank_of[piece]
-            start = self._ends.get(rank, 0)
-            _, data_start, length = _chunk_archive(piece)
-            self._records[(piece.tensor.key, piece.offsets)] = (data_file(rank), start, length)
-            self._data_start[piece] = start + data_start
-            self._ends[rank] = start + length
-        self.tensors, self.pieces = tensors, pieces
-        return pieces
-
-    def place(self, piece) -> tuple[str, int]:
-        return data_file(self._rank_of[piece]), self._data_start[piece]
-
-    def files(self) -> dict[str, int]:
-        """Every data file with the tensor bytes planned for it."""
-        sizes = {data_file(rank): 0 for rank in range(self.world_size)}
-        for piece in self.pieces:
-            name = data_file(self._rank_of[piece])
-            sizes[name] = sizes.get(name, 0) + piece.nbytes
-        return sizes
-
-    def finish_files(self, objects, files: set[str], crcs) -> dict:
-        """Complete ``files`` (the objects go at the end of rank 0's); returns where each record of them is."""
-        records = {}
-        for piece in self.pieces:
-            where = self._records[(piece.tensor.key, piece.offsets)]
-            file, start, _ = where
-            if file in files:
-                archive, _, _ = _chunk_archive(piece)  # made again: holding every chunk's layout costs memory
-                for offset, data in archive.segments({"0": crcs[piece]}):
-                    self.out.write_at(file, start + offset, data)
-                records[(piece.tensor.key, piece.offsets)] = where
-        if data_file(0) in files:
-            end = self._ends.get(0, 0)
-            for obj in objects:
-                blob = obj.blob()  # copied as is when the source stores it as an archive
-                if blob is None:
-                    blob = archive_bytes(obj.value())
-                self.out.write_at(data_file(0), end, blob)
-                records[(obj.key, None)] = (data_file(0), end, len(blob))
-                end += len(blob)
-        for name in files:
-            self.out.fd(name)  # every rank's file exists, even an empty one
-        if self.compress:  # each record becomes one zstd stream, as torch's ZStandard extension writes it
-            for name in files:
-                mine = sorted((where[1], where[2], place) for place, where in records.items() if where[0] == name)
-                placed = compression.compress_records(self.folder, name, [(start, length) for start, length, _ in mine])
-                for (_, _, place), (start, length) in zip(mine, placed):
-                    records[place] = (name, start, length)
-        return records
-
-    def finish_index(self, objects, records: list[dict]) -> list[str]:
-        """Write ``.metadata`` from the records of every writer, streamed: a thousand ranks make a million
-        chunks, too many to build as objects first."""
-        merged = {where: place for part in records for where, place in part.items()}
-        with open(self.folder / METADATA, "wb") as file:
-            stream = PickleStream(file)
-            stream.start()
-            stream.save(self._metadata(objects, merged))
-            stream.stop()
-        return []
-
-    def _metadata(self, objects, records) -> Reduced:
-        """torch's ``Metadata``; its tensor entries and storage records are made one at a time as they are written."""
-        chunks_of: dict[str, list] = {}
-        for piece in self._rank_of:
-            chunks_of.setdefault(piece.tensor.key, []).append(piece)
-        # a chunk's place in its tensor's list (the index hint), found in O(1): a tensor may have thousands
-        position_of: dict = {}
-        for key, pieces in chunks_of.items():
-            for i, piece in enumerate(pieces):
-                position_of.setdefault((key, piece.offsets), i)
-        # In the order one process writes them (file by file, then the objects), whoever wrote them.
-        ordered = [(p.tensor.key, p.offsets) for p in self.pieces] + [(o.key, None) for o in objects]
-
-        def storage():
-            for key, offsets in dict.fromkeys(ordered):
-                file, start, length = records[(key, offsets)]
-                position = None if offsets is None else position_of[(key, offsets)]
-                index = new_object(_METADATA_MODULE, "MetadataIndex", {
-                    "fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": position})
-                info = {"relative_path": file, "offset": start, "length": length}
-                if self.compress:
-                    info["transform_descriptors"] = [compression.ZSTD]
-                yield index, new_object("torch.distributed.checkpoint.filesystem", "_StorageInfo", info)
-
-        def entries():
-            for tensor in self.tensors:
-                properties = new_object(_METADATA_MODULE, "TensorProperties", (
-                    Global("torch", tensor.dtype),
-                    Reduced(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
-                    False,
-                    Reduced(Global(_METADATA_MODULE, "_MEM_FORMAT_ENCODING"), (0,)),
-                    False,
-                ))
-                chunks = [new_object(_METADATA_MODULE, "ChunkStorageMetadata",
-                                     {"offsets": torch_size(p.offsets), "sizes": torch_size(p.sizes)})
-                          for p in chunks_of[tensor.key]]
-                yield tensor.key, new_object(_METADATA_MODULE, "TensorStorageMetadata",
-                                             {"properties": properties, "size": torch_size(tensor.shape), "chunks": chunks})
-            for obj in objects:
-                yield obj.key, new_object(_METADATA_MODULE, "BytesStorageMetadata", {})
-
-        planner_data = {t.key: t.path for t in self.tensors} | {o.key: o.path for o in objects}
-        return new_object(_METADATA_MODULE, "Metadata", {
-            "state_dict_metadata": Streamed(entries()), "planner_data": planner_data, "storage_data": Streamed(storage()),
-            "storage_meta": None, "version": "1.0.0"})
-
-
-def _chunk_archive(piece: Piece) -> tuple[ArchiveLayout, int, int]:
-    """The archive of one chunk record, where its bytes start in it, and its length."""
-    archive = ArchiveLayout(_chunk_pickle(piece.tensor.dtype, piece.sizes))
-    data_start = archive.add_storage("0", piece.nbytes)
-    return archive, data_start, archive.close()
-
-
-@functools.cache
-def _chunk_pickle(dtype: str, sizes: tuple[int, ...]) -> bytes:
-    """A chunk's ``data.pkl``, the same for every chunk of its dtype and shape (pickling is slow in Python)."""
-    return dumps(TensorOut(StorageOut("0", dtype, math.prod(sizes)), sizes))
-
-
-class Dcp(Format):
-    """A PyTorch Distributed Checkpoint folder (``.metadata`` and ``__R_0.distcp`` files), as ``dcp.save`` writes it."""
-
-    name = NAME
-    completes = (METADATA,)  # without it the folder is no checkpoint
-    writable = True
-    layout = Layout.MESH
-    compressions = ("zstd",)
-    dcp_loadable = True
-    options = {"compress": "--compress"}
-
-    def detect(self, files: CheckpointFiles) -> bool:
-        return detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return read(files)
-
-    def writer(self, destination: Path, **writer_options) -> Writer:
-        return Writer(destination, **writer_options)
-
-
-FORMAT = Dcp()

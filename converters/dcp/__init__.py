@@ -1,0 +1,45 @@
+"""PyTorch Distributed Checkpoint (DCP): a folder with ``.metadata`` and ``__{rank}_{n}.distcp`` files.
+
+Read offline with no process group (``reader``): ``.metadata`` goes through dcptool's restricted
+unpickler, its runs of chunk and storage records as columns (``metadata``), so inspecting a hostile
+checkpoint of thousands of ranks runs no code and makes no object per chunk. Each tensor chunk is a
+``torch.save`` archive at a known offset of a ``.distcp`` file. Written (``writer``) as ``dcp.save``
+lays it out on any mesh, ``.metadata`` streamed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dcptool.converters.dcp.names import METADATA, NAME
+from dcptool.converters.dcp.reader import detect, read
+from dcptool.converters.dcp.writer import Writer
+from dcptool.core import Checkpoint
+from dcptool.format_interface import Format, Layout
+from dcptool.storage import CheckpointFiles
+
+__all__ = ["FORMAT", "METADATA", "Dcp", "detect", "read"]
+
+
+class Dcp(Format):
+    """A PyTorch Distributed Checkpoint folder (``.metadata`` and ``__R_0.distcp`` files), as ``dcp.save`` writes it."""
+
+    name = NAME
+    completes = (METADATA,)  # without it the folder is no checkpoint
+    writable = True
+    layout = Layout.MESH
+    compressions = ("zstd",)
+    dcp_loadable = True
+    options = {"compress": "--compress"}
+
+    def detect(self, files: CheckpointFiles) -> bool:
+        return detect(files)
+
+    def read(self, files: CheckpointFiles) -> Checkpoint:
+        return read(files)
+
+    def writer(self, destination: Path, **writer_options) -> Writer:
+        return Writer(destination, **writer_options)
+
+
+FORMAT = Dcp()

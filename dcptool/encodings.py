@@ -1,0 +1,44 @@
+"""Chunk encodings: how a record stores a chunk's elements, read by the codec module that registered it.
+
+A ``core.Chunk`` names its encoding; ``core.Checkpoint`` finds it here (``get``) and calls it, never
+naming one itself. Each codec module registers its encodings when it is imported (``register``):
+``dcptool.torch_archive`` a ``torch.save`` archive of one tensor (DCP's chunk records),
+``dcptool.compression`` such an archive in a zstd record. A reader that makes chunks of an encoding
+has imported its codec, so a new encoding is its codec module and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How the records of one encoding are read.
+
+    ``locate(files, tensor, chunk)``: where the elements of ``chunk`` (a ``core.Chunk`` of the
+    ``core.TensorInfo`` ``tensor``, in the ``storage.CheckpointFiles`` ``files``) are, a
+    ``torch_archive.RawBytes``, its record opened and checked against the chunk's dtype and sizes.
+    ``stored_crc(files, chunk, offset, length)``: the CRC-32 the record stores for file bytes
+    ``[offset, offset+length)``, or None. ``uniform``: records of one dtype, shape and length hold their
+    elements at the same place in them, so a checkpoint opens one record of each such shape, not each.
+    """
+
+    name: str
+    locate: Callable[[Any, Any, Any], Any]
+    stored_crc: Callable[[Any, Any, int, int], int | None] | None = None
+    uniform: bool = False
+
+
+_REGISTERED: dict[str, Encoding] = {}
+
+
+def register(encoding: Encoding) -> None:
+    """Make records of ``encoding.name`` readable (a codec module registers its encodings once, when imported)."""
+    _REGISTERED[encoding.name] = encoding
+
+
+def get(name: str) -> Encoding | None:
+    """The encoding registered as ``name``; None when no codec imported so far registered it."""
+    return _REGISTERED.get(name)
