@@ -128,11 +128,8 @@ class AccelerateFolder(Format):
 
     name = NAME
 
-    def detect(self, files: CheckpointFiles) -> bool:
-        return detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return read(files)
+    detect = staticmethod(detect)
+    read = staticmethod(read)
 
 
 FORMAT = AccelerateFolder()

@@ -260,17 +260,11 @@ class HuggingFace(Format):
 
     name = NAME
     completes = (INDEX,)  # without the index a sharded folder is incomplete
-    writable = True
     options = {"max_shard_size": "--max-shard-size"}
 
-    def detect(self, files: CheckpointFiles) -> bool:
-        return detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return read(files)
-
-    def writer(self, destination: Path, **writer_options) -> Writer:
-        return Writer(destination, **writer_options)
+    detect = staticmethod(detect)
+    read = staticmethod(read)
+    writer_class = Writer
 
 
 FORMAT = HuggingFace()

@@ -151,17 +151,11 @@ class HuggingFaceDcp(Format):
     """Safetensors files that torch's ``HuggingFaceStorageWriter`` writes under ``dcp.save``, one per rank."""
 
     name = NAME
-    writable = True
     layout = Layout.MESH
 
-    def detect(self, files: CheckpointFiles) -> bool:
-        return detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return read(files)
-
-    def writer(self, destination: Path, **writer_options) -> Writer:
-        return Writer(destination, **writer_options)
+    detect = staticmethod(detect)
+    read = staticmethod(read)
+    writer_class = Writer
 
 
 FORMAT = HuggingFaceDcp()

@@ -139,16 +139,10 @@ class TorchSave(Format):
 
     name = NAME
     writes_folder = False
-    writable = True
 
-    def detect(self, files: CheckpointFiles) -> bool:
-        return detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return read(files)
-
-    def writer(self, destination: Path, **writer_options) -> Writer:
-        return Writer(destination, **writer_options)
+    detect = staticmethod(detect)
+    read = staticmethod(read)
+    writer_class = Writer
 
 
 FORMAT = TorchSave()

@@ -92,14 +92,23 @@ class Writer(Protocol):
 
 
 class Format(ABC):
-    """One checkpoint format. Subclasses set the class attributes and implement ``detect`` and ``read``;
-    a format dcptool writes also implements ``writer`` (and ``plan_output`` when its output holds
-    something other than every entry as saved)."""
+    """One checkpoint format. Subclasses set the class attributes and give ``detect`` and ``read`` (the
+    format module's functions, as ``detect = staticmethod(detect)``); a format dcptool writes sets
+    ``writer_class`` (and overrides ``plan_output`` when its output holds something other than every
+    entry as saved).
+
+    >>> class Text(Format):
+    ...     name = "text"
+    ...     detect = staticmethod(lambda files: False)
+    ...     read = staticmethod(lambda files: None)
+    >>> Text().writable, Text().layout.value
+    (False, 'none')
+    """
 
     name: ClassVar[str]
     writes_folder: ClassVar[bool] = True  # its output is a folder, else one file
     completes: ClassVar[tuple[str, ...]] = ()  # files uploaded last: without them the output is no checkpoint
-    writable: ClassVar[bool] = False
+    writer_class: ClassVar[Callable[..., Writer] | None] = None  # made as writer_class(destination, **options)
     layout: ClassVar[Layout] = Layout.NONE
     compressions: ClassVar[tuple[str, ...]] = ()
     # torch's ``dcp.load`` with its ``FileSystemReader`` reads it (``verify --load-on`` runs that load).
@@ -115,9 +124,15 @@ class Format(ABC):
     def read(self, files: CheckpointFiles) -> Checkpoint:
         """The format-neutral description of the checkpoint; a broken one raises ``CheckpointError``."""
 
+    @property
+    def writable(self) -> bool:
+        return self.writer_class is not None
+
     def writer(self, destination: Path, **writer_options) -> Writer:
         """A writer of this format into ``destination`` (a temporary folder or file, committed later)."""
-        raise UsageError(f"--to {self.name}: dcptool reads {self.name} checkpoints but does not write them")
+        if self.writer_class is None:
+            raise UsageError(f"--to {self.name}: dcptool reads {self.name} checkpoints but does not write them")
+        return self.writer_class(destination, **writer_options)
 
     def plan_output(self, checkpoint: Checkpoint, request: OutputRequest) -> Output:
         """What an output of this format holds of ``checkpoint``: by default every entry as saved, selected

@@ -31,11 +31,8 @@ real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dcptool.core import Checkpoint
 from dcptool.format_interface import Format, Layout, Output, OutputRequest
-from dcptool.storage import CheckpointFiles
 from dcptool.converters.fsdp1 import planning, reader
 from dcptool.converters.fsdp1.folder import CONFIG, NAME
 from dcptool.converters.fsdp1.writer import Writer
@@ -47,19 +44,13 @@ class Fsdp1(Format):
 
     name = NAME
     completes = (CONFIG,)
-    writable = True
     layout = Layout.DATA_PARALLEL
     options = {"world_size": "--world-size", "keep_rank_state": "--keep-rank-state", "optim_form": "--optim-form",
                "model_values": "--model-values"}
 
-    def detect(self, files: CheckpointFiles) -> bool:
-        return reader.detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return reader.read(files)
-
-    def writer(self, destination: Path, **writer_options) -> Writer:
-        return Writer(destination, **writer_options)
+    detect = staticmethod(reader.detect)
+    read = staticmethod(reader.read)
+    writer_class = Writer
 
     def plan_output(self, checkpoint: Checkpoint, request: OutputRequest) -> Output:
         """The model, its optimizer state and the lr scheduler for each rank (``entries``), in the forms
