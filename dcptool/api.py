@@ -16,10 +16,9 @@ Nothing here imports torch unless asked to (``read(..., as_torch=True)``, ``veri
 
 >>> import tempfile, numpy as np, safetensors.numpy, dcptool
 >>> folder = tempfile.mkdtemp()
->>> safetensors.numpy.save_file({"w": np.arange(12, dtype=np.float32).reshape(4, 3)}, f"{folder}/model.safetensors")
->>> dcptool.open(folder).read("w", (slice(1, 3),))
-array([[3., 4., 5.],
-       [6., 7., 8.]], dtype=float32)
+>>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+>>> dcptool.reshard(folder, f"{folder}/dp2", dp=2, dry_run=True).planned_files
+{'__0_0.distcp': 24, '__1_0.distcp': 24}
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from dcptool.transfer import DEFAULT_MAX_MEMORY
 if TYPE_CHECKING:
     from dcptool.checksums import Result
     from dcptool.loadcheck import LoadReport
-    from dcptool.resharding import ReshardReport
+    from dcptool.resharding import ReshardPlan, ReshardReport
     from dcptool.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard",
@@ -326,6 +325,17 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
                                  compress=compress, forms=forms)
     result.conversion.notes[:0] = notes
+    try:
+        return _write_or_report(result, destination, dry_run, progress, max_memory, overwrite, fsync)
+    finally:
+        checkpoint.files.close()
+
+
+def _write_or_report(result: ReshardPlan, destination, dry_run: bool, progress: Progress | None, max_memory,
+                     overwrite, fsync) -> ReshardReport:
+    """A planned reshard written with a progress bar, or its plan reported (``dry_run``)."""
+    from dcptool import resharding
+
     if dry_run:
         report = result.conversion.dry_run(destination)
         return resharding.ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name if result.plan else "",
@@ -340,12 +350,16 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
 
 def _run(planned: Conversion, destination, dry_run: bool, progress: Progress | None, max_memory, overwrite,
          fsync) -> Report:
-    """Write a planned conversion with a progress bar, or report it without writing."""
+    """Write a planned conversion with a progress bar, or report it without writing; the source's files are
+    closed after."""
     destination = output_path(destination)
-    if dry_run:
-        return planned.dry_run(destination)
-    with _progress(progress, planned.total_bytes, _writing_label(destination)) as advance:
-        return planned.write(destination, **_writing(max_memory, overwrite, fsync), progress=advance)
+    try:
+        if dry_run:
+            return planned.dry_run(destination)
+        with _progress(progress, planned.total_bytes, _writing_label(destination)) as advance:
+            return planned.write(destination, **_writing(max_memory, overwrite, fsync), progress=advance)
+    finally:
+        planned.checkpoint.files.close()
 
 
 @contextmanager

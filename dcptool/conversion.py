@@ -8,8 +8,9 @@ The output's format plans what it holds (``Format.plan_output``) and its writer 
 ``format_interface.Writer`` protocol) where each piece goes. Under torchrun each rank writes only
 its files and rank 0 the index (``dcptool.distributed``); one process writes everything.
 
->>> report = convert_checkpoint("step-100", "out-hf", to="hf", dtype="bfloat16")   # doctest: +SKIP
->>> report.tensors, report.bytes_written, report.left_out                             # doctest: +SKIP
+>>> planned = plan_convert(formats.open_checkpoint("step-100"), "hf", OutputRequest(dtype="bfloat16"))  # doctest: +SKIP
+>>> report = planned.write("out-hf")                                                   # doctest: +SKIP
+>>> report.tensors, report.bytes_written, report.left_out                              # doctest: +SKIP
 (291, 16060522496, ['optimizer.param_groups', 'lr_scheduler'])
 """
 
@@ -38,7 +39,8 @@ class Report:
     ``left_out``: entries the writer could not hold; ``dropped``: entries of the source that planning did
     not choose, by kind (``left_out_by_kind``), each for its reason in ``reasons``, else ``why_left_out``;
     ``notes``: what planning renamed, made or left out, one line each; ``planned_files``: with
-    ``dry_run``, the files and bytes the writer would write.
+    ``dry_run``, the data files the writer would write and their bytes (metadata and index files are
+    made at the end, from what was written).
     """
 
     destination: Path | str  # a URL for remote outputs
@@ -330,27 +332,3 @@ def left_out_by_kind(checkpoint: Checkpoint, tensors: list[OutTensor], objects: 
             found["optimizer tensors" if optimizer else "other tensors"].append(key)
     found["non-tensor entries"] = [key for key, entry in checkpoint.objects.items() if id(entry) not in carried]
     return {kind: keys for kind, keys in found.items() if keys}
-
-
-def convert_checkpoint(
-    source: str | Path,
-    destination: str | Path,
-    to: str,
-    *,
-    source_format: str | None = None,
-    dtype: str | None = None,
-    include: str | None = None,
-    exclude: str | None = None,
-    writer_options: dict | None = None,
-    **options,
-) -> Report:
-    """Convert a checkpoint to another format as ``dcptool.convert`` plans it, with ``writer_options`` given to
-    the format's writer over what planning chose (its own knobs, such as fsdp1's ``replicate``); ``options``
-    go to ``write_checkpoint`` (``across_ranks`` inside a job that has its own process group).
-
-    >>> convert_checkpoint("step-100", "step-100.pt", to="torch")   # doctest: +SKIP
-    """
-    checkpoint = formats.open_checkpoint(source, source_format)
-    planned = plan_convert(checkpoint, to, OutputRequest(dtype=dtype, include=include, exclude=exclude))
-    planned.writer_options.update(writer_options or {})
-    return planned.write(destination, **options)

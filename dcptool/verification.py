@@ -7,8 +7,9 @@ dtypes (a float32 checkpoint and its bfloat16 export), pass where ``|a - b| <= a
 (NaN in both places counts as equal), and the largest absolute and relative difference of every
 tensor is reported. A is the reference: "missing" means missing from B.
 
->>> report = compare("step-1000", "hf-out", prefix_a="dcp.model")       # doctest: +SKIP
->>> report.equal, [d.key for d in report.differences]                     # doctest: +SKIP
+>>> side_a, side_b, note = sides("step-1000", "hf-out", prefix_a="dcp.model")   # doctest: +SKIP
+>>> report = compare_sides(side_a, side_b)                                      # doctest: +SKIP
+>>> report.equal, [d.key for d in report.differences]                           # doctest: +SKIP
 (True, [])
 >>> roundtrip("step-1000", "hf").left_out[:2]                            # doctest: +SKIP
 ['dcp.optim.state.model.norm.weight.exp_avg', 'dcp.optim.state.model.norm.weight.exp_avg_sq']
@@ -243,21 +244,6 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
             said = f"no tensor name is on both sides as given: comparing the model part ({option} auto)"
             return side_a, side_b, said + (f"; {note}" if note else "")
     return aligned(prefix_a, prefix_b)
-
-
-def compare(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
-            prefix_a: str | None = None, prefix_b: str | None = None, include: str | None = None,
-            exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO, **options) -> Report:
-    """Compare checkpoints ``a`` and ``b`` (any formats and layouts); ``options`` go to ``compare_sides``.
-
-    >>> compare("step-1000", "step-1000.pt").equal                         # doctest: +SKIP
-    True
-    """
-    side_a, side_b, note = sides(a, b, format_a=format_a, format_b=format_b, prefix_a=prefix_a, prefix_b=prefix_b,
-                                 include=include, exclude=exclude, family_a=family_a, family_b=family_b)
-    report = compare_sides(side_a, side_b, **options)
-    report.note = note
-    return report
 
 
 def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | None = None,

@@ -11,7 +11,7 @@ from jobs import run_job
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from dcptool.conversion import convert_checkpoint
+from harness.conversions import convert_checkpoint
 from dcptool.formats import open_checkpoint
 
 

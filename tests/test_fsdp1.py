@@ -218,7 +218,7 @@ if __name__ == "__main__":
 # The tests
 
 from conftest import read_tensor  # noqa: E402
-from dcptool.conversion import convert_checkpoint  # noqa: E402
+from harness.conversions import convert_checkpoint  # noqa: E402
 from dcptool.errors import CheckpointError, UnsafePickleError  # noqa: E402
 from dcptool.formats import detect, open_checkpoint  # noqa: E402
 from dcptool.safe_pickle import Record, SubclassRef, TensorRef  # noqa: E402
@@ -298,8 +298,9 @@ def round_trips(saved, tmp_path_factory):
         pairs = []
         for name, source, expect in sources:
             out = root / f"{name}-to-w{world_size}"
-            convert_checkpoint(source, out, to="fsdp1",
-                               writer_options={"world_size": world_size, "replicate": REPLICATED_BUFFERS})
+            convert_checkpoint(source, out, to="fsdp1", world_size=world_size,
+                               forms={"optim_form": "named", "model_values": "sharded-tensor"},
+                               writer_options={"replicate": REPLICATED_BUFFERS})
             pairs.append(f"{out}={expect}")
             reports[(name, world_size)] = (out, expect)
         result = root / f"load-w{world_size}.json"
@@ -365,9 +366,8 @@ def test_written_pickle_is_what_torch_pickles(saved, round_trips, rank):
 def test_reading_and_writing_never_import_torch(saved, tmp_path):
     code = (
         "import sys\n"
-        "from dcptool.conversion import convert_checkpoint\n"
-        f"convert_checkpoint({str(saved(2) / 'dtensor')!r}, {str(tmp_path / 'out')!r}, to='fsdp1',\n"
-        "                   writer_options={'world_size': 3})\n"
+        "import dcptool\n"
+        f"dcptool.convert({str(saved(2) / 'dtensor')!r}, {str(tmp_path / 'out')!r}, to='fsdp1', world_size=3)\n"
         "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -390,8 +390,8 @@ def test_ranks_that_disagree_on_a_shape_are_refused(saved, tmp_path):
     torch.save(full, tmp_path / "a.pt")
     torch.save(dict(full, **{"head.weight": full["head.weight"][:4].clone()}), tmp_path / "b.pt")
     for name in ("a", "b"):
-        convert_checkpoint(tmp_path / f"{name}.pt", tmp_path / name, to="fsdp1",
-                           writer_options={"world_size": 2, "replicate": REPLICATED_BUFFERS})
+        convert_checkpoint(tmp_path / f"{name}.pt", tmp_path / name, to="fsdp1", world_size=2,
+                           writer_options={"replicate": REPLICATED_BUFFERS})
     shutil.copy(tmp_path / "b" / "model_world_size_2_rank_1.pt", tmp_path / "a" / "model_world_size_2_rank_1.pt")
     with pytest.raises(CheckpointError, match=r"model_world_size_2_rank_1.pt.*head.weight is float32\[4, 8\]"):
         open_checkpoint(tmp_path / "a")

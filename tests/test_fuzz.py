@@ -244,7 +244,7 @@ def bases(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from dcptool.conversion import convert_checkpoint
+    from harness.conversions import convert_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz-bases")
     state = {"model": {"w": torch.arange(24.0).reshape(4, 6), "b": torch.ones(6, dtype=torch.bfloat16),
@@ -269,7 +269,7 @@ def bases(tmp_path_factory):
     (root / "torch").mkdir()
     torch.save({"model": {"w": torch.arange(10.0).reshape(5, 2), "pos": torch.arange(3)}, "step": 7,
                 "groups": [{"lr": 0.1, "params": [0, 1]}]}, root / "torch" / "full.pt")
-    convert_checkpoint(root / "torch" / "full.pt", root / "fsdp1", to="fsdp1", writer_options={"world_size": 2})
+    convert_checkpoint(root / "torch" / "full.pt", root / "fsdp1", to="fsdp1", world_size=2)
     (root / "fsdp1-dtensor").mkdir()
     subprocess.run([sys.executable, "-c", DTENSOR_SAVE, str(root / "fsdp1-dtensor")], check=True, timeout=300,
                    env=dict(os.environ, PYTHONWARNINGS="ignore"))

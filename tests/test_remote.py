@@ -21,7 +21,7 @@ import fsspec
 import pytest
 
 from dcptool import cli, remote
-from dcptool.conversion import convert_checkpoint
+from harness.conversions import convert_checkpoint
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 
@@ -89,7 +89,7 @@ def local(checkpoints, tmp_path_factory):
     made = {"dcp": dcp, "torch": folder / "full.pt", "hf": folder / "hf", "fsdp1": folder / "fsdp1"}
     convert_checkpoint(dcp, made["torch"], to="torch")
     convert_checkpoint(dcp, made["hf"], to="hf", writer_options={"max_shard_size": 20_000})  # shards and an index
-    convert_checkpoint(dcp, made["fsdp1"], to="fsdp1", writer_options={"world_size": 2})
+    convert_checkpoint(dcp, made["fsdp1"], to="fsdp1", world_size=2)
     made["hf-file"] = made["hf"].parent / "single" / "model.safetensors"
     convert_checkpoint(made["hf"], made["hf-file"].parent, to="hf")
     assert len(list(made["hf"].glob("*.safetensors"))) > 1 and made["hf-file"].is_file()

@@ -12,6 +12,7 @@ import torch
 from conftest import dcptool, load_reference
 from dcptool import conversion, formats, transfer
 from dcptool.core import Checkpoint
+from harness.conversions import convert_checkpoint
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import ArchiveLayout, StorageOut, TensorOut, dumps
 
@@ -75,7 +76,7 @@ def test_outputs_are_the_same_with_or_without_kernel_copies(checkpoints, tmp_pat
         read_crc = Checkpoint.stored_crc
         monkeypatch.setattr(Checkpoint, "stored_crc", lambda self, *args: stored.append(read_crc(self, *args)) or stored[-1])
     out = tmp_path / "full.pt"
-    conversion.convert_checkpoint(source, out, to="torch", max_memory=2**16)
+    convert_checkpoint(source, out, to="torch", max_memory=2**16)
     assert zipfile.ZipFile(out).testzip() is None
     assert (kernel_copy == "yes") == bool(stored) and None not in stored
     expected = load_reference(reference)

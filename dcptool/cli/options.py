@@ -39,7 +39,7 @@ TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights 
 JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same).")
 PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto, hf, torchtitan, fsdp, or a YAML/JSON plan file.")
 
-# verl's FSDP1 files (--to fsdp1): how the optimizer and model files hold their tensors (converters/fsdp1.output_forms).
+# verl's FSDP1 files (--to fsdp1): how the optimizer and model files hold their tensors (converters/fsdp1/planning.output_forms).
 OptimFormOption = typer.Option(None, "--optim-form", help="With --to fsdp1, how the optimizer files hold the state: flat (verl's plain optimizer.state_dict() under FSDP1 with use_orig_params=False, its default) or orig (use_orig_params=True), which verl's optimizer.load_state_dict loads as they are; or named (FSDP.optim_state_dict, loaded through FSDP.optim_state_dict_to_load); or fsdp2 (an FSDP2 folder: optimizer.state_dict() of fully_shard, DTensor moments and model values, FSDP_version 2). Default: the source folder's form, else named.")
 ModelValuesOption = typer.Option(None, "--model-values", help="With --to fsdp1: sharded-tensor (FSDP1 without a device mesh) or dtensor[:DEVICE] (FSDP1 given verl's 1-D device mesh, which must equal the loading job's: on DEVICE, else the source mesh's device type, else cuda; named as the source mesh, else fsdp). Default: the source folder's, else sharded-tensor.")
 
