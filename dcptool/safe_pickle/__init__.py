@@ -13,14 +13,14 @@ bytes costs O(N) memory and time whatever it says: memo indices, string and byte
 against the pickle's size before anything is allocated; the calls it allows, BUILD and hashing of
 keys are charged to a work budget proportional to N (``calls``); dict and set keys are hashed only
 when shallow, and never more than ``MAX_SAME_HASH`` distinct keys with one hash go into one
-container (hash flooding). The result is checked before it is returned: no cycles, at most
-``MAX_LEVELS`` levels of nesting (``machine``), and at most a budget of objects when shared containers are counted
-at every place they appear, so that code walking it (flattening, comparing, pickling it again) stays
-linear and within Python's recursion limit too.
+container (hash flooding). The result is checked before it is returned (``machine``): no cycles, at
+most ``MAX_LEVELS`` levels of nesting, and at most a budget of objects when shared containers are
+counted at every place they appear, so that code walking it (flattening, comparing, pickling it
+again) stays linear and within Python's recursion limit too.
 
 A caller that expects a million records of a few classes declares them (``RecordRun``, ``runs``):
-runs of them are then read as columns and stand on the stack as whatever the caller makes of those,
-at C speed rather than an object per record.
+runs of them are then read as columns, at C speed rather than an object per record, and stand in
+the result as whatever the caller makes of those columns.
 
 >>> load_bytes(pickle.dumps({"a": 1}), "x.pkl")
 {'a': 1}

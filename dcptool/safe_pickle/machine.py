@@ -63,13 +63,15 @@ class Machine(Calls):
         return self.data[pos:pos + count]
 
     def line(self, pos: int) -> bytes:
+        """The text argument from ``pos`` to the end of its line (protocol 0 opcodes), without the newline."""
         stop = self.data.find(b"\n", pos)
         if stop < 0:
             raise Bad(f"truncated: a line at byte {pos:,} has no end")
         return self.data[pos:stop]
 
     def run(self) -> Any:
-        """Interpret the pickle. One flat loop with the frequent opcodes first: this runs per opcode."""
+        """Interpret the pickle: the dispatch loop, one flat function with the frequent opcodes first, long on
+        purpose (it runs once per opcode, and a function per opcode would add a call to each)."""
         data = self.data
         end = len(data)
         # The memo as a list (a dict would cost ten times the memory): ``HOLE`` marks indices never
