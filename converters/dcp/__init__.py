@@ -26,20 +26,14 @@ class Dcp(Format):
 
     name = NAME
     completes = (METADATA,)  # without it the folder is no checkpoint
-    writable = True
     layout = Layout.MESH
     compressions = ("zstd",)
     dcp_loadable = True
     options = {"compress": "--compress"}
 
-    def detect(self, files: CheckpointFiles) -> bool:
-        return detect(files)
-
-    def read(self, files: CheckpointFiles) -> Checkpoint:
-        return read(files)
-
-    def writer(self, destination: Path, **writer_options) -> Writer:
-        return Writer(destination, **writer_options)
+    detect = staticmethod(detect)
+    read = staticmethod(read)
+    writer_class = Writer
 
 
 FORMAT = Dcp()
