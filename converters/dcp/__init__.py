@@ -9,14 +9,10 @@ lays it out on any mesh, ``.metadata`` streamed.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dcptool.converters.dcp.names import METADATA, NAME
 from dcptool.converters.dcp.reader import detect, read
 from dcptool.converters.dcp.writer import Writer
-from dcptool.core import Checkpoint
 from dcptool.format_interface import Format, Layout
-from dcptool.storage import CheckpointFiles
 
 __all__ = ["FORMAT", "METADATA", "Dcp", "detect", "read"]
 
