@@ -38,8 +38,8 @@ from typing import Any
 from dcptool import dtypes, encodings, safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, RawBytes, archive_prefix, chunk_bytes,
-                                           zip64_values)
+from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, RawBytes, archive_prefix,
+                                           chunk_bytes, zip64_values)
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13
 ZSTD_ARCHIVE = "zstd-archive"  # the chunk encoding of a torch.save archive in a zstd record

@@ -45,7 +45,7 @@ class Machine(Calls):
 
     def __init__(self, data: bytes, source: str, declared: tuple[RecordRun, ...] = ()):
         super().__init__(data, source)
-        self.runs = Runs(data, self.memo, self.charge, declared)
+        self.runs = Runs(data, self.memo, declared)
 
     def memo_value(self, index: int) -> Any:
         """The object at a memo index: a run's object made now for a slot of a run, or an error for a hole."""
@@ -106,7 +106,7 @@ class Machine(Calls):
                     value = self.memo_value(index)
                 elif type(value) is type:
                     run = starts.get(value)  # maybe the first of a run of records the caller declared
-                    found = run is not None and len(memo) + shift == filled and runs.read(pos - 1, run)
+                    found = run is not None and len(memo) + shift == filled and runs.read(pos - 1, run, self.charge)
                     if found:
                         pos, standing = found
                         shift = runs.shift

@@ -100,6 +100,8 @@ class RecordRun:
                     self.refs.append(ALLOWED["torch.Size"])
                 self.parts.append((kind, (number, name)))
             self.parts.append(_SETITEMS_BUILD)
+        # The MEMOIZE opcodes of an item but its literal texts': per record, itself and its state, three per torch.Size.
+        self.slots = sum(2 + 3 * sum(kind == DIMS for _, kind in layout.fields) for layout in self.layouts)
         self.patterns: dict = {}  # (references, text shape) -> (expression, groups by field); bounded below
 
     def pattern(self, refs: tuple | None = None, shape: tuple | None = None) -> tuple[re.Pattern, dict]:
@@ -190,8 +192,8 @@ class Runs:
     the runs before them. ``declared``: the runs the caller of ``load_bytes`` expects.
     """
 
-    def __init__(self, data: bytes, memo: list, charge: Callable[[int], None], declared: tuple[RecordRun, ...]):
-        self.data, self.memo, self.charge = data, memo, charge
+    def __init__(self, data: bytes, memo: list, declared: tuple[RecordRun, ...]):
+        self.data, self.memo = data, memo
         self.starts = {run.start: run for run in declared}  # a class -> the run a memo reference to it may begin
         self.first = array.array("q")  # per run: its first memo index
         self.real = array.array("q")  # per run: where the memo list continues after it
@@ -201,10 +203,12 @@ class Runs:
         self.made: dict[int, Any] = {}  # slots of runs referred to (made then) or PUT again
         self.strings: dict[bytes, str] = {}  # texts of items, decoded once
 
-    def read(self, pos: int, run: RecordRun) -> tuple[int, tuple] | None:
+    def read(self, pos: int, run: RecordRun, charge: Callable[[int], None]) -> tuple[int, tuple] | None:
         """Items of ``run`` from ``pos`` (a memo reference to its first class) on, kept as columns while they are
         like the first; returns the position after them and what stands for them on the stack, or None.
-        Called only where every memo slot so far is set (the runs' slots then follow the list's end)."""
+        Called only where every memo slot so far is set (the runs' slots then follow the list's end); the work
+        goes to ``charge`` (the machine's, not kept: a machine and its runs referring to each other would be
+        a cycle, its memo freed only by the next garbage collection)."""
         data, memo = self.data, self.memo
         generic, fields = run.pattern()
         first = generic.match(data, pos)
@@ -218,7 +222,7 @@ class Runs:
                 return None
         shape = tuple(groups[fields[name][1]] is not None for name in run.texts)
         if (refs, shape) not in run.patterns:
-            self.charge(4096)  # compiling an expression: a pickle of many different runs pays for each
+            charge(4096)  # compiling an expression: a pickle of many different runs pays for each
         pattern, fields = run.pattern(refs, shape)
         match, rows, starts, end = pattern.match, [], [], pos
         found = match(data, end)
@@ -245,9 +249,8 @@ class Runs:
         if count == 0:
             return None
         end = starts[count] if count < len(rows) else end
-        # The MEMOIZE opcodes of an item: per record, itself and its state, a literal text, three per torch.Size.
-        slots = sum(2 + 3 * sum(kind == DIMS for _, kind in layout.fields) for layout in run.layouts) + sum(shape)
-        self.charge((end - pos) >> 3)
+        slots = run.slots + sum(shape)  # a literal text is memoized too
+        charge((end - pos) >> 3)
         self.first.append(len(memo) + self.shift)
         self.real.append(len(memo))
         self.size.append(slots * count)
