@@ -28,6 +28,7 @@ from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError
 from dcptool.format_interface import Format
 from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive import TORCH_ARCHIVE
 from dcptool.converters import dcp, torch_save
 
 NAME = "accelerate"
@@ -91,7 +92,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
 def _dcp_part(files: CheckpointFiles, folder: str) -> Checkpoint:
     """A DCP subfolder, its chunks and blobs named from the Trainer folder (so one ``CheckpointFiles`` reads them)."""
     part = dcp.read(CheckpointFiles(files.path(folder)))
-    if any(chunk.encoding != "torch-archive" for tensor in part.tensors.values() for chunk in tensor.chunks):
+    if any(chunk.encoding != TORCH_ARCHIVE for tensor in part.tensors.values() for chunk in tensor.chunks):
         raise CheckpointError(f"{part.root}: compressed DCP chunks in a Trainer folder are not read yet; "
                               f"point dcptool at {part.root} itself")
     for tensor in part.tensors.values():
