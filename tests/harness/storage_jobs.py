@@ -13,7 +13,6 @@ Saves write ``REFERENCE = OUT.reference.pt``: the full state dict, from rank 0.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,8 @@ from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+
+from harness.runtime import exit_now
 
 
 class Net(torch.nn.Module):
@@ -105,4 +106,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # gloo's threads can abort the interpreter's teardown
