@@ -19,12 +19,13 @@ from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolErr
                             UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
-    from dcptool.api import (Reader, Region, TensorSpec, checksum, convert, export_hf, import_hf, open,  # noqa: A004
-                             reshard, verify)
+    from dcptool.api import (Reader, Region, TensorSpec, checksum, convert, export_hf, import_hf, inspect,  # noqa: A004
+                             open, reshard, tensor_layout, verify)
 
 # The library code behind the commands lives in modules named apart from them (dcptool.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
-_API = ("open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard", "verify", "checksum")
+_API = ("open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
+        "reshard", "verify", "checksum")
 
 __all__ = [*_API, "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError",
            "OutputExistsError", "MismatchError"]
@@ -41,3 +42,8 @@ def __getattr__(name: str):
 
         return dcptool.api
     raise AttributeError(f"module 'dcptool' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """``dir(dcptool)`` lists the entry points too, which are imported only when first asked for."""
+    return sorted({*globals(), *_API, "api"})

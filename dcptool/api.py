@@ -41,15 +41,74 @@ from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
     from dcptool.checksums import Result
+    from dcptool.inspection import Inspection
+    from dcptool.layout import Layout
     from dcptool.loadcheck import LoadReport
     from dcptool.resharding import ReshardPlan, ReshardReport
     from dcptool.verification import Report as VerifyReport
 
-__all__ = ["open", "Reader", "TensorSpec", "Region", "convert", "export_hf", "import_hf", "reshard",
+__all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
            "verify", "checksum"]
 
 Size = Union[int, str]
 Progress = Callable[[Union[int, None], str], ContextManager[Callable[[int], None]]]
+
+
+def inspect(path: str | Path, *, source_format: str | None = None, revision: str | None = None,
+            include: str | None = None, stats: bool = False, threads: int = 0, max_memory: Size = DEFAULT_MAX_MEMORY,
+            progress: Progress | None = None) -> Inspection:
+    """``dcptool inspect``: a checkpoint's tensors, entries, data files, parameter counts, naming family and
+    model kind, and the mesh it was saved on; with ``stats``, every tensor's values read and summarized.
+
+    Args:
+        include: only keys matching this regular expression.
+        stats: read every tensor (min, max, mean, std, L2 norm, zeros, NaN, Inf, suspicious findings).
+        threads: reading threads for ``stats`` (0: the CPUs, at most 4).
+
+    Returns:
+        ``inspection.Inspection``; ``.to_json()`` is what ``inspect --json`` prints.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.zeros((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> found = dcptool.inspect(folder, stats=True)
+        >>> found.to_json()["total_bytes"], [flag.kind for flag in found.stats.flags]
+        (48, ['all zeros'])
+    """
+    from dcptool import inspection
+
+    path, = hub.with_revision(path, revision=revision)
+    checkpoint = formats.open_checkpoint(path, source_format)
+    total = sum(t.nbytes for t in checkpoint.tensors.values()) if stats else 0
+    with _progress(progress if stats else None, total, "reading") as advance:
+        return inspection.inspect_checkpoint(checkpoint, include, with_stats=stats, threads=threads or None,
+                                             max_memory=parse_size(max_memory, "--max-memory"), progress=advance)
+
+
+def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: str = "auto", svg: str | Path | None = None,
+           source_format: str | None = None, revision: str | None = None) -> Layout:
+    """``dcptool inspect --layout KEY``: which rank holds which block of tensor ``key``, as saved, or with
+    ``mesh`` (``"dp=2,tp=4"``) as ``reshard`` would lay it out under ``plan``; ``svg`` also draws it there.
+
+    Returns:
+        ``layout.Layout``; ``.to_json()`` is what ``inspect --layout KEY --json`` prints.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> [block["holders"] for block in dcptool.tensor_layout(folder, "w", mesh="dp=2").to_json()["blocks"]]
+        [[0], [1]]
+    """
+    from dcptool import layout as layouts
+
+    path, = hub.with_revision(path, revision=revision)
+    checkpoint = formats.open_checkpoint(path, source_format)
+    picture = layouts.planned_layout(checkpoint, key, mesh, plan) if mesh else layouts.saved_layout(checkpoint, key)
+    if svg:
+        layouts.write_svg(picture, Path(svg))
+    return picture
 
 
 def convert(source: str | Path, destination: str | Path, to: str, *, source_format: str | None = None,

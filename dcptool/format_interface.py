@@ -74,7 +74,7 @@ class Output:
 class Writer(Protocol):
     """What ``Format.writer`` returns; ``dcptool.conversion.write_checkpoint`` drives it.
 
-    ``out`` is the ``storage.OutputFiles`` it writes; ``needs_crc`` whether its headers need each
+    ``out`` is the ``storage.OutputFiles`` it writes; ``NEEDS_CRC`` whether its headers need each
     piece's CRC-32. ``plan`` gives the pieces it stores, ``files`` every output file with its planned
     bytes, ``place`` a piece's ``(file, offset)``; ``finish_files`` writes what is not piece data into
     the files this process wrote and returns what the index needs of them; ``finish_index`` writes the

@@ -3,12 +3,13 @@
 Planning gives every tensor its placement on the target mesh (from the plan's rule for its
 parameter; optimizer state follows its parameter; other tensors are replicated), computes the
 chunk each rank holds (``dcptool.mesh``), keeps each distinct chunk once and gives it to the
-least-loaded rank holding it, as ``dcp.save`` deduplicates. Execution is the ordinary streamed
-conversion with the DCP writer putting each chunk in its rank's file.
+least-loaded rank holding it, as ``dcp.save`` deduplicates. A format of per-rank data-parallel
+files (fsdp1) lays out its ranks itself. Execution is the ordinary streamed conversion with the
+format's writer putting each chunk in its rank's file; ``dcptool.api.reshard`` runs the whole.
 
->>> report = reshard("step-1000", "step-1000-tp4", tp=4)        # doctest: +SKIP
->>> report.mesh.describe()                                      # doctest: +SKIP
-'8 ranks: dp=2 x tp=4'
+>>> result = plan_for(formats.open_checkpoint("step-1000"), mesh_options(tp=4))   # doctest: +SKIP
+>>> result.mesh.describe(), result.problems                                        # doctest: +SKIP
+('8 ranks: dp=2 x tp=4', [])
 """
 
 from __future__ import annotations

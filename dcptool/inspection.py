@@ -1,0 +1,94 @@
+"""What ``dcptool inspect`` finds in a checkpoint: its tensors and entries, data files, parameter counts, the
+naming family and model kind of its weights, the mesh it was saved on, and with ``stats`` its values.
+
+>>> import tempfile, numpy as np, safetensors.numpy
+>>> from dcptool import formats
+>>> folder = tempfile.mkdtemp()
+>>> safetensors.numpy.save_file({"model.norm.weight": np.ones(4, np.float32)}, f"{folder}/model.safetensors")
+>>> found = inspect_checkpoint(formats.open_checkpoint(folder))
+>>> found.to_json()["tensors"], found.names
+({'model.norm.weight': {'dtype': 'float32', 'shape': [4], 'bytes': 16, 'chunks': 1}}, {'family': 'hf', 'kind': 'llama'})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dcptool import adapters, core, selection, stats
+from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.errors import UsageError
+from dcptool.mesh import Mesh
+
+
+@dataclass
+class Inspection:
+    """What inspect found: the tensors and entries ``include`` chose, the data files and their bytes, whether the
+    chunks record the ranks that saved them, the mesh (and plan) a built-in plan reproduces the saved layout with,
+    the naming family and kind of the weights, parameter counts, and the ``stats`` summary when asked."""
+
+    checkpoint: Checkpoint
+    tensors: dict[str, TensorInfo]
+    objects: dict[str, ObjectInfo]
+    files: list[str]
+    disk: int
+    ranks_recorded: bool
+    mesh: Mesh | None
+    plan: str | None
+    names: dict | None
+    parameters: dict[str, Any]
+    stats: stats.StatsReport | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``inspect --json``."""
+        report = {
+            "format": self.checkpoint.format,
+            "tensors": {k: {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "chunks": len(t.chunks)}
+                        for k, t in self.tensors.items()},
+            "objects": list(self.objects),
+            "total_bytes": sum(t.nbytes for t in self.tensors.values()),
+            "files": {"count": len(self.files), "bytes": self.disk},
+            "info": {k: str(v) if isinstance(v, Path) else v for k, v in self.checkpoint.info.items()},
+            "mesh": None if self.mesh is None else self.mesh.as_dict() | {"plan": self.plan},
+            "names": self.names,
+            "parameters": self.parameters,
+        }
+        if self.stats:
+            report["stats"] = self.stats.to_json()
+        return report
+
+
+def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, with_stats: bool = False,
+                       threads: int | None = None, max_memory: int | None = None,
+                       progress: Callable[[int], None] | None = None) -> Inspection:
+    """Everything inspect shows of ``checkpoint``; the tensors' values are read only ``with_stats``."""
+    tensors, objects = stats.included(checkpoint.tensors, include), stats.included(checkpoint.objects, include)
+    files = checkpoint.data_files()
+    ranks_recorded = any(core.ranks_recorded(t.chunks) for t in checkpoint.tensors.values())
+    inferred = None
+    if ranks_recorded:  # the planning layers, imported only for checkpoints that record their saving ranks
+        from dcptool import resharding
+
+        inferred = resharding.infer_mesh(checkpoint)
+    found = Inspection(checkpoint, tensors, objects, files, sum(checkpoint.files.size(f) for f in files),
+                       ranks_recorded, inferred[0] if inferred else None, inferred[1].name if inferred else None,
+                       naming(checkpoint), stats.parameter_counts(checkpoint, tensors))
+    if with_stats:
+        options = {} if max_memory is None else {"max_memory": max_memory}
+        found.stats = stats.compute(checkpoint, tensors, threads=threads, progress=progress, **options)
+    return found
+
+
+def naming(checkpoint: Checkpoint) -> dict | None:
+    """The naming family and model kind of the model weights (``dcptool.adapters``), or None for names no table knows."""
+    params = selection.model_part(checkpoint)
+    family = adapters.detect_family(params)
+    if family is None:
+        return None
+    config_dir = checkpoint.info.get("hf_config_dir")
+    try:
+        kind = adapters.detect_kind(params, family, selection.read_config(config_dir) if config_dir else None)
+    except UsageError:  # a model type with no table: the family is still worth showing
+        kind = None
+    return {"family": family, "kind": kind}
