@@ -1,6 +1,7 @@
 """One path per command: the command line only parses and calls the API, so for every option both write
 the same bytes; and --dry-run writes nothing, for every writing command and every writable format."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,18 @@ def test_options_a_format_does_not_take_are_refused_by_both(sources, tmp_path):
         with pytest.raises(dcptool.UsageError, match=expected):
             dcptool.convert(sources["dcp"], tmp_path / "out", **api_options)
         assert not (tmp_path / "out").exists()
+
+
+def test_reports_of_inspect_and_verify_are_the_api_s(sources, tmp_path):
+    """The commands that only read print, as JSON, the report their API function returns."""
+    printed = json.loads(run_cli("inspect", sources["dcp"], "--json", "--include", "layers", "--stats").stdout)
+    returned = json.loads(json.dumps(dcptool.inspect(sources["dcp"], include="layers", stats=True).to_json()))
+    for report in (printed, returned):
+        del report["stats"]["seconds"]  # how long the reading took
+    assert printed == returned
+    printed = json.loads(run_cli("verify", sources["dcp"], sources["hf"], "--json", "--prefix-a", "auto").stdout)
+    assert printed == json.loads(json.dumps(dcptool.verify(sources["dcp"], sources["hf"], prefix_a="auto").to_json()))
+    picture = json.loads(run_cli("inspect", sources["dcp"], "--layout", "model.norm.weight", "--mesh", "dp=2",
+                                 "--json").stdout)
+    assert picture == json.loads(json.dumps(dcptool.tensor_layout(sources["dcp"], "model.norm.weight",
+                                                                  mesh="dp=2").to_json()))
