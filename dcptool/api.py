@@ -275,11 +275,20 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
            load_on: str | Mapping[str, int] | None = None, nproc: int | None = None, backend: str = "auto",
            plan: str = "auto", timeout: float = 600.0, max_memory: Size = DEFAULT_MAX_MEMORY,
            revision: str | None = None, progress: Progress | None = None) -> VerifyReport | LoadReport:
-    """``dcptool verify``: compare ``a`` with ``b`` (any formats and layouts), or with its own round
-    trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``. ``report.equal`` says whether
-    they match, ``report.differences`` how not. With ``load_on`` (``"dp=2,tp=2"``): load ``a`` with
-    torch's ``dcp.load`` in a real job on that mesh (needs torch) and return its ``LoadReport`` (``.ok``).
+    """``dcptool verify``: compare ``a`` with ``b`` (any formats, layouts and naming families), or with its
+    own round trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``.
 
+    Args:
+        prefix_a, prefix_b: compare only keys under this wrapper (``"dcp.model"``; ``"auto"``: the model part).
+        adapter_a, adapter_b: the naming family of each side's weights (``"auto"``: detected).
+        load_on: instead, load ``a`` with torch's ``dcp.load`` in a real job on this mesh (``"dp=2,tp=2"``;
+            needs torch), with ``nproc`` processes on ``backend``.
+
+    Returns:
+        ``verification.Report``: ``.equal`` says whether they match, ``.differences`` how not; with
+        ``load_on``, ``loadcheck.LoadReport`` (``.ok``).
+
+    Example:
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
     >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
@@ -321,8 +330,16 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
              progress: Progress | None = None) -> Result:
     """``dcptool checksum``: ``write`` an integrity manifest (a BLAKE3 hash per file and per tensor),
     ``check`` the checkpoint against it, or check another checkpoint ``against`` it by tensor hashes.
-    ``result.ok`` says whether everything matches, ``result.problems`` what does not.
 
+    Args:
+        manifest: where the manifest is (default: inside the checkpoint; needed for hub repos).
+        scan_nonfinite: with ``write``, also count NaN and Inf values of every floating-point tensor.
+        prefix, against_prefix: compare only keys under these wrappers.
+
+    Returns:
+        ``checksums.Result``: ``.ok`` says whether everything matches, ``.problems`` what does not.
+
+    Example:
     >>> import tempfile, numpy as np, safetensors.numpy, dcptool
     >>> folder = tempfile.mkdtemp()
     >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
