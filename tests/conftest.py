@@ -105,3 +105,21 @@ def read_dcp(path: Path, scratch: Path) -> dict:
     whole = scratch / "whole.pt"
     dcp_to_torch_save(path, whole)
     return dict(flat(torch.load(whole, weights_only=True)))
+
+
+@pytest.fixture(scope="session")
+def bases(tmp_path_factory):
+    """The fuzz tests' small checkpoint of each format (tests/fuzzing.py), made once per session."""
+    from fuzzing import make_bases
+
+    return make_bases(tmp_path_factory.mktemp("fuzz-bases"))
+
+
+@pytest.fixture(scope="session")
+def forked_runs(bases, tmp_path_factory):
+    """The server the fuzz tests' runs fork from, with their limits (tests/fuzzing.py)."""
+    from fuzzing import fork_server
+
+    runs = fork_server(bases, tmp_path_factory.mktemp("warmup"), tmp_path_factory.mktemp("fork-server"))
+    yield runs
+    runs.close()
