@@ -11,6 +11,6 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip >/dev/null
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q -e ".[test,torch]"   # tests/test_light_install.py makes its own venv without torch
-scripts/lint_imports.sh   # the layers of the package (pyproject.toml [tool.importlinter])
+"$VENV/bin/lint-imports" --no-cache   # the layers of the package (pyproject.toml [tool.importlinter])
 export OMP_NUM_THREADS=1
 exec "$PY" -m pytest -q "$@"

@@ -1,4 +1,4 @@
-"""The layers of the package (pyproject.toml's import-linter contracts, checked by scripts/lint_imports.sh in
+"""The layers of the package (pyproject.toml's import-linter contracts, checked by `lint-imports` in
 scripts/test.sh) name every module, so that a new one cannot escape them."""
 
 import os
@@ -27,16 +27,22 @@ def test_every_module_of_the_package_is_in_a_layer():
     assert layer_modules() - modules == set()
 
 
+def lint_imports(repo: Path) -> subprocess.CompletedProcess:
+    """import-linter on the package at ``repo`` (its pyproject.toml's contracts), no cache."""
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    return subprocess.run([Path(sys.executable).parent / "lint-imports", "--no-cache"], cwd=repo, env=env,
+                          capture_output=True, text=True)
+
+
 def test_the_contracts_hold_and_a_violation_breaks_them(tmp_path):
     """lint-imports on the package as it is passes; on a copy where a basic module imports a format, it fails."""
-    env = dict(os.environ, DCPTOOL_VENV=str(Path(sys.executable).parents[1]))
-    lint = subprocess.run([ROOT / "scripts" / "lint_imports.sh"], capture_output=True, text=True, env=env)
+    lint = lint_imports(ROOT)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     copy = tmp_path / "repo"
-    for folder in ("dcptool", "converters", "scripts"):
-        shutil.copytree(ROOT / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("dcptool", "converters"):
+        shutil.copytree(ROOT / folder, copy / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy)
     with open(copy / "dcptool" / "errors.py", "a") as errors:
         errors.write("\nfrom dcptool import formats  # an upward import\n")
-    broken = subprocess.run([copy / "scripts" / "lint_imports.sh"], capture_output=True, text=True, env=env)
+    broken = lint_imports(copy)
     assert broken.returncode != 0 and "dcptool.errors -> dcptool.formats" in broken.stdout
