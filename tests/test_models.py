@@ -83,3 +83,13 @@ def test_answers_for_every_kind():
                                                                                "up_proj.weight")
     assert models.grouped_experts("layers.1.moe.experts.w1", (4, 32, 64))
     assert not models.grouped_experts("layers.1.moe.shared_experts.w1.weight", (32, 64))
+
+
+def test_tie_flags_say_tied_untied_or_nothing():
+    assert models.tie_flags(None) == {} and models.tie_flags({"model_type": "llama"}) == {}
+    assert models.tie_flags({"model_type": "qwen3", "tie_word_embeddings": False}) == {"tie_word_embeddings": False}
+    nested = {"text_config": {"tie_word_embeddings": True}, "tie_word_embeddings": False}  # the language model's wins
+    assert models.tie_flags(nested) == {"tie_word_embeddings": True}
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "transformer.wte.weight"]
+    assert models.embedding_pairs(names) == [("model.embed_tokens.weight", "lm_head.weight"),
+                                             ("transformer.wte.weight", "lm_head.weight")]

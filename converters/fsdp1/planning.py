@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from dcptool import dtypes, selection
+from dcptool import dtypes, models, selection
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError, printable
 from dcptool.converters.fsdp1.codecs import DEVICE_TYPE, VERL_MESH_DIM_NAMES
@@ -161,12 +161,11 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
                          "needs (--model-values dtensor[:DEVICE])")
     config_dir = checkpoint.info.get("hf_config_dir")
     if form != "named":
-
-        tied = selection.read_config(config_dir).get("tie_word_embeddings") if config_dir else None
-        untied = tied is False
-        tied_pair = None if untied else _looks_tied(checkpoint)
-        if tied is True or tied_pair:
-            said = f"{config_dir}/config.json: tie_word_embeddings" if tied is True else \
+        flags = models.tie_flags(selection.read_config(config_dir) if config_dir else None)
+        tied = [flag for flag, value in flags.items() if value]
+        tied_pair = None if flags and not tied else _looks_tied(checkpoint)  # a flag set false: untied
+        if tied or tied_pair:
+            said = f"{config_dir}/config.json: {tied[0]}" if tied else \
                 f"{checkpoint.root}: {tied_pair[0]} and {tied_pair[1]} hold the same values (tied embeddings)"
             raise UsageError(f"{said}: FSDP holds a tied parameter once among the optimizer's parameters, which "
                              f"--optim-form {form} does not lay out (--optim-form named does)")
@@ -187,28 +186,20 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
     return options, f"model values: {said}; optimizer: {optimizer}"
 
 
-_INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)\.weight$")
-_OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
-
-
 def _looks_tied(checkpoint: Checkpoint) -> tuple[str, str] | None:
     """The input and output embeddings when they hold the same first MiB of values, as tied ones do (the
     files do not record a tie: a tied model saves the one tensor under both names); else None."""
-
     params = selection.model_part(checkpoint)
-    inputs = [k for k in params if _INPUT_EMBEDDING.search(k)]
-    outputs = [k for k in params if _OUTPUT_EMBEDDING.search(k)]
-    for a in inputs:
-        for b in outputs:
-            first, second = params[a], params[b]
-            if first.shape != second.shape or first.dtype != second.dtype or not first.shape:
-                continue
-            row = math.prod(first.shape[1:]) * dtypes.dtype(first.dtype).itemsize
-            sizes = (max(1, min(first.shape[0], 2**20 // max(row, 1))),) + tuple(first.shape[1:])
-            nbytes = math.prod(sizes) * dtypes.dtype(first.dtype).itemsize
-            scratch = memoryview(bytearray(max(nbytes, 2**16)))
-            values = [checkpoint.region_in(t, (0,) * len(sizes), sizes, bytearray(nbytes), scratch).tobytes()
-                      for t in (first, second)]
-            if values[0] == values[1]:
-                return a, b
+    for a, b in models.embedding_pairs(params):
+        first, second = params[a], params[b]
+        if first.shape != second.shape or first.dtype != second.dtype or not first.shape:
+            continue
+        row = math.prod(first.shape[1:]) * dtypes.dtype(first.dtype).itemsize
+        sizes = (max(1, min(first.shape[0], 2**20 // max(row, 1))),) + tuple(first.shape[1:])
+        nbytes = math.prod(sizes) * dtypes.dtype(first.dtype).itemsize
+        scratch = memoryview(bytearray(max(nbytes, 2**16)))
+        values = [checkpoint.region_in(t, (0,) * len(sizes), sizes, bytearray(nbytes), scratch).tobytes()
+                  for t in (first, second)]
+        if values[0] == values[1]:
+            return a, b
     return None

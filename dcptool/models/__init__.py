@@ -104,6 +104,25 @@ def active_ties(config: dict | None, kind: ModelKind | None = None) -> list[Tie]
     return [tie for tie in ties if inner.get(tie.flag, config.get(tie.flag))]
 
 
+def tie_flags(config: dict | None) -> dict[str, bool]:
+    """The tie flags ``config`` sets, by name, with their values (``{"tie_word_embeddings": False}``): a flag set
+    false says the weights are untied, where a missing one says nothing."""
+    config = config or {}
+    inner = text_config(config)
+    kind = kind_of(inner)
+    flags = {tie.flag for tie in (kind.ties if kind else common.OTHER_TIES)}
+    found = {flag: inner.get(flag, config.get(flag)) for flag in sorted(flags)}
+    return {flag: bool(value) for flag, value in found.items() if value is not None}
+
+
+def embedding_pairs(names) -> list[tuple[str, str]]:
+    """The (input embedding, output weight) pairs among ``names`` that a tie could join, in any model (``embed_tokens``,
+    ``wte``, ``tok_embeddings`` ... and ``lm_head``, ``output``, ``embed_out``)."""
+    inputs = [name for name in names if common.INPUT_EMBEDDING.search(name)]
+    outputs = [name for name in names if common.OUTPUT_EMBEDDING.search(name)]
+    return [(a, b) for a in inputs for b in outputs]
+
+
 def tied_outputs(config: dict | None, family: str = "hf") -> list[str]:
     """The output weights ``config`` ties to an embedding, as ``family`` names them: an HF export leaves them out."""
     return [tie.output.name(family) for tie in active_ties(config) if tie.output.name(family)]

@@ -217,6 +217,10 @@ OTHER_FSDP_UNITS = (
 )
 # The tie of a causal LM's head to its input embedding, as transformers makes it by default.
 OTHER_TIES = (TIED_EMBEDDINGS,)
+# Input embeddings and output weights by name in any model (GPT-2's wte, Llama's embed_tokens, torchtitan's
+# tok_embeddings, BERT's word_embeddings; lm_head, output, GPT-NeoX's embed_out): where a tie could be.
+INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)\.weight$")
+OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
 # Routed experts of any MoE: a grouped [E, ...] tensor (a name part "expert(s)") or one per expert.
 GROUPED_EXPERTS = re.compile(r"(^|[._])experts?([._]|$)")
 PER_EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)\.(.+)$")  # model.layers.3.mlp.experts.17.up_proj.weight
