@@ -77,10 +77,11 @@ def inspect(path: str | Path, *, source_format: str | None = None, revision: str
         (48, ['all zeros'])
     """
     from dcptool import inspection
+    from dcptool import stats as statistics
 
     path, = hub.with_revision(path, revision=revision)
     checkpoint = formats.open_checkpoint(path, source_format)
-    total = sum(t.nbytes for t in checkpoint.tensors.values()) if stats else 0
+    total = sum(t.nbytes for t in statistics.included(checkpoint.tensors, include).values()) if stats else 0
     with _progress(progress if stats else None, total, "reading") as advance:
         return inspection.inspect_checkpoint(checkpoint, include, with_stats=stats, threads=threads or None,
                                              max_memory=parse_size(max_memory, "--max-memory"), progress=advance)
@@ -415,7 +416,7 @@ def _write_or_report(result: ReshardPlan, destination, dry_run: bool, progress: 
     if dry_run:
         report = result.conversion.dry_run(destination)
         return resharding.ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name if result.plan else "",
-                                        warnings=result.warnings, problems=result.problems, summary=result.summary(),
+                                        warnings=result.warnings, problems=result.problems, summary=result.summary(report.planned_files),
                                         description=result.describe())
     resharding.raise_problems(result)
     with _progress(progress, result.conversion.total_bytes, _writing_label(destination)) as advance:

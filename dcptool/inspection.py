@@ -20,6 +20,7 @@ from dcptool import adapters, core, selection, stats
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.mesh import Mesh
+from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Inspection:
 
 
 def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, with_stats: bool = False,
-                       threads: int | None = None, max_memory: int | None = None,
+                       threads: int | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                        progress: Callable[[int], None] | None = None) -> Inspection:
     """Everything inspect shows of ``checkpoint``; the tensors' values are read only ``with_stats``."""
     tensors, objects = stats.included(checkpoint.tensors, include), stats.included(checkpoint.objects, include)
@@ -75,8 +76,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, wi
                        ranks_recorded, inferred[0] if inferred else None, inferred[1].name if inferred else None,
                        naming(checkpoint), stats.parameter_counts(checkpoint, tensors))
     if with_stats:
-        options = {} if max_memory is None else {"max_memory": max_memory}
-        found.stats = stats.compute(checkpoint, tensors, threads=threads, progress=progress, **options)
+        found.stats = stats.compute(checkpoint, tensors, max_memory=max_memory, threads=threads, progress=progress)
     return found
 
 

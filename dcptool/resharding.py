@@ -88,9 +88,9 @@ class ReshardPlan:
             f"{self.conversion.to} lays out its data-parallel ranks itself"
         return f"{self.mesh.describe()}; {how}"
 
-    def summary(self) -> dict:
-        """What ``--dry-run --json`` prints: the mesh, every tensor's placement and chunks, the files and bytes
-        the writer plans, problems and warnings."""
+    def summary(self, files: dict[str, int]) -> dict:
+        """What ``--dry-run --json`` prints: the mesh, every tensor's placement and chunks, ``files`` (those the
+        writer plans, with their bytes: ``Conversion.planned_files``), problems and warnings."""
         layouts = {layout.tensor.key: layout for layout in self.layouts}
         tensors = {}
         for tensor in self.conversion.tensors if self.conversion else [l.tensor for l in self.layouts]:
@@ -106,7 +106,7 @@ class ReshardPlan:
             "format": self.conversion.to if self.conversion else None,
             "tensors": tensors,
             "objects": [obj.key for obj in (self.conversion.objects if self.conversion else self.objects)],
-            "files": self.conversion.planned_files() if self.conversion and not self.problems else {},
+            "files": {} if self.problems else files,
             "problems": self.problems,
             "warnings": self.warnings,
         }
