@@ -45,9 +45,13 @@ def test_consolidated_folder_is_hf_and_its_sharded_folder_hf_dcp(saves, tmp_path
             assert torch.equal(read_tensor(checkpoint, key), tensor), (path, key)
 
 
-def test_hf_dcp_output_loads_with_torch_reader(saves, tmp_path):
+@pytest.mark.parametrize("command", [["convert", "--to", "hf-dcp"], ["reshard", "--to", "hf-dcp", "--dp", "2"]])
+def test_hf_dcp_output_loads_with_torch_reader(saves, tmp_path, command):
+    """convert writes every chunk into one rank's file; reshard lays them out as a job on dp=2 saves them."""
     source = saves / "sharded-only"
-    dcptool("convert", source, tmp_path / "out", "--to", "hf-dcp")
+    dcptool(command[0], source, tmp_path / "out", *command[1:])
+    if command[0] == "reshard":
+        assert len(list((tmp_path / "out").glob("shard-*.safetensors"))) == 2  # one file per rank
     # every rank checks its loaded shards against the reference (the job fails on a mismatch)
     job = run_job(2, "load-hf", tmp_path / "out", f"{source}.reference.pt", module=STORAGE_JOBS)
     assert job.stdout.count("5 tensors equal") == 2
