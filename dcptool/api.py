@@ -234,7 +234,7 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
     """
     return _reshard(source, destination, source_format, revision,
                     _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size), plan=plan, to=to,
-                    keep_rank_state=keep_rank_state, adapter=adapter, wrapper=(), config_dir=config_dir,
+                    keep_rank_state=keep_rank_state, adapter=adapter, config_dir=config_dir,
                     dtype=dtype, dequantize=dequantize, compress=compress, forms=_forms(optim_form, model_values),
                     max_memory=max_memory, overwrite=overwrite, fsync=fsync, dry_run=dry_run, progress=progress)
 
@@ -258,13 +258,12 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
         >>> dcptool.import_hf(folder, f"{folder}/dcp", dp=2).mesh.world
         2
     """
-    from dcptool import adapters
+    from dcptool import models
 
-    if adapter not in adapters.JOB_WRAPPERS:
-        raise UsageError(f"--adapter {adapter}: choose one of {', '.join(adapters.JOB_WRAPPERS)}")
+    if adapter not in models.FAMILIES:
+        raise UsageError(f"--adapter {adapter}: choose one of {', '.join(models.FAMILIES)}")
     return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
-                    plan=plan, to="dcp", keep_rank_state=False, adapter=adapter,
-                    wrapper=adapters.JOB_WRAPPERS[adapter], config_dir=config_dir, dtype=dtype,
+                    plan=plan, to="dcp", keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
                     dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
                     fsync=fsync, dry_run=dry_run, progress=progress)
 
@@ -389,7 +388,7 @@ def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
 
 
 def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
-             wrapper, config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
+             config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
              progress) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
@@ -398,7 +397,7 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
     if not dry_run:
         check_destination(destination, overwrite)  # before planning, whose warnings would come first
     checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
-    result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter, wrapper=wrapper,
+    result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter,
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
                                  compress=compress, forms=forms)
     result.conversion.notes[:0] = notes

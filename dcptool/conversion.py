@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from dcptool import adapters, distributed, formats, models, transfer
-from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
-from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
+from dcptool.selection import (OPTIMIZER_ROOTS, model_part, model_wrapper, optimizer_root, out_tensors,
+                               read_config, select)
+from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.format_interface import Format, Output, OutputRequest
 from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
@@ -87,20 +88,21 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     return out_tensors(named, dtype, keep_paths=False), config_dir, notes
 
 
-def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto", config_dir: str | Path | None = None,
-            wrapper: tuple[str, ...] = ()) -> tuple[Checkpoint, list[str]]:
-    """The checkpoint with every entry under ``target``'s names (None: the source's family), and notes.
+def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
+            config_dir: str | Path | None = None) -> tuple[Checkpoint, list[str]]:
+    """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
+    layout (``models.LAYOUTS``: where its job keeps model and optimizer), and notes.
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
-    family keeps them (views of the same bytes); other entries stay. ``wrapper`` nests every key
-    (``("model",)``: Archon's ``{"model": ...}``).
+    family keeps them (views of the same bytes); other entries keep their keys.
     """
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
     params = model_part(checkpoint)
     mapping, note = adapters.mapping_for(params, target, source, config)
     notes = [note] if note and (mapping or target) else []
-    if mapping is None and not wrapper:
+    layout = models.LAYOUTS.get(target) if target else None
+    if mapping is None and layout is None:
         return checkpoint, notes
     entries = {**checkpoint.tensors, **checkpoint.objects}
     if mapping is not None:
@@ -108,9 +110,10 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto", co
         adapters.refuse_unmatched(state.unmatched, mapping, "check --adapter and --config-dir")
         entries = state.entries
         notes += [f"left out {line}" for line in state.dropped] + [f"made {line}" for line in state.made]
-    if wrapper:
-        entries = {join_path(wrapper + (key,)): adapters.with_path(entry, wrapper + entry.path)
-                   for key, entry in entries.items()}
+    if layout is not None:
+        entries, layout_notes = adapters.in_layout(entries, model_wrapper(checkpoint), optimizer_root(checkpoint),
+                                                   layout)
+        notes += layout_notes
     tensors = {key: e for key, e in entries.items() if isinstance(e, TensorInfo)}
     objects = {key: e for key, e in entries.items() if isinstance(e, ObjectInfo)}
     return Checkpoint(checkpoint.format, checkpoint.root, checkpoint.files, tensors, objects, dict(checkpoint.info),

@@ -278,11 +278,11 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
 
 
 def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, to: str = "dcp",
-             adapter: str | None = None, wrapper: tuple[str, ...] = (), config_dir: str | Path | None = None,
+             adapter: str | None = None, config_dir: str | Path | None = None,
              keep_rank_state: bool = False, dtype: str | None = None, compress: str | None = None,
              forms: dict | None = None) -> ReshardPlan:
-    """What ``dcptool reshard`` and ``import-hf`` write: the entries under ``adapter``'s names (nested in
-    ``wrapper``), laid out for the mesh as format ``to`` lays out ranks; problems are listed, not raised
+    """What ``dcptool reshard`` and ``import-hf`` write: the entries under ``adapter``'s names and in its
+    family's layout, laid out for the mesh as format ``to`` lays out ranks; problems are listed, not raised
     (``raise_problems``).
 
     A format with mesh layouts (dcp) gets each tensor's chunks as FSDP2 + TP + EP place them; a format of
@@ -295,7 +295,7 @@ def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, 
         raise UsageError(f"--to {to}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
     request = OutputRequest(dtype=dtype, compress=compress, keep_rank_state=keep_rank_state, forms=dict(forms or {}))
     formats.check_request(fmt, OutputRequest(compress=compress, forms=request.forms))
-    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir, wrapper=wrapper)
+    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
     if fmt.layout is Layout.DATA_PARALLEL:
         result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, **mesh_options), request)
     else:

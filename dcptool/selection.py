@@ -40,9 +40,7 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
     and ``{"model": {...}, "optim": ...}`` are unwrapped; a checkpoint with its model at the top
     level keeps it, minus optimizer and other state. ``prefix`` (``"dcp.model"``) names it by hand.
     """
-    tensors = checkpoint.tensors.values()
-    wrapper = None if prefix else next(
-        (w for w in MODEL_WRAPPERS if any(len(t.path) > len(w) and t.path[: len(w)] == w for t in tensors)), None)
+    wrapper = None if prefix else model_wrapper(checkpoint)
     start = prefix.rstrip(".") + "." if prefix else None
     found = {}
     for entry in (checkpoint.tensors if entries is None else entries).values():
@@ -58,6 +56,22 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
     if start and entries is None and not found:
         raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
     return found
+
+
+def model_wrapper(checkpoint: Checkpoint) -> tuple[str, ...] | None:
+    """The wrapper that nests the model's tensors (``("dcp", "model")``), None for a model at the top level."""
+    tensors = checkpoint.tensors.values()
+    return next((w for w in MODEL_WRAPPERS if any(len(t.path) > len(w) and t.path[: len(w)] == w for t in tensors)),
+                None)
+
+
+def optimizer_root(checkpoint: Checkpoint) -> tuple[str, ...] | None:
+    """Where the optimizer state sits: an optimizer root beside the model's wrapper (``("dcp", "optim")``,
+    ``("optimizer",)``), None when the checkpoint holds none."""
+    beside = (model_wrapper(checkpoint) or ("",))[:-1]
+    found = {entry.path[len(beside)] for entry in (*checkpoint.tensors.values(), *checkpoint.objects.values())
+             if len(entry.path) > len(beside) + 1 and entry.path[: len(beside)] == beside}
+    return next((beside + (root,) for root in sorted(OPTIMIZER_ROOTS & found)), None)
 
 
 def select(names: dict[str, Any], include: str | None, exclude: str | None) -> dict[str, Any]:

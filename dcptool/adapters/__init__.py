@@ -19,14 +19,13 @@ from functools import cache
 from typing import Union
 
 from dcptool import models, views
-from dcptool.core import ObjectInfo, TensorInfo
+from dcptool.core import ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, counted
-from dcptool.models import FAMILIES, Row
+from dcptool.models import FAMILIES, Row, StateLayout
+from dcptool.selection import NON_MODEL_ROOTS
 
 Entry = Union[TensorInfo, ObjectInfo]
 HF_EXPERTS = ("per-expert", "fused")
-# Where each family's training job keeps its model in the state it hands dcp.save (Archon: {"model": ..., "optim": ...}).
-JOB_WRAPPERS = {"hf": (), "archon": ("model",), "torchtitan": ()}
 
 # A layer or expert number: a whole dot-separated part of a name.
 _NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")
@@ -362,6 +361,43 @@ def with_path(entry: Entry, path: tuple) -> Entry:
     if isinstance(entry, TensorInfo):
         return views.renamed(entry, path)
     return ObjectInfo(path, entry.blob, entry.value)
+
+
+def in_layout(entries: dict[str, Entry], model_root: tuple[str, ...] | None, optimizer_root: tuple[str, ...] | None,
+              layout: StateLayout) -> tuple[dict[str, Entry], list[str]]:
+    """``entries`` moved to where ``layout``'s job keeps them, and notes on what that job does not load.
+
+    The model's entries are those under ``model_root`` (None: the tensors at the top level that are no
+    other state), the optimizer's those under ``optimizer_root``; each keeps the rest of its path
+    (``("dcp", "optim", "state", "<fqn>", "exp_avg")`` -> ``("optimizer", "state", "<fqn>", "exp_avg")``).
+    Other entries (lr scheduler, dataloader, train state) keep their paths and their meaning.
+    """
+    moved: dict[str, Entry] = {}
+    others = set()
+    for entry in entries.values():
+        path = entry.path
+        if optimizer_root and len(path) > len(optimizer_root) and path[: len(optimizer_root)] == optimizer_root:
+            path = layout.optimizer + path[len(optimizer_root):]
+        elif model_root and len(path) > len(model_root) and path[: len(model_root)] == model_root:
+            path = layout.model + path[len(model_root):]
+        elif model_root is None and isinstance(entry, TensorInfo) and str(path[0]) not in NON_MODEL_ROOTS:
+            path = layout.model + path
+        else:
+            others.add(str(path[0]))
+        key = join_path(path)
+        if key in moved:
+            raise UsageError(f"{key}: two entries of the source land on this key in {layout.engine}'s layout")
+        moved[key] = with_path(entry, path)
+    notes = []
+    missing = [root for root in layout.also_loads if root not in others]
+    if missing:
+        notes.append(f"{layout.engine} also loads {', '.join(missing)} when it resumes, and the source holds "
+                     f"none: {layout.without_them}")
+    roots = {path[0] for path in (layout.model, layout.optimizer) if path}
+    kept = sorted(others - set(layout.also_loads) - roots)
+    if kept:
+        notes.append(f"kept {', '.join(kept)} as saved: {layout.engine} does not load them")
+    return moved, notes
 
 
 def mapping_for(names, target: str | None, source: str = "auto", config: dict | None = None,

@@ -23,9 +23,9 @@ import pkgutil
 from functools import cache
 
 from dcptool.models import common
-from dcptool.models.kind import FAMILIES, Divisor, ModelKind, PlanRule, Row, Shape, Tie
+from dcptool.models.kind import FAMILIES, LAYOUTS, Divisor, ModelKind, PlanRule, Row, Shape, StateLayout, Tie
 
-__all__ = ["FAMILIES", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
+__all__ = ["FAMILIES", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]
 
 _HELPERS = {"common", "kind"}
