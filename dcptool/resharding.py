@@ -27,7 +27,7 @@ from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
-from dcptool.selection import model_part, read_config
+from dcptool.selection import config_beside, model_part, read_config
 from dcptool.storage import CheckpointFiles
 
 # Entries that belong to one data-parallel rank of the saving job (torchtitan's dataloader state):
@@ -217,7 +217,10 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     over, and the problems found (none raised)."""
     output = formats.get(to).plan_output(checkpoint, OutputRequest(dtype=dtype))
     tensors, objects = output.tensors, output.objects
-    problems, warnings = _config_problems(config_dir or checkpoint.info.get("hf_config_dir"), mesh), []
+    config_dir = config_dir or checkpoint.info.get("hf_config_dir") or config_beside(checkpoint.root)
+    config = read_config(config_dir) if config_dir is not None else None
+    config_path = CheckpointFiles(config_dir).path("config.json") if config_dir is not None else None
+    problems, warnings = _config_problems(config, config_path, mesh, "ep"), []
     rank_state = [t.key for t in tensors if is_rank_state(t.key)] + [o.key for o in objects if is_rank_state(o.key)]
     if rank_state:
         shown = ", ".join(rank_state[:3]) + (" ..." if len(rank_state) > 3 else "")
@@ -255,6 +258,8 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
             rank_bytes[rank] += math.prod(sizes) * itemsize or 1
             layout.chunks.append((offsets, sizes, rank))
         layouts.append(layout)
+    problems += head_problems([layout for layout in layouts if layout.tensor.source.key in name_of], mesh, config,
+                              config_path, {name: info.shape for name, info in params.items()})
     if mesh.ep > 1 and not any(a.name == "ep" for layout in layouts for a in layout.spec):
         problems.append(f"--ep {mesh.ep}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
     if mesh.tp > 1 and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
@@ -264,16 +269,56 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     return ReshardPlan(checkpoint, mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
 
 
-def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
-    """Heads, kv heads and experts of the model config that tp or ep does not divide."""
-    if config_dir is None:
-        return []
-    path = CheckpointFiles(config_dir).path("config.json")
+def _config_problems(config: dict | None, path, mesh: Mesh, *settings: str) -> list[str]:
+    """Counts of the model config (experts; heads) that the mesh's ``settings`` (ep; tp) do not divide."""
     problems = []
-    for setting, name, count, what in models.parallel_divisors(read_config(config_dir)):
+    for setting, name, count, what in models.parallel_divisors(config) if config else ():
         size = getattr(mesh, setting)
-        if count % size:
+        if setting in settings and count % size:
             problems.append(f"--{setting} {size} does not divide the {count} {what} ({name} in {path})")
+    return problems
+
+
+def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, config_path,
+                  shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Attention weights that the tp split would cut inside a head, which no job on the mesh can hold.
+
+    The head counts come from the config (``num_attention_heads``, ``num_key_value_heads``), else from the
+    tensors (a per-head key norm gives the head size). A count tp does not divide is refused, as a count
+    nobody gives is: without it no split of a head's rows is known to be safe. Models whose attention
+    names no table knows are checked against the config's counts alone.
+    """
+    if mesh.tp == 1:
+        return []
+    counts = {what: (count, f"{name} in {config_path}")
+              for setting, name, count, what in reversed(models.parallel_divisors(config)) if setting == "tp"}
+    if "key/value heads" not in counts and "attention heads" in counts:  # HF: no field means one per query head
+        counts["key/value heads"] = counts["attention heads"]
+    from_tensors = models.head_dim(shapes)
+    found: dict[tuple, list[str]] = {}
+    attention = [(layout, split) for layout in weights if (split := models.head_split(layout.follows or ""))]
+    for layout, (what, dim) in attention:
+        if dim not in [axis.placement.dim for axis in layout.spec if axis.name == "tp"]:
+            continue
+        count, source = counts.get(what, (None, None))
+        if count is None and from_tensors and layout.tensor.shape[dim] % from_tensors[1] == 0:
+            count = layout.tensor.shape[dim] // from_tensors[1]
+            source = f"{layout.tensor.shape[dim]} rows of head size {from_tensors[1]}, the size of {from_tensors[0]}"
+        if count is None or count % mesh.tp:
+            found.setdefault((what, count, source), []).append(layout.tensor.key)
+    problems = []
+    for (what, count, source), keys in found.items():
+        more = f" (and {counted(len(keys) - 1, 'more weight')} like it)" if len(keys) > 1 else ""
+        if count is None:
+            problems.append(f"{keys[0]}{more}: --tp {mesh.tp} splits its {what}, and neither a config.json nor the "
+                            "tensors give their number, so the split may cut a head: give --config-dir (the "
+                            "model's config.json)")
+        else:
+            problems.append(f"{keys[0]}{more}: --tp {mesh.tp} does not divide the {count} {what} ({source}), so "
+                            f"tp ranks would hold parts of a head: give a --tp that divides {count}, or a --plan "
+                            "file whose rule keeps it whole (tp: replicate)")
+    if not attention:  # attention under names no table knows: the config's counts still hold
+        problems += _config_problems(config, config_path, mesh, "tp")
     return problems
 
 

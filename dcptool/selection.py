@@ -21,7 +21,7 @@ from typing import Any
 from dcptool import dtypes
 from dcptool.core import Checkpoint, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError
-from dcptool.storage import CheckpointFiles
+from dcptool.storage import CheckpointFiles, is_remote
 
 # Wrappers under which checkpoints nest the model, tried in order; the first that holds tensors is the model part.
 MODEL_WRAPPERS: list[tuple[str, ...]] = [("dcp", "model"), ("model",), ("module",), ("state_dict",)]
@@ -103,3 +103,13 @@ def read_config(config_dir: str | Path) -> dict:
         return json.loads(text)
     except ValueError as exc:
         raise UsageError(f"{files.path('config.json')}: not valid JSON ({exc})") from None
+
+
+def config_beside(root: str | Path) -> Path | None:
+    """The folder of a model's ``config.json`` in or beside a local checkpoint: the checkpoint's folder, its
+    ``huggingface/`` (verl), the folder above or that folder's ``huggingface/``; None when there is none."""
+    if is_remote(root):
+        return None
+    folder = Path(root) if Path(root).is_dir() else Path(root).parent
+    return next((place for place in (folder, folder / "huggingface", folder.parent, folder.parent / "huggingface")
+                 if (place / "config.json").is_file()), None)

@@ -18,6 +18,8 @@ from itertools import count
 
 import pytest
 import torch
+
+import dcptool as dcptool_api
 from conftest import dcptool, read_dcp
 from harness.family_models import (
     FAMILIES,
@@ -26,9 +28,12 @@ from harness.family_models import (
     hf_config,
     hf_to_family,
     layout_keys,
+    MODEL_PREFIX,
+    OPTIMIZER_PREFIX,
     load_hf_state,
     logits,
     model_part,
+    optimizer_slots,
     permute_to_titan,
     read_config,
     save_hf,
@@ -218,14 +223,14 @@ def test_save_family_archon_layout(saved):
     ckpt = saved("qwen3_moe", "archon")
     layout = chunk_layout(ckpt)
     md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    assert md["model.layers.1.moe.experts.w1"].size == torch.Size([4, 32, 64])
-    assert md["model.layers.1.moe.experts.w2"].size == torch.Size([4, 64, 32])
-    for key in ("model.layers.0.moe.expert_bias", "model.output.weight",
-                "optim.state.layers.1.moe.experts.w1.exp_avg", "optim.param_groups.layers.1.moe.experts.w1.lr"):
+    assert md["dcp.model.layers.1.moe.experts.w1"].size == torch.Size([4, 32, 64])
+    assert md["dcp.model.layers.1.moe.experts.w2"].size == torch.Size([4, 64, 32])
+    for key in ("dcp.model.layers.0.moe.expert_bias", "dcp.model.output.weight",
+                "dcp.optim.state.layers.1.moe.experts.w1.exp_avg", "dcp.optim.param_groups.layers.1.moe.experts.w1.lr"):
         assert key in md, key
-    assert not any(k.startswith(("optimizer.", "train_state")) for k in md)
+    assert all(k.startswith("dcp.") for k in md)
     # EP splits the 4 experts over 2 ranks; dense weights are FSDP row shards.
-    assert layout["model.layers.1.moe.experts.w1"] == [((0, 0, 0), (2, 32, 64)), ((2, 0, 0), (2, 32, 64))]
+    assert layout["dcp.model.layers.1.moe.experts.w1"] == [((0, 0, 0), (2, 32, 64)), ((2, 0, 0), (2, 32, 64))]
     placements = json.loads((ckpt.parent / f"{ckpt.name}.reference" / "reference.json").read_text())["placements"]
     assert placements["layers.1.moe.experts.w1"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
@@ -306,6 +311,56 @@ def test_import_hf_on_a_mesh_loads_in_a_real_job(tmp_path, hf, saved, name, fami
     assert {k: by_job[k] for k in imported} == imported
 
 
+def expected_optimizer(source, name: str, family: str, target: str, hf) -> dict:
+    """The AdamW state of a save-family checkpoint under ``target``'s names and keys, by the oracle: the
+    moments renamed (stacked, split) like the weights, every step the source's one step counter."""
+    full = torch.load(f"{source}.reference/full.pt", weights_only=True)
+    slots = optimizer_slots(full, family)
+    config = read_config(hf(name))
+    steps = {float(step) for step in slots.pop("step").values()}
+    assert len(steps) == 1 and set(slots) == {"exp_avg", "exp_avg_sq"}
+    expected = {}
+    for slot, by_name in slots.items():
+        renamed = hf_to_family(family_to_hf(by_name, kind_of(name), family, config), kind_of(name), target, config)
+        for fqn, value in renamed.items():
+            expected[f"{OPTIMIZER_PREFIX[target]}state.{fqn}.{slot}"] = value
+            expected[f"{OPTIMIZER_PREFIX[target]}state.{fqn}.step"] = torch.tensor(steps.copy().pop())
+    return expected
+
+
+@pytest.mark.parametrize("name,family,target", [("qwen3_moe", "archon", "torchtitan"),
+                                                ("llama", "torchtitan", "archon")])
+def test_convert_writes_the_layout_the_target_engine_resumes(tmp_path, saved, trained_hf, hf, name, family, target):
+    """convert --adapter puts model and optimizer where the target engine keeps them (torchtitan: model at the
+    top level, ``optimizer.*``; Archon: AReaL's ``{"dcp": {"model", "optim"}}``), and a real job resumes model
+    and AdamW state from it as that engine does (dcp.load, then set_model/optimizer_state_dict, strict)."""
+    out = tmp_path / "converted"
+    result = dcptool("convert", saved(name, family), out, "--to", "dcp", "--adapter", target)
+    keys = chunk_layout(out).keys()
+    model = [k for k in keys if ".state." not in k]
+    assert model and all(k.startswith(MODEL_PREFIX[target]) and not k.startswith(("model.", "optim.")) for k in model)
+    assert any(k.startswith(OPTIMIZER_PREFIX[target] + "state.") for k in keys)
+    if target == "torchtitan":  # what torchtitan's resume also loads is named, with how to start without it
+        assert "torchtitan also loads lr_scheduler, dataloader, train_state" in result.stderr, result.stderr
+    expect_optim = tmp_path / "optimizer.pt"
+    torch.save(expected_optimizer(saved(name, family), name, family, target, hf), expect_optim)
+    family_job("load-family", out, "--kind", kind_of(name), "--family", target, "--expect", trained_hf(name, family),
+               "--expect-optim", expect_optim, *MESH[name])
+
+
+def test_every_command_writes_one_layout_per_family(tmp_path, saved, hf):
+    """import-hf, convert and reshard with the same --adapter write the same keys, whatever the source's family."""
+    imported = tmp_path / "imported"
+    dcptool("import-hf", hf("qwen3"), imported, "--adapter", "torchtitan")
+    model_keys = set(chunk_layout(imported))
+    assert model_keys and not any(k.startswith(("model.", "dcp.")) for k in model_keys)
+    dcptool("convert", imported, tmp_path / "archon", "--to", "dcp", "--adapter", "archon")
+    dcptool("reshard", tmp_path / "archon", tmp_path / "back", "--dp", "2", "--adapter", "torchtitan")
+    assert set(chunk_layout(tmp_path / "back")) == model_keys
+    assert set(chunk_layout(tmp_path / "archon")) == {"dcp.model." + k.replace("qkv_linear.", "")
+                                                       for k in model_keys}
+
+
 def test_convert_to_hf_names_and_back_is_bitwise(tmp_path, saved):
     """Model and optimizer state renamed to HF names (experts split one by one, the per-expert step
     counters counted from the weights, no config needed) and back."""
@@ -357,3 +412,60 @@ def test_refusals_are_one_line(tmp_path, hf):
         assert result.returncode == 2, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# ---------------------------------------------------------------------------
+# TP splits no job can have: refused alike by every command that lays out tp
+# ---------------------------------------------------------------------------
+
+
+def refusal(*args) -> str:
+    """The one line of a refused command (exit 2, nothing written, no traceback)."""
+    result = dcptool(*args, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def head_problems(report) -> list[str]:
+    return [problem for problem in report.problems if "heads" in problem]
+
+
+def test_kv_heads_fewer_than_tp_are_refused_alike(tmp_path, hf):
+    """Llama with 2 key/value heads on --tp 4: import-hf and reshard --config-dir refuse with the same lines;
+    without a config anywhere, reshard refuses too (no head count, so no split is known to be safe)."""
+    source = hf("llama")
+    dcptool("import-hf", source, tmp_path / "one", "--adapter", "torchtitan")
+    by_import = dcptool_api.import_hf(source, tmp_path / "x", adapter="torchtitan", dp=1, tp=4, dry_run=True)
+    by_reshard = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, config_dir=source, dry_run=True)
+    assert head_problems(by_import) == head_problems(by_reshard) == [
+        f"layers.0.attention.qkv_linear.wk.weight (and 3 more weights like it): --tp 4 does not divide the 2 "
+        f"key/value heads (num_key_value_heads in {source / 'config.json'}), so tp ranks would hold parts of a "
+        "head: give a --tp that divides 2, or a --plan file whose rule keeps it whole (tp: replicate)"]
+    line = refusal("import-hf", source, tmp_path / "x", "--adapter", "torchtitan", "--dp", "1", "--tp", "4")
+    assert line.startswith("dcptool: error: ") and "(and 2 more problems" in line  # the embedding's vocab too
+    unknown = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=2, dry_run=True).problems
+    assert len(unknown) == 2 and all("--tp 2 splits its" in p and "give --config-dir" in p for p in unknown), unknown
+    assert refusal("reshard", tmp_path / "one", tmp_path / "x", "--dp", "1", "--tp", "2").endswith(
+        "(and 1 more problems; --dry-run lists them)")
+    assert not (tmp_path / "x").exists()
+    shutil.copy(source / "config.json", tmp_path / "one")  # a config inside the checkpoint counts as given
+    beside = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, dry_run=True)
+    assert head_problems(beside) == [p.replace(str(source / "config.json"), str(tmp_path / "one" / "config.json"))
+                                     for p in head_problems(by_reshard)]
+    dcptool("reshard", tmp_path / "one", tmp_path / "tp2", "--dp", "1", "--tp", "2")  # a valid tp is written
+
+
+def test_head_counts_from_the_tensors_allow_a_valid_tp(tmp_path, hf):
+    """Qwen3's per-head k_norm gives the head size: with no config, tp=2 (2 key/value heads) is written and
+    read back whole by torch; tp=4 is refused naming where the count came from."""
+    source = hf("qwen3")
+    dcptool("import-hf", source, tmp_path / "one", "--adapter", "archon")
+    problems = head_problems(dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, dry_run=True))
+    assert len(problems) == 1 and "--tp 4 does not divide the 2 key/value heads (32 rows of head size 16, the " \
+        "size of layers.0.attention.k_norm.weight)" in problems[0], problems
+    dcptool("reshard", tmp_path / "one", tmp_path / "tp2", "--dp", "1", "--tp", "2")
+    assert len(list((tmp_path / "tp2").glob("*.distcp"))) == 2
+    expected = layout_keys(hf_to_family(load_hf_state(source), "qwen3", "archon", read_config(source)), "archon")
+    assert_same(read_dcp(tmp_path / "tp2", tmp_path), expected)

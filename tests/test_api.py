@@ -114,7 +114,7 @@ def test_convert_reshard_verify_checksum_of_a_gloo_save(checkpoints, tmp_path):
     flatten(saved)
     assert all(torch.equal(flat[k], v) for k, v in tensors.items())
 
-    resharded = dcptool.reshard(path, tmp_path / "tp2", dp=1, tp=2)
+    resharded = dcptool.reshard(path, tmp_path / "tp2", dp=1, tp=2, config_dir=reference)
     assert (resharded.mesh.dp, resharded.mesh.tp) == (1, 2)
     loaded = read_dcp(tmp_path / "tp2", tmp_path)  # torch's own reader
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

@@ -68,7 +68,7 @@ def test_every_command_runs_without_torch(light, checkpoints, tmp_path):
     assert all(torch.equal(saved["dcp"]["model"][k], v) for k, v in model.items())
 
     run(light, "convert", path, tmp_path / "dcp", "--to", "dcp", cwd=tmp_path)
-    run(light, "reshard", path, tmp_path / "tp2", "--dp", "1", "--tp", "2", cwd=tmp_path)
+    run(light, "reshard", path, tmp_path / "tp2", "--dp", "1", "--tp", "2", "--config-dir", reference, cwd=tmp_path)
     for name in ("dcp", "tp2"):
         loaded = read_dcp(tmp_path / name, tmp_path)  # torch's dcp_to_torch_save
         assert all(torch.equal(loaded[k], v) for k, v in full.items()), name

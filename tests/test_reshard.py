@@ -100,7 +100,8 @@ def loads(moe_source, checkpoints, tmp_path_factory) -> dict[str, Loaded]:
 
     for target, mesh in MOE_TARGETS.items():
         out, job_layout = paths(target)
-        case(target, [["reshard", moe, out, *flags(mesh), "--etp", str(mesh.get("etp", 1))]], world(mesh),
+        case(target, [["reshard", moe, out, *flags(mesh), "--etp", str(mesh.get("etp", 1)), "--config-dir", moe_reference]],
+             world(mesh),
              ["load-dcp", out, "--model", "moe", "--layout", "torchtitan", *flags(mesh),
               "--expect", moe_reference / "full.pt", "--save-layout", job_layout])
     out, job_layout = paths("dense-dp4")

@@ -26,7 +26,7 @@ from dcptool.models import common
 from dcptool.models.kind import FAMILIES, LAYOUTS, Divisor, ModelKind, PlanRule, Row, Shape, StateLayout, Tie
 
 __all__ = ["FAMILIES", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
-           "fsdp_units", "tp_rules", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]
+           "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]
 
 _HELPERS = {"common", "kind"}
 
@@ -72,6 +72,18 @@ def _every_divisor() -> tuple[Divisor, ...]:
         for d in kind.divisors:
             merged[d.setting, d.what] = tuple(dict.fromkeys((*merged.get((d.setting, d.what), ()), *d.fields)))
     return tuple(Divisor(setting, fields, what) for (setting, what), fields in merged.items())
+
+
+def head_split(name: str) -> tuple[str, int] | None:
+    """What counts the heads of an attention projection a TP split must not cut (``"key/value heads"``, as
+    ``parallel_divisors`` names it) and the dim that holds them; None for other tensors."""
+    return next(((what, dim) for pattern, what, dim in common.HEAD_SPLITS if pattern.search(name)), None)
+
+
+def head_dim(shapes: dict[str, Shape]) -> tuple[str, int] | None:
+    """The head size that the tensors themselves give (a per-head key norm), with the tensor that gives it."""
+    return next(((name, shape[0]) for name, shape in shapes.items()
+                 if common.HEAD_NORM.search(name) and len(shape) == 1 and shape[0] > 0), None)
 
 
 @cache

@@ -199,6 +199,16 @@ HEAD_DIVISORS = (
     Divisor("tp", ("num_key_value_heads", "n_kv_heads"), "key/value heads"),
 )
 
+# Attention projections a TP split must cut between whole heads, in every family's names: (pattern,
+# what counts the heads, as HEAD_DIVISORS names it, and the dim that holds them).
+HEAD_SPLITS = (
+    (re.compile(r"(self_attn\.q_proj|attention\.(qkv_linear\.)?wq)\.(weight|bias)$"), "attention heads", 0),
+    (re.compile(r"(self_attn\.[kv]_proj|attention\.(qkv_linear\.)?w[kv])\.(weight|bias)$"), "key/value heads", 0),
+    (re.compile(r"(self_attn\.o_proj|attention\.wo)\.weight$"), "attention heads", 1),
+)
+# A per-head norm of the keys (Qwen3's k_norm, [head_dim]): the tensors then give the head counts.
+HEAD_NORM = re.compile(r"(self_attn|attention)\.k_norm\.weight$")
+
 # verl wraps each decoder layer in an FSDP unit of its own (transformer_auto_wrap_policy over the
 # model's decoder-layer class): model.layers.N.
 DECODER_LAYERS = (r"layers\.\d+",)

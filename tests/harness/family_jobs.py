@@ -14,7 +14,7 @@ Subcommands:
                        exactly those names, shard it with FSDP2 (experts: EP Shard(0),
                        then FSDP on the rest), take one AdamW step on synthetic
                        gradients and ``dcp.save`` it in the family's layout:
-                       archon ``{"model", "optim"}``, torchtitan model keys at the top
+                       archon ``{"dcp": {"model", "optim"}}``, torchtitan model keys at the top
                        level plus ``optimizer``, ``train_state``, ``lr_scheduler``
                        (optimizer state flattened by torch in both).  Rank 0 also
                        writes ``OUT.reference/`` (full.pt: the gathered state after the
@@ -22,6 +22,11 @@ Subcommands:
 * ``load-family CKPT`` Build the same sharded module from another seed, ``dcp.load`` the
                        model part of CKPT into it and compare every rank's local shards
                        bitwise with the oracle's conversion of ``--expect``'s weights.
+                       With ``--expect-optim FILE`` it resumes model and AdamW state as the
+                       family's engine does (AReaL's load_from_dcp: ``{"dcp": DCPState}``;
+                       torchtitan: model keys at the top level plus ``optimizer``), applies
+                       them with set_model_state_dict / set_optimizer_state_dict (strict) and
+                       compares the optimizer state with FILE too.
 
 The module tree has parameters only (and expert_bias buffers): it never runs
 forward, so what decides the checkpoint is its names, shapes and sharding.
@@ -150,12 +155,42 @@ def family_state(model: nn.Module, optimizer, family: str, full: bool = False) -
     if optimizer is not None:
         options = StateDictOptions(full_state_dict=full, cpu_offload=full, flatten_optimizer_state_dict=True)
         optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
-    if family == "archon":
-        return {"model": model_sd} | ({"optim": optim_sd} if optim_sd is not None else {})
+    if family == "archon":  # AReaL's save_to_dcp: {"dcp": DCPState}, DCPState.state_dict() = {"model", "optim"}
+        return {"dcp": {"model": model_sd} | ({"optim": optim_sd} if optim_sd is not None else {})}
     if optim_sd is None:
         return dict(model_sd)
+    # torchtitan's CheckpointManager: ModelWrapper's keys at the top level (_flattened_model_states_sd)
     return {**model_sd, "optimizer": optim_sd, "train_state": dict(TRAIN_STATE),
             "lr_scheduler": dict(LR_SCHEDULER_STATE)}
+
+
+def engine_state(model: nn.Module, optimizer, family: str) -> dict[str, Any]:
+    """The state dict the family's engine hands dcp.load to resume model and optimizer.
+
+    archon: AReaL's load_from_dcp, ``{"dcp": DCPState}``; torchtitan: CheckpointManager's states with the
+    model flattened to the top level, its other entries left out (``checkpoint.exclude_from_loading``).
+    Both flatten the optimizer state by parameter name, as their containers do.
+    """
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    if family == "archon":
+        return {"dcp": {"model": model_sd, "optim": optim_sd}}
+    return {**model_sd, "optimizer": optim_sd}
+
+
+def apply_engine_state(model: nn.Module, optimizer, state: dict[str, Any], family: str) -> None:
+    """What the engine does with the loaded state: DCPState.load_state_dict (strict), or torchtitan's
+    ModelWrapper and OptimizersContainer load_state_dict."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    if family == "archon":
+        model_sd, optim_sd = state["dcp"]["model"], state["dcp"]["optim"]
+    else:
+        model_sd = {k: v for k, v in state.items() if k != "optimizer"}
+        optim_sd = state["optimizer"]
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+    set_optimizer_state_dict(model, optimizer, optim_sd,
+                             options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
 
 
 def random_like(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -220,11 +255,21 @@ def cmd_load_family(args) -> int:
     model, parallel = build_sharded(random_like(expected, LOADER_SEED), config, args)
     timer.mark("build")
 
-    sd = family_state(model, None, args.family)
-    dcp.load(sd, checkpoint_id=args.ckpt)
+    expected = family_models.layout_keys(expected, args.family)
+    if args.expect_optim:  # resume model and optimizer as the engine does
+        optimizer = make_optimizer(model)
+        synthetic_step(model, optimizer)  # the state a resuming job has before it loads
+        sd = engine_state(model, optimizer, args.family)
+        dcp.load(sd, checkpoint_id=args.ckpt)
+        apply_engine_state(model, optimizer, sd, args.family)
+        sd = engine_state(model, optimizer, args.family)  # what the model and optimizer now hold
+        expected |= torch.load(args.expect_optim, weights_only=True)
+    else:
+        sd = family_state(model, None, args.family)
+        dcp.load(sd, checkpoint_id=args.ckpt)
     timer.mark("dcp.load")
 
-    checked, first = compare_all(flatten(sd), family_models.layout_keys(expected, args.family))
+    checked, first = compare_all(flatten(sd), expected)
     status = finish_check(first, f"{checked} tensors on mesh {parallel.as_dict()} match "
                                  f"{args.expect} as {args.family} names")
     log(f"load-family done ({timer})")
@@ -251,6 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sub.add_parser("load-family", help="load a family-named DCP checkpoint and check it")
     p.add_argument("ckpt")
     p.add_argument("--expect", required=True, help="HF folder whose weights CKPT must hold")
+    p.add_argument("--expect-optim", help="torch.save'd {key as the family's engine loads it: full tensor} of the "
+                                          "optimizer state CKPT must hold; loads model and optimizer as the engine does")
     common(p)
     p.set_defaults(func=cmd_load_family)
     return parser.parse_args(argv)

@@ -240,17 +240,34 @@ def training_extras(state: dict[str, torch.Tensor], kind: str, family: str, seed
 TORCHTITAN_STATE = ("optimizer.", "train_state.", "lr_scheduler.", "dataloader.")
 
 
+# Where each family's job keeps model and optimizer on disk: AReaL's save_to_dcp hands dcp.save
+# {"dcp": DCPState}, whose state_dict is {"model": ..., "optim": ...}; torchtitan's CheckpointManager
+# puts the model's keys at the top level beside "optimizer" (_flattened_model_states_sd).
+MODEL_PREFIX = {"archon": "dcp.model.", "torchtitan": ""}
+OPTIMIZER_PREFIX = {"archon": "dcp.optim.", "torchtitan": "optimizer."}
+
+
 def model_part(flat: dict[str, Any], family: str) -> dict[str, Any]:
     """The model entries of a flattened family checkpoint, keyed by model fqn."""
     if family == "archon":
-        return {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+        return {k.removeprefix(MODEL_PREFIX[family]): v for k, v in flat.items() if k.startswith(MODEL_PREFIX[family])}
     return {k: v for k, v in flat.items() if not k.startswith(TORCHTITAN_STATE)}
 
 
 def layout_keys(model_state: dict[str, Any], family: str) -> dict[str, Any]:
     """Model fqns -> the keys the family's checkpoint stores them under."""
-    prefix = "model." if family == "archon" else ""
-    return {prefix + k: v for k, v in model_state.items()}
+    return {MODEL_PREFIX[family] + k: v for k, v in model_state.items()}
+
+
+def optimizer_slots(flat: dict[str, Any], family: str) -> dict[str, dict[str, Any]]:
+    """The flattened optimizer state of a family checkpoint by slot: ``{"exp_avg": {fqn: tensor}, ...}``."""
+    start = OPTIMIZER_PREFIX[family] + "state."
+    slots: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(start):
+            fqn, slot = key[len(start):].rsplit(".", 1)
+            slots.setdefault(slot, {})[fqn] = value
+    return slots
 
 
 # ---------------------------------------------------------------------------
