@@ -151,9 +151,10 @@ def test_moe_inspect_reports_the_saving_mesh(moe_source):
 
 
 def test_reshard_there_and_back_returns_the_same_bytes(moe_source, tmp_path):
-    source, _ = moe_source
+    source, reference = moe_source
     there, back = tmp_path / "there", tmp_path / "back"
-    dcptool("reshard", source, there, "--dp", "2", "--tp", "2", "--ep", "2", "--etp", "tp", "--keep-rank-state")
+    dcptool("reshard", source, there, "--dp", "2", "--tp", "2", "--ep", "2", "--etp", "tp", "--keep-rank-state",
+            "--config-dir", reference)
     dcptool("reshard", there, back, *flags(MOE_SOURCE), "--keep-rank-state")
     original, returned = formats.open_checkpoint(source), formats.open_checkpoint(back)
     assert chunk_layout(back) == chunk_layout(source)
@@ -195,9 +196,9 @@ def test_import_hf_lays_weights_out_for_a_mesh(loads):
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
-    source, _ = checkpoints("fsdp2_dp2")
+    source, reference = checkpoints("fsdp2_dp2")
     out = tmp_path / "out"
-    result = dcptool("reshard", source, out, "--tp", "2", "--dry-run", "--json")
+    result = dcptool("reshard", source, out, "--tp", "2", "--dry-run", "--json", "--config-dir", reference)
     plan = json.loads(result.stdout)
     assert plan["mesh"]["dp"] == 1 and plan["mesh"]["tp"] == 2 and plan["plan"] == "hf"
     q = plan["tensors"]["model.layers.0.self_attn.q_proj.weight"]
@@ -226,8 +227,10 @@ def test_refusals_name_the_tensor_or_setting(checkpoints, tmp_path):
     dst = tmp_path / "never"
     _refused(dense, "--tp", "4", "--world-size", "4", "--dp", "1",
              expect="model.embed_tokens.weight: dim 0 of size 250 cannot be split by tp=4", dst=dst)
-    _refused(dense, "--tp", "4", "--dp", "1", "--config-dir", reference,
-             expect="--tp 4 does not divide the 2 key/value heads", dst=dst)
+    _refused(dense, "--tp", "4", "--dp", "1", "--config-dir", reference, expect="(and 2 more problems", dst=dst)
+    listed = dcptool("reshard", dense, dst, "--tp", "4", "--dp", "1", "--config-dir", reference, "--dry-run", "--json",
+                     check=False)
+    assert any("--tp 4 does not divide the 2 key/value heads" in line for line in json.loads(listed.stdout)["problems"])
     _refused(dense, "--world-size", "8", "--dp", "2", "--tp", "2", expect="--world-size 8 != dp_replicate*dp*cp*tp = 4",
              dst=dst)
     _refused(dense, "--tp", "3", expect="does not divide the source's world size (2 ranks)", dst=dst)
@@ -240,11 +243,11 @@ def test_refusals_name_the_tensor_or_setting(checkpoints, tmp_path):
 
 
 def test_plan_file_places_tensors_as_written(checkpoints, tmp_path):
-    source, _ = checkpoints("fsdp2_dp2")
+    source, reference = checkpoints("fsdp2_dp2")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"name": "rows-only", "rules": [{"match": r"proj\.weight$", "tp": "rowwise"}]}))
     result = json.loads(dcptool("reshard", source, tmp_path / "x", "--tp", "2", "--plan", plan, "--dry-run",
-                                "--json").stdout)
+                                "--json", "--config-dir", reference).stdout)
     assert result["plan"] == "rows-only"
     assert result["tensors"]["model.layers.0.self_attn.q_proj.weight"]["placement"] == "tp=2:Shard(1)"
     assert result["tensors"]["model.embed_tokens.weight"]["placement"] == "replicated"
