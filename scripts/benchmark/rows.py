@@ -14,7 +14,7 @@ from pathlib import Path
 
 from benchmark import REPO, SCRIPT
 from benchmark.measure import dir_bytes, measure, remove, tail, warm
-from benchmark.shapes import Shape, choose_shape
+from benchmark.shapes import Shape, choose_shape, llama_config, moe_config
 
 
 @dataclass
@@ -42,13 +42,18 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
     py = sys.executable
     dcptool = [py, "-m", "dcptool"]
     shape_json = json.dumps(asdict(shape))
+    # The model's config: the TP rows split attention, which dcptool does only knowing the head counts.
+    config = outdir / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "config.json").write_text(json.dumps(llama_config(shape) if shape.model == "dense" else moe_config(shape)))
+    heads = ["--config-dir", str(config)]
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT)]
     rows = [Row("cp", "cp -r", "floor", "cp", ["cp", "-r", str(src), str(outdir / "cp")], outdir / "cp", [src]),
             # What dcptool's commands promise by default: the copy is on disk when the command returns.
             Row("cp-sync", "cp -r && sync", "floor", "cp-sync",
                 ["sh", "-c", 'cp -r "$0" "$1" && sync', str(src), str(outdir / "cp-sync")], outdir / "cp-sync", [src]),
             Row("import-hf", "dcptool import-hf --dp 2 --tp 2 (HF -> DCP)", "dcptool", "",
-                dcptool + ["import-hf", str(hf), str(outdir / "imported"), "--dp", "2", "--tp", "2"],
+                dcptool + ["import-hf", str(hf), str(outdir / "imported"), "--dp", "2", "--tp", "2", *heads],
                 outdir / "imported", [hf])]
     for fsync in ("", "-nofsync"):
         extra = ["--no-fsync"] if fsync else []
@@ -63,7 +68,7 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
                 dcptool + ["reshard", str(src), str(outdir / f"dp4{fsync}"), "--dp", "4", "--tp", "1"] + extra,
                 outdir / f"dp4{fsync}", [src]),
             Row(f"reshard-tp4{fsync}", f"dcptool reshard --dp 1 --tp 4{label}", "dcptool", "peer-reshard-tp4",
-                dcptool + ["reshard", str(src), str(outdir / f"tp4{fsync}"), "--dp", "1", "--tp", "4"] + extra,
+                dcptool + ["reshard", str(src), str(outdir / f"tp4{fsync}"), "--dp", "1", "--tp", "4", *heads] + extra,
                 outdir / f"tp4{fsync}", [src]),
         ]
     if moe is not None:
