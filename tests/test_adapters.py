@@ -348,6 +348,19 @@ def test_convert_writes_the_layout_the_target_engine_resumes(tmp_path, saved, tr
                "--expect-optim", expect_optim, *MESH[name])
 
 
+def test_torchtitan_resumes_an_archon_run_with_its_own_checkpoint_code(tmp_path, saved, trained_hf, hf):
+    """The converted Archon run, resumed by torchtitan 0.3's own ModelWrapper and flat optimizer state dict
+    (skipped where torchtitan is not installed; it imports without triton)."""
+    pytest.importorskip("torchtitan.components.checkpoint")
+    name, family = "qwen3_moe", "archon"
+    out = tmp_path / "converted"
+    dcptool("convert", saved(name, family), out, "--to", "dcp", "--adapter", "torchtitan")
+    expect_optim = tmp_path / "optimizer.pt"
+    torch.save(expected_optimizer(saved(name, family), name, family, "torchtitan", hf), expect_optim)
+    family_job("load-family", out, "--kind", kind_of(name), "--family", "torchtitan", "--torchtitan-code",
+               "--expect", trained_hf(name, family), "--expect-optim", expect_optim, *MESH[name])
+
+
 def test_every_command_writes_one_layout_per_family(tmp_path, hf):
     """import-hf, convert and reshard with the same --adapter write the same keys (the oracle's names in the
     family's layout), whichever family and layout the source has."""

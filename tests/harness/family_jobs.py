@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from harness import family_models
-from harness.models import LOADER_SEED, MODEL_SEED, make_optimizer, synthetic_step
+from harness.models import LOADER_SEED, LR, MODEL_SEED, make_optimizer, synthetic_step
 from harness.parallel import Parallel, placements_of
 from harness.runtime import Timer, exit_now, init_distributed, log, rank, reference_dir
 from harness.states import LR_SCHEDULER_STATE, TRAIN_STATE, compare_all, finish_check, flatten, split_tensors
@@ -178,6 +178,34 @@ def engine_state(model: nn.Module, optimizer, family: str) -> dict[str, Any]:
     return {**model_sd, "optimizer": optim_sd}
 
 
+def titan_resume(model: nn.Module, optimizer, ckpt: str) -> None:
+    """torchtitan 0.3's own resume of model and optimizer (needs ``torchtitan`` importable): CheckpointManager
+    hands dcp.load its ModelWrapper's state dict flattened to the top level beside the optimizer's Stateful
+    (``_flattened_model_states_sd``), then loads the model through ModelWrapper.load_state_dict. Its
+    OptimizersContainer is a Stateful over torchtitan's flat optimizer state dict; here over one AdamW."""
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torchtitan.components.checkpoint import ModelWrapper
+    from torchtitan.components.optimizer.utils import (
+        get_flat_optim_state_dict,
+        init_optim_state,
+        load_flat_optim_state_dict,
+    )
+
+    class Optimizers(Stateful):  # OptimizersContainer.state_dict / load_state_dict, for one optimizer
+        def state_dict(self):
+            init_optim_state(optimizer)
+            return get_flat_optim_state_dict(optimizer)
+
+        def load_state_dict(self, state_dict):
+            init_optim_state(optimizer)
+            load_flat_optim_state_dict(optimizer, state_dict)
+
+    wrapper = ModelWrapper(model)
+    states = {**wrapper.state_dict(), "optimizer": Optimizers()}
+    dcp.load(states, checkpoint_id=ckpt)
+    wrapper.load_state_dict(states)
+
+
 def apply_engine_state(model: nn.Module, optimizer, state: dict[str, Any], family: str) -> None:
     """What the engine does with the loaded state: DCPState.load_state_dict (strict), or torchtitan's
     ModelWrapper and OptimizersContainer load_state_dict."""
@@ -257,11 +285,15 @@ def cmd_load_family(args) -> int:
 
     expected = family_models.layout_keys(expected, args.family)
     if args.expect_optim:  # resume model and optimizer as the engine does
-        optimizer = make_optimizer(model)
-        synthetic_step(model, optimizer)  # the state a resuming job has before it loads
-        sd = engine_state(model, optimizer, args.family)
-        dcp.load(sd, checkpoint_id=args.ckpt)
-        apply_engine_state(model, optimizer, sd, args.family)
+        if args.torchtitan_code:  # torchtitan builds its optimizers on (name, param) pairs
+            optimizer = torch.optim.AdamW(list(model.named_parameters()), lr=LR, weight_decay=0.01, foreach=False)
+            titan_resume(model, optimizer, args.ckpt)
+        else:
+            optimizer = make_optimizer(model)
+            synthetic_step(model, optimizer)  # the state a resuming job has before it loads
+            sd = engine_state(model, optimizer, args.family)
+            dcp.load(sd, checkpoint_id=args.ckpt)
+            apply_engine_state(model, optimizer, sd, args.family)
         sd = engine_state(model, optimizer, args.family)  # what the model and optimizer now hold
         expected |= torch.load(args.expect_optim, weights_only=True)
     else:
@@ -296,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sub.add_parser("load-family", help="load a family-named DCP checkpoint and check it")
     p.add_argument("ckpt")
     p.add_argument("--expect", required=True, help="HF folder whose weights CKPT must hold")
+    p.add_argument("--torchtitan-code", action="store_true",
+                   help="with --expect-optim and --family torchtitan: resume with torchtitan's own ModelWrapper and "
+                        "flat optimizer state dict (torchtitan must be importable)")
     p.add_argument("--expect-optim", help="torch.save'd {key as the family's engine loads it: full tensor} of the "
                                           "optimizer state CKPT must hold; loads model and optimizer as the engine does")
     common(p)
