@@ -18,18 +18,16 @@ from itertools import count
 
 import pytest
 import torch
-
-import dcptool as dcptool_api
 from conftest import dcptool, read_dcp
 from harness.family_models import (
     FAMILIES,
+    MODEL_PREFIX,
     MODELS,
+    OPTIMIZER_PREFIX,
     family_to_hf,
     hf_config,
     hf_to_family,
     layout_keys,
-    MODEL_PREFIX,
-    OPTIMIZER_PREFIX,
     load_hf_state,
     logits,
     model_part,
@@ -42,6 +40,8 @@ from harness.family_models import (
 from jobs import FAMILY_JOBS, run_job
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import dcptool as dcptool_api
 
 HF_SEED = 7
 # Mesh of every save-family job (2 ranks): the MoE also splits its experts over ep.
@@ -181,7 +181,10 @@ def test_oracle_keeps_tied_output_projection(hf, family):
 def test_llama_permutation_matches_rope():
     """torchtitan's RoPE (complex rotation of adjacent pairs) on permuted wq/wk gives the
     attention scores of transformers' rotate_half RoPE on the HF weights."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
 
     config = hf_config("llama")
     heads, kv_heads, head_dim, dim, seq = 4, 2, 16, 64, 10
@@ -457,10 +460,10 @@ def test_kv_heads_fewer_than_tp_are_refused_alike(tmp_path, hf):
     dcptool("import-hf", source, tmp_path / "one", "--adapter", "torchtitan")
     by_import = dcptool_api.import_hf(source, tmp_path / "x", adapter="torchtitan", dp=1, tp=4, dry_run=True)
     by_reshard = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, config_dir=source, dry_run=True)
-    assert head_problems(by_import) == head_problems(by_reshard) == [
+    assert head_problems(by_import) == head_problems(by_reshard) == [(
         f"layers.0.attention.qkv_linear.wk.weight (and 3 more weights like it): --tp 4 does not divide the 2 "
         f"key/value heads (num_key_value_heads in {source / 'config.json'}), so tp ranks would hold parts of a "
-        "head: give a --tp that divides 2, or a --plan file whose rule keeps it whole (tp: replicate)"]
+        "head: give a --tp that divides 2, or a --plan file whose rule keeps it whole (tp: replicate)")]
     line = refusal("import-hf", source, tmp_path / "x", "--adapter", "torchtitan", "--dp", "1", "--tp", "4")
     assert line.startswith("dcptool: error: ") and "(and 2 more problems" in line  # the embedding's vocab too
     unknown = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=2, dry_run=True).problems

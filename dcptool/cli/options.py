@@ -35,7 +35,7 @@ FsyncOption = typer.Option(True, "--fsync/--no-fsync", help="Flush outputs to di
 RevisionOption = typer.Option(None, "--revision", metavar="REV", help="Branch, tag or commit of a source that is a Hugging Face hub repo (ORG/NAME; or hf://ORG/NAME@REVISION).")
 DequantizeOption = typer.Option(False, "--dequantize", help="Turn block-scaled float8 weights (X.weight + X.weight_scale_inv, block size from config.json's quantization_config) into --dtype (default bfloat16); the scales are left out.")
 CompressOption = typer.Option(None, "--compress", help="Compress DCP records as torch's zstd extension does (dcp.load reads them; needs the zstandard package).")
-TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names: hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later). Default: the source's.")
+TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names and in its engine's layout: hf (layout kept), archon (AReaL Archon, torchtitan before 0.3: dcp.model.*, dcp.optim.*) or torchtitan (0.3 and later: model at the top level, optimizer.*). Default: the source's.")
 JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same).")
 PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto, hf, torchtitan, fsdp, or a YAML/JSON plan file.")
 

@@ -23,7 +23,17 @@ import pkgutil
 from functools import cache
 
 from dcptool.models import common
-from dcptool.models.kind import FAMILIES, LAYOUTS, Divisor, ModelKind, PlanRule, Row, Shape, StateLayout, Tie
+from dcptool.models.kind import (
+    FAMILIES,
+    LAYOUTS,
+    Divisor,
+    ModelKind,
+    PlanRule,
+    Row,
+    Shape,
+    StateLayout,
+    Tie,
+)
 
 __all__ = ["FAMILIES", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]

@@ -55,7 +55,14 @@ from harness import family_models
 from harness.models import LOADER_SEED, LR, MODEL_SEED, make_optimizer, synthetic_step
 from harness.parallel import Parallel, placements_of
 from harness.runtime import Timer, exit_now, init_distributed, log, rank, reference_dir
-from harness.states import LR_SCHEDULER_STATE, TRAIN_STATE, compare_all, finish_check, flatten, split_tensors
+from harness.states import (
+    LR_SCHEDULER_STATE,
+    TRAIN_STATE,
+    compare_all,
+    finish_check,
+    flatten,
+    split_tensors,
+)
 
 # Model state kept as persistent buffers, not parameters (torchtitan's MoE load-balancing bias).
 BUFFER_SUFFIXES = (".expert_bias", ".expert_bias_E")
@@ -209,7 +216,10 @@ def titan_resume(model: nn.Module, optimizer, ckpt: str) -> None:
 def apply_engine_state(model: nn.Module, optimizer, state: dict[str, Any], family: str) -> None:
     """What the engine does with the loaded state: DCPState.load_state_dict (strict), or torchtitan's
     ModelWrapper and OptimizersContainer load_state_dict."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     if family == "archon":
         model_sd, optim_sd = state["dcp"]["model"], state["dcp"]["optim"]
