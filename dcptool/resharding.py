@@ -303,7 +303,8 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
         count, source = counts.get(what, (None, None))
         if count is None and from_tensors and layout.tensor.shape[dim] % from_tensors[1] == 0:
             count = layout.tensor.shape[dim] // from_tensors[1]
-            source = f"{layout.tensor.shape[dim]} rows of head size {from_tensors[1]}, the size of {from_tensors[0]}"
+            source = (f"{layout.tensor.shape[dim]} {'rows' if dim == 0 else 'columns'} of head size {from_tensors[1]}, "
+                      f"the size of {from_tensors[0]}")
         if count is None or count % mesh.tp:
             found.setdefault((what, count, source), []).append(layout.tensor.key)
     problems = []
