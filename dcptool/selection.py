@@ -40,9 +40,7 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
     and ``{"model": {...}, "optim": ...}`` are unwrapped; a checkpoint with its model at the top
     level keeps it, minus optimizer and other state. ``prefix`` (``"dcp.model"``) names it by hand.
     """
-    tensors = checkpoint.tensors.values()
-    wrapper = None if prefix else next(
-        (w for w in MODEL_WRAPPERS if any(len(t.path) > len(w) and t.path[: len(w)] == w for t in tensors)), None)
+    wrapper = None if prefix else model_wrapper(checkpoint)
     start = prefix.rstrip(".") + "." if prefix else None
     found = {}
     for entry in (checkpoint.tensors if entries is None else entries).values():
@@ -58,6 +56,12 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
     if start and entries is None and not found:
         raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
     return found
+
+
+def model_wrapper(checkpoint: Checkpoint) -> tuple[str, ...] | None:
+    """The nesting the model part sits under (``("dcp", "model")``), or None for a model at the top level."""
+    tensors = checkpoint.tensors.values()
+    return next((w for w in MODEL_WRAPPERS if any(len(t.path) > len(w) and t.path[: len(w)] == w for t in tensors)), None)
 
 
 def select(names: dict[str, Any], include: str | None, exclude: str | None) -> dict[str, Any]:

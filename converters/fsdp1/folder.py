@@ -12,6 +12,8 @@ from dcptool.core import Piece
 
 NAME = "fsdp1"
 CONFIG = "fsdp_config.json"  # {"FSDP_version": 1, "world_size": W}
+# fsdp_config.json's record of the source's layout of the non-tensor entries dcptool restructured (planning.source_layout)
+SOURCE_LAYOUT = "dcptool_source_layout"
 HF_DIR = "huggingface"  # the model's config and tokenizer, as verl saves them
 RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 

@@ -94,6 +94,19 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     return tensors, objects, {key: why for why, keys in left_out.items() for key in keys}
 
 
+def source_layout(objects: list[OutObject]) -> dict[str, str]:
+    """What ``entries`` restructured of the source's non-tensor entries for verl's files, for the reader to
+    put back (``fsdp_config.json`` records it): ``param_groups`` ``"per_parameter"`` where they were
+    flattened per parameter (torchtitan, AReaL), ``lr_scheduler`` the root the scheduler came from."""
+    layout = {}
+    for obj in objects:
+        if obj.path == (OPTIMIZER, "param_groups") and obj.merged:
+            layout["param_groups"] = "per_parameter"
+        elif obj.path[:2] == (EXTRA_STATE, "lr_scheduler") and obj.source.path[0] in _SCHEDULER_ROOTS:
+            layout["lr_scheduler"] = obj.source.path[0]
+    return layout
+
+
 def _param_groups(settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """``FSDP.optim_state_dict``'s param_groups from per-parameter settings: parameters with equal
     settings form one group, in the order they come."""

@@ -6,6 +6,8 @@ The model files give the model at the top level; the optimizer files give
 ``optimizer.state.<param>.<moment>`` (laid out like the parameter) and ``optimizer.param_groups``
 (in any form of ``optimizer.OPTIMIZER_FORMS``); the extra-state files give
 ``extra_state.lr_scheduler.*`` and, per saving rank, ``extra_state.rank_<r>.*`` (its RNG state).
+A folder dcptool wrote from a source that keeps these otherwise (param_groups flattened per parameter,
+the scheduler at the top level) gives them back as the source had them (``_as_in_source``).
 ``info`` records the forms read (``optimizer_form``, ``model_values``, the DTensors' ``mesh``).
 What cannot be read (flat state of another layout than the one computed, an extra state the
 restricted unpickler refuses) is left out with a line in ``info["not_read"]``.
@@ -21,7 +23,7 @@ from dcptool.errors import CheckpointError, json_kind, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive
 from dcptool.converters.fsdp1.codecs import mesh_facts
-from dcptool.converters.fsdp1.folder import CONFIG, EXTRA_STATE, HF_DIR, NAME, RANK_FILE, file_name
+from dcptool.converters.fsdp1.folder import CONFIG, EXTRA_STATE, HF_DIR, NAME, OPTIMIZER, RANK_FILE, SOURCE_LAYOUT, file_name
 from dcptool.converters.fsdp1.gathering import Gathered, NotRead, gather_rank, read_part
 from dcptool.converters.fsdp1.optimizer import read_optimizer
 
@@ -59,6 +61,8 @@ def read(files: CheckpointFiles) -> Checkpoint:
                                                           tensors, objects, kinds)
     if ranks["extra_state"].get(world_size):
         notes += _read_extra_state(files, world_size, ranks["extra_state"][world_size], tensors, objects)
+    if from_config:
+        objects = _as_in_source(files, objects)
 
     info: dict[str, Any] = {
         "world_size": world_size,
@@ -132,6 +136,34 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
     tensors.update(gathered_tensors)
     objects.update(gathered_objects)
     return []
+
+
+def _as_in_source(files: CheckpointFiles, objects: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+    """The non-tensor entries as the source of a dcptool conversion had them, where ``fsdp_config.json``
+    records how they were restructured for verl (``planning.source_layout``): param_groups flattened per
+    parameter again (``optimizer.param_groups.<param>.<setting>``, as torch's ``get_state_dict`` flattens
+    them) and the lr scheduler back at its root (``lr_scheduler.last_epoch``)."""
+    layout = files.read_json_object(CONFIG, MAX_CONFIG, "an FSDP config").get(SOURCE_LAYOUT)
+    if not isinstance(layout, dict):
+        return objects
+    restored = {}
+    for key, entry in objects.items():
+        path = entry.path
+        if path == (OPTIMIZER, "param_groups") and layout.get("param_groups") == "per_parameter" \
+                and isinstance(entry.value, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                          for g in entry.value):
+            for group in entry.value:
+                for parameter in group["params"]:
+                    for setting, value in group.items():
+                        if setting != "params":
+                            flat = ObjectInfo((OPTIMIZER, f"param_groups.{parameter}.{setting}"), value=value)
+                            restored[flat.key] = flat
+            continue
+        root = layout.get("lr_scheduler")
+        if path[:2] == (EXTRA_STATE, "lr_scheduler") and isinstance(root, str):
+            entry = ObjectInfo((root, *path[2:]), value=entry.value)
+        restored[entry.key] = entry
+    return restored
 
 
 def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> tuple[int, bool]:
