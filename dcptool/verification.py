@@ -267,6 +267,9 @@ class KeyLayout:
         return " and ".join(said)
 
 
+_TRAINING_ROOTS = selection.OPTIMIZER_ROOTS | selection.NON_MODEL_ROOTS
+
+
 def layout_of(checkpoint: Checkpoint) -> KeyLayout:
     """``checkpoint``'s layout (``selection.model_part`` finds the model part)."""
     wrapper = selection.model_wrapper(checkpoint) or ()
@@ -276,7 +279,9 @@ def layout_of(checkpoint: Checkpoint) -> KeyLayout:
     parent = wrapper[:-1]  # AReaL's optimizer sits beside its model: dcp.model, dcp.optim
     optimizer = next((tuple(e.path[:len(parent) + 1]) for e in rest if e.path[:len(parent)] == parent
                       and len(e.path) > len(parent) and e.path[len(parent)] in selection.OPTIMIZER_ROOTS), None)
-    return KeyLayout(wrapper, optimizer, not rest)
+    # A flat torch.save of a whole training state ({"dcp.optim.state.w.exp_avg": ...}) is no model only.
+    training_keys = any(_TRAINING_ROOTS & set(key.split(".")) for key in checkpoint.tensors)
+    return KeyLayout(wrapper, optimizer, not rest and not training_keys)
 
 
 def _layout_difference(a: KeyLayout, b: KeyLayout) -> str | None:
@@ -285,10 +290,8 @@ def _layout_difference(a: KeyLayout, b: KeyLayout) -> str | None:
                      if differs and (p == "model" or None not in (a.optimizer, b.optimizer)))
     if not parts:
         return None
-    said_b = b.describe(parts)
-    if parts == "model":  # "B at top level": the word "model" once
-        said_b = said_b.removeprefix("model ")
-    return f"A has {a.describe(parts)}, B {said_b}"
+    said_b = b.describe(parts).removeprefix("model ") if parts == "model" else f"has {b.describe(parts)}"
+    return f"A has {a.describe(parts)}, B {said_b}"  # "A has model at `model.`, B at top level"
 
 
 def _normalized(checkpoint: Checkpoint, layout: KeyLayout) -> tuple[dict[str, TensorInfo], dict[str, ObjectInfo]]:
@@ -331,8 +334,8 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
 
     With no prefix given, the layouts decide: a training state against a model-only checkpoint (its
     HF export) compares the model parts and lists the rest as left out; two training states (or two
-    models) nested differently compare entry for entry under ``_normalized`` names and the layout
-    difference is reported. Weights of different naming families are matched by ``align_families``.
+    models) nested differently, whose tensor names differ, compare entry for entry under
+    ``_normalized`` names and the layout difference is reported. Weights of different naming families are matched by ``align_families``.
     """
     checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
     pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
@@ -345,7 +348,7 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
             pairing.b = select_side(checkpoint_b, AUTO if training is checkpoint_b else None, include, exclude)
             pairing.left_out = _outside_model(training)
             pairing.left_out_why = f"{'B' if label == 'A' else 'A'} holds a model only"
-        elif layout_a != layout_b:
+        elif pairing.a.tensors.keys() != pairing.b.tensors.keys() and layout_a != layout_b:
             pairing.layout = _layout_difference(layout_a, layout_b)
             pairing.a = _side(checkpoint_a, *_normalized(checkpoint_a, layout_a), include, exclude)
             pairing.b = _side(checkpoint_b, *_normalized(checkpoint_b, layout_b), include, exclude)

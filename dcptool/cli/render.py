@@ -207,8 +207,8 @@ FOLD_DIFFERENCES = 20
 
 def grouped_differences(differences) -> list[str]:
     """Differences grouped as inspect folds layers: by kind (and detail, where keys share it: "tensor only
-    in A", "A float32, B bfloat16"), then by the key's first parts below what all keys of the group share
-    (``dcp.optim.state.* (63 missing)``), numbered groups folded (``model.layers.{0..27}.*``)."""
+    in A", "A float32, B bfloat16"), then by what all keys of the group share, at least their first two parts
+    (``dcp.optim.state.* (63 missing)``, ``model.layers.* (18 dtype)``)."""
     from dcptool import stats
 
     clusters: dict[tuple[str, str], list] = {}
@@ -224,7 +224,7 @@ def grouped_differences(differences) -> list[str]:
         common = 0
         while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
             common += 1
-        depth = common + 2
+        depth = max(common, 2)  # what the group shares, at least its root and the part below (optimizer.state)
         by_prefix: dict[str, list] = {}
         for difference, key_parts in zip(members, parts):
             prefix = ".".join(key_parts[:depth]) + (".*" if len(key_parts) > depth else "")
