@@ -334,8 +334,9 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
 
     With no prefix given, the layouts decide: a training state against a model-only checkpoint (its
     HF export) compares the model parts and lists the rest as left out; two training states (or two
-    models) nested differently, whose tensor names mostly differ, compare entry for entry under
-    ``_normalized`` names and the layout difference is reported. Weights of different naming families are matched by ``align_families``.
+    models) nested differently compare entry for entry under ``_normalized`` names, and the layout
+    difference is reported, where those names match more entries than the keys as given (a flat
+    torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared). Weights of different naming families are matched by ``align_families``.
     """
     checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
     pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
@@ -348,10 +349,11 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
             pairing.b = select_side(checkpoint_b, AUTO if training is checkpoint_b else None, include, exclude)
             pairing.left_out = _outside_model(training)
             pairing.left_out_why = f"{'B' if label == 'A' else 'A'} holds a model only"
-        elif layout_a != layout_b and not _mostly_shared(pairing.a.tensors.keys(), pairing.b.tensors.keys()):
-            pairing.layout = _layout_difference(layout_a, layout_b)
-            pairing.a = _side(checkpoint_a, *_normalized(checkpoint_a, layout_a), include, exclude)
-            pairing.b = _side(checkpoint_b, *_normalized(checkpoint_b, layout_b), include, exclude)
+        elif layout_a != layout_b:
+            normalized_a = _side(checkpoint_a, *_normalized(checkpoint_a, layout_a), include, exclude)
+            normalized_b = _side(checkpoint_b, *_normalized(checkpoint_b, layout_b), include, exclude)
+            if _shared(normalized_a, normalized_b) > _shared(pairing.a, pairing.b):
+                pairing.a, pairing.b, pairing.layout = normalized_a, normalized_b, _layout_difference(layout_a, layout_b)
     else:
         pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
                             *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]
@@ -363,10 +365,9 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     return pairing
 
 
-def _mostly_shared(a, b) -> bool:
-    """Whether most tensor names are on both sides as given: the keys tell the layouts alike (a flat
-    torch.save of the state has no nesting to compare), and any differences are differences of entries."""
-    return 2 * len(a & b) >= min(len(a), len(b)) > 0
+def _shared(a: Side, b: Side) -> int:
+    """How many names are on both sides."""
+    return len(a.tensors.keys() & b.tensors.keys()) + len(a.objects.keys() & b.objects.keys())
 
 
 def _side(checkpoint: Checkpoint, tensors: dict, objects: dict, include: str | None, exclude: str | None) -> Side:
