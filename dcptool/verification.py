@@ -7,10 +7,14 @@ dtypes (a float32 checkpoint and its bfloat16 export), pass where ``|a - b| <= a
 (NaN in both places counts as equal), and the largest absolute and relative difference of every
 tensor is reported. A is the reference: "missing" means missing from B.
 
->>> side_a, side_b, note = sides("step-1000", "hf-out", prefix_a="dcp.model")   # doctest: +SKIP
->>> report = compare_sides(side_a, side_b)                                      # doctest: +SKIP
->>> report.equal, [d.key for d in report.differences]                           # doctest: +SKIP
-(True, [])
+A training state against a model-only checkpoint (its HF export) compares the model parts, the rest
+left out; two checkpoints that keep their model at different places (``model.``, the top level) compare
+entry for entry and report the layout difference (``sides``).
+
+>>> pairing = sides("step-1000", "hf-out")                                      # doctest: +SKIP
+>>> report = compare_sides(pairing.a, pairing.b, dtype_as="b")                  # doctest: +SKIP
+>>> report.equal, [d.key for d in report.differences], pairing.left_out[:1]     # doctest: +SKIP
+(True, [], ['optimizer.state.model.norm.weight.exp_avg'])
 >>> roundtrip("step-1000", "hf").left_out[:2]                            # doctest: +SKIP
 ['dcp.optim.state.model.norm.weight.exp_avg', 'dcp.optim.state.model.norm.weight.exp_avg_sq']
 """
