@@ -19,6 +19,7 @@ RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.
 
 OPTIMIZER = "optimizer"  # the optimizer's entries are read under this root: optimizer.state.<param>.exp_avg
 EXTRA_STATE = "extra_state"  # extra_state.lr_scheduler.*, and extra_state.rank_<r>.rng.* of each saving rank
+SCHEDULER_ROOTS = ("lr_scheduler", "lr_schedulers", "scheduler")  # where sources keep the lr scheduler
 RANK_ENTRY = re.compile(r"rank_(\d+)$")  # extra_state.rank_<r>: what source rank r saved of its own
 
 

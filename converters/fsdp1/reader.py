@@ -23,7 +23,8 @@ from dcptool.errors import CheckpointError, json_kind, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive
 from dcptool.converters.fsdp1.codecs import mesh_facts
-from dcptool.converters.fsdp1.folder import CONFIG, EXTRA_STATE, HF_DIR, NAME, OPTIMIZER, RANK_FILE, SOURCE_LAYOUT, file_name
+from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, HF_DIR, NAME, OPTIMIZER, RANK_FILE, SCHEDULER_ROOTS,
+                                             SOURCE_LAYOUT, file_name)
 from dcptool.converters.fsdp1.gathering import Gathered, NotRead, gather_rank, read_part
 from dcptool.converters.fsdp1.optimizer import read_optimizer
 
@@ -146,11 +147,13 @@ def _as_in_source(files: CheckpointFiles, objects: dict[str, ObjectInfo]) -> dic
     layout = files.read_json_object(CONFIG, MAX_CONFIG, "an FSDP config").get(SOURCE_LAYOUT)
     if not isinstance(layout, dict):
         return objects
+    scheduler_root = layout.get("lr_scheduler")
     restored = {}
-    for key, entry in objects.items():
+    for entry in objects.values():
         path = entry.path
         if path == (OPTIMIZER, "param_groups") and layout.get("param_groups") == "per_parameter" \
                 and isinstance(entry.value, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                          and all(isinstance(p, str) for p in g["params"])
                                                           for g in entry.value):
             for group in entry.value:
                 for parameter in group["params"]:
@@ -159,9 +162,8 @@ def _as_in_source(files: CheckpointFiles, objects: dict[str, ObjectInfo]) -> dic
                             flat = ObjectInfo((OPTIMIZER, f"param_groups.{parameter}.{setting}"), value=value)
                             restored[flat.key] = flat
             continue
-        root = layout.get("lr_scheduler")
-        if path[:2] == (EXTRA_STATE, "lr_scheduler") and isinstance(root, str):
-            entry = ObjectInfo((root, *path[2:]), value=entry.value)
+        if path[:2] == (EXTRA_STATE, "lr_scheduler") and scheduler_root in SCHEDULER_ROOTS:
+            entry = ObjectInfo((scheduler_root, *path[2:]), value=entry.value)
         restored[entry.key] = entry
     return restored
 
