@@ -337,7 +337,8 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     """The two sides of ``dcptool verify A B``, named alike.
 
     With no prefix given, the layouts decide: a training state against a model-only checkpoint (its
-    HF export) compares the model parts and lists the rest as left out; two training states (or two
+    HF export) compares the model parts and lists the rest as left out (in one format, two DCP
+    checkpoints, a model at another place is a layout difference too); two training states (or two
     models) nested differently compare entry for entry under ``_normalized`` names, and the layout
     difference is reported, where those names match more entries than the keys as given (a flat
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared). Weights of different naming families are matched by ``align_families``.
@@ -353,6 +354,8 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
             pairing.b = select_side(checkpoint_b, AUTO if training is checkpoint_b else None, include, exclude)
             pairing.left_out = _outside_model(training)
             pairing.left_out_why = f"{'B' if label == 'A' else 'A'} holds a model only"
+            if checkpoint_a.format == checkpoint_b.format:  # not an export: a job loads both, the model where it sits
+                pairing.layout = _layout_difference(layout_a, layout_b)
         elif layout_a != layout_b:
             normalized_a = _side(checkpoint_a, *_normalized(checkpoint_a, layout_a), include, exclude)
             normalized_b = _side(checkpoint_b, *_normalized(checkpoint_b, layout_b), include, exclude)

@@ -438,6 +438,21 @@ def test_layouts_that_differ_are_reported_even_with_equal_values(titan, tmp_path
     assert "layout differs" in stderr
 
 
+def test_a_model_only_dcp_with_the_model_elsewhere_is_another_layout(exports, titan, tmp_path):
+    """Two DCP checkpoints a job loads: AReaL's training state keeps the model under `dcp.model.`, import-hf's
+    model-only checkpoint at the top level. An export (another format) is no layout difference."""
+    dcptool("import-hf", exports["hf"], tmp_path / "imported")
+    code, report, stderr = run_verify(exports["dcp"], tmp_path / "imported")
+    assert code == 1 and report["differences"] == [] and report["layout"] == "A has model at `dcp.model.`, B at top level"
+    assert report["left_out_why"] == "B holds a model only"
+    assert report["tensors_compared"] == len(open_checkpoint(tmp_path / "imported").tensors)
+    assert run_verify(exports["dcp"], tmp_path / "imported", "--values-only")[0] == 0
+    # torchtitan keeps its model at the top level too: the same layout.
+    dcptool("import-hf", titan["hf"], tmp_path / "titan-imported")
+    code, report, stderr = run_verify(titan["dcp"], tmp_path / "titan-imported")
+    assert code == 0 and report["layout"] is None, stderr
+
+
 def test_dcp_to_fsdp1_and_back_restores_the_non_tensor_entries(titan, tmp_path):
     """torchtitan's param_groups (flattened per parameter) and lr_scheduler come back as they were, read by torch."""
     dcptool("convert", titan["dcp"], tmp_path / "f1", "--to", "fsdp1", "--world-size", "2")
