@@ -166,7 +166,7 @@ class Difference:
     detail: str
     first_index: list[int] | None = None  # kind "value": the first differing element (global, row-major)
     count: int | None = None  # kind "value": how many elements differ
-    castable: bool | None = None  # kind "dtype": both floating point, so dtype_as or tolerances compare the values
+    cast_to: str | None = None  # kind "dtype" of two float types: the side whose dtype dtype_as should cast to
 
 
 @dataclass
@@ -195,9 +195,13 @@ class Report:
         return not self.differences and (self.layout is None or self.values_only)
 
     @property
-    def only_dtypes(self) -> bool:
-        """Every difference is a dtype difference between floating-point types that ``dtype_as`` casts."""
-        return bool(self.differences) and all(d.kind == "dtype" and d.castable for d in self.differences)
+    def dtype_hint(self) -> str | None:
+        """``"a"`` or ``"b"`` when every difference is one of dtype between floating-point types that
+        ``dtype_as`` casts: the side to cast to (the narrower dtype's); else None."""
+        sides = {d.cast_to if d.kind == "dtype" else None for d in self.differences}
+        if not sides or None in sides:
+            return None
+        return sides.pop() if len(sides) == 1 else "b"
 
     def summary(self) -> str:
         mode = "bitwise" if self.tolerances is None else "within atol {:g}, rtol {:g}".format(*self.tolerances)
@@ -341,7 +345,8 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     checkpoints, a model at another place is a layout difference too); two training states (or two
     models) nested differently compare entry for entry under ``_normalized`` names, and the layout
     difference is reported, where those names match more entries than the keys as given (a flat
-    torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared). Weights of different naming families are matched by ``align_families``.
+    torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
+    Weights of different naming families are matched by ``align_families``.
     """
     checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
     pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
@@ -349,11 +354,11 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     if not (prefix_a or prefix_b):
         layout_a, layout_b = layout_of(checkpoint_a), layout_of(checkpoint_b)
         if layout_a.model_only != layout_b.model_only:  # a training state against its export: its model part
-            training, label = (checkpoint_a, "A") if layout_b.model_only else (checkpoint_b, "B")
-            pairing.a = select_side(checkpoint_a, AUTO if training is checkpoint_a else None, include, exclude)
-            pairing.b = select_side(checkpoint_b, AUTO if training is checkpoint_b else None, include, exclude)
-            pairing.left_out = _outside_model(training)
-            pairing.left_out_why = f"{'B' if label == 'A' else 'A'} holds a model only"
+            training_a = layout_b.model_only
+            pairing.a = select_side(checkpoint_a, AUTO if training_a else None, include, exclude)
+            pairing.b = select_side(checkpoint_b, None if training_a else AUTO, include, exclude)
+            pairing.left_out = _outside_model(checkpoint_a if training_a else checkpoint_b)
+            pairing.left_out_why = f"{'B' if training_a else 'A'} holds a model only"
             if checkpoint_a.format == checkpoint_b.format:  # not an export: a job loads both, the model where it sits
                 pairing.layout = _layout_difference(layout_a, layout_b)
         elif layout_a != layout_b:
@@ -378,6 +383,7 @@ def _shared(a: Side, b: Side) -> int:
 
 
 def _side(checkpoint: Checkpoint, tensors: dict, objects: dict, include: str | None, exclude: str | None) -> Side:
+    """A side of these entries under these names, as ``select_side`` makes one."""
     _split_out_tensors(checkpoint, tensors, objects)
     return Side(checkpoint, selection.select(tensors, include, exclude), selection.select(objects, include, exclude),
                 f"{checkpoint.root} ({checkpoint.format})")
@@ -419,10 +425,12 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
         cast = dtype_as is not None and dtype_a != dtype_b and {dtype_a, dtype_b} <= set(dtypes.CASTABLE)
         castable = tolerances is not None and dtype_a in TOLERANT and dtype_b in TOLERANT
         if dtype_a != dtype_b and not castable and not cast:
-            floats = dtype_a in TOLERANT and dtype_b in TOLERANT
-            hint = " (--dtype-as B or --atol/--rtol compare the values)" if floats else ""
-            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}",
-                                                 castable=floats and {dtype_a, dtype_b} <= set(dtypes.CASTABLE)))
+            cast_to = None
+            if {dtype_a, dtype_b} <= set(dtypes.CASTABLE):  # cast the wider to the narrower: exact where they agree
+                cast_to = "a" if dtypes.dtype(dtype_a).itemsize < dtypes.dtype(dtype_b).itemsize else "b"
+            hint = f" (--dtype-as {cast_to.upper()} or --atol/--rtol compare the values)" if cast_to else \
+                " (--atol/--rtol compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
+            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}", cast_to=cast_to))
         elif tensor_a.shape != tensor_b.shape:
             report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))
         else:

@@ -328,13 +328,17 @@ def test_float32_against_bfloat16_with_dtype_as_b(exports, tmp_path):
     assert len(hint) == 1
     code, report, _ = run_verify(exports["dcp"], tmp_path / "bf16")
     assert code == 1 and len(report["differences"]) == len(exported)
-    assert {d["kind"] for d in report["differences"]} == {"dtype"} and all(d["castable"] for d in report["differences"])
+    assert {(d["kind"], d["cast_to"]) for d in report["differences"]} == {("dtype", "b")}
 
     code, report, stderr = run_verify(exports["dcp"], tmp_path / "bf16", "--dtype-as", "B")
     assert code == 0, (stderr, report["differences"][:3])
     assert report["dtype_as"] == "b" and report["tensors_compared"] == len(exported)
     assert "after casting A to B's dtypes" in dcptool("verify", exports["dcp"], tmp_path / "bf16", "--dtype-as", "B").stdout
     assert dcptool_api().verify(exports["dcp"], tmp_path / "bf16", dtype_as="b").equal
+    # The other way round the hint names A: the narrower side is the one to cast to.
+    result = dcptool("verify", tmp_path / "bf16", exports["dcp"], check=False)
+    assert result.returncode == 1 and "every difference is a dtype difference: --dtype-as A" in result.stdout
+    assert run_verify(tmp_path / "bf16", exports["dcp"], "--dtype-as", "A")[0] == 0
 
     # One bfloat16 element one step off is a difference after the cast, at its index.
     key = next(k for k in exported if k.endswith(UP))

@@ -196,9 +196,11 @@ def print_verify(report: verification.Report, show_all: bool = False) -> None:
     if report.not_compared:
         print(f"non-tensor entries not compared (not plain data): {grouped(report.not_compared)}")
     print(report.summary())
-    if report.only_dtypes and not report.dtype_as:
-        print("every difference is a dtype difference: --dtype-as B compares A cast to B's dtypes "
-              "(bitwise, rounding as torch does), --atol/--rtol within tolerances")
+    side = report.dtype_hint
+    if side and not report.dtype_as:
+        other = "B" if side == "a" else "A"
+        print(f"every difference is a dtype difference: --dtype-as {side.upper()} compares {other} cast to "
+              f"{side.upper()}'s dtypes (bitwise, rounding as torch does), --atol/--rtol within tolerances")
 
 
 # More differences than this are grouped (verify --all lists each).
