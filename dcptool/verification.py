@@ -344,7 +344,8 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     HF export) compares the model parts and lists the rest as left out (in one format, two DCP
     checkpoints, a model at another place is a layout difference too); two training states (or two
     models) nested differently compare entry for entry under ``_normalized`` names, and the layout
-    difference is reported, where those names match more entries than the keys as given (a flat
+    difference is reported (not between two models in different formats: an export), where those
+    names match more entries than the keys as given (a flat
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
     Weights of different naming families are matched by ``align_families``.
     """
@@ -365,7 +366,9 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
             normalized_a = _side(checkpoint_a, *_normalized(checkpoint_a, layout_a), include, exclude)
             normalized_b = _side(checkpoint_b, *_normalized(checkpoint_b, layout_b), include, exclude)
             if _shared(normalized_a, normalized_b) > _shared(pairing.a, pairing.b):
-                pairing.a, pairing.b, pairing.layout = normalized_a, normalized_b, _layout_difference(layout_a, layout_b)
+                pairing.a, pairing.b = normalized_a, normalized_b
+                exported = layout_a.model_only and checkpoint_a.format != checkpoint_b.format  # {"model": ...} vs HF
+                pairing.layout = None if exported else _layout_difference(layout_a, layout_b)
     else:
         pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
                             *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]

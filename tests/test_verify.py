@@ -449,8 +449,15 @@ def test_a_model_only_dcp_with_the_model_elsewhere_is_another_layout(exports, ti
     code, report, stderr = run_verify(exports["dcp"], tmp_path / "imported")
     assert code == 1 and report["differences"] == [] and report["layout"] == "A has model at `dcp.model.`, B at top level"
     assert report["left_out_why"] == "B holds a model only"
-    assert report["tensors_compared"] == len(open_checkpoint(tmp_path / "imported").tensors)
+    model_tensors = len(open_checkpoint(tmp_path / "imported").tensors)
+    assert report["tensors_compared"] == model_tensors
     assert run_verify(exports["dcp"], tmp_path / "imported", "--values-only")[0] == 0
+    # A model saved nested ({"model": state_dict}) against the HF export: another format, an export, no layout.
+    from safetensors.torch import load_file
+
+    torch.save({"model": load_file(exports["hf"] / "model.safetensors")}, tmp_path / "model.pt")
+    code, report, stderr = run_verify(tmp_path / "model.pt", exports["hf"])
+    assert code == 0 and report["layout"] is None and report["tensors_compared"] == model_tensors, stderr
     # torchtitan keeps its model at the top level too: the same layout.
     dcptool("import-hf", titan["hf"], tmp_path / "titan-imported")
     code, report, stderr = run_verify(titan["dcp"], tmp_path / "titan-imported")
