@@ -52,8 +52,8 @@ def verify_command(
 
     [bold]Examples[/bold]:
       [cyan]dcptool verify step-1000 step-1000.pt[/cyan]
-      [cyan]dcptool verify step-1000 hf-out --json > verify.json[/cyan]   (the model part; the optimizer left out)
-      [cyan]dcptool verify step-1000 hf-bf16 --dtype-as B[/cyan]   (float32 cast to the export's bfloat16, bitwise)
+      [cyan]dcptool verify step-1000 hf-out --json > verify.json[/cyan]   (model part)
+      [cyan]dcptool verify step-1000 hf-bf16 --dtype-as B[/cyan]   (A cast to bf16)
       [cyan]dcptool verify step-1000 hf-bf16 --atol 1e-2 --rtol 1e-2[/cyan]
       [cyan]dcptool verify recover_checkpoint hf-out --prefix-a dcp.model[/cyan]
       [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
