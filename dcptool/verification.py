@@ -376,7 +376,7 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     pairing.a, pairing.b, pairing.note = align_families(pairing.a, pairing.b, family_a, family_b, include, exclude)
     if pairing.note and not pairing.left_out:  # across families only the model weights are compared
         pairing.left_out = [*_outside_model(checkpoint_a), *_outside_model(checkpoint_b)]
-        pairing.left_out_why = "not model weights, compared across naming families only as weights"
+        pairing.left_out_why = "across naming families only the model weights compare"
     return pairing
 
 
