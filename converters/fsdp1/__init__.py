@@ -2,8 +2,9 @@
 
 A folder holds ``model_world_size_{W}_rank_{r}.pt`` for every rank ``r`` of ``W``, optionally
 ``optim_world_size_{W}_rank_{r}.pt``, ``extra_state_world_size_{W}_rank_{r}.pt``,
-``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``) and ``huggingface/`` (config,
-tokenizer). Each model file is a flat state dict whose parameters are
+``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``; dcptool adds ``dcptool_source_layout``
+where it restructured the source's non-tensor entries, for its reader to give them back) and
+``huggingface/`` (config, tokenizer). Each model file is a flat state dict whose parameters are
 
 * ``ShardedTensor`` (FSDP1 without a device mesh): the rank's local shard plus the global
   ``ShardedTensorMetadata`` listing every shard's offsets and sizes;
