@@ -470,8 +470,8 @@ def test_dcp_to_fsdp1_and_back_restores_the_non_tensor_entries(titan, tmp_path):
     dcptool("convert", tmp_path / "f1", tmp_path / "back", "--to", "dcp")
     # verl's files are as before (tests/test_fsdp1.py loads them in FSDP); its config records what to give back.
     config = json.loads((tmp_path / "f1" / "fsdp_config.json").read_text())
-    assert config == {"FSDP_version": 1, "world_size": 2,
-                      "dcptool_source_layout": {"param_groups": "per_parameter", "lr_scheduler": "lr_scheduler"}}
+    assert config == {"FSDP_version": 1, "world_size": 2, "dcptool_source_layout": {
+        "state": "per_parameter", "param_groups": "per_parameter", "lr_scheduler": "lr_scheduler"}}
 
     source, back = read_dcp(titan["dcp"], tmp_path), read_dcp(tmp_path / "back", tmp_path)
     unheld = {k for k in source if k.startswith(("train_state.", "dataloader."))}  # verl's files have no place for them
@@ -479,6 +479,11 @@ def test_dcp_to_fsdp1_and_back_restores_the_non_tensor_entries(titan, tmp_path):
     assert any(k.startswith("optimizer.param_groups.") for k in back) and "lr_scheduler.last_epoch" in back
     for key, value in back.items():
         assert torch.equal(value, source[key]) if isinstance(value, torch.Tensor) else value == source[key], key
+    # Nested as it was saved, too: torch unflattens both into the same state dict (less what verl cannot hold).
+    nested_source, nested_back = nested_state(titan["dcp"], tmp_path), nested_state(tmp_path / "back", tmp_path)
+    assert set(nested_back) == set(nested_source) - {"train_state", "dataloader"}
+    assert nested_back["optimizer"].keys() == nested_source["optimizer"].keys()
+    assert nested_back["lr_scheduler"] == nested_source["lr_scheduler"]
 
     code, report, stderr = run_verify(titan["dcp"], tmp_path / "back", "--exclude", r"^(train_state|dataloader)\.")
     assert code == 0, (stderr, report["differences"][:5])

@@ -62,7 +62,7 @@ class Fsdp1(Format):
         forms, said = planning.output_forms(checkpoint, request.forms.get("optim_form"),
                                             request.forms.get("model_values"))
         options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"),
-                   "source_layout": planning.source_layout(objects), **forms}
+                   "source_layout": planning.source_layout(tensors, objects), **forms}
         selected = ", as selected by --include/--exclude" if request.include or request.exclude else ""
         why = f"the fsdp1 output holds {planning.HOLDS} only{selected}"
         return Output(tensors, objects, options, why, reasons, [said])

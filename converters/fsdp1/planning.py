@@ -93,11 +93,16 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     return tensors, objects, {key: why for why, keys in left_out.items() for key in keys}
 
 
-def source_layout(objects: list[OutObject]) -> dict[str, str]:
-    """What ``entries`` restructured of the source's non-tensor entries for verl's files, for the reader to
-    put back (``fsdp_config.json`` records it): ``param_groups`` ``"per_parameter"`` where they were
-    flattened per parameter (torchtitan, AReaL), ``lr_scheduler`` the root the scheduler came from."""
+def source_layout(tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, str]:
+    """What ``entries`` restructured of the source's optimizer and scheduler for verl's files, for the reader
+    to put back (``fsdp_config.json`` records it): ``param_groups`` ``"per_parameter"`` where they were
+    flattened per parameter (torchtitan, AReaL), ``state`` likewise for the state's nesting (torch's
+    flattened optimizer state dict keeps ``state.<param>.exp_avg`` as one entry under the optimizer),
+    ``lr_scheduler`` the root the scheduler came from."""
     layout = {}
+    if any(t.path[:2] == (OPTIMIZER, "state") and isinstance(t.source, TensorInfo)
+           and str(t.source.path[-1]).startswith("state.") for t in tensors):
+        layout["state"] = "per_parameter"
     for obj in objects:
         if obj.path == (OPTIMIZER, "param_groups") and obj.merged:
             layout["param_groups"] = "per_parameter"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, json_kind, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive
@@ -63,7 +63,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
     if ranks["extra_state"].get(world_size):
         notes += _read_extra_state(files, world_size, ranks["extra_state"][world_size], tensors, objects)
     if from_config:
-        objects = _as_in_source(files, objects)
+        objects = _as_in_source(files, tensors, objects)
 
     info: dict[str, Any] = {
         "world_size": world_size,
@@ -139,14 +139,20 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
     return []
 
 
-def _as_in_source(files: CheckpointFiles, objects: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
-    """The non-tensor entries as the source of a dcptool conversion had them, where ``fsdp_config.json``
-    records how they were restructured for verl (``planning.source_layout``): param_groups flattened per
-    parameter again (``optimizer.param_groups.<param>.<setting>``, as torch's ``get_state_dict`` flattens
-    them) and the lr scheduler back at its root (``lr_scheduler.last_epoch``)."""
+def _as_in_source(files: CheckpointFiles, tensors: dict[str, Gathered],
+                  objects: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+    """The optimizer and scheduler entries as the source of a dcptool conversion had them, where
+    ``fsdp_config.json`` records how they were restructured for verl (``planning.source_layout``):
+    param_groups flattened per parameter again (``optimizer.param_groups.<param>.<setting>``, as torch's
+    ``get_state_dict`` flattens them), the state's moments one entry each under the optimizer (their keys
+    do not change, their nesting does), and the lr scheduler back at its root (``lr_scheduler.last_epoch``)."""
     layout = files.read_json_object(CONFIG, MAX_CONFIG, "an FSDP config").get(SOURCE_LAYOUT)
     if not isinstance(layout, dict):
         return objects
+    if layout.get("state") == "per_parameter":
+        for gathered in tensors.values():
+            if len(gathered.path) == 4 and gathered.path[:2] == (OPTIMIZER, "state"):
+                gathered.path = (OPTIMIZER, join_path(gathered.path[1:]))
     scheduler_root = layout.get("lr_scheduler")
     restored = {}
     for entry in objects.values():
