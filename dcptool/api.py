@@ -269,7 +269,8 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
 
 
 def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None = None, atol: float | None = None,
-           rtol: float | None = None, include: str | None = None, exclude: str | None = None,
+           rtol: float | None = None, dtype_as: str | None = None, values_only: bool = False,
+           include: str | None = None, exclude: str | None = None,
            prefix_a: str | None = None, prefix_b: str | None = None, from_a: str | None = None,
            from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto",
            load_on: str | Mapping[str, int] | None = None, nproc: int | None = None, backend: str = "auto",
@@ -278,7 +279,14 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     """``dcptool verify``: compare ``a`` with ``b`` (any formats, layouts and naming families), or with its
     own round trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``.
 
+    A training state against a model-only checkpoint (its HF export) compares the model parts and
+    lists the rest in ``.left_out``; two checkpoints whose layouts differ (model at ``model.`` in one,
+    at the top level in the other) compare entry for entry and are unequal (``.layout`` says how)
+    unless ``values_only``.
+
     Args:
+        dtype_as: ``"b"``: compare after casting A's floating-point tensors to B's dtypes (as torch's
+            ``.to(dtype)`` rounds), bitwise unless tolerances; ``"a"``: B's to A's.
         prefix_a, prefix_b: compare only keys under this wrapper (``"dcp.model"``; ``"auto"``: the model part).
         adapter_a, adapter_b: the naming family of each side's weights (``"auto"``: detected).
         load_on: instead, load ``a`` with torch's ``dcp.load`` in a real job on this mesh (``"dp=2,tp=2"``;
@@ -304,6 +312,7 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
 
     a, b = hub.with_revision(a, b, revision=revision)
     verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
+    verification.check_dtype_as(dtype_as)
     memory = parse_size(max_memory, "--max-memory")
     if load_on:
         mesh = parse_mesh(load_on, "--load-on") if isinstance(load_on, str) else dict(load_on)
@@ -312,14 +321,17 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     if roundtrip:
         with _progress(progress, None, f"round trip via {roundtrip}") as advance:
             return verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
-                                          max_memory=memory, atol=atol, rtol=rtol, progress=advance)
-    side_a, side_b, note = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a,
-                                              prefix_b=prefix_b, include=include, exclude=exclude,
-                                              family_a=adapter_a, family_b=adapter_b)
-    total = sum(t.nbytes for k, t in side_a.tensors.items() if k in side_b.tensors)
+                                          max_memory=memory, atol=atol, rtol=rtol, dtype_as=dtype_as,
+                                          progress=advance)
+    pairing = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a, prefix_b=prefix_b,
+                                 include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b)
+    total = sum(t.nbytes for k, t in pairing.a.tensors.items() if k in pairing.b.tensors)
     with _progress(progress, total, "comparing") as advance:
-        report = verification.compare_sides(side_a, side_b, atol=atol, rtol=rtol, max_memory=memory, progress=advance)
-    report.note = note
+        report = verification.compare_sides(pairing.a, pairing.b, atol=atol, rtol=rtol, dtype_as=dtype_as,
+                                            max_memory=memory, progress=advance)
+    report.note, report.layout, report.values_only = pairing.note, pairing.layout, values_only
+    if pairing.left_out:
+        report.left_out, report.left_out_why = pairing.left_out, pairing.left_out_why
     return report
 
 

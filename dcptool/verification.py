@@ -7,10 +7,14 @@ dtypes (a float32 checkpoint and its bfloat16 export), pass where ``|a - b| <= a
 (NaN in both places counts as equal), and the largest absolute and relative difference of every
 tensor is reported. A is the reference: "missing" means missing from B.
 
->>> side_a, side_b, note = sides("step-1000", "hf-out", prefix_a="dcp.model")   # doctest: +SKIP
->>> report = compare_sides(side_a, side_b)                                      # doctest: +SKIP
->>> report.equal, [d.key for d in report.differences]                           # doctest: +SKIP
-(True, [])
+A training state against a model-only checkpoint (its HF export) compares the model parts, the rest
+left out; two checkpoints that keep their model at different places (``model.``, the top level) compare
+entry for entry and report the layout difference (``sides``).
+
+>>> pairing = sides("step-1000", "hf-out")                                      # doctest: +SKIP
+>>> report = compare_sides(pairing.a, pairing.b, dtype_as="b")                  # doctest: +SKIP
+>>> report.equal, [d.key for d in report.differences], pairing.left_out[:1]     # doctest: +SKIP
+(True, [], ['optimizer.state.model.norm.weight.exp_avg'])
 >>> roundtrip("step-1000", "hf").left_out[:2]                            # doctest: +SKIP
 ['dcp.optim.state.model.norm.weight.exp_avg', 'dcp.optim.state.model.norm.weight.exp_avg_sq']
 """
@@ -27,7 +31,7 @@ import numpy as np
 
 from dcptool import adapters, conversion, dtypes, formats, models, selection, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError, counted
+from dcptool.errors import CheckpointError, UsageError, counted, printable
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import split_object
@@ -162,6 +166,7 @@ class Difference:
     detail: str
     first_index: list[int] | None = None  # kind "value": the first differing element (global, row-major)
     count: int | None = None  # kind "value": how many elements differ
+    cast_to: str | None = None  # kind "dtype" of two float types: the side whose dtype dtype_as should cast to
 
 
 @dataclass
@@ -177,24 +182,41 @@ class Report:
     differences: list[Difference] = field(default_factory=list)
     closeness: dict[str, tuple[float, float]] = field(default_factory=dict)
     not_compared: list[str] = field(default_factory=list)  # non-tensor entries that are not plain data
-    left_out: list[str] = field(default_factory=list)  # --roundtrip: what the intermediate format cannot hold
+    left_out: list[str] = field(default_factory=list)  # what one side holds and the comparison cannot (left_out_why)
+    left_out_why: str = "the round trip's format cannot hold them"
     roundtrip: str | None = None
     note: str | None = None  # how the sides were matched, when not key for key (across naming families)
+    layout: str | None = None  # how the layouts differ ("A has model at `model.`, B at top level")
+    values_only: bool = False  # a layout difference alone does not make the two unequal
+    dtype_as: str | None = None  # "a" or "b": floating-point values cast to that side's dtypes before comparing
 
     @property
     def equal(self) -> bool:
-        return not self.differences
+        return not self.differences and (self.layout is None or self.values_only)
+
+    @property
+    def dtype_hint(self) -> str | None:
+        """``"a"`` or ``"b"`` when every difference is one of dtype between floating-point types that
+        ``dtype_as`` casts: the side to cast to (the narrower dtype's); else None."""
+        sides = {d.cast_to if d.kind == "dtype" else None for d in self.differences}
+        if not sides or None in sides:
+            return None
+        return sides.pop() if len(sides) == 1 else "b"
 
     def summary(self) -> str:
         mode = "bitwise" if self.tolerances is None else "within atol {:g}, rtol {:g}".format(*self.tolerances)
+        if self.dtype_as:
+            mode += f" after casting {'A' if self.dtype_as == 'b' else 'B'} to {self.dtype_as.upper()}'s dtypes"
         what = (f"{counted(self.tensors, 'tensor')} ({self.bytes:,} bytes) compared {mode}, "
                 f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}")
-        if self.equal:
-            return f"equal: {what}"
+        layout = f"layout differs: {self.layout}" + (" (--values-only)" if self.values_only else "") if self.layout else ""
+        if not self.differences:
+            return f"values equal; {layout}: {what}" if layout else f"equal: {what}"
         kinds: dict[str, int] = {}
         for difference in self.differences:
             kinds[difference.kind] = kinds.get(difference.kind, 0) + 1
-        return f"{counted(len(self.differences), 'difference')} ({', '.join(f'{n} {k}' for k, n in kinds.items())}): {what}"
+        return (f"{counted(len(self.differences), 'difference')} ({', '.join(f'{n} {k}' for k, n in kinds.items())})"
+                + (f"; {layout}" if layout else "") + f": {what}")
 
     def to_json(self) -> dict[str, Any]:
         report: dict[str, Any] = {
@@ -203,11 +225,22 @@ class Report:
             "tensors_compared": self.tensors, "bytes_compared": self.bytes, "objects_compared": self.objects,
             "differences": [{k: v for k, v in vars(d).items() if v is not None} for d in self.differences],
             "objects_not_compared": self.not_compared, "left_out": self.left_out,
+            "left_out_why": self.left_out_why if self.left_out else None, "layout": self.layout,
+            "values_only": self.values_only, "dtype_as": self.dtype_as,
         }
         if self.tolerances is not None:
             report["atol"], report["rtol"] = self.tolerances
             report["tensors"] = {k: {"max_abs": _number(a), "max_rel": _number(r)} for k, (a, r) in self.closeness.items()}
         return report
+
+
+def check_dtype_as(dtype_as: str | None) -> str | None:
+    """``dtype_as`` as ``"a"`` or ``"b"`` (either case), or None."""
+    if dtype_as is None:
+        return None
+    if str(dtype_as).lower() not in ("a", "b"):
+        raise UsageError(f"--dtype-as {printable(str(dtype_as), 20)}: choose A or B (the side whose dtypes the other is cast to)")
+    return str(dtype_as).lower()
 
 
 def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: str | dict | None,
@@ -223,39 +256,163 @@ def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: str | 
         raise UsageError("give the checkpoint B to compare A with, or --roundtrip FORMAT")
 
 
+@dataclass
+class KeyLayout:
+    """Where a checkpoint keeps its model part and its optimizer state: the path parts above each
+    (``("dcp", "model")``, ``()`` for the top level), and whether it holds anything beside the model."""
+
+    model: tuple[str, ...]
+    optimizer: tuple[str, ...] | None
+    model_only: bool
+
+    def describe(self, parts: str = "model optimizer") -> str:
+        def at(path):
+            return f"`{join_path(path)}.`" if path else "top level"
+
+        said = [f"model at {at(self.model)}"] if "model" in parts else []
+        if "optimizer" in parts and self.optimizer is not None:
+            said.append(f"optimizer at {at(self.optimizer)}")
+        return " and ".join(said)
+
+
+_TRAINING_ROOTS = selection.OPTIMIZER_ROOTS | selection.NON_MODEL_ROOTS
+
+
+def layout_of(checkpoint: Checkpoint) -> KeyLayout:
+    """``checkpoint``'s layout (``selection.model_part`` finds the model part)."""
+    wrapper = selection.model_wrapper(checkpoint) or ()
+    model = {id(e) for e in [*selection.model_part(checkpoint).values(),
+                             *selection.model_part(checkpoint, entries=checkpoint.objects).values()]}
+    rest = [e for e in [*checkpoint.tensors.values(), *checkpoint.objects.values()] if id(e) not in model]
+    parent = wrapper[:-1]  # AReaL's optimizer sits beside its model: dcp.model, dcp.optim
+    optimizer = next((tuple(e.path[:len(parent) + 1]) for e in rest if e.path[:len(parent)] == parent
+                      and len(e.path) > len(parent) and e.path[len(parent)] in selection.OPTIMIZER_ROOTS), None)
+    # A flat torch.save of a whole training state ({"dcp.optim.state.w.exp_avg": ...}) is no model only.
+    training_keys = any(_TRAINING_ROOTS & set(key.split(".")) for key in checkpoint.tensors)
+    return KeyLayout(wrapper, optimizer, not rest and not training_keys)
+
+
+def _layout_difference(a: KeyLayout, b: KeyLayout) -> str | None:
+    """"A has model at `model.`, B at top level": the parts of two layouts that differ, or None."""
+    parts = " ".join(p for p, differs in (("model", a.model != b.model), ("optimizer", a.optimizer != b.optimizer))
+                     if differs and (p == "model" or None not in (a.optimizer, b.optimizer)))
+    if not parts:
+        return None
+    said_b = b.describe(parts).removeprefix("model ") if parts == "model" else f"has {b.describe(parts)}"
+    return f"A has {a.describe(parts)}, B {said_b}"  # "A has model at `model.`, B at top level"
+
+
+def _normalized(checkpoint: Checkpoint, layout: KeyLayout) -> tuple[dict[str, TensorInfo], dict[str, ObjectInfo]]:
+    """Every entry under the name it would have in a torchtitan layout: model weights at the top level, the
+    optimizer under ``optimizer.``, the rest as it is (less a wrapper shared with the model, AReaL's ``dcp.``);
+    two training checkpoints of different layouts compare entry for entry under these names."""
+    tensors = selection.model_part(checkpoint)
+    objects = selection.model_part(checkpoint, entries=checkpoint.objects)
+    model = {id(e) for e in [*tensors.values(), *objects.values()]}
+    parent = layout.model[:-1]
+    for entries, named in ((checkpoint.tensors, tensors), (checkpoint.objects, objects)):
+        for entry in entries.values():
+            if id(entry) in model:
+                continue
+            path = entry.path[len(parent):] if entry.path[:len(parent)] == parent else entry.path
+            if layout.optimizer is not None and tuple(entry.path[:len(layout.optimizer)]) == layout.optimizer:
+                path = ("optimizer", *entry.path[len(layout.optimizer):])
+            named[join_path(path)] = entry
+    return tensors, objects
+
+
+@dataclass
+class Pairing:
+    """The two sides of ``dcptool verify A B``, named alike, and what the comparison should say of how:
+    ``note`` (how the names were matched), ``left_out`` (entries of a training state that a model-only
+    side cannot hold) and ``layout`` (how two layouts differ, when they do)."""
+
+    a: Side
+    b: Side
+    note: str | None = None
+    left_out: list[str] = field(default_factory=list)
+    left_out_why: str | None = None
+    layout: str | None = None
+
+
 def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
           prefix_a: str | None = None, prefix_b: str | None = None, include: str | None = None,
-          exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO) -> tuple[Side, Side, str | None]:
-    """The two sides of ``dcptool verify A B``, named alike (``align_families``), and the line saying how."""
+          exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO) -> Pairing:
+    """The two sides of ``dcptool verify A B``, named alike.
+
+    With no prefix given, the layouts decide: a training state against a model-only checkpoint (its
+    HF export) compares the model parts and lists the rest as left out (in one format, two DCP
+    checkpoints, a model at another place is a layout difference too); two training states (or two
+    models) nested differently compare entry for entry under ``_normalized`` names, and the layout
+    difference is reported (not between two models in different formats: an export), where those
+    names match more entries than the keys as given (a flat
+    torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
+    Weights of different naming families are matched by ``align_families``.
+    """
     checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
+    pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
+                      select_side(checkpoint_b, prefix_b, include, exclude))
+    if not (prefix_a or prefix_b):
+        layout_a, layout_b = layout_of(checkpoint_a), layout_of(checkpoint_b)
+        if layout_a.model_only != layout_b.model_only:  # a training state against its export: its model part
+            training_a = layout_b.model_only
+            pairing.a = select_side(checkpoint_a, AUTO if training_a else None, include, exclude)
+            pairing.b = select_side(checkpoint_b, None if training_a else AUTO, include, exclude)
+            pairing.left_out = _outside_model(checkpoint_a if training_a else checkpoint_b)
+            pairing.left_out_why = f"{'B' if training_a else 'A'} holds a model only"
+            if checkpoint_a.format == checkpoint_b.format:  # not an export: a job loads both, the model where it sits
+                pairing.layout = _layout_difference(layout_a, layout_b)
+        elif layout_a != layout_b:
+            normalized_a = _side(checkpoint_a, *_normalized(checkpoint_a, layout_a), include, exclude)
+            normalized_b = _side(checkpoint_b, *_normalized(checkpoint_b, layout_b), include, exclude)
+            if _shared(normalized_a, normalized_b) > _shared(pairing.a, pairing.b):
+                pairing.a, pairing.b = normalized_a, normalized_b
+                exported = layout_a.model_only and checkpoint_a.format != checkpoint_b.format  # {"model": ...} vs HF
+                pairing.layout = None if exported else _layout_difference(layout_a, layout_b)
+    else:
+        pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
+                            *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]
+        pairing.left_out_why = "outside --prefix-a/--prefix-b" if pairing.left_out else None
+    pairing.a, pairing.b, pairing.note = align_families(pairing.a, pairing.b, family_a, family_b, include, exclude)
+    if pairing.note and not pairing.left_out:  # across families only the model weights are compared
+        pairing.left_out = [*_outside_model(checkpoint_a), *_outside_model(checkpoint_b)]
+        pairing.left_out_why = "across naming families only the model weights compare"
+    return pairing
 
-    def aligned(prefix_a, prefix_b):
-        side_a = select_side(checkpoint_a, prefix_a, include, exclude)
-        side_b = select_side(checkpoint_b, prefix_b, include, exclude)
-        return align_families(side_a, side_b, family_a, family_b, include, exclude)
 
-    side_a, side_b, note = aligned(prefix_a, prefix_b)
-    if prefix_a or prefix_b or side_a.tensors.keys() & side_b.tensors.keys():
-        return side_a, side_b, note
-    # No tensor name on both sides as given: one side nests the model (a checkpoint against its export).
-    for auto_a, auto_b, option in ((AUTO, None, "--prefix-a"), (None, AUTO, "--prefix-b")):
-        side_a, side_b, note = aligned(auto_a, auto_b)
-        if side_a.tensors.keys() & side_b.tensors.keys():
-            said = f"no tensor name is on both sides as given: comparing the model part ({option} auto)"
-            return side_a, side_b, said + (f"; {note}" if note else "")
-    return aligned(prefix_a, prefix_b)
+def _shared(a: Side, b: Side) -> int:
+    """How many names are on both sides."""
+    return len(a.tensors.keys() & b.tensors.keys()) + len(a.objects.keys() & b.objects.keys())
+
+
+def _side(checkpoint: Checkpoint, tensors: dict, objects: dict, include: str | None, exclude: str | None) -> Side:
+    """A side of these entries under these names, as ``select_side`` makes one."""
+    _split_out_tensors(checkpoint, tensors, objects)
+    return Side(checkpoint, selection.select(tensors, include, exclude), selection.select(objects, include, exclude),
+                f"{checkpoint.root} ({checkpoint.format})")
+
+
+def _outside_model(checkpoint: Checkpoint, prefix: str | None = None) -> list[str]:
+    """The keys of ``checkpoint`` outside its model part (or outside ``prefix``)."""
+    by_hand = None if prefix in (None, AUTO) else prefix
+    inside = {id(e) for e in [*selection.model_part(checkpoint, by_hand).values(),
+                              *selection.model_part(checkpoint, by_hand, entries=checkpoint.objects).values()]}
+    return [k for k, e in [*checkpoint.tensors.items(), *checkpoint.objects.items()] if id(e) not in inside]
 
 
 def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | None = None,
-                  max_memory: int = transfer.DEFAULT_MAX_MEMORY,
+                  dtype_as: str | None = None, max_memory: int = transfer.DEFAULT_MAX_MEMORY,
                   progress: Callable[[int], None] | None = None) -> Report:
     """Compare two sides key by key; half of ``max_memory`` buffers each side's reads.
 
     Without ``atol``/``rtol`` values must be bitwise equal; with either, floating-point tensors
-    may differ within the tolerances and their largest differences are reported.
+    may differ within the tolerances and their largest differences are reported. ``dtype_as`` ``"b"``
+    casts A's floating-point tensors to B's dtypes first (rounding as torch's ``.to(dtype)``: to
+    nearest, ties to even), ``"a"`` B's to A's; the cast values then compare as any others.
     """
     tolerances = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
-    report = Report(a.label, b.label, tolerances)
+    dtype_as = check_dtype_as(dtype_as)
+    report = Report(a.label, b.label, tolerances, dtype_as=dtype_as)
     pairs = []
     for key, tensor in a.tensors.items():
         if key not in b.tensors:
@@ -268,16 +425,25 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
     reader_a, reader_b = RegionReader(a.checkpoint, bytearray(size)), RegionReader(b.checkpoint, bytearray(size))
     for key, tensor_a, tensor_b in pairs:
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
+        cast = dtype_as is not None and dtype_a != dtype_b and {dtype_a, dtype_b} <= set(dtypes.CASTABLE)
         castable = tolerances is not None and dtype_a in TOLERANT and dtype_b in TOLERANT
-        if dtype_a != dtype_b and not castable:
-            hint = " (--atol/--rtol compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
-            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}"))
+        if dtype_a != dtype_b and not castable and not cast:
+            cast_to = None
+            if {dtype_a, dtype_b} <= set(dtypes.CASTABLE):  # cast the wider to the narrower: exact where they agree
+                cast_to = "a" if dtypes.dtype(dtype_a).itemsize < dtypes.dtype(dtype_b).itemsize else "b"
+            hint = f" (--dtype-as {cast_to.upper()} or --atol/--rtol compare the values)" if cast_to else \
+                " (--atol/--rtol compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
+            report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}", cast_to=cast_to))
         elif tensor_a.shape != tensor_b.shape:
             report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))
         else:
-            comparison = _ValueComparison(dtype_a, dtype_b, tolerances)
+            compared_as = (dtype_b, dtype_b) if cast and dtype_as == "b" else (dtype_a, dtype_a) if cast else (dtype_a, dtype_b)
+            comparison = _ValueComparison(*compared_as, tolerances)
             limit = min(reader_a.max_elements(tensor_a), reader_b.max_elements(tensor_b))
             for (offsets, values_a), (_, values_b) in zip(reader_a.slabs(tensor_a, limit), reader_b.slabs(tensor_b, limit)):
+                if cast:
+                    values_a = dtypes.cast(values_a, dtype_a, compared_as[0])
+                    values_b = dtypes.cast(values_b, dtype_b, compared_as[1])
                 comparison.add(offsets, values_a, values_b)
                 if progress:
                     progress(values_a.nbytes)
@@ -452,16 +618,21 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
         conversion.plan_convert(middle, checkpoint.format, _request(checkpoint, checkpoint.format)).write(
             back_path, max_memory=max_memory, fsync=False)
         back = formats.open_checkpoint(back_path, checkpoint.format)
-        expected = Side(checkpoint, {t.key: t.source for t in tensors}, {o.key: o.source for o in objects},
-                        f"{checkpoint.root} ({checkpoint.format})")
-        result = Side(back, dict(back.tensors), dict(back.objects), f"{checkpoint.format} -> {via} -> {checkpoint.format}")
+        # Non-tensor entries compare as the source has them (a format that restructures them must give them
+        # back), under names that do not depend on where the model sits (an fsdp1 folder keeps no `dcp.`).
+        carried = {id(entry) for obj in objects for entry in (obj.source, *obj.merged)}
+        source_objects = _normalized(checkpoint, layout_of(checkpoint))[1]
+        expected = Side(checkpoint, {t.key: t.source for t in tensors},
+                        {k: e for k, e in source_objects.items() if id(e) in carried}, f"{checkpoint.root} ({checkpoint.format})")
+        result = Side(back, dict(back.tensors), _normalized(back, layout_of(back))[1],
+                      f"{checkpoint.format} -> {via} -> {checkpoint.format}")
         try:
             report = compare_sides(expected, result, max_memory=max_memory, **options)
         finally:
             middle.files.close()
             back.files.close()
-    carried = {t.source.key for t in tensors} | {o.source.key for o in objects}
-    report.left_out = [k for k in [*checkpoint.tensors, *checkpoint.objects] if k not in carried]
+    carried |= {id(t.source) for t in tensors}
+    report.left_out = [k for k, e in [*checkpoint.tensors.items(), *checkpoint.objects.items()] if id(e) not in carried]
     report.roundtrip = via
     return report
 

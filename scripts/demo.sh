@@ -38,6 +38,9 @@ model = AutoModelForCausalLM.from_pretrained(f"{out}/hf")
 print(f"{len(exported)} tensors equal bitwise; transformers loaded {type(model).__name__}")
 PY
 
+echo "== dcptool verify: the checkpoint against its export (the model part, bitwise; the optimizer and training state left out)"
+dcptool verify "$OUT/step-1" "$OUT/hf"
+
 echo "== the same weights for a torchtitan job on 2 ranks (its names, q/k rows in its RoPE order), and back"
 dcptool import-hf "$OUT/hf" "$OUT/titan" --adapter torchtitan --dp 2
 dcptool inspect "$OUT/titan" | tail -2

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import dcptool, load_reference
+from conftest import dcptool, load_reference, read_dcp
 from safetensors.numpy import save_file
+from safetensors.torch import save_file as save_torch_file
 
 from dcptool import formats, verification
 from dcptool.formats import open_checkpoint
@@ -33,6 +35,12 @@ def run_verify(*args):
     result = dcptool("verify", *args, "--json", check=False)
     report = json.loads(result.stdout) if result.stdout.strip() else None
     return result.returncode, report, result.stderr
+
+
+def dcptool_api():
+    import dcptool
+
+    return dcptool
 
 
 def key_ending(checkpoint_path, suffix):
@@ -252,3 +260,235 @@ def test_verify_streams_within_the_memory_budget(big_pair):
     baseline = peak_rss_mb("inspect", dcp, "--json")  # start-up and metadata, no data moved
     peak = peak_rss_mb("verify", hf, dcp, "--max-memory", f"{BUDGET_MB}MiB")
     assert peak - baseline < BUDGET_MB + 24, (peak, baseline, model_mb)
+
+
+# A training state against its own export, dtypes, long lists, layouts and the fsdp1 round trip.
+
+
+@pytest.fixture(scope="module")
+def titan(checkpoints, tmp_path_factory):
+    """The torchtitan-layout (dp=2) DCP checkpoint (model at the top level, optimizer.*, lr_scheduler.*) and its HF export."""
+    path, reference = checkpoints("fsdp2_dp2")
+    out = tmp_path_factory.mktemp("titan")
+    dcptool("export-hf", path, out / "hf")
+    return {"dcp": path, "hf": out / "hf", "reference": reference}
+
+
+def nested_state(path: Path, scratch: Path) -> dict:
+    """A DCP checkpoint as torch itself reads it, nested as it was saved (``dcp_to_torch_save``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, scratch / "nested.pt")
+    return torch.load(scratch / "nested.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("layout", ["titan", "areal"])
+def test_a_training_state_against_its_hf_export_needs_no_flags(titan, exports, layout, tmp_path):
+    setup = titan if layout == "titan" else exports
+    from safetensors.torch import load_file
+
+    exported = load_file(setup["hf"] / "model.safetensors")
+    model_prefix = "" if layout == "titan" else "dcp.model."  # where torch's own reading puts the model
+    every_tensor = {k for k, v in read_dcp(setup["dcp"], tmp_path).items() if isinstance(v, torch.Tensor)}
+    assert {model_prefix + k for k in exported} <= every_tensor
+    outside = (every_tensor - {model_prefix + k for k in exported}) | set(open_checkpoint(setup["dcp"]).objects)
+    for a, b, holder in ((setup["dcp"], setup["hf"], "B"), (setup["hf"], setup["dcp"], "A")):
+        code, report, stderr = run_verify(a, b)
+        assert code == 0, (stderr, report["differences"][:5])
+        assert report["differences"] == [] and report["layout"] is None
+        assert report["tensors_compared"] == len(exported)
+        assert report["bytes_compared"] == sum(t.numel() * t.element_size() for t in exported.values())
+        assert set(report["left_out"]) == outside and report["left_out_why"] == f"{holder} holds a model only"
+    text = dcptool("verify", setup["dcp"], setup["hf"]).stdout
+    assert "missing" not in text and len(text.splitlines()) == 4  # A, B, one grouped left-out line, the summary
+    assert text.splitlines()[2].startswith(f"left out (B holds a model only): {len(outside)} entries: ")
+
+    # The model part is compared, not skipped: one changed element of the export is found.
+    changed = tmp_path / "changed"
+    shutil.copytree(setup["hf"], changed)
+    key = next(k for k in exported if k.endswith(UP))
+    exported[key][4, 2] += 1.0
+    save_torch_file(exported, changed / "model.safetensors")
+    code, report, _ = run_verify(setup["dcp"], changed)
+    assert code == 1 and [(d["key"], d["kind"], d["first_index"]) for d in report["differences"]] == [(key, "value", [4, 2])]
+
+
+def test_float32_against_bfloat16_with_dtype_as_b(exports, tmp_path):
+    from safetensors.torch import load_file
+
+    dcptool("export-hf", exports["dcp"], tmp_path / "bf16", "--dtype", "bfloat16")
+    full = load_reference(exports["reference"])
+    exported = load_file(tmp_path / "bf16" / "model.safetensors")
+    for key, value in exported.items():  # the export is torch's own cast of the saved values
+        assert torch.equal(value, full["dcp.model." + key].to(torch.bfloat16)), key
+
+    result = dcptool("verify", exports["dcp"], tmp_path / "bf16", check=False)
+    assert result.returncode == 1
+    hint = [line for line in result.stdout.splitlines() if "--dtype-as B" in line and line.startswith("every difference")]
+    assert len(hint) == 1
+    code, report, _ = run_verify(exports["dcp"], tmp_path / "bf16")
+    assert code == 1 and len(report["differences"]) == len(exported)
+    assert {(d["kind"], d["cast_to"]) for d in report["differences"]} == {("dtype", "b")}
+
+    code, report, stderr = run_verify(exports["dcp"], tmp_path / "bf16", "--dtype-as", "B")
+    assert code == 0, (stderr, report["differences"][:3])
+    assert report["dtype_as"] == "b" and report["tensors_compared"] == len(exported)
+    assert "after casting A to B's dtypes" in dcptool("verify", exports["dcp"], tmp_path / "bf16", "--dtype-as", "B").stdout
+    assert dcptool_api().verify(exports["dcp"], tmp_path / "bf16", dtype_as="b").equal
+    # The other way round the hint names A: the narrower side is the one to cast to.
+    result = dcptool("verify", tmp_path / "bf16", exports["dcp"], check=False)
+    assert result.returncode == 1 and "every difference is a dtype difference: --dtype-as A" in result.stdout
+    assert run_verify(tmp_path / "bf16", exports["dcp"], "--dtype-as", "A")[0] == 0
+
+    # One bfloat16 element one step off is a difference after the cast, at its index.
+    key = next(k for k in exported if k.endswith(UP))
+    exported[key].view(torch.int16)[1, 3] += 1
+    (tmp_path / "off").mkdir()
+    save_torch_file(exported, tmp_path / "off" / "model.safetensors")
+    code, report, _ = run_verify(exports["dcp"], tmp_path / "off", "--dtype-as", "B")
+    assert code == 1 and [(d["key"], d["kind"], d["first_index"], d["count"]) for d in report["differences"]] == [
+        (key, "value", [1, 3], 1)]
+
+    result = dcptool("verify", exports["dcp"], tmp_path / "bf16", "--dtype-as", "C", check=False)
+    assert result.returncode == 2 and "--dtype-as" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_dtype_as_rounds_as_torch_does(tmp_path):
+    """Ties to even, NaN, infinities, subnormals and overflow: A's values cast as torch's .to(bfloat16) casts them."""
+    one = 1.0
+    values = torch.tensor([one + 2**-8, one + 3 * 2**-8, -(one + 2**-8), 2.5, float("nan"), float("inf"), -float("inf"),
+                           -0.0, 1e-40, -3e-39, 3.4028235e38, 65504.0, 1e-3, 3.3e38], dtype=torch.float32)
+    source = {"w": values.reshape(2, 7).contiguous()}
+    cast = {"w": source["w"].to(torch.bfloat16)}
+    # Truncation keeps the top 16 bits: what a cast that ignores rounding would give.
+    truncated = {"w": (source["w"].view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)}
+    for name, tensors in (("a", source), ("cast", cast), ("truncated", truncated)):
+        (tmp_path / name).mkdir()
+        save_torch_file(tensors, tmp_path / name / "model.safetensors")
+    code, report, stderr = run_verify(tmp_path / "a", tmp_path / "cast", "--dtype-as", "B")
+    assert code == 0, (stderr, report)
+    differing = int((truncated["w"].view(torch.int16) != cast["w"].view(torch.int16)).sum())
+    assert differing >= 3  # the rounding cases above
+    code, report, _ = run_verify(tmp_path / "a", tmp_path / "truncated", "--dtype-as", "B")
+    assert code == 1 and report["differences"][0]["count"] == differing
+    # --dtype-as A casts B to A's dtypes: float32 B rounded to A's bfloat16 passes; bfloat16 B widened exactly
+    # to A's float32 differs wherever the cast rounded (NaN compares by its bits: torch keeps a quiet NaN's top bits).
+    assert run_verify(tmp_path / "cast", tmp_path / "a", "--dtype-as", "A")[0] == 0
+    code, report, _ = run_verify(tmp_path / "a", tmp_path / "cast", "--dtype-as", "A")
+    expected = int((cast["w"].float().view(torch.int32) != source["w"].view(torch.int32)).sum())
+    assert code == 1 and report["differences"][0]["count"] == expected > 0
+
+
+def test_long_difference_lists_are_grouped(exports, tmp_path):
+    nested = nested_state(exports["dcp"], tmp_path)
+    removed = []
+
+    def without_optimizer_moments(tree, prefix):
+        kept = {}
+        for key, value in tree.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                inside = without_optimizer_moments(value, f"{name}.")
+                if inside or not value:  # a parameter's state with its moments gone goes too
+                    kept[key] = inside
+            elif isinstance(value, torch.Tensor) and name.startswith("dcp.optim.state."):
+                removed.append(name)
+            else:
+                kept[key] = value
+        return kept
+
+    torch.save(without_optimizer_moments(nested, ""), tmp_path / "no-moments.pt")
+    assert len(removed) > 20
+    result = dcptool("verify", exports["dcp"], tmp_path / "no-moments.pt", check=False)
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert f"missing  dcp.optim.state.* ({len(removed)} missing): tensor only in A" in lines
+    assert len(lines) < 8 and "--all" in result.stdout
+
+    listed = dcptool("verify", exports["dcp"], tmp_path / "no-moments.pt", "--all", check=False).stdout.splitlines()
+    assert sorted(line.split()[1].rstrip(":") for line in listed if line.startswith("missing ")) == sorted(removed)
+    code, report, _ = run_verify(exports["dcp"], tmp_path / "no-moments.pt")
+    assert code == 1 and sorted(d["key"] for d in report["differences"]) == sorted(removed)
+
+
+def test_layouts_that_differ_are_reported_even_with_equal_values(titan, tmp_path):
+    """torchtitan keeps the model at the top level; a training state with the same values under `model.`
+    (Archon's nesting) is another layout: exit 1 unless --values-only."""
+    nested = nested_state(titan["dcp"], tmp_path)
+    model = {k: v for k, v in nested.items() if isinstance(v, torch.Tensor)}
+    archon_like = {"model": model, **{k: v for k, v in nested.items() if k not in model}}
+    torch.save(archon_like, tmp_path / "nested.pt")
+
+    code, report, stderr = run_verify(titan["dcp"], tmp_path / "nested.pt")
+    assert code == 1 and report["differences"] == [] and not report["equal"]
+    assert report["layout"] == "A has model at top level, B at `model.`"
+    assert "values equal; layout differs: A has model at top level, B at `model.`" in stderr
+    every = open_checkpoint(titan["dcp"])
+    assert report["tensors_compared"] == len(every.tensors)  # the optimizer state too, entry for entry
+    assert report["objects_compared"] > 0 and report["left_out"] == []
+    code, report, _ = run_verify(titan["dcp"], tmp_path / "nested.pt", "--values-only")
+    assert code == 0 and report["equal"] and report["layout"]
+    # Prefixes given by hand compare what they select, as before.
+    code, report, _ = run_verify(titan["dcp"], tmp_path / "nested.pt", "--prefix-a", "auto", "--prefix-b", "model")
+    assert code == 0 and report["layout"] is None and report["tensors_compared"] == len(model)
+
+    # A value that differs is named under the names both layouts share, beside the layout line.
+    moment = next(k for k in nested["optimizer"] if k.endswith("exp_avg"))
+    nested["optimizer"][moment] = nested["optimizer"][moment].clone()
+    nested["optimizer"][moment].view(-1)[0] += 1.0
+    torch.save({"model": model, **{k: v for k, v in nested.items() if k not in model}}, tmp_path / "changed.pt")
+    code, report, stderr = run_verify(titan["dcp"], tmp_path / "changed.pt")
+    assert code == 1 and [(d["key"], d["kind"]) for d in report["differences"]] == [(f"optimizer.{moment}", "value")]
+    assert "layout differs" in stderr
+
+
+def test_a_model_only_dcp_with_the_model_elsewhere_is_another_layout(exports, titan, tmp_path):
+    """Two DCP checkpoints a job loads: AReaL's training state keeps the model under `dcp.model.`, import-hf's
+    model-only checkpoint at the top level. An export (another format) is no layout difference."""
+    dcptool("import-hf", exports["hf"], tmp_path / "imported")
+    code, report, stderr = run_verify(exports["dcp"], tmp_path / "imported")
+    assert code == 1 and report["differences"] == [] and report["layout"] == "A has model at `dcp.model.`, B at top level"
+    assert report["left_out_why"] == "B holds a model only"
+    model_tensors = len(open_checkpoint(tmp_path / "imported").tensors)
+    assert report["tensors_compared"] == model_tensors
+    assert run_verify(exports["dcp"], tmp_path / "imported", "--values-only")[0] == 0
+    # A model saved nested ({"model": state_dict}) against the HF export: another format, an export, no layout.
+    from safetensors.torch import load_file
+
+    torch.save({"model": load_file(exports["hf"] / "model.safetensors")}, tmp_path / "model.pt")
+    code, report, stderr = run_verify(tmp_path / "model.pt", exports["hf"])
+    assert code == 0 and report["layout"] is None and report["tensors_compared"] == model_tensors, stderr
+    # torchtitan keeps its model at the top level too: the same layout.
+    dcptool("import-hf", titan["hf"], tmp_path / "titan-imported")
+    code, report, stderr = run_verify(titan["dcp"], tmp_path / "titan-imported")
+    assert code == 0 and report["layout"] is None, stderr
+
+
+def test_dcp_to_fsdp1_and_back_restores_the_non_tensor_entries(titan, tmp_path):
+    """torchtitan's param_groups (flattened per parameter) and lr_scheduler come back as they were, read by torch."""
+    dcptool("convert", titan["dcp"], tmp_path / "f1", "--to", "fsdp1", "--world-size", "2")
+    dcptool("convert", tmp_path / "f1", tmp_path / "back", "--to", "dcp")
+    # verl's files are as before (tests/test_fsdp1.py loads them in FSDP); its config records what to give back.
+    config = json.loads((tmp_path / "f1" / "fsdp_config.json").read_text())
+    assert config == {"FSDP_version": 1, "world_size": 2, "dcptool_source_layout": {
+        "state": "per_parameter", "param_groups": "per_parameter", "lr_scheduler": "lr_scheduler"}}
+
+    source, back = read_dcp(titan["dcp"], tmp_path), read_dcp(tmp_path / "back", tmp_path)
+    unheld = {k for k in source if k.startswith(("train_state.", "dataloader."))}  # verl's files have no place for them
+    assert unheld and set(back) == set(source) - unheld
+    assert any(k.startswith("optimizer.param_groups.") for k in back) and "lr_scheduler.last_epoch" in back
+    for key, value in back.items():
+        assert torch.equal(value, source[key]) if isinstance(value, torch.Tensor) else value == source[key], key
+    # Nested as it was saved, too: torch unflattens both into the same state dict (less what verl cannot hold).
+    nested_source, nested_back = nested_state(titan["dcp"], tmp_path), nested_state(tmp_path / "back", tmp_path)
+    assert set(nested_back) == set(nested_source) - {"train_state", "dataloader"}
+    assert nested_back["optimizer"].keys() == nested_source["optimizer"].keys()
+    assert nested_back["lr_scheduler"] == nested_source["lr_scheduler"]
+
+    code, report, stderr = run_verify(titan["dcp"], tmp_path / "back", "--exclude", r"^(train_state|dataloader)\.")
+    assert code == 0, (stderr, report["differences"][:5])
+    assert report["objects_compared"] == sum(not isinstance(v, torch.Tensor) for v in back.values())
+    code, report, stderr = run_verify(titan["dcp"], "--roundtrip", "fsdp1")
+    assert code == 0, (stderr, report["differences"][:5])
+    assert sorted(report["left_out"]) == sorted(unheld)
+    assert report["objects_compared"] == sum(not isinstance(v, torch.Tensor) for v in back.values())

@@ -2,8 +2,9 @@
 
 A folder holds ``model_world_size_{W}_rank_{r}.pt`` for every rank ``r`` of ``W``, optionally
 ``optim_world_size_{W}_rank_{r}.pt``, ``extra_state_world_size_{W}_rank_{r}.pt``,
-``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``) and ``huggingface/`` (config,
-tokenizer). Each model file is a flat state dict whose parameters are
+``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``; dcptool adds ``dcptool_source_layout``
+where it restructured the source's non-tensor entries, for its reader to give them back) and
+``huggingface/`` (config, tokenizer). Each model file is a flat state dict whose parameters are
 
 * ``ShardedTensor`` (FSDP1 without a device mesh): the rank's local shard plus the global
   ``ShardedTensorMetadata`` listing every shard's offsets and sizes;
@@ -60,7 +61,8 @@ class Fsdp1(Format):
                                                      request.exclude, request.keep_rank_state)
         forms, said = planning.output_forms(checkpoint, request.forms.get("optim_form"),
                                             request.forms.get("model_values"))
-        options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"), **forms}
+        options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"),
+                   "source_layout": planning.source_layout(tensors, objects), **forms}
         selected = ", as selected by --include/--exclude" if request.include or request.exclude else ""
         why = f"the fsdp1 output holds {planning.HOLDS} only{selected}"
         return Output(tensors, objects, options, why, reasons, [said])

@@ -12,11 +12,14 @@ from dcptool.core import Piece
 
 NAME = "fsdp1"
 CONFIG = "fsdp_config.json"  # {"FSDP_version": 1, "world_size": W}
+# fsdp_config.json's record of the source's layout of the non-tensor entries dcptool restructured (planning.source_layout)
+SOURCE_LAYOUT = "dcptool_source_layout"
 HF_DIR = "huggingface"  # the model's config and tokenizer, as verl saves them
 RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 
 OPTIMIZER = "optimizer"  # the optimizer's entries are read under this root: optimizer.state.<param>.exp_avg
 EXTRA_STATE = "extra_state"  # extra_state.lr_scheduler.*, and extra_state.rank_<r>.rng.* of each saving rank
+SCHEDULER_ROOTS = ("lr_scheduler", "lr_schedulers", "scheduler")  # where sources keep the lr scheduler
 RANK_ENTRY = re.compile(r"rank_(\d+)$")  # extra_state.rank_<r>: what source rank r saved of its own
 
 

@@ -15,7 +15,7 @@ from dcptool import dtypes, models, selection
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError, printable
 from dcptool.converters.fsdp1.codecs import DEVICE_TYPE, VERL_MESH_DIM_NAMES
-from dcptool.converters.fsdp1.folder import EXTRA_STATE, NAME, OPTIMIZER, RANK_ENTRY
+from dcptool.converters.fsdp1.folder import EXTRA_STATE, NAME, OPTIMIZER, RANK_ENTRY, SCHEDULER_ROOTS
 from dcptool.converters.fsdp1.optimizer import OPTIMIZER_FORMS
 
 HOLDS = "the model, its optimizer state and the lr scheduler"  # what entries() carries
@@ -24,7 +24,6 @@ _OPTIMIZER_ROOT = re.compile(r"(^|\.)(optim|optimizer)\.")
 _PARAM_GROUPS = re.compile(r"(^|\.)(optim|optimizer)\.param_groups(\.(\d+)\.(.+))?$")
 # torchtitan and AReaL flatten the optimizer state dict: param_groups.<param>.<setting>, one entry per parameter.
 _FLAT_PARAM_GROUP = re.compile(r"(^|\.)(optim|optimizer)\.param_groups\.(?P<param>.+)\.(?P<setting>[^.]+)$")
-_SCHEDULER_ROOTS = ("lr_scheduler", "lr_schedulers", "scheduler")
 
 
 def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | None = None,
@@ -94,6 +93,24 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     return tensors, objects, {key: why for why, keys in left_out.items() for key in keys}
 
 
+def source_layout(tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, str]:
+    """What ``entries`` restructured of the source's optimizer and scheduler for verl's files, for the reader
+    to put back (``fsdp_config.json`` records it): ``param_groups`` ``"per_parameter"`` where they were
+    flattened per parameter (torchtitan, AReaL), ``state`` likewise for the state's nesting (torch's
+    flattened optimizer state dict keeps ``state.<param>.exp_avg`` as one entry under the optimizer),
+    ``lr_scheduler`` the root the scheduler came from."""
+    layout = {}
+    if any(t.path[:2] == (OPTIMIZER, "state") and isinstance(t.source, TensorInfo)
+           and str(t.source.path[-1]).startswith("state.") for t in tensors):
+        layout["state"] = "per_parameter"
+    for obj in objects:
+        if obj.path == (OPTIMIZER, "param_groups") and obj.merged:
+            layout["param_groups"] = "per_parameter"
+        elif obj.path[:2] == (EXTRA_STATE, "lr_scheduler") and obj.source.path[0] in SCHEDULER_ROOTS:
+            layout["lr_scheduler"] = obj.source.path[0]
+    return layout
+
+
 def _param_groups(settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """``FSDP.optim_state_dict``'s param_groups from per-parameter settings: parameters with equal
     settings form one group, in the order they come."""
@@ -113,7 +130,7 @@ def _training_path(key: str, path: tuple, everything: dict, chosen: dict, shape,
     or None and why it has no place there. ``wrappers``: the prefixes model names lose (``_orig_mod.``)."""
     if path[0] == EXTRA_STATE and len(path) > 1 and (path[1] == "lr_scheduler" or RANK_ENTRY.match(str(path[1]))):
         return path, ""
-    if path[0] in _SCHEDULER_ROOTS:
+    if path[0] in SCHEDULER_ROOTS:
         return (EXTRA_STATE, "lr_scheduler") + path[1:], ""
     root = _OPTIMIZER_ROOT.search(key)
     if root is None:

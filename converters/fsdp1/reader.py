@@ -6,6 +6,8 @@ The model files give the model at the top level; the optimizer files give
 ``optimizer.state.<param>.<moment>`` (laid out like the parameter) and ``optimizer.param_groups``
 (in any form of ``optimizer.OPTIMIZER_FORMS``); the extra-state files give
 ``extra_state.lr_scheduler.*`` and, per saving rank, ``extra_state.rank_<r>.*`` (its RNG state).
+A folder dcptool wrote from a source that keeps these otherwise (param_groups flattened per parameter,
+the scheduler at the top level) gives them back as the source had them (``_as_in_source``).
 ``info`` records the forms read (``optimizer_form``, ``model_values``, the DTensors' ``mesh``).
 What cannot be read (flat state of another layout than the one computed, an extra state the
 restricted unpickler refuses) is left out with a line in ``info["not_read"]``.
@@ -16,12 +18,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, json_kind, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive
 from dcptool.converters.fsdp1.codecs import mesh_facts
-from dcptool.converters.fsdp1.folder import CONFIG, EXTRA_STATE, HF_DIR, NAME, RANK_FILE, file_name
+from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, HF_DIR, NAME, OPTIMIZER, RANK_FILE, SCHEDULER_ROOTS,
+                                             SOURCE_LAYOUT, file_name)
 from dcptool.converters.fsdp1.gathering import Gathered, NotRead, gather_rank, read_part
 from dcptool.converters.fsdp1.optimizer import read_optimizer
 
@@ -59,6 +62,8 @@ def read(files: CheckpointFiles) -> Checkpoint:
                                                           tensors, objects, kinds)
     if ranks["extra_state"].get(world_size):
         notes += _read_extra_state(files, world_size, ranks["extra_state"][world_size], tensors, objects)
+    if from_config:
+        objects = _as_in_source(files, tensors, objects)
 
     info: dict[str, Any] = {
         "world_size": world_size,
@@ -132,6 +137,41 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
     tensors.update(gathered_tensors)
     objects.update(gathered_objects)
     return []
+
+
+def _as_in_source(files: CheckpointFiles, tensors: dict[str, Gathered],
+                  objects: dict[str, ObjectInfo]) -> dict[str, ObjectInfo]:
+    """The optimizer and scheduler entries as the source of a dcptool conversion had them, where
+    ``fsdp_config.json`` records how they were restructured for verl (``planning.source_layout``):
+    param_groups flattened per parameter again (``optimizer.param_groups.<param>.<setting>``, as torch's
+    ``get_state_dict`` flattens them), the state's moments one entry each under the optimizer (their keys
+    do not change, their nesting does), and the lr scheduler back at its root (``lr_scheduler.last_epoch``)."""
+    layout = files.read_json_object(CONFIG, MAX_CONFIG, "an FSDP config").get(SOURCE_LAYOUT)
+    if not isinstance(layout, dict):
+        return objects
+    if layout.get("state") == "per_parameter":
+        for gathered in tensors.values():
+            if len(gathered.path) == 4 and gathered.path[:2] == (OPTIMIZER, "state"):
+                gathered.path = (OPTIMIZER, join_path(gathered.path[1:]))
+    scheduler_root = layout.get("lr_scheduler")
+    restored = {}
+    for entry in objects.values():
+        path = entry.path
+        if path == (OPTIMIZER, "param_groups") and layout.get("param_groups") == "per_parameter" \
+                and isinstance(entry.value, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                          and all(isinstance(p, str) for p in g["params"])
+                                                          for g in entry.value):
+            for group in entry.value:
+                for parameter in group["params"]:
+                    for setting, value in group.items():
+                        if setting != "params":
+                            flat = ObjectInfo((OPTIMIZER, f"param_groups.{parameter}.{setting}"), value=value)
+                            restored[flat.key] = flat
+            continue
+        if path[:2] == (EXTRA_STATE, "lr_scheduler") and scheduler_root in SCHEDULER_ROOTS:
+            entry = ObjectInfo((scheduler_root, *path[2:]), value=entry.value)
+        restored[entry.key] = entry
+    return restored
 
 
 def _world_size(files: CheckpointFiles, model_ranks: dict[int, set[int]]) -> tuple[int, bool]:

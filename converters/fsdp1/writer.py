@@ -31,7 +31,8 @@ from dcptool.storage import OutputFiles
 from dcptool.transfer import crc32, crc32_combine
 from dcptool.torch_archive import ArchiveLayout, Reduced, StorageOut, TensorOut, dumps
 from dcptool.converters.fsdp1.codecs import VERL_MESH_DIM_NAMES, device_mesh, dtensor, sharded_tensor, torch_chunk
-from dcptool.converters.fsdp1.folder import CONFIG, EXTRA_STATE, HF_DIR, OPTIMIZER, RANK_ENTRY, RankPiece, file_name
+from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, HF_DIR, OPTIMIZER, RANK_ENTRY, SOURCE_LAYOUT, RankPiece,
+                                             file_name)
 from dcptool.converters.fsdp1.optimizer import OPTIMIZER_FORMS, PlainOptimizer
 from dcptool.converters.hf import copy_config
 
@@ -58,7 +59,8 @@ class Writer:
     verl's ``optimizer.load_state_dict`` takes as it is. ``extra_state_world_size_{W}_rank_{r}.pt``
     (entries under ``extra_state``): ``{"lr_scheduler": ...}`` in every file, plus what source rank
     ``r`` saved of its own (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it.
-    ``hf_config_dir`` is copied to ``huggingface/``.
+    ``hf_config_dir`` is copied to ``huggingface/``. ``source_layout`` (``planning.source_layout``), when
+    the non-tensor entries were restructured for verl, is recorded in ``fsdp_config.json`` for the reader.
 
     Each file is its pickle first and its storages streamed after it; the files are independent.
     """
@@ -67,7 +69,8 @@ class Writer:
 
     def __init__(self, folder: Path, world_size: int = 1, replicate: str | None = None,
                  hf_config_dir: str | Path | None = None, optim_form: str = "named", mesh_device: str | None = None,
-                 mesh_dim_names: tuple[str, ...] | None = VERL_MESH_DIM_NAMES, orig_alignment: int | None = None):
+                 mesh_dim_names: tuple[str, ...] | None = VERL_MESH_DIM_NAMES, orig_alignment: int | None = None,
+                 source_layout: dict[str, str] | None = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise UsageError(f"fsdp1 world_size must be a positive integer, not {world_size!r}")
         if optim_form not in OPTIMIZER_FORMS:
@@ -78,6 +81,7 @@ class Writer:
         self.fsdp_version = 2 if optim_form == "fsdp2" else 1  # fsdp_config.json's FSDP_version, as verl writes it
         self.mesh_device, self.mesh_dim_names = mesh_device, mesh_dim_names
         self.orig_alignment = orig_alignment
+        self.source_layout = source_layout
         self.out = OutputFiles(folder)
         self.replicate = re.compile(replicate) if replicate else None
         self.hf_config_dir = hf_config_dir
@@ -243,5 +247,7 @@ class Writer:
             (self.folder / HF_DIR).mkdir()
             copy_config(self.hf_config_dir, self.folder / HF_DIR)
         config = {"FSDP_version": self.fsdp_version, "world_size": self.world_size}
+        if self.source_layout:  # verl reads neither key; dcptool's reader gives the entries back as they were
+            config[SOURCE_LAYOUT] = self.source_layout
         (self.folder / CONFIG).write_text(json.dumps(config) + "\n")
         return []

@@ -177,20 +177,66 @@ def print_plan(plan: dict, as_json: bool) -> None:
         print("no problems: run without --dry-run to write it")
 
 
-def print_verify(report: verification.Report) -> None:
-    """verify's text report: the two sides, each difference and near-equal tensor, what was not compared."""
+def print_verify(report: verification.Report, show_all: bool = False) -> None:
+    """verify's text report: the two sides, each difference (long lists grouped unless ``show_all``) and
+    near-equal tensor, what was left out and not compared, a layout difference, then the summary."""
     print(f"A: {report.a}\nB: {report.b}")
-    for difference in report.differences:
-        print(f"{difference.kind:<8} {shown(difference.key)}: {difference.detail}")
+    if show_all or len(report.differences) <= FOLD_DIFFERENCES:
+        for difference in report.differences:
+            print(f"{difference.kind:<8} {shown(difference.key)}: {difference.detail}")
+    else:
+        print("\n".join(grouped_differences(report.differences)))
     differing = {d.key for d in report.differences}
     for key, (most_abs, most_rel) in report.closeness.items():
         if key not in differing and (most_abs or most_rel):
             print(f"{'close':<8} {shown(key)}: max abs {most_abs:.3g}, max rel {most_rel:.3g}")
     if report.left_out:
-        print(f"left out (the round trip's format cannot hold them): {grouped(report.left_out)}")
+        print(f"left out ({report.left_out_why}): {counted(len(report.left_out), 'entry', 'entries')}: "
+              f"{grouped(report.left_out)}")
     if report.not_compared:
         print(f"non-tensor entries not compared (not plain data): {grouped(report.not_compared)}")
     print(report.summary())
+    side = report.dtype_hint
+    if side and not report.dtype_as:
+        other = "B" if side == "a" else "A"
+        print(f"every difference is a dtype difference: --dtype-as {side.upper()} compares {other} cast to "
+              f"{side.upper()}'s dtypes (bitwise, rounding as torch does), --atol/--rtol within tolerances")
+
+
+# More differences than this are grouped (verify --all lists each).
+FOLD_DIFFERENCES = 20
+
+
+def grouped_differences(differences) -> list[str]:
+    """Differences grouped as inspect folds layers: by kind (and detail, where keys share it: "tensor only
+    in A", "A float32, B bfloat16"), then by what all keys of the group share, at least their first two parts
+    (``dcp.optim.state.* (63 missing)``, ``model.layers.* (18 dtype)``)."""
+    from dcptool import stats
+
+    clusters: dict[tuple[str, str], list] = {}
+    for difference in differences:
+        shared = difference.kind in ("missing", "extra", "dtype")
+        clusters.setdefault((difference.kind, difference.detail if shared else ""), []).append(difference)
+    lines = []
+    for (kind, detail), members in clusters.items():
+        if len(members) <= 3:
+            lines += [f"{kind:<8} {shown(d.key)}: {d.detail}" for d in members]
+            continue
+        parts = [d.key.split(".") for d in members]
+        common = 0
+        while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+            common += 1
+        depth = max(common, 2)  # what the group shares, at least its root and the part below (optimizer.state)
+        by_prefix: dict[str, list] = {}
+        for difference, key_parts in zip(members, parts):
+            prefix = ".".join(key_parts[:depth]) + (".*" if len(key_parts) > depth else "")
+            by_prefix.setdefault(prefix, []).append(difference)
+        for name, prefixes in stats.folded_rows(list(by_prefix), lambda prefix: ()):
+            group = [d for prefix in prefixes for d in by_prefix[prefix]]
+            said = detail or (f"first {shown(group[0].key)}: {group[0].detail}" if len(group) > 1 else group[0].detail)
+            what = f"{shown(name)} ({len(group)} {kind})" if len(group) > 1 else shown(group[0].key)
+            lines.append(f"{kind:<8} {what}: {said}")
+    return lines + ["(--all lists every difference, --json gives each)"]
 
 
 def print_load_check(path: str, report: loadcheck.Report) -> None:

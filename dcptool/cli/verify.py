@@ -26,6 +26,9 @@ def verify_command(
     roundtrip: Optional[OutputFormat] = typer.Option(None, "--roundtrip", help="Convert A to this format and back in a temporary folder ($TMPDIR), and compare with A."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance for floating-point values (default: bitwise)."),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance (of A's values) for floating-point values (default: bitwise)."),
+    dtype_as: Optional[str] = typer.Option(None, "--dtype-as", metavar="SIDE", help="B: cast A's floating-point tensors to B's dtypes before comparing (rounding as torch's .to(dtype) does), then bitwise; A: B's to A's."),
+    values_only: bool = typer.Option(False, "--values-only", help="Equal values pass even where the layouts differ (the model at 'model.' in one, at the top level in the other)."),
+    show_all: bool = typer.Option(False, "--all", help="List every difference (more than 20 are grouped by key prefix; --json always lists each)."),
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
     prefix_a: Optional[str] = typer.Option(None, "--prefix-a", help=PrefixHelp.format(side="A")),
@@ -45,12 +48,14 @@ def verify_command(
 ) -> None:
     """Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values (bitwise unless --atol/--rtol).
 
-    Tensors are read region by region within --max-memory. Exit 0 when equal, 1 when they differ (every differing tensor is listed: missing from B, extra in B, dtype, shape, or value with the first differing index), 2 when a checkpoint cannot be read.
+    Tensors are read region by region within --max-memory. A training state against a model-only checkpoint (its HF export) compares the model part and lists the optimizer and other state as left out; two checkpoints whose layouts differ (model at 'model.' or at the top level) compare entry for entry and differ unless --values-only. Exit 0 when equal, 1 when they differ (missing from B, extra in B, dtype, shape, value with the first differing index, or layout), 2 when a checkpoint cannot be read.
 
     [bold]Examples[/bold]:
       [cyan]dcptool verify step-1000 step-1000.pt[/cyan]
-      [cyan]dcptool verify recover_checkpoint hf-out --prefix-a dcp.model --json > verify.json[/cyan]
-      [cyan]dcptool verify step-1000 hf-bf16 --prefix-a auto --atol 1e-2 --rtol 1e-2[/cyan]
+      [cyan]dcptool verify step-1000 hf-out --json > verify.json[/cyan]   (model part)
+      [cyan]dcptool verify step-1000 hf-bf16 --dtype-as B[/cyan]   (A cast to bf16)
+      [cyan]dcptool verify step-1000 hf-bf16 --atol 1e-2 --rtol 1e-2[/cyan]
+      [cyan]dcptool verify recover_checkpoint hf-out --prefix-a dcp.model[/cyan]
       [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
       [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
@@ -60,7 +65,8 @@ def verify_command(
     if load_on:
         _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json, revision)
         return
-    report = api.verify(a, b, roundtrip=roundtrip, atol=atol, rtol=rtol, include=include, exclude=exclude,
+    report = api.verify(a, b, roundtrip=roundtrip, atol=atol, rtol=rtol, dtype_as=dtype_as, values_only=values_only,
+                        include=include, exclude=exclude,
                         prefix_a=prefix_a, prefix_b=prefix_b, from_a=from_a, from_b=from_b, adapter_a=adapter_a,
                         adapter_b=adapter_b, max_memory=max_memory, revision=revision, progress=render.progress)
     if as_json:
@@ -68,7 +74,7 @@ def verify_command(
     else:
         if report.note:  # the first line of the output: the comparison is not the one asked for
             print(shown(report.note))
-        render.print_verify(report)
+        render.print_verify(report, show_all)
         if not report.tensors and report.differences and all(d.kind in ("missing", "extra") for d in report.differences):
             print("no tensor name is on both sides: if one nests the model (dcp.model.*), try --prefix-a dcp.model or auto")
     if not report.equal:
