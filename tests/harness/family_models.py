@@ -275,16 +275,17 @@ def optimizer_slots(flat: dict[str, Any], family: str) -> dict[str, dict[str, An
 # ---------------------------------------------------------------------------
 
 
-def hf_config(name: str):
-    """The transformers config of a model name in MODELS (eager attention, float32)."""
+def hf_config(name: str, **overrides):
+    """The transformers config of a model name in MODELS (eager attention, float32), fields overridden."""
     from transformers import AutoConfig
 
     kind, fields = MODELS[name]
-    return AutoConfig.for_model(kind, **fields, attn_implementation="eager")
+    return AutoConfig.for_model(kind, **(fields | overrides), attn_implementation="eager")
 
 
-def save_hf(name: str, folder: str | Path, seed: int = 0) -> Path:
-    """A random tiny model ``name`` (a kind, or a variant in MODELS) written with save_pretrained.
+def save_hf(name: str, folder: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random tiny model ``name`` (a kind, or a variant in MODELS, its config fields overridden) written
+    with save_pretrained.
 
     Every parameter and persistent buffer is drawn from ``seed`` (norm weights
     around 1, biases and e_score_correction_bias random too), so a misplaced
@@ -293,7 +294,7 @@ def save_hf(name: str, folder: str | Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(name)).float()
+    model = AutoModelForCausalLM.from_config(hf_config(name, **overrides)).float()
     persistent = set(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -1,0 +1,175 @@
+"""The README's recipes run as written.
+
+Every command line of every ```bash block of README.md runs, word for word, in a folder laid out with the
+paths it names: tiny models of the same kind, saved by real gloo jobs (or by transformers' save_pretrained
+for Hugging Face folders), in the layouts the recipe's engine writes. Each line must exit 0. Lines that need
+what CI cannot have (the Hub, object storage, several nodes, minutes of benchmark) are listed in SKIPPED
+with the test that covers them instead; a new block whose inputs are not declared in INPUTS fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jobs import FAMILY_JOBS, VERL_JOBS, run_job
+
+from conftest import ROOT, dcptool
+from harness.family_models import save_hf
+
+README = ROOT / "README.md"
+
+# Lines not run here (matched by their start), and where what they do is tested.
+SKIPPED = {
+    "scripts/demo.sh": "the demo installs into .venv itself; each of its steps is a command tested here",
+    "scripts/test.sh": "runs this suite",
+    "dcptool export-hf DeepSeek-V3": "needs DeepSeek-V3's float8 weights; tests/test_fp8.py dequantizes a tiny one",
+    "dcptool inspect Qwen/": "the Hub is not reachable from CI; tests/test_hub.py serves a local one",
+    "dcptool import-hf Qwen/": "the Hub; tests/test_hub.py",
+    "dcptool verify my-export Qwen/": "the Hub; tests/test_hub.py",
+    "dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub": "the Hub; tests/test_hub.py",
+    "pip install s3fs": "object storage; tests/test_remote.py runs fsspec's memory filesystem",
+    "dcptool inspect s3://": "object storage; tests/test_remote.py",
+    "dcptool export-hf s3://": "object storage; tests/test_remote.py",
+    "dcptool reshard s3://": "object storage; tests/test_remote.py",
+    "dcptool checksum gcs://": "object storage; tests/test_remote.py",
+    "PYTHONPATH=tests python -m harness.synth_dcp": "1024 ranks of synthetic data: tests/test_scale.py runs it smaller",
+    "dcptool inspect /tmp/llama-1024": "the 1024-rank checkpoint above; tests/test_scale.py",
+    "python scripts/bench.py": "minutes of benchmark; tests/test_bench.py runs its rows on a small size",
+    ".venv/bin/": "benchmark set-up and runs; tests/test_bench.py",
+    "torchrun --nnodes 4": "four nodes",
+}
+
+# Each block (by the start of its first line) -> the paths it reads, made by the makers below.
+INPUTS = {
+    "dcptool export-hf outputs/checkpoint/step-2000": ["outputs/checkpoint/step-2000", "Qwen3-8B"],
+    "dcptool inspect step-2000": ["step-2000", "base-model"],
+    "dcptool checksum step-2000": ["step-2000"],
+    "scripts/demo.sh": [],
+    "dcptool export-hf DeepSeek-V3": ["run/step-100"],
+    "dcptool inspect Qwen/": [],
+    "pip install s3fs": [],
+    "dcptool convert step-1000": ["step-1000", "global_step_10/actor"],
+    "dcptool export-hf checkpoints/recover_checkpoint": ["checkpoints/recover_checkpoint", "Llama-3.1-8B"],
+    "dcptool import-hf Qwen3-8B": ["Qwen3-8B", "Qwen3-30B-A3B"],
+    "dcptool reshard global_step_10/actor": ["global_step_10/actor"],
+    "dcptool inspect archon/step-2000": ["archon/step-2000", "Qwen3-30B-A3B"],
+    "PYTHONPATH=tests python -m harness.synth_dcp": [],
+    "torchrun --nproc-per-node 8": ["step-1000"],
+    "dcptool verify step-1000": ["step-1000", "step-1000.pt", "hf-out", "hf-bf16", "titan/step-10", "archon/step-10"],
+    "dcptool check step-1000": ["step-1000", "hf-out"],
+    "dcptool checksum step-1000": ["step-1000", "hf-out"],
+    ".venv/bin/pip": [],
+    "scripts/test.sh": [],
+}
+
+
+def bash_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """``(line number, command lines)`` of every ```bash block; lines ending in ``\\`` joined to the next."""
+    blocks, lines, start = [], None, 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if lines is None:
+            if line.strip() == "```bash":
+                lines, start = [], number
+        elif line.strip() == "```":
+            blocks.append((start, lines))
+            lines = None
+        elif lines and lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1].rstrip() + " " + line.strip()
+        elif line.strip():
+            lines.append(line.strip())
+    return blocks
+
+
+BLOCKS = bash_blocks(README.read_text())
+
+
+def skipped(line: str) -> str | None:
+    return next((why for start, why in SKIPPED.items() if line.startswith(start)), None)
+
+
+def inputs_of(lines: list[str]) -> list[str]:
+    declared = [paths for start, paths in INPUTS.items() if lines[0].startswith(start)]
+    assert declared, f"README block starting {lines[0]!r}: declare the paths it reads in INPUTS (tests/test_readme.py)"
+    return declared[0]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, checkpoints):
+    """``made(path)``: the README path ``path`` made once (a folder or file under a shared root)."""
+    root = tmp_path_factory.mktemp("readme-inputs")
+    done: dict[str, Path] = {}
+
+    def hf_folder(out: Path, name: str, **fields) -> None:
+        save_hf(name, out, seed=3, **fields)
+
+    def family(out: Path, kind: str, family_name: str, hf: str, *mesh: str) -> None:
+        run_job(2, "save-family", out, "--kind", kind, "--family", family_name, "--hf", get(hf), *mesh,
+                module=FAMILY_JOBS)
+
+    def export(out: Path, *options: str) -> None:
+        step, reference = checkpoints("fsdp2_dp2")
+        dcptool("export-hf", step, out, "--config-dir", reference, *options)
+
+    def copy(source: Path):
+        return lambda out: shutil.copytree(source, out)
+
+    def torch_save(out: Path) -> None:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(get("step-1000"), out)
+
+    # Every model with 4 KV heads and a vocabulary of 256 where a recipe splits it over tp=4.
+    wide = '{"num_key_value_heads": 4, "vocab_size": 256}'
+    makers = {
+        "Qwen3-8B": lambda out: hf_folder(out, "qwen3"),
+        "Qwen3-30B-A3B": lambda out: hf_folder(out, "qwen3_moe", num_experts=8),
+        "outputs/checkpoint/step-2000": lambda out: family(out, "qwen3", "torchtitan", "Qwen3-8B", "--dp", "2"),
+        "archon/step-2000": lambda out: family(out, "qwen3_moe", "archon", "Qwen3-30B-A3B", "--dp", "2", "--ep", "2"),
+        "step-2000": lambda out: run_job(4, "save-dcp", out, "--dp", "2", "--tp", "2", "--model-config", wide),
+        "base-model": lambda out: shutil.copytree(f"{get('step-2000')}.reference", out),
+        "step-1000": copy(checkpoints("fsdp2_dp2")[0]),
+        "run/step-100": copy(checkpoints("fsdp2_dp2")[0]),
+        "step-1000.pt": torch_save,
+        "hf-out": export,
+        "hf-bf16": lambda out: export(out, "--dtype", "bfloat16"),
+        "checkpoints/recover_checkpoint": copy(checkpoints("fsdp2_dp2_tp2")[0]),
+        "Llama-3.1-8B": copy(checkpoints("fsdp2_dp2_tp2")[1]),
+        "global_step_10/actor": lambda out: run_job(2, "save", out, "--dtensor", "--flat-params", module=VERL_JOBS),
+        "llama-hf": lambda out: hf_folder(out, "llama"),
+        "titan/step-10": lambda out: family(out, "llama", "torchtitan", "llama-hf", "--dp", "2"),
+        "archon/step-10": lambda out: dcptool("convert", get("titan/step-10"), out, "--to", "dcp",
+                                              "--adapter", "archon", "--config-dir", get("llama-hf")),
+    }
+
+    def get(path: str) -> Path:
+        if path not in done:
+            out = root / path
+            out.parent.mkdir(parents=True, exist_ok=True)
+            makers[path](out)
+            done[path] = out
+        return done[path]
+
+    return get
+
+
+@pytest.mark.parametrize("start,lines", BLOCKS, ids=[f"line{start}" for start, _ in BLOCKS])
+def test_readme_recipe_runs_as_written(start, lines, made, tmp_path):
+    run = [line for line in lines if not skipped(line)]
+    if not run:
+        pytest.skip("; ".join(sorted({skipped(line) for line in lines})))
+    for path in inputs_of(lines):
+        source, place = made(path), tmp_path / path
+        place.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, place)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for line in run:
+        result = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, (f"README.md line {start}: {line}\nexited {result.returncode}\n"
+                                        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
