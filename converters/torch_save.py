@@ -25,12 +25,23 @@ from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut,
 NAME = "torch"
 
 
+# What a torch.save file is known by even when damaged (cut short, its zip directory lost), so that
+# ``read`` says what is wrong with it rather than the file going unrecognized.
+SUFFIXES = (".pt", ".pth", ".bin")
+ZIP_LOCAL_HEADER = b"PK\x03\x04"  # torch.save's archive starts with its first record's header
+
+
 def detect(files: CheckpointFiles) -> bool:
     name = files.single_file
     if not name or name.endswith(".safetensors"):
         return False
+    if name.endswith(SUFFIXES):
+        return True
+    size = files.size(name)
+    if files.read(name, 0, min(size, len(ZIP_LOCAL_HEADER))) == ZIP_LOCAL_HEADER:
+        return True
     try:
-        return zipfile.is_zipfile(files.window(name, 0, files.size(name)))
+        return zipfile.is_zipfile(files.window(name, 0, size))
     except CheckpointError:  # a read that failed says why itself
         raise
     except (zipfile.BadZipFile, ValueError, struct.error):  # a zip directory that says nonsense: read() says what
