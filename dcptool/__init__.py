@@ -13,9 +13,8 @@ The Python entry points are those of ``dcptool.api`` (see there), loaded on firs
 
 from __future__ import annotations
 
-import sys
-
 import _signal  # signal's C half, loaded by the interpreter itself: importing it runs nothing
+import sys
 
 
 def _started_as_the_command() -> bool:
@@ -54,7 +53,7 @@ def _handle_interrupts_at_start() -> None:
 if _started_as_the_command():
     _handle_interrupts_at_start()
 
-from typing import TYPE_CHECKING  # noqa: E402
+from typing import TYPE_CHECKING
 
 from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolError, MismatchError, OutputExistsError,
                             UnsafePickleError, UsageError)
@@ -65,26 +64,25 @@ if TYPE_CHECKING:
 
 # The library code behind the commands lives in modules named apart from them (dcptool.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
-_API = ("open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
-        "reshard", "verify", "checksum")
-
-__all__ = [*_API, "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError",
-           "OutputExistsError", "MismatchError"]
+__all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
+           "reshard", "verify", "checksum", "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError",
+           "UnsafePickleError", "UsageError", "OutputExistsError", "MismatchError"]
 
 
 def __getattr__(name: str):
-    """``dcptool.open`` and the other entry points, imported from ``dcptool.api`` when first asked for."""
-    if name in _API:
-        from dcptool import api
-
-        return getattr(api, name)
+    """``dcptool.open`` and the other entry points, imported from ``dcptool.api`` when first asked for
+    (the errors are imported above: only the names of ``dcptool.api`` come here)."""
     if name == "api":  # ``import dcptool; dcptool.api.convert(...)`` without importing dcptool.api by hand
         import dcptool.api
 
         return dcptool.api
+    if name in __all__:
+        from dcptool import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'dcptool' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     """``dir(dcptool)`` lists the entry points too, which are imported only when first asked for."""
-    return sorted({*globals(), *_API, "api"})
+    return sorted({*globals(), *__all__})

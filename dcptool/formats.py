@@ -25,9 +25,9 @@ import importlib
 import os
 import pkgutil
 import re
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
-from typing import Iterator
 
 from dcptool import converters, hub
 from dcptool.core import Checkpoint

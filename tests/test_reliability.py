@@ -396,8 +396,8 @@ def test_ctrl_c_anywhere_in_start_up_ends_in_one_line(made, tmp_path):
 
     def start(launch: str, out: Path, **settings) -> subprocess.CompletedProcess:
         # Python keeps Ctrl-C ignored where it starts ignored (the tests run in the background of a shell): not here.
-        return subprocess.run(launches[launch]("convert", made.source(), out, *COMMANDS["dcp"][1]), capture_output=True,
-                              text=True, timeout=HANG, env={**env, **settings},
+        return subprocess.run(launches[launch]("convert", made.source(), out, *COMMANDS["dcp"][1]), check=False,
+                              capture_output=True, text=True, timeout=HANG, env={**env, **settings},
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     counted = tmp_path / "imports"
