@@ -93,9 +93,11 @@ def test_a_failed_read_is_not_relabelled_by_a_value_error_clause(tmp_path, monke
     with pytest.raises(CheckpointError) as caught:
         torch_archive.Archive(files, "big.pt")  # its zip directory is past the first bytes read
     assert caught.value is failure
-    monkeypatch.setattr(CheckpointFiles, "window", failing)
+    unnamed = tmp_path / "big"  # no suffix: known by its first bytes
+    unnamed.write_bytes(archive.read_bytes())
+    monkeypatch.setattr(CheckpointFiles, "read", failing)
     with pytest.raises(CheckpointError) as caught:
-        formats.get("torch").detect(files)
+        formats.get("torch").detect(CheckpointFiles(unnamed))
     assert caught.value is failure
 
 
