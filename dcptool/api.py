@@ -17,7 +17,7 @@ Nothing here imports torch unless asked to (``read(..., as_torch=True)``, ``veri
 >>> import tempfile, numpy as np, safetensors.numpy, dcptool
 >>> folder = tempfile.mkdtemp()
 >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
->>> dcptool.reshard(folder, f"{folder}/dp2", dp=2, dry_run=True).planned_files
+>>> dcptool.reshard(folder, f"{folder}-dp2", dp=2, dry_run=True).planned_files
 {'__0_0.distcp': 24, '__1_0.distcp': 24}
 """
 
@@ -36,7 +36,7 @@ from dcptool.format_interface import OutputRequest
 from dcptool.mesh import parse_mesh
 from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
 from dcptool.sizes import parse_size
-from dcptool.storage import check_destination, is_remote, output_path
+from dcptool.storage import check_apart, check_destination, is_remote, output_path
 from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
@@ -108,6 +108,7 @@ def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: 
     checkpoint = formats.open_checkpoint(path, source_format)
     picture = layouts.planned_layout(checkpoint, key, mesh, plan) if mesh else layouts.saved_layout(checkpoint, key)
     if svg:
+        check_apart(checkpoint.files.location, svg)
         layouts.write_svg(picture, Path(svg))
     return picture
 
@@ -138,7 +139,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.convert(folder, f"{folder}/dcp", to="dcp")
+        >>> report = dcptool.convert(folder, f"{folder}-dcp", to="dcp")
         >>> report.format, report.tensors, report.bytes_written
         ('dcp', 1, 48)
     """
@@ -178,7 +179,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"model.norm.weight": np.ones(3, np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.export_hf(folder, f"{folder}/export", dtype="bfloat16")
+        >>> report = dcptool.export_hf(folder, f"{folder}-export", dtype="bfloat16")
         >>> report.tensors, report.bytes_written
         (1, 6)
     """
@@ -228,8 +229,8 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.reshard(folder, f"{folder}/dp2", dp=2)
-        >>> report.mesh.describe(), sorted(p.name for p in Path(folder, "dp2").iterdir())
+        >>> report = dcptool.reshard(folder, f"{folder}-dp2", dp=2)
+        >>> report.mesh.describe(), sorted(p.name for p in Path(f"{folder}-dp2").iterdir())
         ('2 ranks: dp=2', ['.metadata', '__0_0.distcp', '__1_0.distcp'])
     """
     return _reshard(source, destination, source_format, revision,
@@ -255,7 +256,7 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> dcptool.import_hf(folder, f"{folder}/dcp", dp=2).mesh.world
+        >>> dcptool.import_hf(folder, f"{folder}-dcp", dp=2).mesh.world
         2
     """
     from dcptool import adapters
@@ -395,9 +396,10 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
     from dcptool import resharding
 
     destination = output_path(destination)
+    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
+    check_apart(checkpoint.files.location, destination)
     if not dry_run:
         check_destination(destination, overwrite)  # before planning, whose warnings would come first
-    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
     result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter, wrapper=wrapper,
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
                                  compress=compress, forms=forms)
@@ -431,6 +433,7 @@ def _run(planned: Conversion, destination, dry_run: bool, progress: Progress | N
     closed after."""
     destination = output_path(destination)
     try:
+        check_apart(planned.checkpoint.files.location, destination)
         if dry_run:
             return planned.dry_run(destination)
         with _progress(progress, planned.total_bytes, _writing_label(destination)) as advance:

@@ -169,6 +169,31 @@ def test_a_folder_of_checkpoints_leaves_out_the_files_that_cannot_be_read(tmp_pa
     assert result.returncode == 2 and result.stderr.strip().endswith(f"pass {run / 'step-2.pt'}"), result.stderr
 
 
+def test_an_output_inside_its_source_or_holding_it_is_refused(small_dcp, tmp_path):
+    """Every command that writes: exit 2, one line naming both, the source unchanged and nothing added to it."""
+    hf = tmp_path / "hf"
+    dcptool("export-hf", small_dcp, hf)
+    (tmp_path / "link").symlink_to(small_dcp)
+    source_files = lambda: {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}  # noqa: E731
+    before = source_files()
+    runs = [(["convert", small_dcp, small_dcp / "inner", "--to", "dcp"], "inside the source checkpoint"),
+            (["convert", small_dcp, small_dcp / "model.pt", "--to", "torch", "--dry-run"], "inside the source checkpoint"),
+            (["reshard", small_dcp, small_dcp / "inner", "--dp", "2"], "inside the source checkpoint"),
+            (["reshard", small_dcp, small_dcp, "--dp", "2", "--overwrite"], "is the source checkpoint itself"),
+            (["reshard", small_dcp, tmp_path, "--dp", "2", "--overwrite"], "holds the source checkpoint"),
+            (["export-hf", tmp_path / "link", small_dcp / "hf"], "inside the source checkpoint"),
+            (["import-hf", hf, hf / "dcp"], "inside the source checkpoint"),
+            (["inspect", small_dcp, "--layout", "model.w", "--svg", small_dcp / "w.svg"], "inside the source checkpoint")]
+    for args, why in runs:
+        result = dcptool(*args, check=False)
+        [line] = result.stderr.splitlines()
+        assert result.returncode == 2 and why in line, (args, line)
+        assert line.startswith(f"dcptool: error: {args[2] if args[0] != 'inspect' else args[-1]}: "), line
+        assert str(args[1]) in line.split(": ", 2)[2] or why.endswith("itself"), line
+        assert source_files() == before and not [p for p in tmp_path.rglob("*dcptool-*")], args
+    dcptool("reshard", small_dcp, tmp_path / "beside", "--dp", "2")  # a sibling is fine
+
+
 def test_debug_shows_traceback(small_dcp):
     (small_dcp / ".metadata").unlink()
     result = dcptool("--debug", "inspect", small_dcp, check=False)

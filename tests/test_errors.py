@@ -53,10 +53,10 @@ def test_an_existing_output_is_a_file_exists(tmp_path):
     taken = tmp_path / "taken.pt"
     taken.write_bytes(b"mine")
     with pytest.raises(FileExistsError) as caught:
-        dcptool.convert(tmp_path, taken, to="torch")
+        dcptool.convert(tmp_path / "model.safetensors", taken, to="torch")
     assert isinstance(caught.value, UsageError) and caught.value.path == str(taken)
     assert str(caught.value) == f"{taken}: already exists (pass --overwrite to replace it)"
-    result = cli("convert", tmp_path, taken, "--to", "torch", check=False)
+    result = cli("convert", tmp_path / "model.safetensors", taken, "--to", "torch", check=False)
     assert result.returncode == 2 and result.stderr.splitlines()[-1] == f"dcptool: error: {caught.value}"
     assert taken.read_bytes() == b"mine"
 

@@ -39,7 +39,8 @@ def test_anything_else_is_refused_naming_the_option(value):
 
 def test_the_command_line_names_the_option_it_refuses(tmp_path):
     save_file({"w": np.zeros(4, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
-    result = dcptool("convert", tmp_path, tmp_path / "out", "--to", "torch", "--max-memory", "12XB", check=False)
+    result = dcptool("convert", tmp_path / "model.safetensors", tmp_path / "out", "--to", "torch", "--max-memory", "12XB",
+                     check=False)
     assert result.returncode == 2 and not (tmp_path / "out").exists()
     assert result.stderr.strip() == "dcptool: error: --max-memory 12XB: not a size such as 256MB, 5GB or 256MiB"
 

@@ -13,7 +13,7 @@ import shutil
 import socket
 import threading
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Callable, Iterator
 
 from dcptool.errors import OutputExistsError, UsageError
@@ -33,6 +33,28 @@ def check_destination(location: str | Path, overwrite: bool) -> None:
         found = Path(location).exists()
     if found and not overwrite:
         raise OutputExistsError(f"{location}: already exists (pass --overwrite to replace it)", path=str(location))
+
+
+def check_apart(source: str | Path, destination: str | Path) -> None:
+    """Refuse an output that is its source, lies inside it (the checkpoint read would gain a folder), or holds it
+    (replacing the output would remove the source); commands call it before any work is done."""
+    read, written = _comparable(source), _comparable(destination)
+    if written == read:
+        raise UsageError(f"{destination}: is the source checkpoint itself; write the output elsewhere")
+    if read in written.parents:
+        raise UsageError(f"{destination}: inside the source checkpoint {source}, which would then hold it; "
+                         f"write the output outside {source}")
+    if written in read.parents:
+        raise UsageError(f"{destination}: holds the source checkpoint {source}, which replacing it would remove; "
+                         "write the output elsewhere")
+
+
+def _comparable(location: str | Path) -> PurePath:
+    """``location`` as a path to compare: a local one absolute, its links resolved; a URL as a relative path
+    (``s3:/bucket/run``), which no local path contains or lies in."""
+    if is_remote(location):
+        return PurePosixPath(str(location).rstrip("/"))
+    return Path(os.path.realpath(local_path(location)))
 
 
 def output_path(location: str | Path) -> Path | str:
