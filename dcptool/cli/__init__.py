@@ -14,11 +14,11 @@ import traceback
 
 import typer
 
+from dcptool import formats
 # Imported in the order `dcptool --help` lists the commands: each module registers its own.
 from dcptool.cli import inspect, convert, export_hf, reshard, verify, checksum  # noqa: F401, I001
 from dcptool.cli.app import app
 from dcptool.cli.render import settings
-from dcptool import formats
 from dcptool.models import FAMILIES
 
 # typer runs on its own copy of click, whose usage errors all derive from its ClickException.
