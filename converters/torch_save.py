@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dcptool.core import Checkpoint, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
-from dcptool.errors import CheckpointError, printable
+from dcptool.errors import CheckpointError, printable, option
 from dcptool.safe_pickle import TensorRef
 from dcptool.format_interface import Format
 from dcptool.state_dicts import archive_tensor, flatten, nest, split_object
@@ -53,7 +53,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
         if isinstance(value, TensorRef):
             if value.subclass:
                 raise CheckpointError(f"{path}: {printable(key)} is a {printable(value.subclass)}; "
-                                      "per-rank files are read with --from fsdp1")
+                                      f"per-rank files are read with {option('source_format', 'fsdp1')}")
             tensors[key] = archive_tensor(archive, value, nested)
         else:
             objects[key] = ObjectInfo(nested, value=value)

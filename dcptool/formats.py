@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dcptool import converters, hub
 from dcptool.core import Checkpoint
-from dcptool.errors import CheckpointError, CheckpointNotFoundError
+from dcptool.errors import CheckpointError, CheckpointNotFoundError, option
 from dcptool.format_interface import Format, OutputRequest
 from dcptool.storage import CheckpointFiles, stale_temporaries
 
@@ -221,4 +221,4 @@ def _format_of(files: CheckpointFiles) -> str:
         left = (f"; it holds {len(stale)} temporaries of dcptool runs that died ({', '.join(stale[:3])}"
                 f"{' ...' if len(stale) > 3 else ''}), which the next run writing there removes") if stale else ""
         raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())}){left}")
-    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with --from")
+    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with {option('source_format')}")

@@ -27,7 +27,7 @@ import numpy as np
 
 from dcptool import adapters, conversion, dtypes, formats, models, selection, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError, counted
+from dcptool.errors import CheckpointError, UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import split_object
@@ -137,7 +137,7 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     config = selection.read_config(config_dir) if config_dir is not None else None
     mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config)
     result = mapping.convert(params_b)
-    adapters.refuse_unmatched(result.unmatched, mapping, "check --adapter-a / --adapter-b")
+    adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('adapter_a')} / {option('adapter_b')}")
     mapped = {name: entry for name, (entry, _) in result.entries.items()}
     # A's tensors that B's family has no place for (Qwen3-MoE's expert_bias in HF names) cannot be in B.
     no_place = adapters.Mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
@@ -215,12 +215,13 @@ def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: str | 
     """Refuse what ``dcptool verify`` cannot do together: A against B, A's round trip, or A's load on a mesh."""
     if load_on:
         if b is not None or roundtrip:
-            raise UsageError("--load-on checks A alone: give no B or --roundtrip")
+            raise UsageError(f"{option('load_on')} checks A alone: give no B or {option('roundtrip')}")
     elif roundtrip:
         if b is not None or prefix_a or prefix_b or from_b:
-            raise UsageError("--roundtrip compares A with its own round trip: give no B, --prefix-a/-b or --from-b")
+            raise UsageError(f"{option('roundtrip')} compares A with its own round trip: give no B, {option('prefix_a')}, "
+                             f"{option('prefix_b')} or {option('from_b')}")
     elif b is None:
-        raise UsageError("give the checkpoint B to compare A with, or --roundtrip FORMAT")
+        raise UsageError(f"give the checkpoint B to compare A with, or {option('roundtrip')}")
 
 
 def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
@@ -238,10 +239,10 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     if prefix_a or prefix_b or side_a.tensors.keys() & side_b.tensors.keys():
         return side_a, side_b, note
     # No tensor name on both sides as given: one side nests the model (a checkpoint against its export).
-    for auto_a, auto_b, option in ((AUTO, None, "--prefix-a"), (None, AUTO, "--prefix-b")):
+    for auto_a, auto_b, name in ((AUTO, None, "prefix_a"), (None, AUTO, "prefix_b")):
         side_a, side_b, note = aligned(auto_a, auto_b)
         if side_a.tensors.keys() & side_b.tensors.keys():
-            said = f"no tensor name is on both sides as given: comparing the model part ({option} auto)"
+            said = f"no tensor name is on both sides as given: comparing the model part ({option(name, AUTO)})"
             return side_a, side_b, said + (f"; {note}" if note else "")
     return aligned(prefix_a, prefix_b)
 
@@ -270,7 +271,7 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
         castable = tolerances is not None and dtype_a in TOLERANT and dtype_b in TOLERANT
         if dtype_a != dtype_b and not castable:
-            hint = " (--atol/--rtol compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
+            hint = f" ({option('atol')}/{option('rtol')} compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
             report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}"))
         elif tensor_a.shape != tensor_b.shape:
             report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))

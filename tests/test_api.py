@@ -109,7 +109,7 @@ def test_bad_keys_and_regions_are_usage_errors_naming_the_checkpoint(tmp_path, c
         dcptool.open(tmp_path / "missing")
     with pytest.raises(UsageError, match="give the checkpoint B"):
         dcptool.verify(path)
-    with pytest.raises(UsageError, match="--dtype int8"):
+    with pytest.raises(UsageError, match="dtype='int8'"):
         dcptool.convert(path, tmp_path / "x.pt", to="torch", dtype="int8")
     assert not (tmp_path / "x.pt").exists()
 

@@ -14,7 +14,7 @@ import traceback
 
 import typer
 
-from dcptool import formats
+from dcptool import errors, formats
 # Imported in the order `dcptool --help` lists the commands: each module registers its own.
 from dcptool.cli import inspect, convert, export_hf, reshard, verify, checksum  # noqa: F401, I001
 from dcptool.cli.app import app
@@ -81,6 +81,12 @@ def _command() -> typer.core.TyperGroup:
     return command
 
 
+def flags(group: typer.core.TyperGroup) -> dict[str, str]:
+    """The flag of each option of the commands, by its keyword argument in the API (``source_format``: ``--from``)."""
+    return {param.name: next(opt for opt in param.opts if opt.startswith("--")) for command in group.commands.values()
+            for param in command.params if param.param_type_name == "option"}
+
+
 def _choice_word(choices, name: str) -> str:
     """What an option of ``choices`` takes, in a word: FORMAT, FAMILY, else its name's last (``FORM`` for optim_form)."""
     if set(choices) <= set(formats.names()):
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
         command = _command()
         args = _arranged(command, sys.argv[1:] if argv is None else argv)
-        code = command.main(args=args, prog_name="dcptool", standalone_mode=False)
+        with errors.options_as_flags(flags(command)):  # messages name --overwrite, not overwrite=True
+            code = command.main(args=args, prog_name="dcptool", standalone_mode=False)
         if code == 130:  # typer's exit for a KeyboardInterrupt raised by other means than Ctrl-C
             print(f"dcptool: {distributed.describe_failure(KeyboardInterrupt())[1]}", file=sys.stderr)
     except CLICK_ERRORS as exc:  # one line, as every other refusal

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Callable, Iterator
 
-from dcptool.errors import OutputExistsError, UsageError
+from dcptool.errors import OutputExistsError, UsageError, option
 from dcptool.storage.files import is_remote, local_path
 from dcptool.storage.interrupts import deferred_interrupts
 from dcptool.storage.naming import annotate, showing, shown_path
@@ -32,7 +32,7 @@ def check_destination(location: str | Path, overwrite: bool) -> None:
     else:
         found = Path(location).exists()
     if found and not overwrite:
-        raise OutputExistsError(f"{location}: already exists (pass --overwrite to replace it)", path=str(location))
+        raise OutputExistsError(f"{location}: already exists (pass {option('overwrite', True)} to replace it)", path=str(location))
 
 
 def check_apart(source: str | Path, destination: str | Path) -> None:
@@ -272,7 +272,7 @@ def _commit(temporary: Path, destination: Path, overwrite: bool) -> Path | None:
         try:
             _attempt("renaming into place", temporary, lambda: rename_noreplace(temporary, destination))
         except FileExistsError:
-            raise OutputExistsError(f"{destination}: appeared while writing; not replaced (use --overwrite)",
+            raise OutputExistsError(f"{destination}: appeared while writing; not replaced (use {option('overwrite', True)})",
                                     path=str(destination)) from None
         return None
     for _ in range(10):  # only another writer, putting its output in place at the same moment, makes it loop
