@@ -273,7 +273,7 @@ def _config_problems(config_dir: str | Path | None, mesh: Mesh) -> list[str]:
     for setting, name, count, what in models.parallel_divisors(read_config(config_dir)):
         size = getattr(mesh, setting)
         if count % size:
-            problems.append(f"--{setting} {size} does not divide the {count} {what} ({name} in {path})")
+            problems.append(f"{option(setting, size)} does not divide the {count} {what} ({name} in {path})")
     return problems
 
 
