@@ -21,10 +21,6 @@ from dcptool.cli.app import app
 from dcptool.cli.render import settings
 from dcptool.models import FAMILIES
 
-# typer runs on its own copy of click, whose usage errors all derive from its ClickException.
-CLICK_ERRORS = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-CLICK_ABORTS = typer.Abort
-
 # Options of the whole program that may also follow the command name (moved before it), and
 # command options that may also precede it (moved after it, for the commands that have them).
 GLOBAL_FLAGS = ("--debug", "--quiet", "-q")
@@ -102,6 +98,9 @@ def _with_choices(text: str, choices) -> str:
     return text if named else f"{text} Choices: {', '.join(choices)}.".lstrip()
 
 
+# typer runs on its own copy of click, whose usage errors all derive from its ClickException.
+CLICK_ERRORS = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+CLICK_ABORTS = typer.Abort
 
 
 def main(argv: list[str] | None = None) -> None:
