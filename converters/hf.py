@@ -17,7 +17,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
-                            shape_problem, utf8_problem)
+                            shape_problem, utf8_problem, option)
 from dcptool.format_interface import Format
 from dcptool.sizes import parse_size
 from dcptool.storage import CheckpointFiles, OutputFiles
@@ -211,7 +211,7 @@ class Writer(SafetensorsFiles):
     def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
                  config: dict | None = None):
         self.folder, self.config_dir = folder, config_dir
-        self.max_shard_size = parse_size(max_shard_size, "--max-shard-size")  # the hub's split gets bytes
+        self.max_shard_size = parse_size(max_shard_size, "max_shard_size")  # the hub's split gets bytes
         self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
         self.out = OutputFiles(folder)
 
@@ -241,7 +241,7 @@ def copy_config(config_dir: str | Path, folder: Path, config: dict | None = None
     ``config``, when given, is written as config.json instead of the folder's."""
     files = CheckpointFiles(config_dir)
     if not files.is_file("config.json"):
-        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
+        raise UsageError(f"{config_dir}: no config.json ({option('config_dir')} must hold the model's Hugging Face config)")
     copied = [name for name in CONFIG_FILES if files.is_file(name)]
     for name in copied:
         if name == "config.json" and config is not None:
@@ -260,7 +260,7 @@ class HuggingFace(Format):
 
     name = NAME
     completes = (INDEX,)  # without the index a sharded folder is incomplete
-    options = {"max_shard_size": "--max-shard-size"}
+    options = ("max_shard_size",)
 
     detect = staticmethod(detect)
     read = staticmethod(read)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
-from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem
+from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem, option
 from dcptool.format_interface import Format, Layout
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.converters import hf
@@ -89,7 +89,7 @@ def _sharding_info(where, metadata: dict[str, str], tensors: dict[str, TensorInf
     text = metadata.get(hf.DCP_SHARDING_INFO)
     if text is None:
         raise CheckpointError(f"{where}: no {hf.DCP_SHARDING_INFO} in __metadata__ (not a file of torch's "
-                              "HuggingFaceStorageWriter; read a folder of plain safetensors with --from hf)")
+                              f"HuggingFaceStorageWriter; read a folder of plain safetensors with {option('source_format', 'hf')})")
     info = parse_json(text.encode(), f"{where}: __metadata__[{hf.DCP_SHARDING_INFO}]")
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: {hf.DCP_SHARDING_INFO} is {json_kind(info)}, not an object")
@@ -135,7 +135,7 @@ class Writer(hf.SafetensorsFiles):
             for offsets, sizes, rank in self.layout(tensor):
                 pieces = by_file.setdefault(shard_file(rank), [])
                 if any(p.tensor is tensor for p in pieces):
-                    raise UsageError(f"--to {NAME}: rank {rank} would hold two chunks of {tensor.key}, "
+                    raise UsageError(f"{option('to', NAME)}: rank {rank} would hold two chunks of {tensor.key}, "
                                      "which one safetensors file cannot")
                 pieces.append(Piece(tensor, tuple(offsets), tuple(sizes)))
         return self.lay_out(dict(sorted(by_file.items())), lambda pieces: {

@@ -9,13 +9,11 @@ RNG state in a Trainer's ``rng_state_<r>.pth``) are stored in it as real storage
 from __future__ import annotations
 
 import math
-import struct
-import zipfile
 from pathlib import Path
 from typing import Any
 
 from dcptool.core import Checkpoint, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
-from dcptool.errors import CheckpointError, printable
+from dcptool.errors import CheckpointError, printable, option
 from dcptool.safe_pickle import TensorRef
 from dcptool.format_interface import Format
 from dcptool.state_dicts import archive_tensor, flatten, nest, split_object
@@ -25,16 +23,17 @@ from dcptool.torch_archive import Archive, ArchiveLayout, StorageOut, TensorOut,
 NAME = "torch"
 
 
+# What a torch.save file is known by even when damaged (cut short, its zip directory lost), so that
+# ``read`` says what is wrong with it rather than the file going unrecognized.
+SUFFIXES = (".pt", ".pth", ".bin")
+ZIP_LOCAL_HEADER = b"PK\x03\x04"  # torch.save's archive starts with its first record's header
+
+
 def detect(files: CheckpointFiles) -> bool:
     name = files.single_file
     if not name or name.endswith(".safetensors"):
         return False
-    try:
-        return zipfile.is_zipfile(files.window(name, 0, files.size(name)))
-    except CheckpointError:  # a read that failed says why itself
-        raise
-    except (zipfile.BadZipFile, ValueError, struct.error):  # a zip directory that says nonsense: read() says what
-        return True
+    return name.endswith(SUFFIXES) or files.read(name, 0, min(files.size(name), len(ZIP_LOCAL_HEADER))) == ZIP_LOCAL_HEADER
 
 
 def read(files: CheckpointFiles) -> Checkpoint:
@@ -54,7 +53,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
         if isinstance(value, TensorRef):
             if value.subclass:
                 raise CheckpointError(f"{path}: {printable(key)} is a {printable(value.subclass)}; "
-                                      "per-rank files are read with --from fsdp1")
+                                      f"per-rank files are read with {option('source_format', 'fsdp1')}")
             tensors[key] = archive_tensor(archive, value, nested)
         else:
             objects[key] = ObjectInfo(nested, value=value)

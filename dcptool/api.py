@@ -17,7 +17,7 @@ Nothing here imports torch unless asked to (``read(..., as_torch=True)``, ``veri
 >>> import tempfile, numpy as np, safetensors.numpy, dcptool
 >>> folder = tempfile.mkdtemp()
 >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
->>> dcptool.reshard(folder, f"{folder}/dp2", dp=2, dry_run=True).planned_files
+>>> dcptool.reshard(folder, f"{folder}-dp2", dp=2, dry_run=True).planned_files
 {'__0_0.distcp': 24, '__1_0.distcp': 24}
 """
 
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Union
 from dcptool import formats, hub
 from dcptool.conversion import Conversion, Report
 from dcptool.core import Checkpoint
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 from dcptool.format_interface import OutputRequest
 from dcptool.mesh import parse_mesh
 from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
 from dcptool.sizes import parse_size
-from dcptool.storage import check_destination, is_remote, output_path
+from dcptool.storage import check_apart, check_destination, is_remote, output_path
 from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def inspect(path: str | Path, *, source_format: str | None = None, revision: str
     total = sum(t.nbytes for t in statistics.included(checkpoint.tensors, include).values()) if stats else 0
     with _progress(progress if stats else None, total, "reading") as advance:
         return inspection.inspect_checkpoint(checkpoint, include, with_stats=stats, threads=threads or None,
-                                             max_memory=parse_size(max_memory, "--max-memory"), progress=advance)
+                                             max_memory=parse_size(max_memory, "max_memory"), progress=advance)
 
 
 def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: str = "auto", svg: str | Path | None = None,
@@ -108,6 +108,7 @@ def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: 
     checkpoint = formats.open_checkpoint(path, source_format)
     picture = layouts.planned_layout(checkpoint, key, mesh, plan) if mesh else layouts.saved_layout(checkpoint, key)
     if svg:
+        check_apart(checkpoint.files.location, svg)
         layouts.write_svg(picture, Path(svg))
     return picture
 
@@ -138,14 +139,14 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.convert(folder, f"{folder}/dcp", to="dcp")
+        >>> report = dcptool.convert(folder, f"{folder}-dcp", to="dcp")
         >>> report.format, report.tensors, report.bytes_written
         ('dcp', 1, 48)
     """
     from dcptool import conversion
 
     checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
-    shard_size = None if max_shard_size is None else parse_size(max_shard_size, "--max-shard-size")
+    shard_size = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
     request = OutputRequest(dtype=dtype, include=include, exclude=exclude, world_size=world_size, compress=compress,
                             max_shard_size=shard_size, keep_rank_state=keep_rank_state,
                             forms=_forms(optim_form, model_values))
@@ -178,7 +179,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"model.norm.weight": np.ones(3, np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.export_hf(folder, f"{folder}/export", dtype="bfloat16")
+        >>> report = dcptool.export_hf(folder, f"{folder}-export", dtype="bfloat16")
         >>> report.tensors, report.bytes_written
         (1, 6)
     """
@@ -187,14 +188,15 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     if push_to_hub:  # before the export: a push that cannot start should not cost one
         hub.check_repo_id(push_to_hub)
         if is_remote(destination):
-            raise UsageError(f"{destination}: --push-to-hub uploads a local export folder: give a local output folder")
+            raise UsageError(f"{destination}: {option('push_to_hub')} uploads a local export folder: give a local output folder")
         hub.check_can_push()
     elif private or hub_branch or commit_message:
-        raise UsageError("--private, --revision and --commit-message go with --push-to-hub ORG/NAME")
+        raise UsageError(f"{option('private')}, {option('hub_branch')} and {option('commit_message')} go with "
+                         f"{option('push_to_hub')}")
     checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype,
                                         include=include, exclude=exclude, adapter=adapter, hf_experts=hf_experts,
-                                        max_shard_size=parse_size(max_shard_size, "--max-shard-size"))
+                                        max_shard_size=parse_size(max_shard_size, "max_shard_size"))
     if dequantize:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool import quant
 
@@ -228,8 +230,8 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.reshard(folder, f"{folder}/dp2", dp=2)
-        >>> report.mesh.describe(), sorted(p.name for p in Path(folder, "dp2").iterdir())
+        >>> report = dcptool.reshard(folder, f"{folder}-dp2", dp=2)
+        >>> report.mesh.describe(), sorted(p.name for p in Path(f"{folder}-dp2").iterdir())
         ('2 ranks: dp=2', ['.metadata', '__0_0.distcp', '__1_0.distcp'])
     """
     return _reshard(source, destination, source_format, revision,
@@ -255,13 +257,13 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> dcptool.import_hf(folder, f"{folder}/dcp", dp=2).mesh.world
+        >>> dcptool.import_hf(folder, f"{folder}-dcp", dp=2).mesh.world
         2
     """
     from dcptool import models
 
     if adapter not in models.FAMILIES:
-        raise UsageError(f"--adapter {adapter}: choose one of {', '.join(models.FAMILIES)}")
+        raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.FAMILIES)}")
     return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
                     plan=plan, to="dcp", keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
                     dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
@@ -313,9 +315,9 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     a, b = hub.with_revision(a, b, revision=revision)
     verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
     verification.check_dtype_as(dtype_as)
-    memory = parse_size(max_memory, "--max-memory")
+    memory = parse_size(max_memory, "max_memory")
     if load_on:
-        mesh = parse_mesh(load_on, "--load-on") if isinstance(load_on, str) else dict(load_on)
+        mesh = parse_mesh(load_on, "load_on") if isinstance(load_on, str) else dict(load_on)
         return loadcheck.run(a, mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
                              exclude=exclude)
     if roundtrip:
@@ -365,14 +367,14 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
     path, against = hub.with_revision(path, against, revision=revision)
     if hub.parse(path):  # the hub cache is huggingface_hub's: no manifest is written into it or read from it
         if manifest is None:
-            raise UsageError(f"{path}: a hub repo holds no dcptool manifest: give --manifest FILE")
+            raise UsageError(f"{path}: a hub repo holds no dcptool manifest: give {option('manifest')}")
         if check:
             path = hub.local_path(path)
     with _progress(progress, None, "hashing") as advance:
         return checksums.run(path, write=write, check=check, against=against, manifest=manifest,
                              source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
                              against_prefix=against_prefix, overwrite=overwrite,
-                             max_memory=parse_size(max_memory, "--max-memory"), threads=threads or None,
+                             max_memory=parse_size(max_memory, "max_memory"), threads=threads or None,
                              progress=advance)
 
 
@@ -406,9 +408,10 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
     from dcptool import resharding
 
     destination = output_path(destination)
+    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
+    check_apart(checkpoint.files.location, destination)
     if not dry_run:
         check_destination(destination, overwrite)  # before planning, whose warnings would come first
-    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
     result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter,
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
                                  compress=compress, forms=forms)
@@ -442,6 +445,7 @@ def _run(planned: Conversion, destination, dry_run: bool, progress: Progress | N
     closed after."""
     destination = output_path(destination)
     try:
+        check_apart(planned.checkpoint.files.location, destination)
         if dry_run:
             return planned.dry_run(destination)
         with _progress(progress, planned.total_bytes, _writing_label(destination)) as advance:
@@ -466,4 +470,4 @@ def _writing_label(destination) -> str:
 
 def _writing(max_memory: Size, overwrite: bool, fsync: bool) -> dict[str, Any]:
     """The options of ``conversion.write_checkpoint`` that every writing command takes."""
-    return {"max_memory": parse_size(max_memory, "--max-memory"), "overwrite": overwrite, "fsync": fsync}
+    return {"max_memory": parse_size(max_memory, "max_memory"), "overwrite": overwrite, "fsync": fsync}

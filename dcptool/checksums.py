@@ -31,7 +31,7 @@ import numpy as np
 
 from dcptool import dtypes, formats, transfer
 from dcptool.core import Checkpoint, TensorInfo
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import CheckpointError, UsageError, option
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
 from dcptool.verification import BLOCK, RegionReader, align_families, buffer_size, select_side
@@ -263,7 +263,7 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
     started = time.perf_counter()
     target = manifest_path(path, manifest)
     if is_remote(target):
-        raise UsageError(f"{target}: writing to remote storage is not supported yet; give a local --manifest FILE")
+        raise UsageError(f"{target}: writing to remote storage is not supported yet; give a local {option('manifest')} file")
     checkpoint = formats.open_checkpoint(path, source_format)
     files = checkpoint_files(checkpoint.files, target)
     with atomic_output(target, overwrite, is_dir=False) as temporary:
@@ -296,9 +296,9 @@ def run(path: str | Path, *, write: bool = False, check: bool = False, against: 
     """``dcptool checksum``: one of ``write_manifest`` (``write``), ``check_manifest`` (``check``) and
     ``check_against`` (``against``), refusing options that do not go with the one chosen."""
     if write + check + (against is not None) != 1:
-        raise UsageError("choose one of --write, --check and --against OTHER")
+        raise UsageError(f"choose one of {option('write', True)}, {option('check', True)} and {option('against')}")
     if (prefix or against_prefix) and against is None:
-        raise UsageError("--prefix and --against-prefix go with --against")
+        raise UsageError(f"{option('prefix')} and {option('against_prefix')} go with {option('against')}")
     options = {"max_memory": max_memory, "threads": threads, "progress": progress}
     if write:
         return write_manifest(path, manifest, source_format=source_format, scan_nonfinite=scan_nonfinite,
@@ -326,7 +326,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     """A manifest's contents, refused with one clear line when it is missing or not a dcptool manifest."""
     files = CheckpointFiles(path)
     if not files.single_file:
-        raise CheckpointError(f"{path}: no manifest (write one with dcptool checksum --write)")
+        raise CheckpointError(f"{path}: no manifest (write one first: checksum with {option('write', True)})")
     try:
         data = files.read_all(files.single_file)
     finally:

@@ -27,7 +27,7 @@ from dcptool import adapters, distributed, formats, models, transfer
 from dcptool.selection import (OPTIMIZER_ROOTS, model_part, model_wrapper, optimizer_root, out_tensors,
                                read_config, select)
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 from dcptool.format_interface import Format, Output, OutputRequest
 from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
 
@@ -72,14 +72,14 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     """
     named = select(model_part(checkpoint, prefix), include, exclude)
     if not named:
-        raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with --prefix)")
+        raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with {option('prefix')})")
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts)
     notes = [note] if note else []
     if mapping is not None:
         result = mapping.convert(named)
-        adapters.refuse_unmatched(result.unmatched, mapping, "leave them out with --exclude")
+        adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
         named = {name: entry for name, (entry, _) in result.entries.items()}
         notes += [f"left out {line}" for line in result.dropped]
     for output in models.tied_outputs(config):  # transformers recreates a tied output from the embedding
@@ -107,7 +107,7 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
     entries = {**checkpoint.tensors, **checkpoint.objects}
     if mapping is not None:
         state = adapters.convert_state(mapping, entries, params)
-        adapters.refuse_unmatched(state.unmatched, mapping, "check --adapter and --config-dir")
+        adapters.refuse_unmatched(state.unmatched, mapping, f"check {option('adapter')} and {option('config_dir')}")
         entries = state.entries
         notes += [f"left out {line}" for line in state.dropped] + [f"made {line}" for line in state.made]
     if layout is not None:
@@ -160,7 +160,7 @@ def write_checkpoint(
 def refuse_read_only(fmt: Format) -> None:
     """Refuse an output format dcptool reads but does not write (accelerate's Trainer folders)."""
     if not fmt.writable:
-        raise UsageError(f"--to {fmt.name}: dcptool reads {fmt.name} checkpoints but does not write them")
+        raise UsageError(f"{option('to', fmt.name)}: dcptool reads {fmt.name} checkpoints but does not write them")
 
 
 def _write(checkpoint, destination, fmt: Format, tensors, objects, upload: _Upload | None, *, overwrite, max_memory,
@@ -310,9 +310,10 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     config = hf_config.export_config(config_dir, tensors, dtype)
     if config_dir is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
-                     "give the model's config folder with --config-dir")
+                     f"give the model's config folder with {option('config_dir')}")
     options = {"max_shard_size": max_shard_size, "config_dir": config_dir, "config": config}
-    why = "export-hf writes model weights only" + (", as selected by --include/--exclude" if include or exclude else "")
+    selected = f", as selected by {option('include')}/{option('exclude')}" if include or exclude else ""
+    why = "export-hf writes model weights only" + selected
     return Conversion(checkpoint, "hf", tensors, [], options, notes, why)
 
 

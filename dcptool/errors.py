@@ -17,6 +17,10 @@ that fits it, so that code knowing nothing of dcptool catches it as it would Pyt
 (None otherwise); the message says the same in words. The CLI exits with ``exit_code``: 1 for
 ``MismatchError``, 2 for the others.
 
+A message that names an option names it as the caller gave it: the keyword argument of the Python
+API (``pass overwrite=True to replace it``), or the command line's flag (``pass --overwrite``) while
+the command line runs a command (``option``, ``options_as_flags``).
+
 >>> import dcptool
 >>> try:
 ...     dcptool.open("no-such-step")
@@ -28,6 +32,9 @@ no-such-step | no-such-step: no such file or folder
 from __future__ import annotations
 
 import json
+import shlex
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 
 class DcptoolError(Exception):
@@ -70,6 +77,40 @@ class MismatchError(DcptoolError):
     """A check found a difference (exit code 1)."""
 
     exit_code = 1
+
+
+# Options named in messages: as keyword arguments unless the command line gave its flags.
+_NO_VALUE = object()
+_flags: dict[str, str] = {}  # keyword -> flag, while the command line runs a command
+
+
+def option(name: str, value=_NO_VALUE) -> str:
+    """The option ``name`` (a keyword argument of the API), with ``value`` if given, as a message names it:
+    ``name=value`` in Python, the flag while the command line runs (``options_as_flags``).
+
+    >>> option("max_memory", "12XB"), option("overwrite", True), option("include")
+    ("max_memory='12XB'", 'overwrite=True', 'include')
+    >>> with options_as_flags({"max_memory": "--max-memory", "overwrite": "--overwrite", "include": "--include"}):
+    ...     option("max_memory", "12XB"), option("overwrite", True), option("include", "^model")
+    ('--max-memory 12XB', '--overwrite', "--include '^model'")
+    """
+    flag = _flags.get(name)
+    if flag is None:
+        return name if value is _NO_VALUE else f"{name}={value!r}"
+    return flag if value is _NO_VALUE or value is True else f"{flag} {shlex.quote(str(value))}"
+
+
+@contextmanager
+def options_as_flags(flags: Mapping[str, str]) -> Iterator[None]:
+    """Messages made meanwhile name options by these flags (keyword -> flag), as the command line takes them."""
+    previous = dict(_flags)
+    _flags.clear()
+    _flags.update(flags)
+    try:
+        yield
+    finally:
+        _flags.clear()
+        _flags.update(previous)
 
 
 # Checks of what a file says, shared by the readers: every name and size read from a file goes

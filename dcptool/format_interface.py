@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
 from dcptool.core import Checkpoint, OutObject, OutTensor, Piece
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 from dcptool.selection import out_tensors, select
 from dcptool.storage import CheckpointFiles, OutputFiles
 
@@ -113,8 +113,8 @@ class Format(ABC):
     compressions: ClassVar[tuple[str, ...]] = ()
     # torch's ``dcp.load`` with its ``FileSystemReader`` reads it (``verify --load-on`` runs that load).
     dcp_loadable: ClassVar[bool] = False
-    # The options of ``OutputRequest`` it takes (beyond dtype, include and exclude), each with the flag that sets it.
-    options: ClassVar[dict[str, str]] = {}
+    # The options of ``OutputRequest`` it takes (beyond dtype, include and exclude), by their keyword names.
+    options: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def detect(self, files: CheckpointFiles) -> bool:
@@ -131,7 +131,7 @@ class Format(ABC):
     def writer(self, destination: Path, **writer_options) -> Writer:
         """A writer of this format into ``destination`` (a temporary folder or file, committed later)."""
         if self.writer_class is None:
-            raise UsageError(f"--to {self.name}: dcptool reads {self.name} checkpoints but does not write them")
+            raise UsageError(f"{option('to', self.name)}: dcptool reads {self.name} checkpoints but does not write them")
         return self.writer_class(destination, **writer_options)
 
     def plan_output(self, checkpoint: Checkpoint, request: OutputRequest) -> Output:
@@ -139,10 +139,10 @@ class Format(ABC):
         by ``include`` / ``exclude`` and cast to ``dtype``, with the request's options as writer options."""
         named = select(checkpoint.tensors, request.include, request.exclude)
         if not named:
-            raise UsageError(f"{checkpoint.root}: no tensor matches the --include/--exclude filters")
+            raise UsageError(f"{checkpoint.root}: no tensor matches the {option('include')}/{option('exclude')} filters")
         objects = [OutObject(key, obj.path, obj, checkpoint)
                    for key, obj in select(checkpoint.objects, request.include, request.exclude).items()]
-        why = "not selected by --include/--exclude" if request.include or request.exclude else ""
+        why = f"not selected by {option('include')}/{option('exclude')}" if request.include or request.exclude else ""
         return Output(out_tensors(named, request.dtype, keep_paths=True), objects, self.writer_options(request),
                       why_left_out=why)
 
@@ -161,11 +161,9 @@ class Format(ABC):
             if name in self.options or name == "layout":
                 continue
             takers = [f.name for f in others if name in f.options]
-            flag = next(f.options[name] for f in others if name in f.options) if takers else name
-            if name == "compress" and takers:
-                flag = f"{flag} {value}"
-            raise UsageError(f"{flag} goes with --to {' or '.join(takers)}" if takers else
-                             f"{flag}: no format takes it")
+            given = option(name, value) if name == "compress" else option(name)
+            raise UsageError(f"{given} goes with {' or '.join(option('to', taker) for taker in takers)}" if takers else
+                             f"{given}: no format takes it")
         if request.compress and request.compress not in self.compressions:
-            raise UsageError(f"--compress {request.compress}: --to {self.name} compresses with "
+            raise UsageError(f"{option('compress', request.compress)}: {option('to', self.name)} compresses with "
                              f"{', '.join(self.compressions) or 'nothing'}")

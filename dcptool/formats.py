@@ -25,12 +25,13 @@ import importlib
 import os
 import pkgutil
 import re
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 from dcptool import converters, hub
 from dcptool.core import Checkpoint
-from dcptool.errors import CheckpointError, CheckpointNotFoundError
+from dcptool.errors import CheckpointError, CheckpointNotFoundError, option
 from dcptool.format_interface import Format, OutputRequest
 from dcptool.storage import CheckpointFiles, stale_temporaries
 
@@ -124,33 +125,56 @@ def wrong_path(path: str | Path, files: CheckpointFiles, unrecognized: bool = Fa
     if name and _RANK_FILE.fullmatch(name):
         return f"{where}: one rank's file of an FSDP1 (verl) checkpoint: pass its folder {files.root}"
     if unrecognized and files.local_folder and not name:
-        inside = checkpoints_inside(Path(files.local_folder))
+        inside, unreadable = checkpoints_inside(Path(files.local_folder))
+        left_out = ""
+        if unreadable:
+            named = [f"{file} ({why})" for file, why in sorted(unreadable.items())]
+            left_out = f"{len(named)} checkpoint file{'s' if len(named) > 1 else ''} that cannot be read: {_shown(named)}"
+        if len(inside) == 1:
+            return (f"{where}: a folder holding 1 checkpoint, not a checkpoint: pass {files.root / inside[0]}"
+                    + (f"; left out, {left_out}" if left_out else ""))
         if inside:
-            shown = ", ".join(inside[:SHOWN_INSIDE]) + (f" and {len(inside) - SHOWN_INSIDE} more" if len(inside) > SHOWN_INSIDE else "")
-            if len(inside) == 1:
-                return f"{where}: a folder holding 1 checkpoint, not a checkpoint: pass {files.root / inside[0]}"
-            return f"{where}: a folder holding {len(inside)} checkpoints, not a checkpoint: pass one of them (newest first): {shown}"
+            return (f"{where}: a folder holding {len(inside)} checkpoints, not a checkpoint: pass one of them "
+                    f"(newest first): {_shown(inside)}" + (f"; left out, {left_out}" if left_out else ""))
+        if left_out:
+            return f"{where}: a folder, not a checkpoint; it holds {left_out}"
     return None
 
 
-def checkpoints_inside(folder: Path) -> list[str]:
-    """Checkpoints in ``folder``, one or two levels down (``step-200``, ``global_step_10/actor``), newest first.
+def _shown(names: list[str]) -> str:
+    extra = len(names) - SHOWN_INSIDE
+    return ", ".join(names[:SHOWN_INSIDE]) + (f" and {extra} more" if extra > 0 else "")
+
+
+def checkpoints_inside(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """Checkpoints in ``folder``, one or two levels down (``step-200``, ``global_step_10/actor``), newest first;
+    and the checkpoint files there that cannot be read (a torch.save file cut short), each with what is wrong.
 
     Newest is the largest step number in the name when every name has one, else the latest modified.
     """
-    found = []
-    for entry in _entries(folder):
-        if _is_checkpoint(entry):
-            found.append(entry.name)
-        elif entry.is_dir():
-            found += [f"{entry.name}/{inner.name}" for inner in _entries(Path(entry.path)) if _is_checkpoint(inner)]
+    found, unreadable = [], {}
+    for entry, name in _candidates(folder):
+        problem = _unreadable(entry)
+        if problem is None:
+            found.append(name)
+        else:
+            unreadable[name] = problem
 
     def step(name: str) -> int:
         return int(_NUMBER.findall(name.split("/")[0])[-1])
 
     if all(_NUMBER.search(name.split("/")[0]) for name in found):
-        return sorted(found, key=lambda name: (step(name), name), reverse=True)
-    return sorted(found, key=lambda name: os.path.getmtime(folder / name), reverse=True)
+        return sorted(found, key=lambda name: (step(name), name), reverse=True), unreadable
+    return sorted(found, key=lambda name: os.path.getmtime(folder / name), reverse=True), unreadable
+
+
+def _candidates(folder: Path) -> Iterator[tuple[os.DirEntry, str]]:
+    """What looks like a checkpoint in ``folder``, one or two levels down, with its name there."""
+    for entry in _entries(folder):
+        if _is_checkpoint(entry):
+            yield entry, entry.name
+        elif entry.is_dir():
+            yield from ((inner, f"{entry.name}/{inner.name}") for inner in _entries(Path(entry.path)) if _is_checkpoint(inner))
 
 
 def _entries(folder: Path) -> list[os.DirEntry]:
@@ -168,6 +192,23 @@ def _is_checkpoint(entry: os.DirEntry) -> bool:
     return entry.name.endswith((".pt", ".pth")) and not _RANK_FILE.fullmatch(entry.name)
 
 
+def _unreadable(entry: os.DirEntry) -> str | None:
+    """What is wrong with a checkpoint that is one file (read whole: its pickle, not its tensors); None when it reads.
+
+    A folder is judged by its file names only: reading it is what the command given it does.
+    """
+    if entry.is_dir():
+        return None
+    files = CheckpointFiles(entry.path)
+    try:
+        get(_format_of(files)).read(files)
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{files.location}: ")
+    finally:
+        files.close()
+    return None
+
+
 def _format_of(files: CheckpointFiles) -> str:
     found = [name for name, module in all_formats().items() if module.detect(files)]
     if len(found) == 1:
@@ -180,4 +221,4 @@ def _format_of(files: CheckpointFiles) -> str:
         left = (f"; it holds {len(stale)} temporaries of dcptool runs that died ({', '.join(stale[:3])}"
                 f"{' ...' if len(stale) > 3 else ''}), which the next run writing there removes") if stale else ""
         raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())}){left}")
-    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with --from")
+    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with {option('source_format')}")

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcptool.errors import DcptoolError, UsageError
+from dcptool.errors import DcptoolError, UsageError, option
 
 SCHEME = "hf://"
 # What dcptool reads of a model repo: its weights, their index, and what an export copies beside them.
@@ -78,11 +78,11 @@ def with_revision(*sources: str | None, revision: str | None) -> list[str | None
         return list(sources)
     repos = [parse(source) for source in sources]
     if not any(repos):
-        raise UsageError(f"--revision {revision} goes with a hub repo (ORG/NAME or hf://ORG/NAME), and "
+        raise UsageError(f"{option('revision', revision)} goes with a hub repo (ORG/NAME or hf://ORG/NAME), and "
                          f"{' and '.join(s for s in sources if s)} is not one (a local path wins over a repo id)")
     for source, repo in zip(sources, repos):
         if repo and repo.revision and repo.revision != revision:
-            raise UsageError(f"{source}: a revision is given twice (@{repo.revision} and --revision {revision})")
+            raise UsageError(f"{source}: a revision is given twice (@{repo.revision} and {option('revision', revision)})")
     return [f"{SCHEME}{repo.repo_id}@{revision}" if repo else source for source, repo in zip(sources, repos)]
 
 
@@ -183,7 +183,7 @@ def push(folder: Path, repo_id: str, *, private: bool = False, revision: str | N
 def check_repo_id(repo_id: str) -> None:
     """Refuse a --push-to-hub name that the hub cannot hold, before any work is done."""
     if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id:
-        raise UsageError(f"--push-to-hub {repo_id}: give the repo as ORG/NAME (letters, digits, '-', '_', '.')")
+        raise UsageError(f"{option('push_to_hub', repo_id)}: give the repo as ORG/NAME (letters, digits, '-', '_', '.')")
 
 
 def check_can_push() -> None:
@@ -191,9 +191,9 @@ def check_can_push() -> None:
     from huggingface_hub import constants, get_token
 
     if constants.HF_HUB_OFFLINE:
-        raise UsageError("--push-to-hub needs the network, and HF_HUB_OFFLINE=1 is set: unset it")
+        raise UsageError(f"{option('push_to_hub')} needs the network, and HF_HUB_OFFLINE=1 is set: unset it")
     if get_token() is None:
-        raise UsageError("--push-to-hub: no Hugging Face token: log in with `hf auth login` or set HF_TOKEN")
+        raise UsageError(f"{option('push_to_hub')}: no Hugging Face token: log in with `hf auth login` or set HF_TOKEN")
 
 
 @contextmanager

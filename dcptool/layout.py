@@ -22,7 +22,7 @@ from typing import Any
 
 from dcptool import selection
 from dcptool.core import Checkpoint, TensorInfo
-from dcptool.errors import UsageError, counted
+from dcptool.errors import UsageError, counted, option
 from dcptool.mesh import Axis, Mesh, local_chunk, parse_mesh, spec_str
 from dcptool.storage import atomic_output, is_remote
 
@@ -138,7 +138,7 @@ def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
 def planned_layout(checkpoint: Checkpoint, key: str, mesh_text: str, plan: str = "auto") -> Layout:
     """The blocks of ``key`` as ``reshard`` lays them out on the mesh ``dp=2,tp=4`` (dcp.save's choice of
     the storing rank among the holders included)."""
-    sizes = parse_mesh(mesh_text, "--mesh")
+    sizes = parse_mesh(mesh_text, "mesh")
     tensor = _tensor(checkpoint, key)
     planned, result = _planned_spec(checkpoint, key, {"world_size": None} | sizes, plan)
     mesh = result.mesh
@@ -291,7 +291,7 @@ def svg(layout: Layout, width: int = 640) -> str:
 def write_svg(layout: Layout, path: Path) -> None:
     """Write ``svg(layout)`` to ``path`` atomically; an existing file there is replaced (a picture is remade at will)."""
     if is_remote(path):
-        raise UsageError(f"--svg {path}: give a local file")
+        raise UsageError(f"{option('svg', path)}: give a local file")
     with atomic_output(Path(path), overwrite=True, is_dir=False) as temporary:
         temporary.write_text(svg(layout))
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 
 
 @dataclass
@@ -78,9 +78,9 @@ def check_runnable(checkpoint: str | Path) -> None:
     from dcptool.storage import is_remote
 
     if importlib.util.find_spec("torch") is None:  # torch is the extra dcptool[torch]
-        raise UsageError("--load-on needs torch: pip install 'dcptool[torch]'")
+        raise UsageError(f"{option('load_on')} needs torch: pip install 'dcptool[torch]'")
     if is_remote(checkpoint):
-        raise UsageError(f"{checkpoint}: --load-on runs torch's dcp.load on a local folder; copy the checkpoint here first")
+        raise UsageError(f"{checkpoint}: {option('load_on')} runs torch's dcp.load on a local folder; copy the checkpoint here first")
 
 
 def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None, backend: str = "auto",
@@ -93,7 +93,7 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
     checkpoint = Path(checkpoint)
     source = formats.open_checkpoint(checkpoint)
     if not formats.get(source.format).dcp_loadable:
-        raise UsageError(f"{checkpoint}: --load-on loads DCP checkpoints with dcp.load (this is {source.format})")
+        raise UsageError(f"{checkpoint}: {option('load_on')} loads DCP checkpoints with dcp.load (this is {source.format})")
     world = nproc or None
     planned = prepare(source, {**mesh_options, "world_size": world}, plan)
     raise_problems(planned)  # bad meshes are refused before any process starts

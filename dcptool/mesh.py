@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,17 @@ class Mesh:
         """Refuse meshes no job can build (torchtitan's and AReaL Archon's rules), naming the setting."""
         for name in ("dp", "tp", "ep", "etp", "cp", "dp_replicate"):
             if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
+                raise UsageError(f"{option(name, getattr(self, name))}: must be at least 1")
         if self.etp not in (1, self.tp):
-            raise UsageError(f"--etp {self.etp}: must be 1 or equal to --tp ({self.tp})")
+            raise UsageError(f"{option('etp', self.etp)}: must be 1 or equal to {option('tp')} ({self.tp})")
         if self.ep == 1:
             return
         if self.etp == self.tp:
             if self.ep % self.cp or self.fsdp % self.ep:
-                raise UsageError(f"--ep {self.ep} with --etp {self.etp}: ep must be a multiple of cp ({self.cp}) "
+                raise UsageError(f"{option('ep', self.ep)} with {option('etp', self.etp)}: ep must be a multiple of cp ({self.cp}) "
                                  f"and divide dp*cp ({self.fsdp}), the ranks it borrows")
         elif self.ep % (self.cp * self.tp) or (self.fsdp * self.tp) % self.ep:
-            raise UsageError(f"--ep {self.ep} with --etp 1: ep must be a multiple of cp*tp ({self.cp * self.tp}) "
+            raise UsageError(f"{option('ep', self.ep)} with {option('etp', 1)}: ep must be a multiple of cp*tp ({self.cp * self.tp}) "
                              f"and divide dp*cp*tp ({self.fsdp * self.tp}), the ranks it borrows")
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -125,24 +125,24 @@ class Mesh:
 SIZE_NAMES = tuple(f.name for f in fields(Mesh))  # what mesh text may set: dp, tp, ep, etp, cp, dp_replicate
 
 
-def parse_mesh(text: str, option: str) -> dict[str, int]:
+def parse_mesh(text: str, keyword: str) -> dict[str, int]:
     """The sizes set by mesh text such as ``dp=2,tp=2,ep=2,etp=tp`` (``etp=tp``: the same size as tp).
 
-    ``option`` is the flag the text came with (``--load-on``, ``--mesh``); text that is not sizes is
+    ``keyword`` is the option the text came with (``load_on``, ``mesh``); text that is not sizes is
     refused naming it.
 
-    >>> parse_mesh("dp=2, tp=4, etp=tp", "--mesh")
+    >>> parse_mesh("dp=2, tp=4, etp=tp", "mesh")
     {'dp': 2, 'tp': 4, 'etp': 4}
-    >>> parse_mesh("dp=2,pp=2", "--load-on")
+    >>> parse_mesh("dp=2,pp=2", "load_on")
     Traceback (most recent call last):
-    dcptool.errors.UsageError: --load-on 'dp=2,pp=2': give sizes as name=N with names dp, tp, ep, etp, cp, dp_replicate
+    dcptool.errors.UsageError: load_on='dp=2,pp=2': give sizes as name=N with names dp, tp, ep, etp, cp, dp_replicate
     """
     sizes: dict[str, int | str] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
         name = name.strip().replace("-", "_")
         if name not in SIZE_NAMES or not (value.isdigit() or (name == "etp" and value == "tp")):
-            raise UsageError(f"{option} {text!r}: give sizes as name=N with names {', '.join(SIZE_NAMES)}")
+            raise UsageError(f"{option(keyword, text)}: give sizes as name=N with names {', '.join(SIZE_NAMES)}")
         sizes[name] = value if value == "tp" else int(value)
     if sizes.get("etp") == "tp":
         sizes["etp"] = sizes.get("tp", 1)

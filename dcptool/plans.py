@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dcptool import models
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 
 TP_STYLES = ("colwise", "rowwise", "replicate")
 
@@ -123,7 +123,7 @@ def choose(spec: str, names: list[str]) -> Plan:
             return BUILTIN[spec]
         path = Path(spec)
         if not path.is_file():
-            raise UsageError(f"--plan {spec}: neither a built-in plan ({', '.join(BUILTIN)}, auto) nor a file")
+            raise UsageError(f"{option('plan', spec)}: neither a built-in plan ({', '.join(BUILTIN)}, auto) nor a file")
         plan = load_plan_file(path)
         unmatched = [r.match for r in plan.rules if not any(r.pattern.search(n) for n in names)]
         if len(unmatched) == len(plan.rules):

@@ -24,7 +24,7 @@ import numpy as np
 
 from dcptool import dtypes
 from dcptool.core import Checkpoint, TensorInfo
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 
@@ -68,7 +68,7 @@ def block_size(config: dict | None, where: str) -> tuple[int, int]:
     quantization = (config or {}).get("quantization_config")
     block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
     if block is None:
-        raise UsageError(f"{where}: --dequantize needs quantization_config.weight_block_size in config.json "
+        raise UsageError(f"{where}: {option('dequantize', True)} needs quantization_config.weight_block_size in config.json "
                          "(the block size of the weight_scale_inv scales)")
     if not (isinstance(block, list) and len(block) == 2 and all(type(n) is int and n > 0 for n in block)):
         raise UsageError(f"{where}: quantization_config.weight_block_size is {block!r}, not two positive integers")
@@ -86,12 +86,12 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
     pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()
              if t.dtype in dtypes.FLOAT8 and key + SCALE_SUFFIX in checkpoint.tensors}
     if not pairs:
-        return checkpoint, [f"--dequantize: no float8 weight with a {SCALE_SUFFIX} scale; nothing dequantized"]
+        return checkpoint, [f"{option('dequantize', True)}: no float8 weight with a {SCALE_SUFFIX} scale; nothing dequantized"]
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     where = f"{config_dir}/config.json" if config_dir is not None else str(checkpoint.root)
     if config_dir is None:
-        raise UsageError(f"{checkpoint.root}: --dequantize needs the model's config.json (its quantization_config): "
-                         "give its folder with --config-dir")
+        raise UsageError(f"{checkpoint.root}: {option('dequantize', True)} needs the model's config.json (its "
+                         f"quantization_config): give its folder with {option('config_dir')}")
     block = block_size(read_config(config_dir), where)
     tensors = dict(checkpoint.tensors)
     for key, scale in pairs.items():
@@ -104,7 +104,7 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
         tensors[key] = dataclasses.replace(weight, dtype=dtype, transform=BlockDequant(weight, scale, block, dtype))
     left = [k for k, t in tensors.items() if t.dtype in dtypes.FLOAT8]
     notes = [f"dequantized {len(pairs)} float8 weights to {dtype} (blocks of {block[0]}x{block[1]})",
-             f"left out {len(pairs)} {SCALE_SUFFIX} scales: folded into their weights by --dequantize"]
+             f"left out {len(pairs)} {SCALE_SUFFIX} scales: folded into their weights by {option('dequantize', True)}"]
     if left:
         notes.append(f"kept {len(left)} float8 tensors that have no {SCALE_SUFFIX} scale as they are: {left[0]}, ...")
     info = checkpoint.info | {"dequantized": True}

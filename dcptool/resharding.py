@@ -24,7 +24,7 @@ import numpy as np
 from dcptool import dtypes, formats, models, plans
 from dcptool.conversion import Conversion, Report, adapted
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
-from dcptool.errors import UsageError, counted
+from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
 from dcptool.selection import config_beside, model_part, read_config
@@ -116,7 +116,7 @@ def mesh_options(dp: int | None = None, tp: int = 1, ep: int = 1, etp: int | str
                  dp_replicate: int = 1, world_size: int | None = None) -> dict:
     """The mesh sizes as ``resolve_mesh`` takes them; ``etp="tp"`` means the tp degree."""
     if etp != "tp" and not str(etp).isdigit():
-        raise UsageError(f"--etp {etp}: give 1 or tp")
+        raise UsageError(f"{option('etp', etp)}: give 1 or tp")
     return {"dp": dp, "tp": tp, "ep": ep, "etp": tp if etp == "tp" else int(etp), "cp": cp,
             "dp_replicate": dp_replicate, "world_size": world_size}
 
@@ -129,14 +129,14 @@ def resolve_mesh(checkpoint: Checkpoint, dp=None, tp=1, ep=1, etp=1, cp=1, dp_re
         if world is None:
             dp = 1
         elif world % others:
-            source = "--world-size" if world_size else f"the source's world size ({world} ranks)"
-            raise UsageError(f"dp_replicate*cp*tp = {others} does not divide {source}; give --dp")
+            source = option("world_size") if world_size else f"the source's world size ({world} ranks)"
+            raise UsageError(f"dp_replicate*cp*tp = {others} does not divide {source}; give {option('dp')}")
         else:
             dp = world // others
     mesh = Mesh(dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate)
     mesh.check()
     if world_size and mesh.world != world_size:
-        raise UsageError(f"--world-size {world_size} != dp_replicate*dp*cp*tp = {mesh.world} ({mesh.describe()})")
+        raise UsageError(f"{option('world_size', world_size)} != dp_replicate*dp*cp*tp = {mesh.world} ({mesh.describe()})")
     return mesh
 
 
@@ -229,7 +229,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
                             "they describe the source job's ranks")
         else:
             warnings.append(f"dropped {counted(len(rank_state), 'entry', 'entries')} of single data-parallel ranks ({shown}): they "
-                            "cannot be resharded; --keep-rank-state keeps them as saved")
+                            f"cannot be resharded; {option('keep_rank_state', True)} keeps them as saved")
             tensors = [t for t in tensors if not is_rank_state(t.key)]
             objects = [o for o in objects if not is_rank_state(o.key)]
 
@@ -261,10 +261,10 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     problems += head_problems([layout for layout in layouts if layout.tensor.source.key in name_of], mesh, config,
                               config_path, {name: info.shape for name, info in params.items()})
     if mesh.ep > 1 and not any(a.name == "ep" for layout in layouts for a in layout.spec):
-        problems.append(f"--ep {mesh.ep}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
+        problems.append(f"{option('ep', mesh.ep)}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
     if mesh.tp > 1 and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
-        problems.append(f"--tp {mesh.tp}: plan {plan.name!r} splits no tensor of this checkpoint; "
-                        "choose a plan with --plan")
+        problems.append(f"{option('tp', mesh.tp)}: plan {plan.name!r} splits no tensor of this checkpoint; "
+                        f"choose a plan with {option('plan')}")
     # Optimizer state repeats its parameter's problem: report each once.
     return ReshardPlan(checkpoint, mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
 
@@ -275,7 +275,7 @@ def _config_problems(config: dict | None, path, mesh: Mesh, *settings: str) -> l
     for setting, name, count, what in models.parallel_divisors(config) if config else ():
         size = getattr(mesh, setting)
         if setting in settings and count % size:
-            problems.append(f"--{setting} {size} does not divide the {count} {what} ({name} in {path})")
+            problems.append(f"{option(setting, size)} does not divide the {count} {what} ({name} in {path})")
     return problems
 
 
@@ -311,13 +311,13 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
     for (what, count, source), keys in found.items():
         more = f" (and {counted(len(keys) - 1, 'more weight')} like it)" if len(keys) > 1 else ""
         if count is None:
-            problems.append(f"{keys[0]}{more}: --tp {mesh.tp} splits its {what}, and neither a config.json nor the "
-                            "tensors give their number, so the split may cut a head: give --config-dir (the "
-                            "model's config.json)")
+            problems.append(f"{keys[0]}{more}: {option('tp', mesh.tp)} splits its {what}, and neither a config.json "
+                            "nor the tensors give their number, so the split may cut a head: give "
+                            f"{option('config_dir')} (the model's config.json)")
         else:
-            problems.append(f"{keys[0]}{more}: --tp {mesh.tp} does not divide the {count} {what} ({source}), so "
-                            f"tp ranks would hold parts of a head: give a --tp that divides {count}, or a --plan "
-                            "file whose rule keeps it whole (tp: replicate)")
+            problems.append(f"{keys[0]}{more}: {option('tp', mesh.tp)} does not divide the {count} {what} ({source}), "
+                            f"so tp ranks would hold parts of a head: give a {option('tp')} that divides {count}, "
+                            f"or a {option('plan')} file whose rule keeps it whole (tp: replicate)")
     if not attention:  # attention under names no table knows: the config's counts still hold
         problems += _config_problems(config, config_path, mesh, "tp")
     return problems
@@ -338,7 +338,7 @@ def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, 
     fmt = formats.get(to)
     if fmt.layout is Layout.NONE:
         laid_out = [f.name for f in formats.all_formats().values() if f.writable and f.layout is not Layout.NONE]
-        raise UsageError(f"--to {to}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
+        raise UsageError(f"{option('to', to)}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
     request = OutputRequest(dtype=dtype, compress=compress, keep_rank_state=keep_rank_state, forms=dict(forms or {}))
     formats.check_request(fmt, OutputRequest(compress=compress, forms=request.forms))
     checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
@@ -360,8 +360,8 @@ def _plan_data_parallel(checkpoint: Checkpoint, fmt, mesh: Mesh, request: Output
     """A format of per-rank data-parallel files plans its own ranks: the mesh must be data parallel only."""
     if mesh.world != mesh.dp:
         laid_out = [f.name for f in formats.all_formats().values() if f.layout is Layout.MESH and f.writable]
-        raise UsageError(f"--to {fmt.name} holds data-parallel shards only; {mesh.describe()} needs --to "
-                         f"{' or '.join(laid_out)}")
+        raise UsageError(f"{option('to', fmt.name)} holds data-parallel shards only; {mesh.describe()} needs "
+                         f"{' or '.join(option('to', name) for name in laid_out)}")
     request.world_size = mesh.world
     output = fmt.plan_output(checkpoint, request)
     result = ReshardPlan(checkpoint, mesh, None, [], output.objects, [])
@@ -385,7 +385,7 @@ def write_plan(result: ReshardPlan, destination, **options) -> ReshardReport:
 
 def raise_problems(result: ReshardPlan) -> None:
     if result.problems:
-        more = f" (and {len(result.problems) - 1} more problems; --dry-run lists them)" if len(result.problems) > 1 else ""
+        more = f" (and {len(result.problems) - 1} more problems; {option('dry_run', True)} lists them)" if len(result.problems) > 1 else ""
         raise UsageError(result.problems[0] + more)
 
 

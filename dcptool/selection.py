@@ -20,7 +20,7 @@ from typing import Any
 
 from dcptool import dtypes
 from dcptool.core import Checkpoint, OutTensor, TensorInfo, join_path
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles, is_remote
 
 # Wrappers under which checkpoints nest the model, tried in order; the first that holds tensors is the model part.
@@ -84,7 +84,7 @@ def select(names: dict[str, Any], include: str | None, exclude: str | None) -> d
 def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: bool) -> list[OutTensor]:
     """Output tensors; ``dtype`` casts floating-point tensors only (integer state such as steps stays)."""
     if dtype and dtype not in dtypes.CASTABLE:
-        raise UsageError(f"--dtype {dtype}: choose {', '.join(dtypes.CASTABLE)}")
+        raise UsageError(f"{option('dtype', dtype)}: choose {', '.join(dtypes.CASTABLE)}")
     result = []
     for key, tensor in named.items():
         target = dtype if dtype and tensor.dtype in dtypes.CASTABLE else tensor.dtype
@@ -97,7 +97,7 @@ def read_config(config_dir: str | Path) -> dict:
     """The ``config.json`` of a model folder (a path or a URL); a missing or broken file is a usage error naming it."""
     files = CheckpointFiles(config_dir)
     if not files.is_file("config.json"):
-        raise UsageError(f"{config_dir}: no config.json (--config-dir must hold the model's Hugging Face config)")
+        raise UsageError(f"{config_dir}: no config.json ({option('config_dir')} must hold the model's Hugging Face config)")
     text = files.read_all("config.json")  # outside the try: its CheckpointError is a ValueError too
     try:
         return json.loads(text)

@@ -32,7 +32,7 @@ import numpy as np
 
 from dcptool import dtypes, models, selection, transfer
 from dcptool.core import Checkpoint, TensorInfo
-from dcptool.errors import CheckpointError, UsageError
+from dcptool.errors import CheckpointError, UsageError, option
 from dcptool.sizes import check_memory_budget
 
 # The readers (dcptool.verification) and blake3 are imported by ``compute`` alone: plain inspect, which uses
@@ -371,7 +371,7 @@ def included(entries: dict[str, Any], pattern: str | None) -> dict[str, Any]:
     try:
         return selection.select(entries, pattern, None)
     except re.error as exc:
-        raise UsageError(f"--include {pattern!r}: not a regular expression ({exc})") from None
+        raise UsageError(f"{option('include', pattern)}: not a regular expression ({exc})") from None
 
 
 STATS_HEADER = ("key", "min", "max", "mean", "std", "l2", "zeros", "nan", "inf")

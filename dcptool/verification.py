@@ -31,7 +31,7 @@ import numpy as np
 
 from dcptool import adapters, conversion, dtypes, formats, models, selection, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
-from dcptool.errors import CheckpointError, UsageError, counted, printable
+from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import split_object
@@ -141,7 +141,7 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     config = selection.read_config(config_dir) if config_dir is not None else None
     mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config)
     result = mapping.convert(params_b)
-    adapters.refuse_unmatched(result.unmatched, mapping, "check --adapter-a / --adapter-b")
+    adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('adapter_a')} / {option('adapter_b')}")
     mapped = {name: entry for name, (entry, _) in result.entries.items()}
     # A's tensors that B's family has no place for (Qwen3-MoE's expert_bias in HF names) cannot be in B.
     no_place = adapters.Mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
@@ -209,7 +209,7 @@ class Report:
             mode += f" after casting {'A' if self.dtype_as == 'b' else 'B'} to {self.dtype_as.upper()}'s dtypes"
         what = (f"{counted(self.tensors, 'tensor')} ({self.bytes:,} bytes) compared {mode}, "
                 f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}")
-        layout = f"layout differs: {self.layout}" + (" (--values-only)" if self.values_only else "") if self.layout else ""
+        layout = f"layout differs: {self.layout}" + (f" ({option('values_only')})" if self.values_only else "") if self.layout else ""
         if not self.differences:
             return f"values equal; {layout}: {what}" if layout else f"equal: {what}"
         kinds: dict[str, int] = {}
@@ -239,7 +239,7 @@ def check_dtype_as(dtype_as: str | None) -> str | None:
     if dtype_as is None:
         return None
     if str(dtype_as).lower() not in ("a", "b"):
-        raise UsageError(f"--dtype-as {printable(str(dtype_as), 20)}: choose A or B (the side whose dtypes the other is cast to)")
+        raise UsageError(f"{option('dtype_as', printable(str(dtype_as), 20))}: choose A or B (the side whose dtypes the other is cast to)")
     return str(dtype_as).lower()
 
 
@@ -248,12 +248,13 @@ def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: str | 
     """Refuse what ``dcptool verify`` cannot do together: A against B, A's round trip, or A's load on a mesh."""
     if load_on:
         if b is not None or roundtrip:
-            raise UsageError("--load-on checks A alone: give no B or --roundtrip")
+            raise UsageError(f"{option('load_on')} checks A alone: give no B or {option('roundtrip')}")
     elif roundtrip:
         if b is not None or prefix_a or prefix_b or from_b:
-            raise UsageError("--roundtrip compares A with its own round trip: give no B, --prefix-a/-b or --from-b")
+            raise UsageError(f"{option('roundtrip')} compares A with its own round trip: give no B, {option('prefix_a')}, "
+                             f"{option('prefix_b')} or {option('from_b')}")
     elif b is None:
-        raise UsageError("give the checkpoint B to compare A with, or --roundtrip FORMAT")
+        raise UsageError(f"give the checkpoint B to compare A with, or {option('roundtrip')}")
 
 
 @dataclass
@@ -372,7 +373,7 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     else:
         pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
                             *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]
-        pairing.left_out_why = "outside --prefix-a/--prefix-b" if pairing.left_out else None
+        pairing.left_out_why = f"outside {option('prefix_a')}/{option('prefix_b')}" if pairing.left_out else None
     pairing.a, pairing.b, pairing.note = align_families(pairing.a, pairing.b, family_a, family_b, include, exclude)
     if pairing.note and not pairing.left_out:  # across families only the model weights are compared
         pairing.left_out = [*_outside_model(checkpoint_a), *_outside_model(checkpoint_b)]
@@ -431,8 +432,9 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
             cast_to = None
             if {dtype_a, dtype_b} <= set(dtypes.CASTABLE):  # cast the wider to the narrower: exact where they agree
                 cast_to = "a" if dtypes.dtype(dtype_a).itemsize < dtypes.dtype(dtype_b).itemsize else "b"
-            hint = f" (--dtype-as {cast_to.upper()} or --atol/--rtol compare the values)" if cast_to else \
-                " (--atol/--rtol compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
+            tolerances = f"{option('atol')}/{option('rtol')}"
+            hint = f" ({option('dtype_as', cast_to.upper())} or {tolerances} compare the values)" if cast_to else \
+                f" ({tolerances} compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
             report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}", cast_to=cast_to))
         elif tensor_a.shape != tensor_b.shape:
             report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))

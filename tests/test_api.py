@@ -3,6 +3,7 @@ verifies and checksums of a real gloo DCP save checked against the job's own ten
 
 import doctest
 import importlib
+import json
 import pkgutil
 import subprocess
 import sys
@@ -43,6 +44,22 @@ def test_import_is_cheap_and_never_imports_torch():
             "names = [getattr(dcptool, n) for n in dcptool.__all__]; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_dir_and_star_import_list_every_entry_point_before_it_is_loaded():
+    """``dir(dcptool)`` and ``from dcptool import *`` name every function of dcptool.api and every error,
+    in a process where none of them has been loaded yet."""
+    code = ("import json, sys, dcptool; listed = dir(dcptool); loaded = 'dcptool.api' in sys.modules; "
+            "names = {}; exec('from dcptool import *', names); "
+            "print(json.dumps([listed, loaded, sorted(n for n in names if n != '__builtins__'), dcptool.__all__]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    listed, loaded, star, exported = json.loads(result.stdout)
+    errors = [name for name, value in vars(dcptool.errors).items()
+              if isinstance(value, type) and issubclass(value, dcptool.DcptoolError)]
+    assert not loaded
+    assert {"open", "verify"} <= set(api.__all__) and set(api.__all__) | {"api"} | set(errors) == set(exported)
+    assert set(exported) <= set(listed) and sorted(exported) == star
+    assert all(getattr(dcptool, name) is getattr(api, name) for name in api.__all__)
 
 
 def test_open_and_read_regions_of_a_gloo_save(checkpoints):
@@ -92,7 +109,7 @@ def test_bad_keys_and_regions_are_usage_errors_naming_the_checkpoint(tmp_path, c
         dcptool.open(tmp_path / "missing")
     with pytest.raises(UsageError, match="give the checkpoint B"):
         dcptool.verify(path)
-    with pytest.raises(UsageError, match="--dtype int8"):
+    with pytest.raises(UsageError, match="dtype='int8'"):
         dcptool.convert(path, tmp_path / "x.pt", to="torch", dtype="int8")
     assert not (tmp_path / "x.pt").exists()
 

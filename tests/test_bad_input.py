@@ -127,6 +127,73 @@ def test_not_a_checkpoint(tmp_path):
     assert result.returncode == 2 and "not a checkpoint" in result.stderr
 
 
+@pytest.mark.parametrize("kept, suffix", [(kept, suffix) for kept in ("half", "first record", "10 bytes", "nothing")
+                                          for suffix in (".pt", ".bin", "") if suffix or kept != "nothing"])
+def test_a_torch_save_file_cut_short_says_what_is_wrong(tmp_path, kept, suffix):
+    """Cut short, a torch.save file is still recognized (by its suffix, or the zip header it starts with),
+    and the reader says what is wrong, as with --from torch."""
+    whole = tmp_path / "whole.pt"
+    torch.save({"w": torch.arange(4096.0), "b": torch.ones(8)}, whole)
+    data = whole.read_bytes()
+    length = {"half": len(data) // 2, "first record": 200, "10 bytes": 10, "nothing": 0}[kept]
+    cut = tmp_path / f"cut{suffix}"
+    cut.write_bytes(data[:length])
+    with pytest.raises((RuntimeError, EOFError, OSError)):  # torch's own loader fails on it
+        torch.load(cut, weights_only=True)
+    line = refused(cut, names=str(cut), tmp_path=tmp_path)
+    assert "end of central directory" in line and "recognizes" not in line, line
+    assert line == refused(cut, "--from", "torch", names=str(cut), tmp_path=tmp_path)
+
+
+def test_a_folder_of_checkpoints_leaves_out_the_files_that_cannot_be_read(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (1, 2, 3):
+        torch.save({"w": torch.full((64,), float(step))}, run / f"step-{step}.pt")
+    (run / "step-3.pt").write_bytes((run / "step-3.pt").read_bytes()[:100])
+    result = dcptool("inspect", run, check=False)
+    [line] = result.stderr.splitlines()
+    assert result.returncode == 2 and "a folder holding 2 checkpoints" in line, line
+    assert "newest first): step-2.pt, step-1.pt;" in line and "step-3.pt (" in line.split(";")[1], line
+    assert "end of central directory" in line, line
+
+    only = tmp_path / "only"
+    only.mkdir()
+    shutil.move(run / "step-3.pt", only / "step-3.pt")
+    result = dcptool("inspect", only, check=False)
+    [line] = result.stderr.splitlines()
+    assert result.returncode == 2 and "cannot be read: step-3.pt (" in line and "pass" not in line, line
+
+    (run / "step-1.pt").unlink()
+    result = dcptool("inspect", run, check=False)
+    assert result.returncode == 2 and result.stderr.strip().endswith(f"pass {run / 'step-2.pt'}"), result.stderr
+
+
+def test_an_output_inside_its_source_or_holding_it_is_refused(small_dcp, tmp_path):
+    """Every command that writes: exit 2, one line naming both, the source unchanged and nothing added to it."""
+    hf = tmp_path / "hf"
+    dcptool("export-hf", small_dcp, hf)
+    (tmp_path / "link").symlink_to(small_dcp)
+    source_files = lambda: {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}  # noqa: E731
+    before = source_files()
+    runs = [(["convert", small_dcp, small_dcp / "inner", "--to", "dcp"], "inside the source checkpoint"),
+            (["convert", small_dcp, small_dcp / "model.pt", "--to", "torch", "--dry-run"], "inside the source checkpoint"),
+            (["reshard", small_dcp, small_dcp / "inner", "--dp", "2"], "inside the source checkpoint"),
+            (["reshard", small_dcp, small_dcp, "--dp", "2", "--overwrite"], "is the source checkpoint itself"),
+            (["reshard", small_dcp, tmp_path, "--dp", "2", "--overwrite"], "holds the source checkpoint"),
+            (["export-hf", tmp_path / "link", small_dcp / "hf"], "inside the source checkpoint"),
+            (["import-hf", hf, hf / "dcp"], "inside the source checkpoint"),
+            (["inspect", small_dcp, "--layout", "model.w", "--svg", small_dcp / "w.svg"], "inside the source checkpoint")]
+    for args, why in runs:
+        result = dcptool(*args, check=False)
+        [line] = result.stderr.splitlines()
+        assert result.returncode == 2 and why in line, (args, line)
+        assert line.startswith(f"dcptool: error: {args[2] if args[0] != 'inspect' else args[-1]}: "), line
+        assert str(args[1]) in line.split(": ", 2)[2] or why.endswith("itself"), line
+        assert source_files() == before and not [p for p in tmp_path.rglob("*dcptool-*")], args
+    dcptool("reshard", small_dcp, tmp_path / "beside", "--dp", "2")  # a sibling is fine
+
+
 def test_debug_shows_traceback(small_dcp):
     (small_dcp / ".metadata").unlink()
     result = dcptool("--debug", "inspect", small_dcp, check=False)

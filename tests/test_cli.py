@@ -45,10 +45,30 @@ def test_version_help_and_choices():
     env = {**os.environ, "COLUMNS": "200"}  # wide enough that no choice list wraps
     shown = subprocess.run([sys.executable, "-m", "dcptool", "convert", "--help"], capture_output=True, text=True,
                            env=env, check=True).stdout
-    assert f"<{'|'.join(formats.writable())}>" in shown and "<bfloat16|float16|float32>" in shown, shown
+    assert f"Choices: {', '.join(formats.writable())}." in shown and "Choices: bfloat16, float16, float32." in shown, shown
+    assert "--to                                 FORMAT" in shown and "--dtype                              DTYPE" in shown
     assert "<bool>" not in shown, shown
     line = one_line(dcptool("reshard", "a", "b", "--to", "torch", check=False))
     assert "'torch' is not one of 'dcp', 'fsdp1'" in line and "dcptool reshard -h" in line
+
+
+def test_help_at_80_columns_shows_every_description_whole():
+    """Each command's help, at 80 columns: no description cut with an ellipsis, every word of every
+    option's and argument's description shown whole, every option of choices naming them."""
+    from rich.text import Text
+
+    group = cli._command()
+    env = {**os.environ, "COLUMNS": "80"}
+    for name, command in [(None, group), *group.commands.items()]:
+        shown = subprocess.run([sys.executable, "-m", "dcptool", *([name] if name else []), "--help"],
+                               capture_output=True, text=True, env=env, check=True).stdout
+        assert "…" not in shown and max(map(len, shown.splitlines())) <= 80, shown
+        words = set(shown.replace("│", " ").split())
+        for param in command.params:
+            described = Text.from_markup(param.help or "").plain
+            assert not [word for word in described.split() if word not in words], (name, param.name, shown)
+            for choice in getattr(param.type, "choices", None) or ():
+                assert choice in described, (name, param.name, choice)
 
 
 def test_global_options_after_the_command(small):

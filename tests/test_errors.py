@@ -53,11 +53,12 @@ def test_an_existing_output_is_a_file_exists(tmp_path):
     taken = tmp_path / "taken.pt"
     taken.write_bytes(b"mine")
     with pytest.raises(FileExistsError) as caught:
-        dcptool.convert(tmp_path, taken, to="torch")
+        dcptool.convert(tmp_path / "model.safetensors", taken, to="torch")
     assert isinstance(caught.value, UsageError) and caught.value.path == str(taken)
-    assert str(caught.value) == f"{taken}: already exists (pass --overwrite to replace it)"
-    result = cli("convert", tmp_path, taken, "--to", "torch", check=False)
-    assert result.returncode == 2 and result.stderr.splitlines()[-1] == f"dcptool: error: {caught.value}"
+    assert str(caught.value) == f"{taken}: already exists (pass overwrite=True to replace it)"  # the API's keyword
+    result = cli("convert", tmp_path / "model.safetensors", taken, "--to", "torch", check=False)
+    assert result.returncode == 2  # the command line's flag
+    assert result.stderr.splitlines()[-1] == f"dcptool: error: {taken}: already exists (pass --overwrite to replace it)"
     assert taken.read_bytes() == b"mine"
 
 
@@ -93,9 +94,11 @@ def test_a_failed_read_is_not_relabelled_by_a_value_error_clause(tmp_path, monke
     with pytest.raises(CheckpointError) as caught:
         torch_archive.Archive(files, "big.pt")  # its zip directory is past the first bytes read
     assert caught.value is failure
-    monkeypatch.setattr(CheckpointFiles, "window", failing)
+    unnamed = tmp_path / "big"  # no suffix: known by its first bytes
+    unnamed.write_bytes(archive.read_bytes())
+    monkeypatch.setattr(CheckpointFiles, "read", failing)
     with pytest.raises(CheckpointError) as caught:
-        formats.get("torch").detect(files)
+        formats.get("torch").detect(CheckpointFiles(unnamed))
     assert caught.value is failure
 
 
@@ -104,3 +107,64 @@ def test_doctests_run(module, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # errors' example opens a path that is not there
     result = doctest.testmod(module)
     assert result.attempted and not result.failed
+
+
+def test_messages_name_keyword_arguments_in_the_api_and_flags_on_the_command_line(tmp_path):
+    """One refusal (or note), two namings: ``overwrite=True`` raised by the API, ``--overwrite`` printed by the CLI."""
+    source = tmp_path / "model.safetensors"
+    save_file({"model.norm.weight": np.ones(4, np.float32)}, source)
+    taken = tmp_path / "taken.pt"
+    taken.write_bytes(b"mine")
+    cases = [  # (API call, command line, what the API says, what the command line says)
+        (lambda: dcptool.convert(source, taken, to="torch"), ["convert", source, taken, "--to", "torch"],
+         "(pass overwrite=True to replace it)", "(pass --overwrite to replace it)"),
+        (lambda: dcptool.convert(source, tmp_path / "o.pt", to="torch", include="^nothing"),
+         ["convert", source, tmp_path / "o.pt", "--to", "torch", "--include", "^nothing"],
+         "no tensor matches the include/exclude filters", "no tensor matches the --include/--exclude filters"),
+        (lambda: dcptool.reshard(source, tmp_path / "r", tp=2, etp=3), ["reshard", source, tmp_path / "r", "--tp", "2",
+                                                                        "--etp", "3"],
+         "etp=3: must be 1 or equal to tp (2)", "--etp 3: must be 1 or equal to --tp (2)"),
+        (lambda: dcptool.convert(source, tmp_path / "o.pt", to="torch", max_memory="12XB"),
+         ["convert", source, tmp_path / "o.pt", "--to", "torch", "--max-memory", "12XB"],
+         "max_memory='12XB': not a size", "--max-memory 12XB: not a size"),
+        (lambda: dcptool.convert(source, tmp_path / "o", to="hf", world_size=2),
+         ["convert", source, tmp_path / "o", "--to", "hf", "--world-size", "2"],
+         "world_size goes with to='fsdp1'", "--world-size goes with --to fsdp1")]
+    for api_call, command, in_api, on_command_line in cases:
+        with pytest.raises(UsageError) as refused:
+            api_call()
+        assert in_api in str(refused.value) and "--" not in str(refused.value), refused.value
+        result = cli(*command, check=False)
+        [line] = result.stderr.splitlines()
+        assert result.returncode == 2 and on_command_line in line, line
+    assert taken.read_bytes() == b"mine" and not (tmp_path / "o.pt").exists() and not (tmp_path / "r").exists()
+
+    # Notes too: export-hf without a config folder.
+    notes = dcptool.export_hf(source, tmp_path / "hf").notes
+    assert any(note.endswith("give the model's config folder with config_dir") for note in notes), notes
+    printed = cli("export-hf", source, tmp_path / "hf-cli")
+    assert "give the model's config folder with --config-dir" in printed.stderr, printed.stderr
+
+
+def test_every_option_a_message_names_is_a_flag_of_the_command_line():
+    """The option names that messages give ``errors.option`` (and parse_size / parse_mesh) are keyword arguments
+    that the command line takes as flags, each keyword as one flag whichever command takes it."""
+    import re
+    from pathlib import Path
+
+    from dcptool import cli as command_line
+
+    group = command_line._command()
+    flags = command_line.flags(group)
+    for command in group.commands.values():
+        for param in command.params:
+            if param.param_type_name == "option":
+                assert flags[param.name] in param.opts, (command.name, param.name)
+    package = Path(dcptool.__file__).parent
+    sources = [p for p in package.rglob("*.py") if "cli" not in p.parts] + list(package.joinpath("converters").rglob("*.py"))
+    named = set()
+    for path in sources:
+        text = path.read_text()
+        named |= set(re.findall(r"""\boption\(\s*['"](\w+)['"]""", text))
+        named |= set(re.findall(r"""\bparse_(?:size|mesh)\([^,()]+,\s*['"](\w+)['"]\)""", text))
+    assert len(named) > 30 and named <= set(flags), sorted(named - set(flags))

@@ -62,21 +62,23 @@ def test_mesh_rules():
     assert Mesh(dp=4, tp=2, ep=2, etp=1).efsdp == 4
     assert Mesh(dp=4, tp=2, ep=2, etp=2).efsdp == 2
     assert Mesh(dp=4, tp=2, ep=2, etp=2).describe() == "8 ranks: dp=4 x tp=2; experts ep=2 (etp=2)"
-    with pytest.raises(UsageError, match="--etp 3"):
+    with pytest.raises(UsageError, match="etp=3"):
         Mesh(dp=2, tp=2, etp=3).check()
-    with pytest.raises(UsageError, match="--ep 4 with --etp 2"):
+    with pytest.raises(UsageError, match="ep=4 with etp=2"):
         Mesh(dp=2, tp=2, ep=4, etp=2).check()
     Mesh(dp=2, tp=2, ep=4, etp=1).check()
 
 
 def test_mesh_text_refusals_name_the_option_it_came_with(tmp_path):
-    """One parser for --load-on and inspect --mesh; its refusal names the flag the text was given with."""
-    assert parse_mesh("dp=2, tp=4,ep=2,etp=tp", "--load-on") == {"dp": 2, "tp": 4, "ep": 2, "etp": 4}
+    """One parser for --load-on and inspect --mesh; its refusal names the flag the text was given with
+    (in the API, the keyword argument)."""
+    assert parse_mesh("dp=2, tp=4,ep=2,etp=tp", "load_on") == {"dp": 2, "tp": 4, "ep": 2, "etp": 4}
     save_file({"w": np.zeros((4, 4), np.float32)}, tmp_path / "model.safetensors")
     names = "give sizes as name=N with names dp, tp, ep, etp, cp, dp_replicate"
-    for command, option in ([("inspect", tmp_path, "--layout", "w"), "--mesh"], [("verify", tmp_path), "--load-on"]):
-        result = dcptool(*command, option, "dp=2,pp=2", check=False)
+    for command, flag, keyword in ([("inspect", tmp_path, "--layout", "w"), "--mesh", "mesh"],
+                                   [("verify", tmp_path), "--load-on", "load_on"]):
+        result = dcptool(*command, flag, "dp=2,pp=2", check=False)
         assert result.returncode == 2, result.stderr
-        assert result.stderr.splitlines()[-1] == f"dcptool: error: {option} 'dp=2,pp=2': {names}"
-        with pytest.raises(UsageError, match=f"^{option} 'dp=2,pp=2': {names}$"):
-            parse_mesh("dp=2,pp=2", option)
+        assert result.stderr.splitlines()[-1] == f"dcptool: error: {flag} dp=2,pp=2: {names}"
+        with pytest.raises(UsageError, match=f"^{keyword}='dp=2,pp=2': {names}$"):
+            parse_mesh("dp=2,pp=2", keyword)

@@ -114,14 +114,19 @@ def test_reshard_to_fsdp1_dry_run_lists_its_files_and_writes_nothing(sources, tm
 
 
 def test_options_a_format_does_not_take_are_refused_by_both(sources, tmp_path):
-    for cli_options, api_options, expected in [
-            (["--to", "torch", "--compress", "zstd"], {"to": "torch", "compress": "zstd"}, "--compress zstd goes with --to dcp"),
-            (["--to", "dcp", "--optim-form", "flat"], {"to": "dcp", "optim_form": "flat"}, "--optim-form goes with --to fsdp1"),
-            (["--to", "hf", "--world-size", "4"], {"to": "hf", "world_size": 4}, "--world-size goes with --to fsdp1")]:
+    """The same refusal, naming the command line's flags there and the API's keyword arguments here."""
+    for cli_options, api_options, said, expected in [
+            (["--to", "torch", "--compress", "zstd"], {"to": "torch", "compress": "zstd"},
+             "--compress zstd goes with --to dcp", "compress='zstd' goes with to='dcp'"),
+            (["--to", "dcp", "--optim-form", "flat"], {"to": "dcp", "optim_form": "flat"},
+             "--optim-form goes with --to fsdp1", "optim_form goes with to='fsdp1'"),
+            (["--to", "hf", "--world-size", "4"], {"to": "hf", "world_size": 4},
+             "--world-size goes with --to fsdp1", "world_size goes with to='fsdp1'")]:
         result = run_cli("convert", sources["dcp"], tmp_path / "out", *cli_options, check=False)
-        assert result.returncode == 2 and expected in result.stderr, result.stderr
-        with pytest.raises(dcptool.UsageError, match=expected):
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        with pytest.raises(dcptool.UsageError) as refused:
             dcptool.convert(sources["dcp"], tmp_path / "out", **api_options)
+        assert str(refused.value) == expected
         assert not (tmp_path / "out").exists()
 
 

@@ -10,7 +10,6 @@ with the test that covers them instead; a new block whose inputs are not declare
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -362,6 +362,62 @@ def test_interrupt_while_the_command_line_is_imported(made, tmp_path):
     assert not out.exists() and temporaries(tmp_path) == []
 
 
+# Sends SIGINT at the AT-th import from dcptool's own on (the first import is the package itself,
+# before its first line runs: Python's start-up, out of reach), and with REPEAT at every later one
+# too (a user pressing Ctrl-C again and again); with AT=0 writes the number of imports to COUNT.
+# Start-up is mostly imports: the moments follow it step by step, and none depends on timing.
+INTERRUPTING_SITE = r"""
+import os, signal, sys
+at, repeat, count = int(os.environ["AT"]), bool(os.environ.get("REPEAT")), os.environ.get("COUNT")
+imports = []
+def interrupt(event, args):
+    if event != "import" or not (imports or args[0] == "dcptool"):
+        return
+    imports.append(args[0])
+    if at and (len(imports) == at or (repeat and len(imports) > at)):
+        os.kill(os.getpid(), signal.SIGINT)
+    if count and len(imports) == 1:
+        import atexit
+        atexit.register(lambda: open(count, "w").write(str(len(imports))))
+sys.addaudithook(interrupt)
+"""
+
+
+def test_ctrl_c_anywhere_in_start_up_ends_in_one_line(made, tmp_path):
+    """SIGINT at imports spread over the whole start-up of ``python -m dcptool`` and of the ``dcptool``
+    console script, once or repeatedly: every run exits 130 with the one line (or 0, finished), never a traceback."""
+    script = Path(sys.executable).with_name("dcptool")
+    if not script.is_file():
+        pytest.skip("the dcptool console script is not installed beside this Python")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(INTERRUPTING_SITE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
+    launches = {"python -m dcptool": dcptool_command, "console script": lambda *args: [str(script), *map(str, args)]}
+
+    def start(launch: str, out: Path, **settings) -> subprocess.CompletedProcess:
+        # Python keeps Ctrl-C ignored where it starts ignored (the tests run in the background of a shell): not here.
+        return subprocess.run(launches[launch]("convert", made.source(), out, *COMMANDS["dcp"][1]), check=False,
+                              capture_output=True, text=True, timeout=HANG, env={**env, **settings},
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    counted = tmp_path / "imports"
+    whole = start("python -m dcptool", tmp_path / "whole", AT="0", COUNT=str(counted))
+    assert whole.returncode == 0, whole.stderr
+    total = int(counted.read_text())
+    assert total > 100  # the command line's imports, then the conversion's
+    moments = sorted({2, 3, total - 1, total, *range(2, total, max(1, total // 12))})
+    outcomes: dict[str, int] = {}
+    for number, at in enumerate(moments):
+        launch, repeat = list(launches)[number % 2], "1" if number % 4 >= 2 else ""
+        out = tmp_path / f"out{number}"
+        result = start(launch, out, AT=str(at), REPEAT=repeat)
+        problems = outcome_problems(result.returncode, result.stderr, out, made.expected("dcp"))
+        assert not problems, f"{launch}, SIGINT at import {at} of {total}{' and after' if repeat else ''}: {problems}\n{result.stderr}"
+        outcome = result.stderr.strip().replace(str(out), "OUT") or "exit 0"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert "dcptool: interrupted" in outcomes, outcomes
+
+
 # ---------------------------------------------------------------------------------------------
 # A full disk, and bugs
 

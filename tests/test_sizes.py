@@ -2,6 +2,7 @@
 
 import doctest
 import inspect
+import shlex
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from conftest import dcptool
 from safetensors.numpy import save_file
 
 from dcptool import api, cli, sizes, transfer
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, options_as_flags
 from dcptool.sizes import parse_size
 
 
@@ -27,19 +28,26 @@ def test_doctests_run():
     ("1.0000005KB", 1000),  # a fraction of a byte is rounded down
 ])
 def test_sizes_are_read_in_decimal_and_binary_units(value, expected):
-    assert parse_size(value, "--max-memory") == expected
+    assert parse_size(value, "max_memory") == expected
 
 
 @pytest.mark.parametrize("value", ["12XB", "", "MB", ".", "-5MB", "5 G B", "1e3", "5K", -1, True, 1.5, None])
 def test_anything_else_is_refused_naming_the_option(value):
+    """Named as the API's keyword argument, or as the command line's flag while it runs a command."""
     with pytest.raises(UsageError) as refused:
-        parse_size(value, "--max-shard-size")
-    assert str(refused.value) == f"--max-shard-size {value}: not a size such as 256MB, 5GB or 256MiB"
+        parse_size(value, "max_shard_size")
+    assert str(refused.value) == f"max_shard_size={value!r}: not a size such as 256MB, 5GB or 256MiB"
+    if value is True:  # a flag set (--overwrite): the command line gives sizes as text
+        return
+    with options_as_flags({"max_shard_size": "--max-shard-size"}), pytest.raises(UsageError) as refused:
+        parse_size(value, "max_shard_size")
+    assert str(refused.value) == f"--max-shard-size {shlex.quote(str(value))}: not a size such as 256MB, 5GB or 256MiB"
 
 
 def test_the_command_line_names_the_option_it_refuses(tmp_path):
     save_file({"w": np.zeros(4, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
-    result = dcptool("convert", tmp_path, tmp_path / "out", "--to", "torch", "--max-memory", "12XB", check=False)
+    result = dcptool("convert", tmp_path / "model.safetensors", tmp_path / "out", "--to", "torch", "--max-memory", "12XB",
+                     check=False)
     assert result.returncode == 2 and not (tmp_path / "out").exists()
     assert result.stderr.strip() == "dcptool: error: --max-memory 12XB: not a size such as 256MB, 5GB or 256MiB"
 
@@ -59,10 +67,10 @@ def _api_defaults(argument: str) -> set:
 
 
 def test_the_command_line_and_the_api_default_to_the_same_sizes():
-    [memory] = {parse_size(text, "--max-memory") for text in _cli_defaults("--max-memory")}
+    [memory] = {parse_size(text, "max_memory") for text in _cli_defaults("--max-memory")}
     assert memory == transfer.DEFAULT_MAX_MEMORY == 256 * 2**20
     assert {parse_size(value, "max_memory") for value in _api_defaults("max_memory")} == {memory}
     # None: the hf writer's own default (convert takes --max-shard-size only with --to hf)
-    [shard] = {parse_size(text, "--max-shard-size") for text in _cli_defaults("--max-shard-size") if text is not None}
+    [shard] = {parse_size(text, "max_shard_size") for text in _cli_defaults("--max-shard-size") if text is not None}
     given = {parse_size(value, "max_shard_size") for value in _api_defaults("max_shard_size") if value is not None}
     assert given == {shard} == {5 * 10**9}  # None: the writer's own default

@@ -25,7 +25,7 @@ class Dcp(Format):
     layout = Layout.MESH
     compressions = ("zstd",)
     dcp_loadable = True
-    options = {"compress": "--compress"}
+    options = ("compress",)
 
     detect = staticmethod(detect)
     read = staticmethod(read)

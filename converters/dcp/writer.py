@@ -9,7 +9,7 @@ from pathlib import Path
 from dcptool import compression
 from dcptool.converters.dcp.names import FILESYSTEM_MODULE, METADATA, METADATA_MODULE, data_file
 from dcptool.core import Piece
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 from dcptool.storage import OutputFiles
 from dcptool.torch_archive import (ArchiveLayout, Global, PickleStream, Reduced, StorageOut, Streamed, TensorOut,
                                    archive_bytes, dumps, new_object, torch_size)
@@ -29,7 +29,7 @@ class Writer:
 
     def __init__(self, folder: Path, layout=None, world_size: int = 1, compress: str | None = None):
         if compress not in (None, "zstd"):
-            raise UsageError(f"--compress {compress}: choose zstd")
+            raise UsageError(f"{option('compress', compress)}: choose zstd")
         self.folder, self.compress = folder, compress
         self.out = OutputFiles(folder)
         self.world_size = world_size

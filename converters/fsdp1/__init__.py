@@ -33,6 +33,7 @@ real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
 from __future__ import annotations
 
 from dcptool.core import Checkpoint
+from dcptool.errors import option
 from dcptool.format_interface import Format, Layout, Output, OutputRequest
 from dcptool.converters.fsdp1 import planning, reader
 from dcptool.converters.fsdp1.folder import CONFIG, NAME
@@ -46,8 +47,7 @@ class Fsdp1(Format):
     name = NAME
     completes = (CONFIG,)
     layout = Layout.DATA_PARALLEL
-    options = {"world_size": "--world-size", "keep_rank_state": "--keep-rank-state", "optim_form": "--optim-form",
-               "model_values": "--model-values"}
+    options = ("world_size", "keep_rank_state", "optim_form", "model_values")
 
     detect = staticmethod(reader.detect)
     read = staticmethod(reader.read)
@@ -63,7 +63,7 @@ class Fsdp1(Format):
                                             request.forms.get("model_values"))
         options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"),
                    "source_layout": planning.source_layout(tensors, objects), **forms}
-        selected = ", as selected by --include/--exclude" if request.include or request.exclude else ""
+        selected = f", as selected by {option('include')}/{option('exclude')}" if request.include or request.exclude else ""
         why = f"the fsdp1 output holds {planning.HOLDS} only{selected}"
         return Output(tensors, objects, options, why, reasons, [said])
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from dcptool import dtypes, selection
 from dcptool.core import Chunk, ObjectInfo, OutObject, OutTensor, join_path
-from dcptool.errors import CheckpointError, UsageError, printable
+from dcptool.errors import CheckpointError, UsageError, printable, option
 from dcptool.safe_pickle import TensorRef
 from dcptool.state_dicts import nest
 from dcptool.storage import CheckpointFiles
@@ -284,8 +284,8 @@ class PlainOptimizer:
             found = {group_of.get(name) for name in names}
             if len(found) > 1:
                 raise UsageError(f"optimizer.param_groups: the parameters of the FSDP unit of {unit.describe()} are "
-                                 "in several param groups, which one flat parameter cannot be (--optim-form orig or "
-                                 "named)")
+                                 f"in several param groups, which one flat parameter cannot be ({option('optim_form', 'orig')} "
+                                 "or named)")
             if found == {None}:
                 stateful = next((name for name in names if name in self.state), None)
                 if stateful:
@@ -352,5 +352,5 @@ def _param_groups_of(objects: list[OutObject]) -> list[dict]:
     if not (isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
                                              and all(isinstance(n, str) for n in g["params"]) for g in groups)):
         raise UsageError("optimizer.param_groups: not a list of param groups naming their parameters, which the plain "
-                         "optimizer.state_dict() of --optim-form flat and orig numbers")
+                         f"optimizer.state_dict() of {option('optim_form', 'flat')} and orig numbers")
     return groups

@@ -13,7 +13,7 @@ from typing import Any
 
 from dcptool import dtypes, models, selection
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
-from dcptool.errors import UsageError, printable
+from dcptool.errors import UsageError, printable, option
 from dcptool.converters.fsdp1.codecs import DEVICE_TYPE, VERL_MESH_DIM_NAMES
 from dcptool.converters.fsdp1.folder import EXTRA_STATE, NAME, OPTIMIZER, RANK_ENTRY, SCHEDULER_ROOTS
 from dcptool.converters.fsdp1.optimizer import OPTIMIZER_FORMS
@@ -46,7 +46,7 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
 
     model = selection.select(selection.model_part(checkpoint), include, exclude)
     if not model:
-        raise UsageError(f"{checkpoint.root}: no model weight matches the --include/--exclude filters")
+        raise UsageError(f"{checkpoint.root}: no model weight matches the {option('include')}/{option('exclude')} filters")
     tensors = selection.out_tensors(model, dtype, keep_paths=False)
     model_objects = selection.model_part(checkpoint, entries=checkpoint.objects)
     objects = [OutObject(k, o.path if o.key == k else (k,), o, checkpoint)
@@ -70,7 +70,7 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
         path, problem = _training_path(key, entry.path, everything, model, shape, selection.WRAPPER_PREFIXES)
         own = RANK_ENTRY.match(str(path[1])) if path and path[0] == EXTRA_STATE else None
         if own and not keep_rank_state:
-            path, problem = None, "state of single ranks of the source job; --keep-rank-state keeps it"
+            path, problem = None, f"state of single ranks of the source job; {option('keep_rank_state', True)} keeps it"
         elif own and world_size is not None and int(own.group(1)) >= world_size:
             path, problem = None, f"state of source ranks that a world size of {world_size} does not have"
         if path is None:
@@ -167,15 +167,15 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
     source = checkpoint.info if checkpoint.format == NAME else {}
     form = optim_form or source.get("optimizer_form") or "named"
     if form not in OPTIMIZER_FORMS:
-        raise UsageError(f"--optim-form {form}: choose {', '.join(OPTIMIZER_FORMS)}")
+        raise UsageError(f"{option('optim_form', form)}: choose {', '.join(OPTIMIZER_FORMS)}")
     values = model_values or ("dtensor" if form == "fsdp2" else source.get("model_values") or "sharded-tensor")
     kind, _, device = values.partition(":")
     if values != "sharded-tensor" and not (kind == "dtensor" and (not device or DEVICE_TYPE.fullmatch(device))):
-        raise UsageError(f"--model-values {printable(values, 40)}: choose sharded-tensor, dtensor or dtensor:DEVICE "
+        raise UsageError(f"{option('model_values', printable(values, 40))}: choose sharded-tensor, dtensor or dtensor:DEVICE "
                          "(e.g. dtensor:cuda)")
     if form == "fsdp2" and kind != "dtensor":
-        raise UsageError(f"--model-values {values}: FSDP2's model files hold DTensors, which --optim-form fsdp2 "
-                         "needs (--model-values dtensor[:DEVICE])")
+        raise UsageError(f"{option('model_values', values)}: FSDP2's model files hold DTensors, which "
+                         f"{option('optim_form', 'fsdp2')} needs ({option('model_values', 'dtensor[:DEVICE]')})")
     config_dir = checkpoint.info.get("hf_config_dir")
     if form != "named":
         flags = models.tie_flags(selection.read_config(config_dir) if config_dir else None)
@@ -185,7 +185,7 @@ def output_forms(checkpoint: Checkpoint, optim_form: str | None = None,
             said = f"{config_dir}/config.json: {tied[0]}" if tied else \
                 f"{checkpoint.root}: {tied_pair[0]} and {tied_pair[1]} hold the same values (tied embeddings)"
             raise UsageError(f"{said}: FSDP holds a tied parameter once among the optimizer's parameters, which "
-                             f"--optim-form {form} does not lay out (--optim-form named does)")
+                             f"{option('optim_form', form)} does not lay out ({option('optim_form', 'named')} does)")
     options: dict[str, Any] = {"optim_form": form}
     optimizer = OPTIMIZER_FORMS[form]
     if form == "orig":

@@ -20,7 +20,7 @@ from typing import Union
 
 from dcptool import models, views
 from dcptool.core import ObjectInfo, TensorInfo, join_path
-from dcptool.errors import UsageError, counted
+from dcptool.errors import UsageError, counted, option
 from dcptool.models import FAMILIES, Row, StateLayout
 from dcptool.selection import NON_MODEL_ROOTS
 
@@ -103,9 +103,9 @@ class Mapping:
     def __init__(self, kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert"):
         for family in (source, target):
             if family not in FAMILIES:
-                raise UsageError(f"--adapter {family}: choose one of {', '.join(FAMILIES)}")
+                raise UsageError(f"{option('adapter', family)}: choose one of {', '.join(FAMILIES)}")
         if hf_experts not in HF_EXPERTS:
-            raise UsageError(f"--hf-experts {hf_experts}: choose {' or '.join(HF_EXPERTS)}")
+            raise UsageError(f"{option('hf_experts', hf_experts)}: choose {' or '.join(HF_EXPERTS)}")
         self.kind, self.source, self.target = kind, source, target
         self.model = models.kinds()[kind]
         self.config = models.text_config(config)
@@ -185,7 +185,7 @@ class Mapping:
             return layer
         if main_layers is None:
             raise UsageError(f"{name}: numbering prediction layers after the main ones needs num_hidden_layers "
-                             "from the model's config.json (give --config-dir)")
+                             f"from the model's config.json (give {option('config_dir')})")
         return str(int(layer) - main_layers if self.source == "hf" else int(layer) + main_layers)
 
     def _logical(self, row: Row, layer: str, group: dict) -> Entry:
@@ -226,7 +226,7 @@ class Mapping:
         if _scalar(logical):
             count = seen or self.model.expert_count(self.config)
             if count is None:
-                raise UsageError(f"{first}: splitting per-expert state needs the expert count (--config-dir)")
+                raise UsageError(f"{first}: splitting per-expert state needs the expert count ({option('config_dir')})")
         else:
             count = logical.shape[0]
             self._check_expert_count(count, first)
@@ -247,7 +247,7 @@ class Mapping:
         heads = self.config.get(row.rope_heads)
         if not isinstance(heads, int) or heads <= 0:
             raise UsageError(f"{entry.key}: {self.kind} q/k rows are permuted between HF and torchtitan, which needs "
-                             f"{row.rope_heads} from the model's config.json (give --config-dir)")
+                             f"{row.rope_heads} from the model's config.json (give {option('config_dir')})")
         rows = entry.shape[0]
         if rows % heads or (rows // heads) % 2:
             raise UsageError(f"{entry.key}: {rows} rows do not split into {heads} heads of even size "
@@ -409,10 +409,10 @@ def mapping_for(names, target: str | None, source: str = "auto", config: dict | 
     if family is None:
         if source == "auto" and target not in (None, "hf"):
             shown = ", ".join(names[:5])
-            raise UsageError(f"cannot tell which family names these weights ({shown} ...): give --adapter")
+            raise UsageError(f"cannot tell which family names these weights ({shown} ...): give {option('adapter')}")
         return None, None
     if family not in FAMILIES:
-        raise UsageError(f"--adapter {family}: choose one of auto, {', '.join(FAMILIES)}")
+        raise UsageError(f"{option('adapter', family)}: choose one of auto, {', '.join(FAMILIES)}")
     target = target or family
     fused = hf_experts == "fused" and target == "hf"
     if family == target and not fused:

@@ -8,15 +8,18 @@ command in a module of its own, which registers it on the app when imported.
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 
 import typer
 
+from dcptool import errors, formats
 # Imported in the order `dcptool --help` lists the commands: each module registers its own.
 from dcptool.cli import inspect, convert, export_hf, reshard, verify, checksum  # noqa: F401, I001
 from dcptool.cli.app import app
 from dcptool.cli.render import settings
+from dcptool.models import FAMILIES
 
 # Options of the whole program that may also follow the command name (moved before it), and
 # command options that may also precede it (moved after it, for the commands that have them).
@@ -59,14 +62,40 @@ def _arranged(group: typer.core.TyperGroup, argv: list[str]) -> list[str]:
 
 
 def _command() -> typer.core.TyperGroup:
-    """The click command of ``app``, its flags shown without a ``<bool>`` type in help."""
+    """The click command of ``app``, its flags shown without a ``<bool>`` type in help, and its options of
+    choices with a word (``--to FORMAT``) and the choices in their descriptions, which help at 80 columns
+    shows whole (a metavar ``<dcp|fsdp1|hf|hf-dcp|torch>`` leaves descriptions a column too narrow)."""
     command = typer.main.get_command(app)
     for each in [command, *command.commands.values()]:
         help_option = each.get_help_option(command.context_class(each, help_option_names=["-h", "--help"]))
         for param in [*each.params, help_option]:
             if getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""
+            elif getattr(param.type, "choices", None) and param.param_type_name == "option":
+                param.metavar = param.metavar or _choice_word(param.type.choices, param.name)
+                param.help = _with_choices(param.help or "", param.type.choices)
     return command
+
+
+def flags(group: typer.core.TyperGroup) -> dict[str, str]:
+    """The flag of each option of the commands, by its keyword argument in the API (``source_format``: ``--from``)."""
+    return {param.name: next(opt for opt in param.opts if opt.startswith("--")) for command in group.commands.values()
+            for param in command.params if param.param_type_name == "option"}
+
+
+def _choice_word(choices, name: str) -> str:
+    """What an option of ``choices`` takes, in a word: FORMAT, FAMILY, else its name's last (``FORM`` for optim_form)."""
+    if set(choices) <= set(formats.names()):
+        return "FORMAT"
+    if set(choices) <= {"auto", *FAMILIES}:
+        return "FAMILY"
+    return name.rpartition("_")[2].upper()
+
+
+def _with_choices(text: str, choices) -> str:
+    """``text`` ending with the choices it does not already name each of (``Choices: a, b, c.``)."""
+    named = all(re.search(rf"(?<![\w-]){re.escape(choice)}(?![\w-])", text) for choice in choices)
+    return text if named else f"{text} Choices: {', '.join(choices)}.".lstrip()
 
 
 # typer runs on its own copy of click, whose usage errors all derive from its ClickException.
@@ -93,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
         command = _command()
         args = _arranged(command, sys.argv[1:] if argv is None else argv)
-        code = command.main(args=args, prog_name="dcptool", standalone_mode=False)
+        with errors.options_as_flags(flags(command)):  # messages name --overwrite, not overwrite=True
+            code = command.main(args=args, prog_name="dcptool", standalone_mode=False)
         if code == 130:  # typer's exit for a KeyboardInterrupt raised by other means than Ctrl-C
             print(f"dcptool: {distributed.describe_failure(KeyboardInterrupt())[1]}", file=sys.stderr)
     except CLICK_ERRORS as exc:  # one line, as every other refusal

@@ -86,7 +86,7 @@ def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude,
     from dcptool import api, loadcheck
 
     loadcheck.check_runnable(path)  # refusals before the line announcing the job
-    parse_mesh(mesh, "--load-on")
+    parse_mesh(mesh, "load_on")
     if not as_json and not render.settings["quiet"]:
         render.stderr_console().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
     report = api.verify(path, load_on=mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,

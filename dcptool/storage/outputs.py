@@ -13,10 +13,10 @@ import shutil
 import socket
 import threading
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Callable, Iterator
 
-from dcptool.errors import OutputExistsError, UsageError
+from dcptool.errors import OutputExistsError, UsageError, option
 from dcptool.storage.files import is_remote, local_path
 from dcptool.storage.interrupts import deferred_interrupts
 from dcptool.storage.naming import annotate, showing, shown_path
@@ -32,7 +32,29 @@ def check_destination(location: str | Path, overwrite: bool) -> None:
     else:
         found = Path(location).exists()
     if found and not overwrite:
-        raise OutputExistsError(f"{location}: already exists (pass --overwrite to replace it)", path=str(location))
+        raise OutputExistsError(f"{location}: already exists (pass {option('overwrite', True)} to replace it)", path=str(location))
+
+
+def check_apart(source: str | Path, destination: str | Path) -> None:
+    """Refuse an output that is its source, lies inside it (the checkpoint read would gain a folder), or holds it
+    (replacing the output would remove the source); commands call it before any work is done."""
+    read, written = _comparable(source), _comparable(destination)
+    if written == read:
+        raise UsageError(f"{destination}: is the source checkpoint itself; write the output elsewhere")
+    if read in written.parents:
+        raise UsageError(f"{destination}: inside the source checkpoint {source}, which would then hold it; "
+                         f"write the output outside {source}")
+    if written in read.parents:
+        raise UsageError(f"{destination}: holds the source checkpoint {source}, which replacing it would remove; "
+                         "write the output elsewhere")
+
+
+def _comparable(location: str | Path) -> PurePath:
+    """``location`` as a path to compare: a local one absolute, its links resolved; a URL as a relative path
+    (``s3:/bucket/run``), which no local path contains or lies in."""
+    if is_remote(location):
+        return PurePosixPath(str(location).rstrip("/"))
+    return Path(os.path.realpath(local_path(location)))
 
 
 def output_path(location: str | Path) -> Path | str:
@@ -250,7 +272,7 @@ def _commit(temporary: Path, destination: Path, overwrite: bool) -> Path | None:
         try:
             _attempt("renaming into place", temporary, lambda: rename_noreplace(temporary, destination))
         except FileExistsError:
-            raise OutputExistsError(f"{destination}: appeared while writing; not replaced (use --overwrite)",
+            raise OutputExistsError(f"{destination}: appeared while writing; not replaced (use {option('overwrite', True)})",
                                     path=str(destination)) from None
         return None
     for _ in range(10):  # only another writer, putting its output in place at the same moment, makes it loop

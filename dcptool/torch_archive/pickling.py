@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcptool import dtypes as dtype_table
-from dcptool.errors import CheckpointError
+from dcptool.errors import CheckpointError, option
 from dcptool.safe_pickle import Record, SubclassRef, TensorRef
 from dcptool.torch_archive.reading import row_major
 
@@ -89,7 +89,7 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
             return (obj.func, obj.args, obj.state)
         if isinstance(obj, (TensorRef, Record, SubclassRef)):
             raise Unpicklable(f"cannot write a {type(obj).__name__} nested in a non-tensor entry into this format: "
-                              "leave that entry out with --exclude")
+                              f"leave that entry out with {option('exclude')}")
         return NotImplemented
 
     def save_reduce(self, func, args, state=None, *rest, obj=None):
