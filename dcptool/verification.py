@@ -373,7 +373,7 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     else:
         pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
                             *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]
-        pairing.left_out_why = f"outside {option('prefix_a')}/{option('prefix_b')}" if pairing.left_out else None
+        pairing.left_out_why = "outside the prefixes given" if pairing.left_out else None
     pairing.a, pairing.b, pairing.note = align_families(pairing.a, pairing.b, family_a, family_b, include, exclude)
     if pairing.note and not pairing.left_out:  # across families only the model weights are compared
         pairing.left_out = [*_outside_model(checkpoint_a), *_outside_model(checkpoint_b)]
@@ -432,9 +432,9 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
             cast_to = None
             if {dtype_a, dtype_b} <= set(dtypes.CASTABLE):  # cast the wider to the narrower: exact where they agree
                 cast_to = "a" if dtypes.dtype(dtype_a).itemsize < dtypes.dtype(dtype_b).itemsize else "b"
-            tolerances = f"{option('atol')}/{option('rtol')}"
-            hint = f" ({option('dtype_as', cast_to.upper())} or {tolerances} compare the values)" if cast_to else \
-                f" ({tolerances} compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
+            by_tolerance = f"{option('atol')}/{option('rtol')}"
+            hint = f" ({option('dtype_as', cast_to.upper())} or {by_tolerance} compare the values)" if cast_to else \
+                f" ({by_tolerance} compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
             report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}", cast_to=cast_to))
         elif tensor_a.shape != tensor_b.shape:
             report.differences.append(Difference(key, "shape", f"A {list(tensor_a.shape)}, B {list(tensor_b.shape)}"))
