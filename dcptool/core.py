@@ -25,6 +25,7 @@ from dcptool import dtypes, encodings
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive, RawBytes, row_major
+from dcptool.torch_archive.records import StoredData, record_checks
 
 RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
 
@@ -270,13 +271,27 @@ class Checkpoint:
         self._resolved[chunk] = raw
         return raw
 
-    def stored_crc(self, chunk: Chunk, offset: int, length: int) -> int | None:
-        """The CRC-32 that ``chunk``'s record stores for file bytes ``[offset, offset+length)``, when they
-        are its whole storage (a copied chunk then needs no pass over its bytes to checksum them); else None."""
-        encoding = encodings.get(chunk.encoding) if chunk.view is None else None
-        if encoding is None or encoding.stored_crc is None:
+    def record_of(self, tensor: TensorInfo, chunk: Chunk) -> StoredData | None:
+        """The storage of the record that holds ``chunk``'s bytes, whose CRC-32 is checked where they are read
+        (the record's zip structure is checked as it is opened); None when its format stores no CRC-32
+        (safetensors) or records are not checked (``--no-verify-records``)."""
+        checks = record_checks(self.files)
+        if checks is None:
             return None
-        return encoding.stored_crc(self.files, chunk, offset, length)
+        base = chunk.view.base if chunk.view is not None else chunk
+        if base.encoding == RAW:  # bytes of a whole torch.save file, or of no record at all
+            return checks.in_file(base.file, base.offset)
+        encoding = encodings.get(base.encoding)
+        if encoding is None or encoding.record is None:
+            return None
+        label = f"{tensor.key} chunk at {list(base.offsets)}"
+        return checks.record(base.file, base.offset, lambda: encoding.record(self.files, base, label))
+
+    def check_record(self, tensor: TensorInfo, chunk: Chunk) -> None:
+        """Check the record that holds ``chunk``'s bytes (once per record; ``record_of``)."""
+        stored = self.record_of(tensor, chunk)
+        if stored is not None:
+            record_checks(self.files).check(stored)
 
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize
@@ -298,16 +313,23 @@ class Checkpoint:
     def object_value(self, obj: ObjectInfo) -> Any:
         """The object's value, unpickled with the allowlist (tensors inside come back as references)."""
         if obj.value is _UNSET:
-            file, offset, length = obj.blob
-            obj.value = Archive(self.files, file, offset, length).load()
+            obj.value = self.object_archive(obj).load()
         return obj.value
 
     def object_blob(self, obj: ObjectInfo) -> bytes | None:
         """The object's ``torch.save`` bytes when the checkpoint stores them as such, else None."""
         if obj.blob is None:
             return None
+        self.object_archive(obj)
         file, offset, length = obj.blob
         return self.files.read(file, offset, length)
+
+    def object_archive(self, obj: ObjectInfo) -> Archive:
+        """The ``torch.save`` archive of an object stored as one, checked whole (it is small) unless records
+        are not checked."""
+        archive = Archive(self.files, *obj.blob, label=obj.key)
+        archive.check_storages()
+        return archive
 
     def region_in(self, tensor: TensorInfo, offsets, sizes, buffer, scratch: memoryview) -> np.ndarray:
         """A region read into the start of ``buffer`` (reused by the caller), as an unsigned view of shape ``sizes``."""
@@ -330,6 +352,7 @@ class Checkpoint:
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
+            self.check_record(tensor, chunk)
             raw = self.raw_bytes(tensor, chunk)
             local_lo = [l - co for l, co in zip(lo, chunk.offsets)]
             # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.

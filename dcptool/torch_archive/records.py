@@ -1,0 +1,166 @@
+"""The CRC-32s of the storages of ``torch.save`` archives, checked where their bytes are read.
+
+An archive's structure and its small entries are checked when it is opened (``reading.Archive``); its
+storages (a DCP chunk's bytes, every tensor of a ``torch.save`` file) are checked as they are read:
+``RecordChecks.check`` reads a storage once (from the page cache where it is local) the first time any of
+its bytes are asked for, and a copy that moves a storage's bytes as runs (``dcptool.transfer``) hands in
+the CRC-32 of each run instead (``add_part``), so the bytes are checksummed once, as they pass. One
+``RecordChecks`` per checkpoint's files (``record_checks``); none with ``--no-verify-records``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from zlib_ng.zlib_ng import crc32, crc32_combine
+
+from dcptool.errors import CheckpointError
+
+# Bytes mapped at once to checksum a range: mapped pages count as this process's memory.
+CRC_WINDOW = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class StoredData:
+    """The bytes ``[offset, offset+size)`` of ``relative`` that a zip entry holds, and the CRC-32 its archive
+    records for them (None: ``torch.save`` was told not to compute them); ``where`` names the record and entry."""
+
+    relative: str
+    offset: int
+    size: int
+    crc: int | None
+    where: str
+
+
+def check_crc(where: str, computed: int, stored: int | None) -> None:
+    """Raise unless ``computed`` is the CRC-32 the record stores (None: nothing stored to check against)."""
+    if stored is not None and computed != stored:
+        raise CheckpointError(f"{where}: CRC-32 is {computed:#010x}, the record stores {stored:#010x} "
+                              "(its bytes are damaged)")
+
+
+def crc_of_range(files, relative: str, offset: int, nbytes: int) -> int:
+    """CRC-32 of bytes of a checkpoint file: read in place through small mappings where the file is local
+    (no copy into a buffer), else read window by window."""
+    crc = 0
+    for start in range(offset, offset + nbytes, CRC_WINDOW):
+        size = min(CRC_WINDOW, offset + nbytes - start)
+        with files.mapped(relative, start, size) as window:
+            crc = crc32(window if window is not None else files.read(relative, start, size), crc)
+    return crc
+
+
+def crc_of_fd(fd: int, offset: int, nbytes: int) -> int:
+    """CRC-32 of a byte range of an open local file, read in place through small mappings."""
+    crc, end = 0, offset + nbytes
+    for start in range(offset, end, CRC_WINDOW):
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, min(CRC_WINDOW, end - start) + start - base, offset=base, access=mmap.ACCESS_READ) as mapped:
+            with memoryview(mapped) as whole, whole[start - base:] as window:
+                crc = crc32(window, crc)
+    return crc
+
+
+class RecordChecks:
+    """The storages of one checkpoint's files checked so far, and the runs of those being copied.
+
+    Safe to share between threads: a storage checked by two at once is checked twice, to the same result.
+    """
+
+    def __init__(self, files):
+        self.files = files
+        self._lock = threading.Lock()
+        self._by_file: dict[str, tuple[list[int], list[StoredData]]] = {}  # storages of whole torch.save files
+        self._records: dict[tuple[str, int], StoredData | None] = {}  # chunk records opened, by (file, offset)
+        self._checked: set[StoredData] = set()
+        self._parts: dict[StoredData, dict[tuple[int, int], int]] = {}  # (offset, size) -> CRC-32 of runs copied
+
+    def add_file(self, relative: str, storages: list[StoredData]) -> None:
+        """Make the storages of a whole ``torch.save`` file findable by the bytes they hold (``in_file``)."""
+        ordered = sorted(storages, key=lambda stored: stored.offset)
+        with self._lock:
+            self._by_file.setdefault(relative, ([stored.offset for stored in ordered], ordered))
+
+    def in_file(self, relative: str, offset: int) -> StoredData | None:
+        """The storage of a whole ``torch.save`` file that holds the byte at ``offset``; None when none does."""
+        starts, storages = self._by_file.get(relative, ((), ()))
+        index = bisect.bisect_right(starts, offset) - 1
+        if index >= 0 and offset < storages[index].offset + max(storages[index].size, 1):
+            return storages[index]
+        return None
+
+    def record(self, relative: str, offset: int, opened: Callable[[], StoredData | None]) -> StoredData | None:
+        """The storage of the record at ``offset`` of ``relative``, ``opened()`` (which checks the record) the
+        first time it is asked for."""
+        place = (relative, offset)
+        if place not in self._records:
+            stored = opened()
+            with self._lock:
+                self._records[place] = stored
+        return self._records[place]
+
+    def check(self, stored: StoredData) -> None:
+        """Check a storage's CRC-32 over its bytes, once."""
+        if stored.crc is None or stored in self._checked:
+            return
+        check_crc(stored.where, crc_of_range(self.files, stored.relative, stored.offset, stored.size), stored.crc)
+        with self._lock:
+            self._checked.add(stored)
+            self._parts.pop(stored, None)
+
+    def add_part(self, stored: StoredData, offset: int, nbytes: int, crc: int) -> None:
+        """The CRC-32 of bytes ``[offset, offset+nbytes)`` of a storage, as a copy read them; the storage is
+        checked once the runs handed in cover it."""
+        if stored.crc is None:
+            return
+        with self._lock:
+            if stored in self._checked:
+                return
+            parts = self._parts.setdefault(stored, {})
+            parts[(offset, nbytes)] = crc
+            whole = _combined(parts, stored)
+            if whole is None:
+                return
+            self._checked.add(stored)
+            del self._parts[stored]
+        check_crc(stored.where, whole, stored.crc)
+
+    def finish(self) -> None:
+        """Check the storages that runs covered only in part (the rest of their bytes was not copied)."""
+        with self._lock:
+            left = list(self._parts)
+        for stored in left:
+            self.check(stored)
+
+
+def _combined(parts: dict[tuple[int, int], int], stored: StoredData) -> int | None:
+    """The CRC-32 of the whole storage when the parts tile it from its first byte to its last, else None."""
+    if sum(size for _, size in parts) < stored.size:
+        return None
+    by_start: dict[int, list[tuple[int, int]]] = {}
+    for (offset, size), crc in parts.items():
+        by_start.setdefault(offset, []).append((size, crc))
+    position, end, whole = stored.offset, stored.offset + stored.size, 0
+    while position < end:
+        found = [(size, crc) for size, crc in by_start.get(position, ()) if size and position + size <= end]
+        if not found:
+            return None
+        size, crc = max(found)
+        whole = crc32_combine(whole, crc, size) if position > stored.offset else crc
+        position += size
+    return whole if stored.size else 0
+
+
+def record_checks(files) -> RecordChecks | None:
+    """The record checks of a checkpoint's files (made on first use); None when they are not to be checked
+    (``files.verify_records`` false: ``--no-verify-records``)."""
+    if not getattr(files, "verify_records", True):
+        return None
+    checks = getattr(files, "record_checks", None)
+    if checks is None:
+        checks = files.record_checks = RecordChecks(files)
+    return checks
