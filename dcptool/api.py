@@ -45,6 +45,7 @@ from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
     from dcptool.checksums import Result
+    from dcptool.integrity import Report as CheckReport
     from dcptool.inspection import Inspection
     from dcptool.layout import Layout
     from dcptool.loadcheck import LoadReport
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from dcptool.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
-           "verify", "checksum"]
+           "verify", "checksum", "check"]
 
 Size = Union[int, str]
 Progress = Callable[[Union[int, None], str], ContextManager[Callable[[int], None]]]
@@ -389,6 +390,31 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
                              against_prefix=against_prefix, overwrite=overwrite,
                              max_memory=parse_size(max_memory, "--max-memory"), threads=threads or None,
                              progress=advance)
+
+
+def check(path: str | Path, *, source_format: str | None = None, revision: str | None = None,
+          progress: Progress | None = None) -> CheckReport:
+    """``dcptool check``: everything torch or an engine would trip on in one checkpoint, found without loading
+    it and without a manifest: every record's zip structure and CRC-32s, the metadata against the files and
+    the records, the chunk cover, index files against their shards, non-tensor entries through the
+    restricted unpickler, and a ``config.json`` that comes with it against the weights.
+
+    Returns:
+        ``integrity.Report``: ``.ok``, and ``.problems`` (kind, name, detail), every one found;
+        ``.to_json()`` is what ``check --json`` prints. A path that is no checkpoint raises.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> dcptool.check(folder).ok
+        True
+    """
+    from dcptool import integrity
+
+    path, = hub.with_revision(path, revision=revision)
+    with formats.records_checked(True), _progress(progress, None, "checking") as advance:
+        return integrity.check_path(path, source_format, progress=advance)
 
 
 def _source(source, source_format, revision, dequantize: bool, config_dir, dtype) -> tuple[Checkpoint, list[str]]:

@@ -14,7 +14,7 @@ import traceback
 import typer
 
 # Imported in the order `dcptool --help` lists the commands: each module registers its own.
-from dcptool.cli import inspect, convert, export_hf, reshard, verify, checksum  # noqa: F401, I001
+from dcptool.cli import inspect, convert, export_hf, reshard, verify, checksum, check  # noqa: F401, I001
 from dcptool.cli.app import app
 from dcptool.cli.render import settings
 
