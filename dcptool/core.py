@@ -24,7 +24,7 @@ import numpy as np
 from dcptool import dtypes, encodings
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, RawBytes, row_major
+from dcptool.torch_archive import Archive, RawBytes, chunk_label, row_major
 from dcptool.torch_archive.records import StoredData, record_checks
 
 RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
@@ -284,14 +284,14 @@ class Checkpoint:
         encoding = encodings.get(base.encoding)
         if encoding is None or encoding.record is None:
             return None
-        label = f"{tensor.key} chunk at {list(base.offsets)}"
+        label = chunk_label(tensor.key, base)
         return checks.record(base.file, base.offset, lambda: encoding.record(self.files, base, label))
 
     def check_record(self, tensor: TensorInfo, chunk: Chunk) -> None:
         """Check the record that holds ``chunk``'s bytes (once per record; ``record_of``)."""
         stored = self.record_of(tensor, chunk)
         if stored is not None:
-            record_checks(self.files).check(stored)
+            record_checks(self.files).check(stored, tensor.key)
 
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize

@@ -336,7 +336,7 @@ class _Mover:
                 self.out.write_at(task.file, task.offset + step, data)
                 crc = crc32(data, crc) if checksum else 0
         if stored is not None:
-            record_checks(files).add_part(stored, source_offset, task.nbytes, crc)
+            record_checks(files).add_part(stored, task.piece.tensor.source.key, source_offset, task.nbytes, crc)
         return crc if self.crc else 0
 
     def _kernel_copy(self, source_fd: int, task: Task) -> bool:

@@ -335,7 +335,12 @@ def chunk_bytes(archive, tensor, chunk) -> RawBytes:
     return archive.raw_bytes(ref)
 
 
-def _chunk_archive(files: CheckpointFiles, chunk, label: str = "") -> Archive:
+def chunk_label(key: str, chunk) -> str:
+    """How messages name a chunk's record: ``model.w chunk at [0, 0]``."""
+    return f"{key} chunk at {list(chunk.offsets)}"
+
+
+def _chunk_archive(files: CheckpointFiles, chunk, label: str) -> Archive:
     return Archive(files, chunk.file, chunk.offset, chunk.length, label)
 
 
@@ -354,7 +359,8 @@ def _chunk_storage(files: CheckpointFiles, chunk, label: str) -> StoredData:
 
 encodings.register(encodings.Encoding(  # torch.save lays out every archive of one dtype and shape alike
     TORCH_ARCHIVE,
-    locate=lambda files, tensor, chunk: chunk_bytes(_chunk_archive(files, chunk), tensor, chunk),
+    locate=lambda files, tensor, chunk: chunk_bytes(_chunk_archive(files, chunk, chunk_label(tensor.key, chunk)),
+                                                    tensor, chunk),
     record=_chunk_storage,
     uniform=True,
 ))

@@ -78,6 +78,7 @@ class RecordChecks:
         self._records: dict[tuple[str, int], StoredData | None] = {}  # chunk records opened, by (file, offset)
         self._checked: set[StoredData] = set()
         self._parts: dict[StoredData, dict[tuple[int, int], int]] = {}  # (offset, size) -> CRC-32 of runs copied
+        self._keys: dict[StoredData, str] = {}  # the tensor each storage's runs were copied for
 
     def add_file(self, relative: str, storages: list[StoredData]) -> None:
         """Make the storages of a whole ``torch.save`` file findable by the bytes they hold (``in_file``)."""
@@ -103,16 +104,17 @@ class RecordChecks:
                 self._records[place] = stored
         return self._records[place]
 
-    def check(self, stored: StoredData) -> None:
-        """Check a storage's CRC-32 over its bytes, once."""
+    def check(self, stored: StoredData, key: str) -> None:
+        """Check a storage's CRC-32 over its bytes, once (``key``: the tensor read, named if the record is not)."""
         if stored.crc is None or stored in self._checked:
             return
-        check_crc(stored.where, crc_of_range(self.files, stored.relative, stored.offset, stored.size), stored.crc)
+        check_crc(_named(stored, key), crc_of_range(self.files, stored.relative, stored.offset, stored.size),
+                  stored.crc)
         with self._lock:
             self._checked.add(stored)
             self._parts.pop(stored, None)
 
-    def add_part(self, stored: StoredData, offset: int, nbytes: int, crc: int) -> None:
+    def add_part(self, stored: StoredData, key: str, offset: int, nbytes: int, crc: int) -> None:
         """The CRC-32 of bytes ``[offset, offset+nbytes)`` of a storage, as a copy read them; the storage is
         checked once the runs handed in cover it."""
         if stored.crc is None:
@@ -120,6 +122,7 @@ class RecordChecks:
         with self._lock:
             if stored in self._checked:
                 return
+            self._keys[stored] = key
             parts = self._parts.setdefault(stored, {})
             parts[(offset, nbytes)] = crc
             whole = _combined(parts, stored)
@@ -127,14 +130,19 @@ class RecordChecks:
                 return
             self._checked.add(stored)
             del self._parts[stored]
-        check_crc(stored.where, whole, stored.crc)
+        check_crc(_named(stored, key), whole, stored.crc)
 
     def finish(self) -> None:
         """Check the storages that runs covered only in part (the rest of their bytes was not copied)."""
         with self._lock:
-            left = list(self._parts)
-        for stored in left:
-            self.check(stored)
+            left = [(stored, self._keys[stored]) for stored in self._parts]
+        for stored, key in left:
+            self.check(stored, key)
+
+
+def _named(stored: StoredData, key: str) -> str:
+    """Where a storage is, naming the tensor read from it unless its record names it (a DCP chunk's does)."""
+    return stored.where if f"record of {key} " in stored.where else f"{stored.where} (holds {key})"
 
 
 def _combined(parts: dict[tuple[int, int], int], stored: StoredData) -> int | None:
