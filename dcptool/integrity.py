@@ -28,7 +28,7 @@ from typing import Callable
 
 from dcptool import encodings, formats
 from dcptool.core import RAW, Checkpoint, TensorInfo
-from dcptool.errors import CheckpointError, UsageError, printable
+from dcptool.errors import CheckpointError, UsageError, counted, printable
 
 # Threads checking records: reading from disk overlaps, and CRC-32 releases the GIL.
 THREADS = 4
@@ -67,12 +67,13 @@ class Report:
         return found
 
     def summary(self) -> str:
-        checked = (f"{self.tensors:,} tensors ({self.bytes_checked:,} bytes, {self.records:,} records), "
-                   f"{self.objects:,} non-tensor entries" + (", config.json" if self.config else ""))
+        checked = (f"{counted(self.tensors, 'tensor')} ({self.bytes_checked:,} bytes, {counted(self.records, 'record')}), "
+                   f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}"
+                   + (", config.json" if self.config else ""))
         if self.ok:
             return f"fine: {checked} checked"
         kinds = ", ".join(f"{n} {kind}" for kind, n in self.counts().items())
-        return f"{len(self.problems)} problem{'s' if len(self.problems) > 1 else ''} ({kinds}): {checked} checked"
+        return f"{counted(len(self.problems), 'problem')} ({kinds}): {checked} checked"
 
     def to_json(self) -> dict:
         return {"path": self.path, "format": self.format, "ok": self.ok, "tensors": self.tensors,
@@ -127,14 +128,14 @@ def _check_tensor(checkpoint: Checkpoint, tensor: TensorInfo) -> tuple[list[Prob
     its pickled tensor against what the metadata says of the chunk."""
     problems, records = [], 0
     for chunk in tensor.chunks:
+        encoding = encodings.get(chunk.encoding) if chunk.encoding != RAW else None
         try:
+            records += encoding is not None
             checkpoint.check_record(tensor, chunk)
-            encoding = encodings.get(chunk.encoding) if chunk.encoding != RAW else None
             if encoding is not None:
-                records += 1
                 encoding.locate(checkpoint.files, tensor, chunk)
-            elif checkpoint.record_of(tensor, chunk) is not None:
-                records += 1
+            else:
+                records += checkpoint.record_of(tensor, chunk) is not None
         except CheckpointError as exc:
             problems.append(Problem("record", tensor.key, str(exc)))
     return problems, records
