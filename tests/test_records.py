@@ -125,6 +125,29 @@ def test_a_damaged_dcp_record_is_refused_where_it_is_read(gloo_dcp, tmp_path, en
         assert dcptool("convert", copy, out, "--to", "torch", "--no-fsync", "--no-verify-records").returncode == 0
 
 
+def test_check_names_every_damaged_record_folded_by_layer(gloo_dcp, tmp_path):
+    """Both chunk records of both layers' up_proj damaged: four problems, one line (--all: four)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source, _ = gloo_dcp
+    copy = tmp_path / "damaged"
+    shutil.copytree(source, copy)
+    keys = [f"model.layers.{n}.mlp.up_proj.weight" for n in (0, 1)]
+    for index, info in FileSystemReader(str(source)).read_metadata().storage_data.items():
+        if index.fqn in keys:
+            record = (copy / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+            flip(copy / info.relative_path, info.offset + damage_at(record, "data bytes"))
+    result = dcptool("check", copy, check=False)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 3, result.stdout
+    assert lines[1].startswith("record") and "model.layers.{0..1}.mlp.up_proj.weight: 4 problems" in lines[1]
+    assert "4 problems (4 record)" in lines[2] and "4 problems" in result.stderr
+    every = dcptool("check", copy, "--all", check=False).stdout.strip().splitlines()
+    assert len(every) == 6 and all(any(key in line for key in keys) for line in every[1:5])
+    report = checked(copy, *keys)
+    assert [p["kind"] for p in report["problems"]] == ["record"] * 4
+
+
 def test_records_of_an_intact_checkpoint_pass_and_are_checked_as_copied(gloo_dcp, tmp_path):
     """check says fine; a reshard copies every record's bytes and checks them as they pass (no second read)."""
     source, _ = gloo_dcp

@@ -53,7 +53,7 @@ def _print(report, show_all: bool) -> None:
         details.setdefault((problem.kind, problem.name), []).append(problem.detail)
     for kind in report.counts():
         names = [name for found, name in details if found == kind]
-        minimum = len(names) + 1 if show_all else 3
+        minimum = len(names) + 1 if show_all else 2
         for name, members in stats.folded_rows(names, lambda key: (), minimum=minimum):
             found = [detail for member in members for detail in details[(kind, member)]]
             if len(found) == 1:

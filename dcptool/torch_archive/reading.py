@@ -84,7 +84,8 @@ class Archive:
     """One ``torch.save`` archive at ``[offset, offset+length)`` of a checkpoint file.
 
     Two reads open it: its tail holds the zip directory, and its head ``data.pkl`` and the first
-    storage's header. A DCP checkpoint has one archive per chunk, tens of thousands in large ones.
+    storage's header (a third, checked, reads the data descriptor after a storage that ends in neither).
+    A DCP checkpoint has one archive per chunk, tens of thousands in large ones.
 
     Unless the files say not to (``files.verify_records``, ``--no-verify-records``), the archive is checked
     as torch's reader would check it, and more: the end records (zip64 included) against each other and

@@ -11,7 +11,8 @@ the CRC-32 of each run instead (``add_part``), so the bytes are checksummed once
 from __future__ import annotations
 
 import bisect
-import mmap
+import errno
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -20,8 +21,8 @@ from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from dcptool.errors import CheckpointError
 
-# Bytes mapped at once to checksum a range: mapped pages count as this process's memory.
-CRC_WINDOW = 8 * 2**20
+# Bytes read at once to checksum a range: they stay in the core's cache while they are checksummed.
+CRC_WINDOW = 2**20
 
 
 @dataclass(frozen=True)
@@ -44,25 +45,38 @@ def check_crc(where: str, computed: int, stored: int | None) -> None:
 
 
 def crc_of_range(files, relative: str, offset: int, nbytes: int) -> int:
-    """CRC-32 of bytes of a checkpoint file: read in place through small mappings where the file is local
-    (no copy into a buffer), else read window by window."""
-    crc = 0
-    for start in range(offset, offset + nbytes, CRC_WINDOW):
-        size = min(CRC_WINDOW, offset + nbytes - start)
-        with files.mapped(relative, start, size) as window:
-            crc = crc32(window if window is not None else files.read(relative, start, size), crc)
+    """CRC-32 of bytes of a checkpoint file, read a window at a time into the thread's buffer (``crc_of_fd``)."""
+    crc, buffer = 0, _window()
+    for start in range(offset, offset + nbytes, len(buffer)):
+        window = buffer[:min(len(buffer), offset + nbytes - start)]
+        files.read_into(relative, start, window)
+        crc = crc32(window, crc)
     return crc
 
 
 def crc_of_fd(fd: int, offset: int, nbytes: int) -> int:
-    """CRC-32 of a byte range of an open local file, read in place through small mappings."""
-    crc, end = 0, offset + nbytes
-    for start in range(offset, end, CRC_WINDOW):
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fd, min(CRC_WINDOW, end - start) + start - base, offset=base, access=mmap.ACCESS_READ) as mapped:
-            with memoryview(mapped) as whole, whole[start - base:] as window:
-                crc = crc32(window, crc)
+    """CRC-32 of a byte range of an open local file, read a window at a time into the thread's buffer, which
+    stays in the core's cache while it is checksummed: 10 GB/s of the page cache here, where checksumming a
+    mapping of it ran at 7.5 (its page faults cost more than the copy)."""
+    crc, buffer, position, end = 0, _window(), offset, offset + nbytes
+    while position < end:
+        got = os.preadv(fd, [buffer[:min(len(buffer), end - position)]], position)
+        if got <= 0:
+            raise OSError(errno.EIO, f"file shrank while reading at byte {position}")
+        crc = crc32(buffer[:got], crc)
+        position += got
     return crc
+
+
+_buffers = threading.local()
+
+
+def _window() -> memoryview:
+    """The calling thread's read buffer for checksums (``CRC_WINDOW`` bytes)."""
+    buffer = getattr(_buffers, "window", None)
+    if buffer is None:
+        buffer = _buffers.window = memoryview(bytearray(CRC_WINDOW))
+    return buffer
 
 
 class RecordChecks:
@@ -79,6 +93,8 @@ class RecordChecks:
         self._checked: set[StoredData] = set()
         self._parts: dict[StoredData, dict[tuple[int, int], int]] = {}  # (offset, size) -> CRC-32 of runs copied
         self._keys: dict[StoredData, str] = {}  # the tensor each storage's runs were copied for
+        self._checking: dict[StoredData, threading.Event] = {}  # set once the thread checking it is done
+        self._failed: dict[StoredData, CheckpointError] = {}
 
     def add_file(self, relative: str, storages: list[StoredData]) -> None:
         """Make the storages of a whole ``torch.save`` file findable by the bytes they hold (``in_file``)."""
@@ -105,14 +121,39 @@ class RecordChecks:
         return self._records[place]
 
     def check(self, stored: StoredData, key: str) -> None:
-        """Check a storage's CRC-32 over its bytes, once (``key``: the tensor read, named if the record is not)."""
-        if stored.crc is None or stored in self._checked:
+        """Check a storage's CRC-32 over its bytes, once: threads that ask while another checks it wait for
+        that answer (several threads assembling blocks of one tensor read its records at the same time)."""
+        if stored.crc is None:
             return
-        check_crc(_named(stored, key), crc_of_range(self.files, stored.relative, stored.offset, stored.size),
-                  stored.crc)
         with self._lock:
-            self._checked.add(stored)
-            self._parts.pop(stored, None)
+            if stored in self._checked:
+                return
+            failed = self._failed.get(stored)
+            checking = self._checking.get(stored)
+            mine = checking is None and failed is None
+            if mine:
+                checking = self._checking[stored] = threading.Event()
+        if failed is not None:
+            raise failed
+        if not mine:
+            checking.wait()
+            self.check(stored, key)  # checked now, or failed: says so
+            return
+        try:
+            check_crc(_named(stored, key), crc_of_range(self.files, stored.relative, stored.offset, stored.size),
+                      stored.crc)
+        except CheckpointError as exc:
+            with self._lock:
+                self._failed[stored] = exc
+            raise
+        else:
+            with self._lock:
+                self._checked.add(stored)
+                self._parts.pop(stored, None)
+        finally:
+            with self._lock:
+                del self._checking[stored]
+            checking.set()
 
     def add_part(self, stored: StoredData, key: str, offset: int, nbytes: int, crc: int) -> None:
         """The CRC-32 of bytes ``[offset, offset+nbytes)`` of a storage, as a copy read them; the storage is
@@ -120,7 +161,7 @@ class RecordChecks:
         if stored.crc is None:
             return
         with self._lock:
-            if stored in self._checked:
+            if stored in self._checked or stored in self._failed:
                 return
             self._keys[stored] = key
             parts = self._parts.setdefault(stored, {})
