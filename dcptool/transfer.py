@@ -370,7 +370,7 @@ class _Mover:
         source = piece.tensor.source
         offsets, sizes = task.region
         region = tuple(o + p for o, p in zip(offsets, piece.offsets))
-        values = self.checkpoint.region_in(source, region, sizes, *self._buffers())
+        values = self.checkpoint.region_in(source, region, sizes, *self._buffers(), passing=True)
         if source.dtype != piece.tensor.dtype:
             values = dtypes.cast(values, source.dtype, piece.tensor.dtype)
         return memoryview(values.reshape(-1)).cast("B")

@@ -158,6 +158,20 @@ def test_records_of_an_intact_checkpoint_pass_and_are_checked_as_copied(gloo_dcp
     assert json.loads(dcptool("check", tmp_path / "dp1", "--json").stdout)["ok"]
 
 
+def test_check_holds_a_config_beside_the_checkpoint_against_its_weights(checkpoints, tmp_path):
+    """The job's own HF config fits its weights; one that says another intermediate size is named."""
+    source, reference = checkpoints("fsdp2_dp2")
+    copy = tmp_path / "with-config"
+    shutil.copytree(source, copy)
+    config = json.loads((reference / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config))
+    report = json.loads(dcptool("check", copy, "--json").stdout)
+    assert report["ok"] and report["config"].endswith("config.json")
+    (copy / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 2}))
+    report = checked(copy, "config.json", "mlp")
+    assert [p["kind"] for p in report["problems"]] == ["config"]
+
+
 # torch.save and FSDP1 files: one archive per file, each tensor a storage of it.
 
 

@@ -235,7 +235,7 @@ class Archive:
             if entry.flags & 8:  # a data descriptor after the data holds the CRC-32 and sizes (torch.save's own writer)
                 if (crc, *sizes) not in ((0, 0, 0), (entry.crc, entry.size, entry.size)):
                     raise Damaged("its local header disagrees with the central directory")
-                return start, self._descriptor(entry, start + entry.size, wide=FIELD_LIMIT in fields[8:10])
+                return start, self._descriptor(entry, start + entry.size)
             if (crc, *sizes) != (entry.crc, entry.size, entry.size):
                 raise Damaged("its local header disagrees with the central directory")
             return start, start + entry.size
@@ -247,16 +247,16 @@ class Archive:
             raise CheckpointError(f"{self.where}: corrupt zip entry {printable(name)!r} ({printable(str(exc), 80)})") \
                 from None
 
-    def _descriptor(self, entry: ZipEntry, at: int, wide: bool) -> int:
-        """The end of the data descriptor at ``at`` (of 8-byte sizes after a zip64 local header), checked
-        against the directory entry."""
-        found = self._read(at, min(24, self._directory_start - at))
-        signed = found[:4] == b"PK\x07\x08"
-        layout = struct.Struct("<LQQ" if wide else "<LLL")
-        values = layout.unpack_from(found, 4 if signed else 0)
-        if values != (entry.crc, entry.size, entry.size):
-            raise Damaged("its data descriptor disagrees with the central directory")
-        return at + (4 if signed else 0) + layout.size
+    def _descriptor(self, entry: ZipEntry, at: int) -> int:
+        """The end of the data descriptor at ``at``, checked against the directory entry: its signature is
+        optional, its sizes 8 bytes each after a zip64 local header, else 4 (either is taken)."""
+        found = self._read(at, min(28, self._directory_start - at))
+        start = 4 if found[:4] == b"PK\x07\x08" else 0
+        for layout in (struct.Struct("<LLL"), struct.Struct("<LQQ")):
+            if len(found) >= start + layout.size and \
+                    layout.unpack_from(found, start) == (entry.crc, entry.size, entry.size):
+                return at + start + layout.size
+        raise Damaged("its data descriptor disagrees with the central directory")
 
     def _check_crc(self, name: str, entry: ZipEntry, data) -> None:
         if self.crc_recorded:
