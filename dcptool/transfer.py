@@ -4,9 +4,8 @@ Writers fix where each piece's bytes go before any is written (``Writer.place``)
 into tasks of bounded size that a few threads run in any order: reading (``preadv``), copying
 (numpy), checksumming (zlib-ng's ``crc32``) and writing (``pwrite``) all release the GIL, so the threads
 keep the disk and the cores busy together. A task whose bytes are one run in a source file and one
-run in the output and needs no CRC-32 is copied by the kernel (``os.copy_file_range``), as ``cp`` does; one
-that needs its CRC-32 goes through a small window of a buffer, checksummed between the read and the write,
-which costs less here than a kernel copy read back to checksum it. The CRC-32 of a run serves twice: a zip-based output stores it, and the source record's
+run in the output is copied by the kernel (``os.copy_file_range``), as ``cp`` does, and its CRC-32
+read back from the output's page cache as each step is copied (cheaper than reading the source again). The CRC-32 of a run serves twice: a zip-based output stores it, and the source record's
 stored CRC-32 is checked against the runs that cover it (``torch_archive.records``). Every other task is assembled in a
 buffer owned by its thread and reused for the whole run; all buffers together stay within ``max_memory``.
 
@@ -38,7 +37,7 @@ from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts
 from dcptool.torch_archive import row_major
-from dcptool.torch_archive.records import record_checks
+from dcptool.torch_archive.records import crc_of_fd, record_checks
 
 # The memory budget for data buffers when none is given (--max-memory).
 DEFAULT_MAX_MEMORY = 256 * 2**20
@@ -55,10 +54,6 @@ SMALL_RUN = 2**20
 # Runs shorter than this are read and written through the thread's buffer and checksummed there: a kernel
 # copy, then a mapping to checksum it, cost more than such bytes (chunks of a thousand ranks are a few KB each).
 KERNEL_COPY_RUN = 2**18
-# Bytes of a run read, checksummed and written at once: they are still in the core's cache when checksummed
-# and written (per 509 MB here: 0.13 CPU s, where a kernel copy took 0.14 and reading it back to checksum
-# another 0.03 from the output's pages, 0.05 from the source's, 0.07 through a mapping; 4 MB windows 0.27).
-RUN_WINDOW = 2**20
 # The most one kernel copy moves while it holds the output file (a whole record may be gigabytes).
 KERNEL_COPY_STEP = 16 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2  # from <fcntl.h>
@@ -329,27 +324,25 @@ class _Mover:
         files.check_range(file, source_offset, task.nbytes)
         stored = self.checkpoint.record_of(task.piece.tensor.source, task.chunk) if task.chunk is not None else None
         checksum = self.crc or stored is not None
-        # A run that needs no CRC-32 is copied by the kernel; one that does goes through a window of the buffer,
-        # checksummed between the read and the write: cheaper than a kernel copy read back to checksum it.
-        source_fd = files.local_fd(file) if task.nbytes >= KERNEL_COPY_RUN and not checksum else None
-        crc = 0
-        if source_fd is None or not self._kernel_copy(source_fd, task):
-            buffer = self._buffers()[0]
-            window = min(len(buffer), RUN_WINDOW) if checksum else len(buffer)
-            for step in range(0, task.nbytes, window):  # a run may be longer than the buffer
-                data = memoryview(buffer[: min(window, task.nbytes - step)]).cast("B")
+        source_fd = files.local_fd(file) if task.nbytes >= KERNEL_COPY_RUN else None
+        crc = self._kernel_copy(source_fd, task, checksum) if source_fd is not None else None
+        if crc is None:
+            buffer, crc = self._buffers()[0], 0
+            for step in range(0, task.nbytes, len(buffer)):  # a run may be longer than the buffer
+                data = memoryview(buffer[: min(len(buffer), task.nbytes - step)]).cast("B")
                 files.read_into(file, source_offset + step, data)
-                if checksum:
-                    crc = crc32(data, crc)
                 self.out.write_at(task.file, task.offset + step, data)
+                crc = crc32(data, crc) if checksum else 0
         if stored is not None:
             record_checks(files).add_part(stored, task.piece.tensor.source.key, source_offset, task.nbytes, crc)
         return crc if self.crc else 0
 
-    def _kernel_copy(self, source_fd: int, task: Task) -> bool:
-        """Copy the run inside the kernel; False where the filesystems cannot."""
+    def _kernel_copy(self, source_fd: int, task: Task, checksum: bool) -> int | None:
+        """Copy the run inside the kernel; its CRC-32 (0 unless ``checksum``), or None where the filesystems
+        cannot. The CRC-32 is read back from each step's output as it is copied: the output's fresh pages, some
+        still in the core's cache, checksum at 16 GB/s here, the source's at 10."""
         file, source_offset = task.source
-        done = 0
+        done, crc = 0, 0
         while done < task.nbytes:
             try:
                 with self.out.writing(task.file) as target_fd:
@@ -357,14 +350,20 @@ class _Mover:
                                                 source_offset + done, task.offset + done)
             except OSError as exc:
                 if exc.errno in _NO_KERNEL_COPY and done == 0:
-                    return False
+                    return None
                 operation = "writing" if exc.errno in _FULL else f"copying {self.checkpoint.files.path(file)} to"
                 raise self.out.failed(exc, task.file, task.offset + done, operation) from None
             if copied == 0:
                 raise CheckpointError(f"{self.checkpoint.files.path(file)}: file shrank while reading at byte "
                                       f"{source_offset + done}")
+            if checksum:
+                try:
+                    step_crc = crc_of_fd(target_fd, task.offset + done, copied)
+                except OSError as exc:
+                    raise self.out.failed(exc, task.file, task.offset + done, "reading back") from None
+                crc = crc32_combine(crc, step_crc, copied) if done else step_crc
             done += copied
-        return True
+        return crc
 
     def _assemble(self, task: Task) -> memoryview:
         piece = task.piece
