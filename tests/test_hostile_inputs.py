@@ -83,8 +83,9 @@ def hf_dcp_header(sharding, dtype: str = "F32") -> str:
 def test_hf_dcp_bad_sharding_info_is_refused(forked_runs, tmp_path, headers, said):
     folder = tmp_path / "hf-dcp"
     folder.mkdir()
-    for rank, header in enumerate(headers, start=1):
-        safetensors_file(folder / f"shard-{rank:05d}-model-00001-of-00001.safetensors", header)
+    for rank, header in enumerate(headers, start=1):  # data as long as the header says (safetensors takes no more)
+        safetensors_file(folder / f"shard-{rank:05d}-model-00001-of-00001.safetensors", header,
+                         b"\0" * json.loads(header)["w"]["data_offsets"][1])
     line = refused(forked_runs, folder, said, tmp_path=tmp_path)
     assert ".safetensors" in line or "hf-dcp" in line
 
