@@ -231,7 +231,7 @@ def test_safetensors_laid_out_as_its_loader_refuses_are_refused(bases, tmp_path,
 
     copy = tmp_path / fmt
     shutil.copytree(bases / fmt, copy)
-    target = sorted(copy.glob("*.safetensors"))[0]
+    target = min(copy.glob("*.safetensors"))
     rewrite_safetensors(target, **damage)
     with pytest.raises(Exception):  # noqa: B017 - safetensors' SafetensorError (torch's HF storage reader reads so)
         load_file(target)

@@ -24,6 +24,7 @@ CENTRAL_HEADER = struct.Struct("<4s4B4HL2L5H2L")  # central directory file heade
 END = struct.Struct("<4s4H2LH")  # end of central directory, 22 bytes
 END64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory, 56 bytes
 LOCATOR64 = struct.Struct("<4sLQL")  # zip64 end of central directory locator, 20 bytes
+DESCRIPTORS = (struct.Struct("<LLL"), struct.Struct("<LQQ"))  # a data descriptor's CRC-32 and sizes, 4 or 8 bytes each
 FIELD_LIMIT = 0xFFFFFFFF  # a size or offset this large moves to a zip64 extra field
 DOS_DATE = (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01, the timestamp torch.save writes
 ZIP_VERSION, ZIP64_VERSION = 20, 45
@@ -252,14 +253,14 @@ class Archive:
         optional, its sizes 8 bytes each after a zip64 local header, else 4 (either is taken)."""
         found = self._read(at, min(28, self._directory_start - at))
         start = 4 if found[:4] == b"PK\x07\x08" else 0
-        for layout in (struct.Struct("<LLL"), struct.Struct("<LQQ")):
+        for layout in DESCRIPTORS:
             if len(found) >= start + layout.size and \
                     layout.unpack_from(found, start) == (entry.crc, entry.size, entry.size):
                 return at + start + layout.size
         raise Damaged("its data descriptor disagrees with the central directory")
 
     def _check_crc(self, name: str, entry: ZipEntry, data) -> None:
-        if self.crc_recorded:
+        if self.crc_recorded and crc32(data) != entry.crc:
             check_crc(f"{self.where}: {printable(name[len(self.prefix):])}", crc32(data), entry.crc)
 
     def _data_offset(self, name: str) -> tuple[int, int]:
