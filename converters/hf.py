@@ -106,9 +106,12 @@ def read_header(files: CheckpointFiles, name: str) -> tuple[dict[str, TensorInfo
     if 8 + length > size:
         raise CheckpointError(f"{where}: truncated: a header of {length:,} bytes, "
                               f"the file has {size - 8:,} after its length")
-    header = parse_json(files.read(name, 8, length), f"{where}: safetensors header")
+    text = files.read(name, 8, length)
+    header = parse_json(text, f"{where}: safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{where}: safetensors header is {json_kind(header)}, not an object")
+    if not text.startswith(b"{"):  # safetensors' loader refuses anything before the object
+        raise CheckpointError(f"{where}: the safetensors header does not start with '{{'")
     metadata = header.get("__metadata__")
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise CheckpointError(f"{where}: __metadata__ is not an object of strings")
@@ -134,6 +137,16 @@ def read_header(files: CheckpointFiles, name: str) -> tuple[dict[str, TensorInfo
     for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
         if begin_b < end_a:
             raise CheckpointError(f"{where}: the data of {printable(a)} and {printable(b)} overlap (data_offsets)")
+    # safetensors' own loader takes only data laid end to end from the header on, nothing after it
+    position = 0
+    for begin, end, key in spans:
+        if begin != position:
+            raise CheckpointError(f"{where}: {printable(key)}: data_offsets start at {begin:,} where the data before "
+                                  f"it ends at {position:,} (safetensors refuses a gap)")
+        position = end
+    if start + position != size:
+        raise CheckpointError(f"{where}: {size - start - position:,} bytes after the last tensor's data "
+                              "(safetensors refuses the file: its header does not account for them)")
     return tensors, metadata or {}
 
 
@@ -265,6 +278,32 @@ class HuggingFace(Format):
     detect = staticmethod(detect)
     read = staticmethod(read)
     writer_class = Writer
+
+    def problems(self, checkpoint: Checkpoint) -> list[tuple[str, str]]:
+        return index_problems(checkpoint)
+
+
+def index_problems(checkpoint: Checkpoint) -> list[tuple[str, str]]:
+    """``(tensor, what is wrong)`` where the index does not say where a tensor is, as transformers would find it:
+    a tensor in another shard than its entry names, one no entry names, an entry for a tensor no shard holds."""
+    files = checkpoint.files
+    if files.single_file or not files.is_file(INDEX):
+        return []
+    where = files.path(INDEX)
+    weight_map = files.read_json_object(INDEX, MAX_HEADER, "a safetensors index")["weight_map"]
+    found = []
+    for key, tensor in checkpoint.tensors.items():
+        held = tensor.chunks[0].file
+        listed = weight_map.get(key)
+        if listed is None:
+            found.append((key, f"{where}: {printable(key)} is in {held}, but the index does not list it "
+                               "(transformers does not load it)"))
+        elif listed != held:
+            found.append((key, f"{where}: lists {printable(key)} in {printable(listed)}, but it is in {held}"))
+    for key, listed in weight_map.items():
+        if key not in checkpoint.tensors:
+            found.append((key, f"{where}: lists {printable(key)} in {printable(listed)}, which does not hold it"))
+    return found
 
 
 FORMAT = HuggingFace()

@@ -8,7 +8,10 @@ raises the exceptions of ``dcptool.errors``: ``CheckpointError`` for a checkpoin
 read, ``UsageError`` for options that cannot work together (the command exits 2 for both). A check
 that finds a difference is not an error here: look at ``report.equal`` (verify) or ``result.ok``
 (checksum, ``verify(load_on=...)``). Sizes (``max_memory``, ``max_shard_size``) are bytes or text
-such as ``"256MiB"`` or ``"5GB"``. ``dry_run=True`` plans and reports, and writes nothing.
+such as ``"256MiB"`` or ``"5GB"``. ``dry_run=True`` plans and reports, and writes nothing. Every record
+read (``torch.save`` archives: DCP chunks and objects, ``torch.save`` and FSDP1 files) is checked as torch
+would check it, and its CRC-32s as its bytes pass: a damaged one raises ``CheckpointError``;
+``verify_records=False`` (``--no-verify-records``) skips that, for a caller who accepts the risk.
 ``progress`` is a callable ``progress(total_bytes, label)`` returning a context manager that
 yields ``advance(n)`` (the command line passes its progress bar).
 
@@ -23,6 +26,7 @@ Nothing here imports torch unless asked to (``read(..., as_torch=True)``, ``veri
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +45,7 @@ from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
     from dcptool.checksums import Result
+    from dcptool.integrity import Report as CheckReport
     from dcptool.inspection import Inspection
     from dcptool.layout import Layout
     from dcptool.loadcheck import LoadReport
@@ -48,15 +53,27 @@ if TYPE_CHECKING:
     from dcptool.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
-           "verify", "checksum"]
+           "verify", "checksum", "check"]
 
 Size = Union[int, str]
 Progress = Callable[[Union[int, None], str], ContextManager[Callable[[int], None]]]
 
 
+def _records(command: Callable) -> Callable:
+    """The command's ``verify_records`` keyword: False (``--no-verify-records``) reads the checkpoints it opens
+    without checking their records (zip structure, CRC-32s), for a caller who accepts the risk."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        with formats.records_checked(kwargs.get("verify_records", True)):
+            return command(*args, **kwargs)
+    return run
+
+
+@_records
 def inspect(path: str | Path, *, source_format: str | None = None, revision: str | None = None,
             include: str | None = None, stats: bool = False, threads: int = 0, max_memory: Size = DEFAULT_MAX_MEMORY,
-            progress: Progress | None = None) -> Inspection:
+            progress: Progress | None = None,
+            verify_records: bool = True) -> Inspection:
     """``dcptool inspect``: a checkpoint's tensors, entries, data files, parameter counts, naming family and
     model kind, and the mesh it was saved on; with ``stats``, every tensor's values read and summarized.
 
@@ -113,13 +130,15 @@ def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: 
     return picture
 
 
+@_records
 def convert(source: str | Path, destination: str | Path, to: str, *, source_format: str | None = None,
             revision: str | None = None, dtype: str | None = None, include: str | None = None,
             exclude: str | None = None, world_size: int | None = None, max_shard_size: Size | None = None,
             adapter: str | None = None, config_dir: str | Path | None = None, keep_rank_state: bool = False,
             optim_form: str | None = None, model_values: str | None = None, dequantize: bool = False,
             compress: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False,
-            fsync: bool = True, dry_run: bool = False, progress: Progress | None = None) -> Report:
+            fsync: bool = True, dry_run: bool = False, progress: Progress | None = None,
+            verify_records: bool = True) -> Report:
     """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, hf-dcp, fsdp1), every key as
     saved (or what the format holds), renamed to ``adapter``'s family if given.
 
@@ -155,6 +174,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
     return _run(planned, destination, dry_run, progress, max_memory, overwrite, fsync)
 
 
+@_records
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
               prefix: str | None = None, source_format: str | None = None, revision: str | None = None,
               dtype: str | None = None, include: str | None = None, exclude: str | None = None,
@@ -162,7 +182,8 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
               dequantize: bool = False, push_to_hub: str | None = None, private: bool = False,
               hub_branch: str | None = None, commit_message: str | None = None,
               max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
-              dry_run: bool = False, progress: Progress | None = None) -> Report:
+              dry_run: bool = False, progress: Progress | None = None,
+              verify_records: bool = True) -> Report:
     """``dcptool export-hf``: the model weights as Hugging Face safetensors under HF names, with
     ``config_dir``'s config and tokenizer files.
 
@@ -209,6 +230,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     return report
 
 
+@_records
 def reshard(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,
             etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
             to: str = "dcp", keep_rank_state: bool = False, adapter: str | None = None,
@@ -216,7 +238,8 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
             dtype: str | None = None, optim_form: str | None = None, model_values: str | None = None,
             dequantize: bool = False, compress: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
             overwrite: bool = False, fsync: bool = True, dry_run: bool = False,
-            progress: Progress | None = None) -> ReshardReport:
+            progress: Progress | None = None,
+            verify_records: bool = True) -> ReshardReport:
     """``dcptool reshard``: lay ``source`` out for a mesh as a job on it saves it: ``to="dcp"`` chunk for
     chunk as ``dcp.save`` writes it; ``to="fsdp1"`` per-rank FSDP1 files (data parallel only), in the
     forms ``optim_form`` and ``model_values`` choose.
@@ -270,6 +293,7 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
                     fsync=fsync, dry_run=dry_run, progress=progress)
 
 
+@_records
 def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None = None, atol: float | None = None,
            rtol: float | None = None, dtype_as: str | None = None, values_only: bool = False,
            include: str | None = None, exclude: str | None = None,
@@ -277,7 +301,8 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
            from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto",
            load_on: str | Mapping[str, int] | None = None, nproc: int | None = None, backend: str = "auto",
            plan: str = "auto", timeout: float = 600.0, max_memory: Size = DEFAULT_MAX_MEMORY,
-           revision: str | None = None, progress: Progress | None = None) -> VerifyReport | LoadReport:
+           revision: str | None = None, progress: Progress | None = None,
+           verify_records: bool = True) -> VerifyReport | LoadReport:
     """``dcptool verify``: compare ``a`` with ``b`` (any formats, layouts and naming families), or with its
     own round trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``.
 
@@ -337,11 +362,13 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     return report
 
 
+@_records
 def checksum(path: str | Path, *, write: bool = False, check: bool = False, against: str | Path | None = None,
              manifest: str | Path | None = None, scan_nonfinite: bool = False, prefix: str | None = None,
              against_prefix: str | None = None, source_format: str | None = None, threads: int = 0,
              max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, revision: str | None = None,
-             progress: Progress | None = None) -> Result:
+             progress: Progress | None = None,
+             verify_records: bool = True) -> Result:
     """``dcptool checksum``: ``write`` an integrity manifest (a BLAKE3 hash per file and per tensor),
     ``check`` the checkpoint against it, or check another checkpoint ``against`` it by tensor hashes.
 
@@ -376,6 +403,31 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
                              against_prefix=against_prefix, overwrite=overwrite,
                              max_memory=parse_size(max_memory, "max_memory"), threads=threads or None,
                              progress=advance)
+
+
+def check(path: str | Path, *, source_format: str | None = None, revision: str | None = None,
+          progress: Progress | None = None) -> CheckReport:
+    """``dcptool check``: everything torch or an engine would trip on in one checkpoint, found without loading
+    it and without a manifest: every record's zip structure and CRC-32s, the metadata against the files and
+    the records, the chunk cover, index files against their shards, non-tensor entries through the
+    restricted unpickler, and a ``config.json`` that comes with it against the weights.
+
+    Returns:
+        ``integrity.Report``: ``.ok``, and ``.problems`` (kind, name, detail), every one found;
+        ``.to_json()`` is what ``check --json`` prints. A path that is no checkpoint raises.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> folder = tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
+        >>> dcptool.check(folder).ok
+        True
+    """
+    from dcptool import integrity
+
+    path, = hub.with_revision(path, revision=revision)
+    with formats.records_checked(True), _progress(progress, None, "checking") as advance:
+        return integrity.check_path(path, source_format, progress=advance)
 
 
 def _source(source, source_format, revision, dequantize: bool, config_dir, dtype) -> tuple[Checkpoint, list[str]]:

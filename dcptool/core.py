@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from dcptool import dtypes, encodings
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, RawBytes, row_major
+from dcptool.torch_archive import Archive, RawBytes, chunk_label, row_major
+from dcptool.torch_archive.records import StoredData, record_checks
 
 RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
 
@@ -270,13 +272,27 @@ class Checkpoint:
         self._resolved[chunk] = raw
         return raw
 
-    def stored_crc(self, chunk: Chunk, offset: int, length: int) -> int | None:
-        """The CRC-32 that ``chunk``'s record stores for file bytes ``[offset, offset+length)``, when they
-        are its whole storage (a copied chunk then needs no pass over its bytes to checksum them); else None."""
-        encoding = encodings.get(chunk.encoding) if chunk.view is None else None
-        if encoding is None or encoding.stored_crc is None:
+    def record_of(self, tensor: TensorInfo, chunk: Chunk) -> StoredData | None:
+        """The storage of the record that holds ``chunk``'s bytes, whose CRC-32 is checked where they are read
+        (the record's zip structure is checked as it is opened); None when its format stores no CRC-32
+        (safetensors) or records are not checked (``--no-verify-records``)."""
+        checks = record_checks(self.files)
+        if checks is None:
             return None
-        return encoding.stored_crc(self.files, chunk, offset, length)
+        base = chunk.view.base if chunk.view is not None else chunk
+        if base.encoding == RAW:  # bytes of a whole torch.save file, or of no record at all
+            return checks.in_file(base.file, base.offset)
+        encoding = encodings.get(base.encoding)
+        if encoding is None or encoding.record is None:
+            return None
+        label = chunk_label(tensor.key, base)
+        return checks.record(base.file, base.offset, lambda: encoding.record(self.files, base, label))
+
+    def check_record(self, tensor: TensorInfo, chunk: Chunk) -> None:
+        """Check the record that holds ``chunk``'s bytes (once per record; ``record_of``)."""
+        stored = self.record_of(tensor, chunk)
+        if stored is not None:
+            record_checks(self.files).check(stored, tensor.key)
 
     def _resolve(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         itemsize = dtypes.dtype(tensor.dtype).itemsize
@@ -298,29 +314,41 @@ class Checkpoint:
     def object_value(self, obj: ObjectInfo) -> Any:
         """The object's value, unpickled with the allowlist (tensors inside come back as references)."""
         if obj.value is _UNSET:
-            file, offset, length = obj.blob
-            obj.value = Archive(self.files, file, offset, length).load()
+            obj.value = self.object_archive(obj).load()
         return obj.value
 
     def object_blob(self, obj: ObjectInfo) -> bytes | None:
         """The object's ``torch.save`` bytes when the checkpoint stores them as such, else None."""
         if obj.blob is None:
             return None
+        self.object_archive(obj)
         file, offset, length = obj.blob
         return self.files.read(file, offset, length)
 
-    def region_in(self, tensor: TensorInfo, offsets, sizes, buffer, scratch: memoryview) -> np.ndarray:
+    def object_archive(self, obj: ObjectInfo) -> Archive:
+        """The ``torch.save`` archive of an object stored as one, checked whole (it is small) unless records
+        are not checked."""
+        archive = Archive(self.files, *obj.blob, label=obj.key)
+        archive.check_storages()
+        return archive
+
+    def region_in(self, tensor: TensorInfo, offsets, sizes, buffer, scratch: memoryview,
+                  passing: bool = False) -> np.ndarray:
         """A region read into the start of ``buffer`` (reused by the caller), as an unsigned view of shape ``sizes``."""
         values = np.frombuffer(buffer, dtype=dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize),
                                count=math.prod(sizes)).reshape(sizes)
-        self.read_region(tensor, offsets, sizes, values, scratch)
+        self.read_region(tensor, offsets, sizes, values, scratch, passing)
         return values
 
-    def read_region(self, tensor: TensorInfo, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+    def read_region(self, tensor: TensorInfo, offsets, sizes, out: np.ndarray, scratch: memoryview,
+                    passing: bool = False) -> None:
         """Fill ``out`` (shape ``sizes``, an unsigned view of the tensor's item size) with a region.
 
         The region is assembled from every chunk it overlaps; each file read covers at most
-        ``len(scratch)`` bytes, so memory stays bounded however large the chunks are.
+        ``len(scratch)`` bytes, so memory stays bounded however large the chunks are. Each chunk's record is
+        checked before its bytes are used (``check_record``); with ``passing`` (a copy that finishes the
+        checks of what it read: ``transfer``), a part of a chunk that is one run of its record's bytes hands
+        in the CRC-32 of those bytes as they are read instead (``RecordChecks.add_part``).
         """
         if tensor.transform is not None:
             tensor.transform.read(self, offsets, sizes, out, scratch)
@@ -331,32 +359,44 @@ class Checkpoint:
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
             raw = self.raw_bytes(tensor, chunk)
-            local_lo = [l - co for l, co in zip(lo, chunk.offsets)]
+            local_lo, extent = [l - co for l, co in zip(lo, chunk.offsets)], [h - l for l, h in zip(lo, hi)]
+            stored = self.record_of(tensor, chunk) if passing and chunk.view is None else None
+            if stored is None or not is_contiguous(extent, raw.strides):
+                self.check_record(tensor, chunk)
+                stored = None
             # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.
             target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
-            self._copy_box(raw, local_lo, [h - l for l, h in zip(lo, hi)], target, scratch, chunk.view is not None)
+            crc = self._copy_box(raw, local_lo, extent, target, scratch, chunk.view is not None, stored is not None)
+            if stored is not None:
+                start = raw.offset + sum(l * s for l, s in zip(local_lo, raw.strides)) * raw.itemsize
+                record_checks(self.files).add_part(stored, tensor.key, start, math.prod(extent) * raw.itemsize, crc)
 
     def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch,
-                  split_gaps: bool = False) -> None:
+                  split_gaps: bool = False, checksum: bool = False) -> int:
+        """Copy a box of a chunk's elements into ``target``; with ``checksum`` (the box is one run of source
+        bytes), return the CRC-32 of those bytes, else 0."""
         itemsize = raw.itemsize
         start = raw.offset + sum(l * s for l, s in zip(lo, raw.strides)) * itemsize
         if target.flags.c_contiguous and is_contiguous(extent, raw.strides):  # one run to one run: read in place
-            self.files.read_into(raw.file, start, memoryview(target).cast("B"))
-            return
+            data = memoryview(target).cast("B")
+            self.files.read_into(raw.file, start, data)
+            return crc32(data) if checksum else 0
         span = (sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1) * itemsize
         # Split what does not fit, and views that are mostly gaps (rows of a permuted view far apart).
         sparse = split_gaps and span > 2 * math.prod(extent) * itemsize + 4096
         if (span > len(scratch) or sparse) and any(n > 1 for n in extent):
             dim = max((d for d, n in enumerate(extent) if n > 1), key=lambda d: raw.strides[d]) if sparse else \
                 next(d for d, n in enumerate(extent) if n > 1)
-            half = extent[dim] // 2
+            half, crc = extent[dim] // 2, 0
             for begin, count in ((0, half), (half, extent[dim] - half)):
                 sub_lo, sub_extent = list(lo), list(extent)
                 sub_lo[dim] += begin
                 sub_extent[dim] = count
                 index = tuple(slice(begin, begin + count) if d == dim else slice(None) for d in range(len(extent)))
-                self._copy_box(raw, sub_lo, sub_extent, target[index], scratch, split_gaps)
-            return
+                part = self._copy_box(raw, sub_lo, sub_extent, target[index], scratch, split_gaps, checksum)
+                # halves along the first dim of more than one element: consecutive runs of a contiguous box
+                crc = crc32_combine(crc, part, math.prod(sub_extent) * itemsize) if begin else part
+            return crc
         if span > len(scratch):  # a single element larger than the scratch buffer cannot happen in practice
             raise CheckpointError("read buffer smaller than one element")
         # Strided on either side (a column block's rows): copied from the file's pages in place where it is local,
@@ -368,6 +408,7 @@ class Checkpoint:
             flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
             target[...] = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
             del flat  # the mapping closes only once no array points into it
+            return crc32(buffer) if checksum else 0
 
 
 def is_contiguous(extent, strides) -> bool:

@@ -20,14 +20,15 @@ class Encoding:
     ``locate(files, tensor, chunk)``: where the elements of ``chunk`` (a ``core.Chunk`` of the
     ``core.TensorInfo`` ``tensor``, in the ``storage.CheckpointFiles`` ``files``) are, a
     ``torch_archive.RawBytes``, its record opened and checked against the chunk's dtype and sizes.
-    ``stored_crc(files, chunk, offset, length)``: the CRC-32 the record stores for file bytes
-    ``[offset, offset+length)``, or None. ``uniform``: records of one dtype, shape and length hold their
+    ``record(files, chunk, label)``: the storage of ``chunk``'s record whose CRC-32 is checked where its
+    bytes are read (a ``torch_archive.records.StoredData``, the record's structure checked as it is
+    opened; ``label`` names the chunk in messages), or None. ``uniform``: records of one dtype, shape and length hold their
     elements at the same place in them, so a checkpoint opens one record of each such shape, not each.
     """
 
     name: str
     locate: Callable[[Any, Any, Any], Any]
-    stored_crc: Callable[[Any, Any, int, int], int | None] | None = None
+    record: Callable[[Any, Any, str], Any] | None = None
     uniform: bool = False
 
 

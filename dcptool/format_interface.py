@@ -124,6 +124,11 @@ class Format(ABC):
     def read(self, files: CheckpointFiles) -> Checkpoint:
         """The format-neutral description of the checkpoint; a broken one raises ``CheckpointError``."""
 
+    def problems(self, checkpoint: Checkpoint) -> list[tuple[str, str]]:
+        """``(name, what is wrong)`` of what a loader would trip on that ``read`` does not refuse (``dcptool
+        check``): by default nothing."""
+        return []
+
     @property
     def writable(self) -> bool:
         return self.writer_class is not None

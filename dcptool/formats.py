@@ -21,11 +21,13 @@ atomic commit (``dcptool.storage``).
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import os
 import pkgutil
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -83,7 +85,22 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     ('dcp', 291, 16060522496)
     """
     files = _files_at(path)
+    files.verify_records = _VERIFY_RECORDS.get()
     return get(format or _format_of(files)).read(files)
+
+
+_VERIFY_RECORDS: contextvars.ContextVar[bool] = contextvars.ContextVar("dcptool_verify_records", default=True)
+
+
+@contextmanager
+def records_checked(verify: bool) -> Iterator[None]:
+    """While it lasts, the checkpoints opened check their records (``torch.save`` archives: zip structure and
+    CRC-32s) as they are read, or, with ``verify=False`` (``--no-verify-records``), do not."""
+    token = _VERIFY_RECORDS.set(verify)
+    try:
+        yield
+    finally:
+        _VERIFY_RECORDS.reset(token)
 
 
 def _files_at(path: str | Path) -> CheckpointFiles:

@@ -37,7 +37,7 @@ def split_object(checkpoint: Checkpoint, obj: ObjectInfo, path: tuple) -> tuple[
         return {path: value}, []
     if obj.blob is None:  # readers split out the tensors of what they unpickle whole: none are left
         raise Unpicklable(f"{printable(join_path(path))}: holds tensors outside a torch.save archive")
-    archive = Archive(checkpoint.files, *obj.blob)
+    archive = checkpoint.object_archive(obj)
     entries, tensors = {}, []
     for nested, leaf in flatten(value, path, archive.where):
         if not isinstance(leaf, TensorRef):

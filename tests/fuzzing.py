@@ -399,10 +399,12 @@ def check_run(job: dict, result: subprocess.CompletedProcess) -> str | None:
     """What is wrong with one run, or None."""
     code, stderr = result.returncode, result.stderr
     lines = stderr.strip().splitlines()
-    if code not in (0, 2):
+    if code not in ((0, 1, 2) if job["argv"][1] == "check" else (0, 2)):
         return f"exit {code}: {stderr.strip()[-600:] or result.stdout[-300:]}"
     if "Traceback" in stderr:
         return f"traceback on exit {code}: {stderr[-600:]}"
+    if code == 1 and len(lines) != 1:
+        return f"{len(lines)} lines on stderr: {stderr[-600:]}"
     if code == 2:
         if len(lines) != 1:
             return f"{len(lines)} lines on stderr: {stderr[-600:]}"

@@ -34,7 +34,7 @@ def test_doctests_run(tmp_path, monkeypatch):
 
 
 def test_the_commands_are_functions_of_the_package():
-    for name in ("open", "convert", "export_hf", "import_hf", "reshard", "verify", "checksum"):
+    for name in ("open", "convert", "export_hf", "import_hf", "reshard", "verify", "checksum", "check"):
         function = getattr(dcptool, name)
         assert callable(function) and function is getattr(api, name) and function.__doc__, name
 

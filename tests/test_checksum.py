@@ -74,7 +74,10 @@ def flip_byte(path, fmt):
     data = bytearray(file.read_bytes())
     data[offset + length // 2] ^= 0x40
     file.write_bytes(data)
-    return {"check": {("changed file", name), ("changed values", key)}, "verify": {(key, "value")}}
+    if fmt == "hf":  # safetensors stores no CRC-32: the values changed
+        return {"check": {("changed file", name), ("changed values", key)}, "verify": {(key, "value")}}
+    # the bytes of a torch.save record no longer match its CRC-32: the tensor cannot be read, verify refuses it
+    return {"check": {("changed file", name), ("unreadable tensor", key)}, "verify_error": "CRC-32"}
 
 
 def truncate_file(path, fmt):
@@ -124,6 +127,9 @@ def swap_chunks(path, fmt):
     data[offset_a:offset_a + length], data[offset_b:offset_b + length] = (
         data[offset_b:offset_b + length], data[offset_a:offset_a + length])
     folder.joinpath(file_name).write_bytes(data)
+    if fmt != "hf":  # torch.save storages no longer match their CRC-32s: neither tensor can be read
+        return {"check": {("changed file", file_name), ("unreadable tensor", name_a), ("unreadable tensor", name_b)},
+                "verify_error": "CRC-32"}
     return {"check": {("changed file", file_name), ("changed values", name_a), ("changed values", name_b)},
             "verify": {(name_a, "value"), (name_b, "value")}}
 
@@ -277,9 +283,9 @@ def test_against_other_formats_and_layouts(pristine, checkpoints, tmp_path):
     assert report["compared"] == len(model_part(open_checkpoint(dp2)))
 
     flipped = copy_of(pristine["torch"], tmp_path)
-    key = flip_byte(flipped, "torch")["verify"].pop()[0]
-    code, report, _ = run("checksum", dcp, "--against", flipped)
-    assert code == 1 and [(p["kind"], p["name"]) for p in report["problems"]] == [("changed values", key)]
+    key = next(name for kind, name in flip_byte(flipped, "torch")["check"] if kind == "unreadable tensor")
+    code, report, _ = run("checksum", dcp, "--against", flipped)  # its record's CRC-32 no longer matches
+    assert code == 1 and [(p["kind"], p["name"]) for p in report["problems"]] == [("unreadable tensor", key)]
 
 
 def test_scan_nonfinite(pristine, tmp_path):

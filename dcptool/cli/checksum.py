@@ -10,7 +10,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import FormatName, JsonOption, MaxMemoryOption, RevisionOption
+from dcptool.cli.options import NoVerifyRecordsOption, FormatName, JsonOption, MaxMemoryOption, RevisionOption
 from dcptool.errors import MismatchError, counted
 
 
@@ -32,6 +32,7 @@ def checksum_command(
     revision: Optional[str] = RevisionOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = typer.Option(False, "--overwrite", help="With --write: replace an existing manifest."),
+    no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Write or check an integrity manifest: a BLAKE3 hash per file and per tensor (of its global values).
 
@@ -48,7 +49,8 @@ def checksum_command(
     result = api.checksum(path, write=write, check=check, against=against, manifest=manifest,
                           scan_nonfinite=scan_nonfinite, prefix=prefix, against_prefix=against_prefix,
                           source_format=source_format, threads=threads, max_memory=max_memory, overwrite=overwrite,
-                          revision=revision, progress=render.progress)
+                          revision=revision, progress=render.progress,
+                        verify_records=not no_verify_records)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
     else:

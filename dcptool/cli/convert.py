@@ -8,7 +8,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (CastDtype, CompressOption, Compression, DequantizeOption, DryRunOption, DtypeOption, ExcludeOption,
+from dcptool.cli.options import (NoVerifyRecordsOption, CastDtype, CompressOption, Compression, DequantizeOption, DryRunOption, DtypeOption, ExcludeOption,
                                  Family, FormatName, FromOption, FsyncOption, IncludeOption, MaxMemoryOption,
                                  ModelValuesOption, OptimForm, OptimFormOption, OutputFormat, OutputLocation,
                                  OverwriteOption, RevisionOption, TargetAdapterOption)
@@ -38,6 +38,7 @@ def convert_command(
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
     dry_run: bool = DryRunOption,
+    no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Convert between formats, keeping every key as saved (nested keys flattened with '.'), or renamed with --adapter.
 
@@ -55,5 +56,6 @@ def convert_command(
                          adapter=adapter, config_dir=config_dir, keep_rank_state=keep_rank_state,
                          optim_form=optim_form, model_values=model_values, dequantize=dequantize, compress=compress,
                          max_memory=max_memory, overwrite=overwrite, fsync=fsync, dry_run=dry_run,
-                         progress=render.progress)
+                         progress=render.progress,
+                        verify_records=not no_verify_records)
     render.written(report)

@@ -8,7 +8,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (DryRunOption, CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
+from dcptool.cli.options import (NoVerifyRecordsOption, DryRunOption, CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
                                  FromOption, FsyncOption, IncludeOption, MaxMemoryOption, OutputLocation,
                                  OverwriteOption)
 from dcptool.storage import output_path
@@ -36,6 +36,7 @@ def export_hf(
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
     dry_run: bool = DryRunOption,
+    no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Export the model weights as Hugging Face safetensors, ready for transformers' from_pretrained.
 
@@ -58,7 +59,8 @@ def export_hf(
                            max_shard_size=max_shard_size, adapter=adapter, hf_experts=hf_experts, dequantize=dequantize,
                            push_to_hub=push_to_hub, private=private, hub_branch=hub_branch,
                            commit_message=commit_message, max_memory=max_memory, overwrite=overwrite, fsync=fsync,
-                           dry_run=dry_run, progress=render.progress)
+                           dry_run=dry_run, progress=render.progress,
+                        verify_records=not no_verify_records)
     render.written(report)
     if report.pushed_to:
         print(f"pushed {destination} to {report.pushed_to}")

@@ -12,7 +12,7 @@ import typer
 from dcptool import core
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import FormatName, FromOption, IncludeOption, MaxMemoryOption, RevisionOption
+from dcptool.cli.options import NoVerifyRecordsOption, FormatName, FromOption, IncludeOption, MaxMemoryOption, RevisionOption
 from dcptool.cli.render import shown
 from dcptool.errors import UsageError, counted
 
@@ -32,6 +32,7 @@ def inspect(
     svg: Optional[Path] = typer.Option(None, "--svg", help="With --layout: also write the picture to this SVG file (replaced if it exists)."),
     threads: int = typer.Option(0, "--threads", help="With --stats: reading threads (default: the CPUs, at most 4)."),
     max_memory: str = MaxMemoryOption,
+    no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Show a checkpoint's format, tensors (dtype, shape, bytes, chunking), parameter count, other entries and files.
 
@@ -52,7 +53,8 @@ def inspect(
     if mesh or svg:
         raise UsageError("--mesh and --svg go with --layout KEY")
     found = api.inspect(path, source_format=source_format, revision=revision, include=include, stats=with_stats,
-                        threads=threads, max_memory=max_memory, progress=render.progress)
+                        threads=threads, max_memory=max_memory, progress=render.progress,
+                        verify_records=not no_verify_records)
     if as_json:
         print(json.dumps(found.to_json(), indent=2))
     else:

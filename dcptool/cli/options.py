@@ -51,4 +51,5 @@ CpOption = typer.Option(1, "--cp", help="Context-parallel degree (FSDP shards ov
 DpReplicateOption = typer.Option(1, "--dp-replicate", help="HSDP replicas (each holds the dp shards).")
 WorldSizeOption = typer.Option(None, "--world-size", help="Ranks of the target job; must equal dp_replicate*dp*cp*tp.")
 ConfigDirOption = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with the model's config.json: heads, kv heads and experts are checked against tp and ep.")
+NoVerifyRecordsOption = typer.Option(False, "--no-verify-records", help="Read records (torch.save archives: DCP chunks and objects, torch.save and FSDP1 files) without checking their zip structure and CRC-32s, which dcptool checks by default and refuses a damaged one (exit 2); only for a user who accepts that damaged bytes are read or copied as they are.")
 DryRunOption = typer.Option(False, "--dry-run", help="Print the plan and its problems; write nothing.")

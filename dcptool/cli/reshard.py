@@ -9,7 +9,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (LaidOutFormat, CastDtype, CompressOption, Compression, ConfigDirOption, CpOption, DequantizeOption,
+from dcptool.cli.options import (NoVerifyRecordsOption, LaidOutFormat, CastDtype, CompressOption, Compression, ConfigDirOption, CpOption, DequantizeOption,
                                  DpReplicateOption, DryRunOption, DtypeOption, EpOption, EtpOption, Family, FormatName,
                                  FromOption, FsyncOption, MaxMemoryOption, ModelValuesOption, OptimForm,
                                  OptimFormOption, OutputLocation, OverwriteOption, PlanOption, RevisionOption,
@@ -44,6 +44,7 @@ def reshard(
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     fsync: bool = FsyncOption,
+    no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Lay a checkpoint out for another mesh, exactly as a job with that mesh saves it with dcp.save.
 
@@ -60,7 +61,8 @@ def reshard(
                          world_size=world_size, plan=plan, to=to, keep_rank_state=keep_rank_state, adapter=adapter,
                          config_dir=config_dir, source_format=source_format, dtype=dtype, optim_form=optim_form,
                          model_values=model_values, compress=compress, max_memory=max_memory, overwrite=overwrite,
-                         fsync=fsync, dry_run=dry_run, progress=render.progress)
+                         fsync=fsync, dry_run=dry_run, progress=render.progress,
+                        verify_records=not no_verify_records)
     _show(report, as_json)
 
 

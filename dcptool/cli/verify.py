@@ -10,7 +10,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (ExcludeOption, FamilyOrAuto, FormatName, IncludeOption, JsonOption, MaxMemoryOption,
+from dcptool.cli.options import (NoVerifyRecordsOption, ExcludeOption, FamilyOrAuto, FormatName, IncludeOption, JsonOption, MaxMemoryOption,
                                  OutputFormat, PlanOption, RevisionOption)
 from dcptool.cli.render import shown
 from dcptool.errors import DcptoolError, MismatchError
@@ -45,6 +45,7 @@ def verify_command(
     as_json: bool = JsonOption,
     revision: Optional[str] = RevisionOption,
     max_memory: str = MaxMemoryOption,
+    no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values (bitwise unless --atol/--rtol).
 
@@ -68,7 +69,8 @@ def verify_command(
     report = api.verify(a, b, roundtrip=roundtrip, atol=atol, rtol=rtol, dtype_as=dtype_as, values_only=values_only,
                         include=include, exclude=exclude,
                         prefix_a=prefix_a, prefix_b=prefix_b, from_a=from_a, from_b=from_b, adapter_a=adapter_a,
-                        adapter_b=adapter_b, max_memory=max_memory, revision=revision, progress=render.progress)
+                        adapter_b=adapter_b, max_memory=max_memory, revision=revision, progress=render.progress,
+                        verify_records=not no_verify_records)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -60,6 +60,10 @@ class CheckpointFiles:
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
         self._listing: list[str] | None = None
+        # Whether records (torch.save archives) are checked as they are read (``--no-verify-records``: not),
+        # and the checks so far (``dcptool.torch_archive.records``, made on first use).
+        self.verify_records = True
+        self.record_checks = None
 
     def exists(self) -> bool:
         """Whether the checkpoint is there at all (a folder or a file)."""

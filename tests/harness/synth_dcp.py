@@ -169,7 +169,13 @@ class _ArchiveTemplate:
         name_length, extra_length = struct.unpack_from("<HH", self.bytes, header + 26)
         self.data_start = header + 30 + name_length + extra_length
         self.nbytes = info.file_size
-        self.crc_places = [header + 14, self._central_entry(info.filename) + 16]
+        # where torch.save keeps the CRC-32: in the data descriptor after the data when the local header defers
+        # to one (flag bit 3: its own CRC-32 field stays 0), else in the local header; and in the directory
+        deferred = struct.unpack_from("<H", self.bytes, header + 6)[0] & 8
+        descriptor = self.data_start + self.nbytes
+        local = descriptor + (4 if self.bytes[descriptor:descriptor + 4] == b"PK\x07\x08" else 0) if deferred \
+            else header + 14
+        self.crc_places = [local, self._central_entry(info.filename) + 16]
 
     def _central_entry(self, name: str) -> int:
         encoded = name.encode()

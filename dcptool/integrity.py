@@ -1,0 +1,181 @@
+"""``dcptool check``: everything torch or an engine would trip on in one checkpoint, found without loading it.
+
+The checkpoint is opened as every command opens it (its metadata checked against the files, every tensor
+covered by its chunks exactly once: a checkpoint that fails there has that one problem), then:
+
+- every record (``torch.save`` archives: DCP chunks, ``torch.save`` and FSDP1 files) is checked as torch
+  would check it and more: its zip structure, the CRC-32 of every entry over all of its bytes, and the
+  tensor it pickles against the dtype and shape the metadata gives its chunk;
+- records that overlap in their file;
+- every non-tensor entry is unpickled by the restricted unpickler (its record checked whole);
+- what the format itself knows a loader needs (``Format.problems``: an HF index against its shards);
+- the model's ``config.json``, where one is present, against the weights' names and shapes (as
+  transformers would build the model).
+
+Every problem is collected (``Report.problems``), none stops the others. Records are checked by a few
+threads, each reading its records' bytes once.
+
+>>> report = check_checkpoint(formats.open_checkpoint("step-100"))   # doctest: +SKIP
+>>> report.ok, [(p.kind, p.name) for p in report.problems]          # doctest: +SKIP
+(False, [('record', 'model.layers.3.mlp.up_proj.weight')])
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dcptool import encodings, formats
+from dcptool.core import RAW, Checkpoint, TensorInfo
+from dcptool.errors import CheckpointError, UsageError, counted, printable
+
+# Threads checking records: reading from disk overlaps, and CRC-32 releases the GIL.
+THREADS = 4
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing a loader would trip on: its kind (``record``, ``object``, ``checkpoint``, ``file``, ``config``
+    and what a format adds, e.g. ``index``), the entry or file it concerns, and the one-line message."""
+
+    kind: str
+    name: str
+    detail: str
+
+
+@dataclass
+class Report:
+    path: str
+    format: str | None
+    tensors: int = 0
+    objects: int = 0
+    records: int = 0
+    bytes_checked: int = 0
+    config: str | None = None  # the config.json the weights were checked against
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def counts(self) -> dict[str, int]:
+        """Problems by kind, in the order first found."""
+        found: dict[str, int] = {}
+        for problem in self.problems:
+            found[problem.kind] = found.get(problem.kind, 0) + 1
+        return found
+
+    def summary(self) -> str:
+        checked = (f"{counted(self.tensors, 'tensor')} ({self.bytes_checked:,} bytes, {counted(self.records, 'record')}), "
+                   f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}"
+                   + (", config.json" if self.config else ""))
+        if self.ok:
+            return f"fine: {checked} checked"
+        kinds = ", ".join(f"{n} {kind}" for kind, n in self.counts().items())
+        return f"{counted(len(self.problems), 'problem')} ({kinds}): {checked} checked"
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "format": self.format, "ok": self.ok, "tensors": self.tensors,
+                "objects": self.objects, "records": self.records, "bytes_checked": self.bytes_checked,
+                "config": self.config, "counts": self.counts(),
+                "problems": [{"kind": p.kind, "name": p.name, "detail": p.detail} for p in self.problems]}
+
+
+def check_path(path, source_format: str | None = None, progress: Callable[[int], None] | None = None) -> Report:
+    """Check the checkpoint at ``path``: a path that is no checkpoint raises (exit 2); a checkpoint that cannot
+    be opened is a report with that one problem."""
+    name = source_format or formats.detect(path)
+    try:
+        checkpoint = formats.open_checkpoint(path, name)
+    except CheckpointError as exc:
+        return Report(str(path), name, problems=[Problem("checkpoint", str(path), str(exc))])
+    try:
+        return check_checkpoint(checkpoint, progress)
+    finally:
+        checkpoint.files.close()
+
+
+def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | None = None) -> Report:
+    """Every problem of an opened checkpoint (see the module's docstring)."""
+    report = Report(str(checkpoint.root), checkpoint.format, tensors=len(checkpoint.tensors),
+                    objects=len(checkpoint.objects))
+    advance = progress or (lambda n: None)
+    with ThreadPoolExecutor(THREADS) as pool:
+        for problems, records in pool.map(lambda tensor: _check_tensor(checkpoint, tensor),
+                                          checkpoint.tensors.values()):
+            report.problems += problems
+            report.records += records
+        for tensor in checkpoint.tensors.values():
+            report.bytes_checked += tensor.nbytes
+            advance(tensor.nbytes)
+    report.problems += _overlapping_records(checkpoint)
+    for key, obj in checkpoint.objects.items():
+        try:
+            checkpoint.object_value(obj)
+        except CheckpointError as exc:
+            report.problems.append(Problem("object", key, str(exc)))
+    for name, detail in formats.get(checkpoint.format).problems(checkpoint):
+        report.problems.append(Problem("index", name, detail))
+    report.config, problem = _config_problem(checkpoint)
+    if problem:
+        report.problems.append(Problem("config", report.config, problem))
+    return report
+
+
+def _check_tensor(checkpoint: Checkpoint, tensor: TensorInfo) -> tuple[list[Problem], int]:
+    """The problems of a tensor's records, and how many records it has: each chunk's record checked whole and
+    its pickled tensor against what the metadata says of the chunk."""
+    problems, records = [], 0
+    for chunk in tensor.chunks:
+        encoding = encodings.get(chunk.encoding) if chunk.encoding != RAW else None
+        try:
+            records += encoding is not None
+            checkpoint.check_record(tensor, chunk)
+            if encoding is not None:
+                encoding.locate(checkpoint.files, tensor, chunk)
+            else:
+                records += checkpoint.record_of(tensor, chunk) is not None
+        except CheckpointError as exc:
+            problems.append(Problem("record", tensor.key, str(exc)))
+    return problems, records
+
+
+def _overlapping_records(checkpoint: Checkpoint) -> list[Problem]:
+    """Records that share bytes of their file: a loader reads one chunk's values for another's."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for tensor in checkpoint.tensors.values():
+        for chunk in tensor.chunks:
+            if chunk.encoding != RAW and chunk.view is None:
+                spans.setdefault(chunk.file, []).append((chunk.offset, chunk.offset + chunk.length,
+                                                         f"{tensor.key} chunk at {list(chunk.offsets)}"))
+    problems = []
+    for file, found in spans.items():
+        found.sort()
+        for (_, end, a), (begin, _, b) in zip(found, found[1:]):
+            if begin < end:
+                problems.append(Problem("file", file, f"{checkpoint.files.path(file)}: the records of "
+                                                      f"{printable(a)} and {printable(b)} overlap"))
+    return problems
+
+
+def _config_problem(checkpoint: Checkpoint) -> tuple[str | None, str | None]:
+    """The config.json the checkpoint comes with (its reader's, or one in its folder) and the first way its
+    model weights do not fit it, as transformers would build the model; (None, None) without a config."""
+    from dcptool import conversion, hf_config
+    from dcptool.selection import read_config
+
+    folder = checkpoint.info.get("hf_config_dir")
+    if folder is None and checkpoint.files.local_folder is not None and checkpoint.files.is_file("config.json"):
+        folder = checkpoint.files.local_folder
+    if folder is None:
+        return None, None
+    where = str(checkpoint.files.path("config.json")) if folder == checkpoint.files.local_folder else \
+        f"{folder}/config.json"
+    try:
+        config = read_config(folder)
+        tensors = conversion.hf_export_entries(checkpoint, config_dir=folder)[0]
+    except (CheckpointError, UsageError) as exc:
+        return where, str(exc)
+    problem = hf_config.misfit(config, {t.key: t.shape for t in tensors})
+    return where, f"{where} does not fit the weights: {problem}" if problem else None
