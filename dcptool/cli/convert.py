@@ -9,7 +9,7 @@ import typer
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import (NoVerifyRecordsOption, CastDtype, CompressOption, Compression, DequantizeOption, DryRunOption, DtypeOption, ExcludeOption,
-                                 Family, FormatName, FromOption, FsyncOption, IncludeOption, MaxMemoryOption,
+                                 Family, FormatName, FromOption, NoFsyncOption, IncludeOption, MaxMemoryOption,
                                  ModelValuesOption, OptimForm, OptimFormOption, OutputFormat, OutputLocation,
                                  OverwriteOption, RevisionOption, TargetAdapterOption)
 from dcptool.storage import output_path
@@ -36,7 +36,7 @@ def convert_command(
     compress: Optional[Compression] = CompressOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
-    fsync: bool = FsyncOption,
+    no_fsync: bool = NoFsyncOption,
     dry_run: bool = DryRunOption,
     no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
@@ -55,7 +55,7 @@ def convert_command(
                          include=include, exclude=exclude, world_size=world_size, max_shard_size=max_shard_size,
                          adapter=adapter, config_dir=config_dir, keep_rank_state=keep_rank_state,
                          optim_form=optim_form, model_values=model_values, dequantize=dequantize, compress=compress,
-                         max_memory=max_memory, overwrite=overwrite, fsync=fsync, dry_run=dry_run,
+                         max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run,
                          progress=render.progress,
                         verify_records=not no_verify_records)
     render.written(report)

@@ -9,7 +9,7 @@ import typer
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import (NoVerifyRecordsOption, DryRunOption, CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
-                                 FromOption, FsyncOption, IncludeOption, MaxMemoryOption, OutputLocation,
+                                 FromOption, NoFsyncOption, IncludeOption, MaxMemoryOption, OutputLocation,
                                  OverwriteOption)
 from dcptool.storage import output_path
 
@@ -34,7 +34,7 @@ def export_hf(
     dequantize: bool = DequantizeOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
-    fsync: bool = FsyncOption,
+    no_fsync: bool = NoFsyncOption,
     dry_run: bool = DryRunOption,
     no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
@@ -58,7 +58,7 @@ def export_hf(
                            dtype=dtype, include=include, exclude=exclude,
                            max_shard_size=max_shard_size, adapter=adapter, hf_experts=hf_experts, dequantize=dequantize,
                            push_to_hub=push_to_hub, private=private, hub_branch=hub_branch,
-                           commit_message=commit_message, max_memory=max_memory, overwrite=overwrite, fsync=fsync,
+                           commit_message=commit_message, max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync,
                            dry_run=dry_run, progress=render.progress,
                         verify_records=not no_verify_records)
     render.written(report)

@@ -31,7 +31,9 @@ MaxMemoryOption = typer.Option("256MiB", "--max-memory", help="Budget for data b
 DtypeOption = typer.Option(None, "--dtype", help="Cast floating-point tensors to this dtype.")
 IncludeOption = typer.Option(None, "--include", help="Only keys matching this regular expression.")
 ExcludeOption = typer.Option(None, "--exclude", help="Leave out keys matching this regular expression.")
-FsyncOption = typer.Option(True, "--fsync/--no-fsync", help="Flush outputs to disk before the final rename.")
+# One flag, not --fsync/--no-fsync: a second column of names would narrow every description at 80 columns.
+NoFsyncOption = typer.Option(False, "--no-fsync", help="Rename outputs into place without flushing them to disk first "
+                             "(faster; after a power loss a renamed output may be incomplete).")
 RevisionOption = typer.Option(None, "--revision", metavar="REV", help="Branch, tag or commit of a source that is a Hugging Face hub repo (ORG/NAME; or hf://ORG/NAME@REVISION).")
 DequantizeOption = typer.Option(False, "--dequantize", help="Turn block-scaled float8 weights (X.weight + X.weight_scale_inv, block size from config.json's quantization_config) into --dtype (default bfloat16); the scales are left out.")
 CompressOption = typer.Option(None, "--compress", help="Compress DCP records as torch's zstd extension does (dcp.load reads them; needs the zstandard package).")

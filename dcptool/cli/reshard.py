@@ -11,7 +11,7 @@ from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import (NoVerifyRecordsOption, LaidOutFormat, CastDtype, CompressOption, Compression, ConfigDirOption, CpOption, DequantizeOption,
                                  DpReplicateOption, DryRunOption, DtypeOption, EpOption, EtpOption, Family, FormatName,
-                                 FromOption, FsyncOption, MaxMemoryOption, ModelValuesOption, OptimForm,
+                                 FromOption, NoFsyncOption, MaxMemoryOption, ModelValuesOption, OptimForm,
                                  OptimFormOption, OutputLocation, OverwriteOption, PlanOption, RevisionOption,
                                  TargetAdapterOption, TpOption, WorldSizeOption)
 from dcptool.cli.render import shown
@@ -43,7 +43,7 @@ def reshard(
     compress: Optional[Compression] = CompressOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
-    fsync: bool = FsyncOption,
+    no_fsync: bool = NoFsyncOption,
     no_verify_records: bool = NoVerifyRecordsOption,
 ) -> None:
     """Lay a checkpoint out for another mesh, exactly as a job with that mesh saves it with dcp.save.
@@ -61,7 +61,7 @@ def reshard(
                          world_size=world_size, plan=plan, to=to, keep_rank_state=keep_rank_state, adapter=adapter,
                          config_dir=config_dir, source_format=source_format, dtype=dtype, optim_form=optim_form,
                          model_values=model_values, compress=compress, max_memory=max_memory, overwrite=overwrite,
-                         fsync=fsync, dry_run=dry_run, progress=render.progress,
+                         fsync=not no_fsync, dry_run=dry_run, progress=render.progress,
                         verify_records=not no_verify_records)
     _show(report, as_json)
 
@@ -86,7 +86,7 @@ def import_hf(
     dequantize: bool = DequantizeOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
-    fsync: bool = FsyncOption,
+    no_fsync: bool = NoFsyncOption,
 ) -> None:
     """Turn Hugging Face safetensors into a DCP checkpoint that dcp.load reads, laid out for a mesh.
 
@@ -102,7 +102,7 @@ def import_hf(
 
     report = api.import_hf(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
                            world_size=world_size, plan=plan, adapter=adapter, config_dir=config_dir, revision=revision,
-                           dtype=dtype, dequantize=dequantize, max_memory=max_memory, overwrite=overwrite, fsync=fsync,
+                           dtype=dtype, dequantize=dequantize, max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync,
                            dry_run=dry_run, progress=render.progress)
     _show(report, False)
 
