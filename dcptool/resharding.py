@@ -14,10 +14,12 @@ format's writer putting each chunk in its rank's file; ``dcptool.api.reshard`` r
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -258,8 +260,10 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
             rank_bytes[rank] += math.prod(sizes) * itemsize or 1
             layout.chunks.append((offsets, sizes, rank))
         layouts.append(layout)
-    problems += head_problems([layout for layout in layouts if layout.tensor.source.key in name_of], mesh, config,
-                              config_path, {name: info.shape for name, info in params.items()})
+    # Heads first: their line names the config and the tp that fits, where a tensor's own names only its dim.
+    problems[:0] = head_problems([layout for layout in layouts if layout.tensor.source.key in name_of], mesh, config,
+                              config_path, {name: info.shape for name, info in params.items()},
+                              saved_tp=lambda: (infer_mesh(checkpoint) or (Mesh(),))[0].tp)
     if mesh.ep > 1 and not any(a.name == "ep" for layout in layouts for a in layout.spec):
         problems.append(f"{option('ep', mesh.ep)}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
     if mesh.tp > 1 and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
@@ -280,13 +284,14 @@ def _config_problems(config: dict | None, path, mesh: Mesh, *settings: str) -> l
 
 
 def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, config_path,
-                  shapes: dict[str, tuple[int, ...]]) -> list[str]:
+                  shapes: dict[str, tuple[int, ...]], saved_tp: Callable[[], int] = lambda: 1) -> list[str]:
     """Attention weights that the tp split would cut inside a head, which no job on the mesh can hold.
 
     The head counts come from the config (``num_attention_heads``, ``num_key_value_heads``), else from the
     tensors (a per-head key norm gives the head size). A count tp does not divide is refused, as a count
-    nobody gives is: without it no split of a head's rows is known to be safe. Models whose attention
-    names no table knows are checked against the config's counts alone.
+    nobody gives is: without it no split of a head's rows is known to be safe, unless the job that saved
+    the checkpoint split them as finely (``saved_tp``, its tp, a multiple of this one). Models whose
+    attention names no table knows are checked against the config's counts alone.
     """
     if mesh.tp == 1:
         return []
@@ -295,6 +300,7 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
     if "key/value heads" not in counts and "attention heads" in counts:  # HF: no field means one per query head
         counts["key/value heads"] = counts["attention heads"]
     from_tensors = models.head_dim(shapes)
+    saved_tp_once = functools.cache(saved_tp)  # infers the saving mesh only when a count is unknown
     found: dict[tuple, list[str]] = {}
     attention = [(layout, split) for layout in weights if (split := models.head_split(layout.follows or ""))]
     for layout, (what, dim) in attention:
@@ -305,6 +311,8 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
             count = layout.tensor.shape[dim] // from_tensors[1]
             source = (f"{layout.tensor.shape[dim]} {'rows' if dim == 0 else 'columns'} of head size {from_tensors[1]}, "
                       f"the size of {from_tensors[0]}")
+        if count is None and saved_tp_once() % mesh.tp == 0:
+            continue  # the saving job held the heads split so
         if count is None or count % mesh.tp:
             found.setdefault((what, count, source), []).append(layout.tensor.key)
     problems = []

@@ -461,13 +461,13 @@ def test_kv_heads_fewer_than_tp_are_refused_alike(tmp_path, hf):
     by_import = dcptool_api.import_hf(source, tmp_path / "x", adapter="torchtitan", dp=1, tp=4, dry_run=True)
     by_reshard = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, config_dir=source, dry_run=True)
     assert head_problems(by_import) == head_problems(by_reshard) == [(
-        f"layers.0.attention.qkv_linear.wk.weight (and 3 more weights like it): --tp 4 does not divide the 2 "
+        f"layers.0.attention.qkv_linear.wk.weight (and 3 more weights like it): tp=4 does not divide the 2 "
         f"key/value heads (num_key_value_heads in {source / 'config.json'}), so tp ranks would hold parts of a "
-        "head: give a --tp that divides 2, or a --plan file whose rule keeps it whole (tp: replicate)")]
+        "head: give a tp that divides 2, or a plan file whose rule keeps it whole (tp: replicate)")]
     line = refusal("import-hf", source, tmp_path / "x", "--adapter", "torchtitan", "--dp", "1", "--tp", "4")
     assert line.startswith("dcptool: error: ") and "(and 2 more problems" in line  # the embedding's vocab too
     unknown = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=2, dry_run=True).problems
-    assert len(unknown) == 2 and all("--tp 2 splits its" in p and "give --config-dir" in p for p in unknown), unknown
+    assert len(unknown) == 2 and all("tp=2 splits its" in p and "give config_dir" in p for p in unknown), unknown
     assert refusal("reshard", tmp_path / "one", tmp_path / "x", "--dp", "1", "--tp", "2").endswith(
         "(and 1 more problems; --dry-run lists them)")
     assert not (tmp_path / "x").exists()
@@ -484,7 +484,7 @@ def test_head_counts_from_the_tensors_allow_a_valid_tp(tmp_path, hf):
     source = hf("qwen3")
     dcptool("import-hf", source, tmp_path / "one", "--adapter", "archon")
     problems = head_problems(dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, dry_run=True))
-    assert len(problems) == 1 and "--tp 4 does not divide the 2 key/value heads (32 rows of head size 16, the " \
+    assert len(problems) == 1 and "tp=4 does not divide the 2 key/value heads (32 rows of head size 16, the " \
         "size of layers.0.attention.k_norm.weight)" in problems[0], problems
     dcptool("reshard", tmp_path / "one", tmp_path / "tp2", "--dp", "1", "--tp", "2")
     assert len(list((tmp_path / "tp2").glob("*.distcp"))) == 2
