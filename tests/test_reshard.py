@@ -226,7 +226,10 @@ def test_refusals_name_the_tensor_or_setting(checkpoints, tmp_path):
     dense, reference = checkpoints("fsdp2_dp2")
     dst = tmp_path / "never"
     _refused(dense, "--tp", "4", "--world-size", "4", "--dp", "1",
-             expect="model.embed_tokens.weight: dim 0 of size 250 cannot be split by tp=4", dst=dst)
+             expect="q_proj.weight (and 3 more weights like it): --tp 4 splits its attention heads", dst=dst)
+    unsplittable = dcptool("reshard", dense, dst, "--tp", "4", "--dp", "1", "--dry-run", "--json", check=False)
+    assert "model.embed_tokens.weight: dim 0 of size 250 cannot be split by tp=4" in \
+        json.loads(unsplittable.stdout)["problems"]
     _refused(dense, "--tp", "4", "--dp", "1", "--config-dir", reference, expect="(and 2 more problems", dst=dst)
     listed = dcptool("reshard", dense, dst, "--tp", "4", "--dp", "1", "--config-dir", reference, "--dry-run", "--json",
                      check=False)
