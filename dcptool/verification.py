@@ -34,7 +34,7 @@ from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.sizes import check_memory_budget
-from dcptool.state_dicts import split_object
+from dcptool.state_dicts import plain_data, split_object
 from dcptool.torch_archive import Unpicklable
 
 # Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
@@ -578,7 +578,7 @@ def _leaves(side: Side) -> dict[str, Any]:
             for index, item in enumerate(value):
                 expand(f"{name}.{index}", item)
         else:
-            leaves[name] = value if _plain(value) else _OPAQUE
+            leaves[name] = value if plain_data(value) else _OPAQUE
 
     for name, entry in side.objects.items():
         try:
@@ -586,14 +586,6 @@ def _leaves(side: Side) -> dict[str, Any]:
         except CheckpointError:  # e.g. a dataloader state of classes outside the allowlist: left unopened
             leaves[name] = _OPAQUE
     return leaves
-
-
-def _plain(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(_plain(k) and _plain(v) for k, v in value.items())
-    return value is None or isinstance(value, (bool, int, float, str, bytes))
 
 
 def roundtrip(source: str | Path, via: str, *, source_format: str | None = None, include: str | None = None,
