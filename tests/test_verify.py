@@ -173,9 +173,10 @@ def test_roundtrip_passes(exports, source, via):
     code, report, stderr = run_verify(exports[source], "--roundtrip", via)
     assert code == 0, (stderr, report and report["differences"][:5])
     assert report["roundtrip"] == via and report["tensors_compared"] > 0
-    holds_everything = via in ("torch", "dcp") or source == "hf"
+    # fsdp1 carries what verl's files have no place for (train_state) in its extra-state files
+    holds_everything = via in ("torch", "dcp", "fsdp1") or source == "hf"
     assert bool(report["left_out"]) != holds_everything
-    if via in ("hf", "fsdp1") and source != "hf":
+    if via == "hf" and source != "hf":
         assert all(k.startswith(("dcp.optim.", "train_state")) for k in report["left_out"])
 
 
