@@ -593,8 +593,9 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
     """Convert ``source`` to format ``via`` and back to its own format in a temporary folder, then compare.
 
     Only what ``via`` holds is compared (``convert --to VIA`` and back: ``hf`` holds no non-tensor
-    entries, ``fsdp1`` the model and its optimizer state); ``report.left_out`` lists the rest. The
-    temporary folder is made under ``$TMPDIR``. ``options`` (tolerances, progress) go to ``compare_sides``.
+    entries, ``fsdp1`` the model, its optimizer state, the scheduler and other entries of tensors or
+    plain data); ``report.left_out`` lists the rest. The temporary folder is made under ``$TMPDIR``.
+    ``options`` (tolerances, progress) go to ``compare_sides``.
 
     >>> roundtrip("step-1000", "torch").equal                              # doctest: +SKIP
     True

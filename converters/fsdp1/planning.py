@@ -12,15 +12,15 @@ import re
 from typing import Any
 
 from dcptool import dtypes, models, selection
-from dcptool.state_dicts import plain_data
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, printable, option
+from dcptool.state_dicts import plain_data
 from dcptool.converters.fsdp1.codecs import DEVICE_TYPE, VERL_MESH_DIM_NAMES
 from dcptool.converters.fsdp1.folder import (CARRIED, DP_RANK, EXTRA_STATE, NAME, NO_SCHEDULER, OPTIMIZER, RANK_ENTRY,
                                              SCHEDULER_ROOTS)
 from dcptool.converters.fsdp1.optimizer import OPTIMIZER_FORMS
 
-HOLDS = "the model, its optimizer state and the lr scheduler"  # what verl reads of entries()
+HOLDS = "the model, its optimizer state, the lr scheduler and other entries of tensors or plain data"  # entries()
 _NO_PLACE = "verl's files hold the model, the optimizer and the lr scheduler only"
 
 _OPTIMIZER_ROOT = re.compile(r"(^|\.)(optim|optimizer)\.")
