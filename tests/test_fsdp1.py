@@ -425,3 +425,10 @@ def test_entries_verl_has_no_place_for_ride_in_the_extra_state(tmp_path):
     dcptool("convert", tmp_path / "out", tmp_path / "back.pt", "--to", "torch")
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     assert back.keys() == {"w", "train_state"} and back["train_state"] == train_state
+    # A carried entry under a key of the model files never replaces the model's value.
+    torch.save({**extra[1], "dcptool_carried": {"w": torch.zeros(3, 2)}},
+               tmp_path / "out" / "extra_state_world_size_2_rank_1.pt")
+    checkpoint = open_checkpoint(tmp_path / "out")
+    assert torch.equal(read_tensor(checkpoint, "w"), torch.arange(6.0).reshape(3, 2))
+    assert "dcptool_carried of the extra-state files holds w, which the model" in checkpoint.info["not_read"][0]
+    assert "train_state.step" not in checkpoint.objects

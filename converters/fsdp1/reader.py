@@ -142,6 +142,10 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
     if len(present) < world_size:
         return [f"{files.path(file_name('extra_state', world_size, min(set(range(world_size)) - present)))}: missing "
                 "(the extra state of every rank is needed): the extra state is not read"]
+    clash = sorted((gathered_tensors.keys() | gathered_objects.keys()) & (tensors.keys() | objects.keys()))
+    if clash:  # a carried entry never stands in for one of the model or optimizer files
+        return [f"{files.location}: {CARRIED} of the extra-state files holds {printable(clash[0])}, which the model "
+                "or optimizer files hold too: the extra state is not read"]
     tensors.update(gathered_tensors)
     objects.update(gathered_objects)
     return []
