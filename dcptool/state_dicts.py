@@ -90,6 +90,16 @@ def _holds_tensor(obj, seen: dict[int, bool]) -> bool:
     return found
 
 
+def plain_data(value: Any) -> bool:
+    """Whether ``value`` is made of Python's plain data only (dicts, lists, tuples, strings, bytes, numbers,
+    None), which any unpickler reads back, torch's ``weights_only`` loading included."""
+    if isinstance(value, (list, tuple)):
+        return all(plain_data(v) for v in value)
+    if isinstance(value, dict):
+        return all(plain_data(k) and plain_data(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str, bytes))
+
+
 def nest(entries: dict[tuple, object]) -> dict:
     """Rebuild the nesting from paths, as DCP does: ``{("model", "w"): t, ("groups", 0, "lr"): 1}`` ->
     ``{"model": {"w": t}, "groups": [{"lr": 1}]}`` (int parts index lists)."""

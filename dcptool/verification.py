@@ -34,7 +34,7 @@ from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.sizes import check_memory_budget
-from dcptool.state_dicts import split_object
+from dcptool.state_dicts import plain_data, split_object
 from dcptool.torch_archive import Unpicklable
 
 # Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
@@ -578,7 +578,7 @@ def _leaves(side: Side) -> dict[str, Any]:
             for index, item in enumerate(value):
                 expand(f"{name}.{index}", item)
         else:
-            leaves[name] = value if _plain(value) else _OPAQUE
+            leaves[name] = value if plain_data(value) else _OPAQUE
 
     for name, entry in side.objects.items():
         try:
@@ -588,21 +588,14 @@ def _leaves(side: Side) -> dict[str, Any]:
     return leaves
 
 
-def _plain(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(_plain(k) and _plain(v) for k, v in value.items())
-    return value is None or isinstance(value, (bool, int, float, str, bytes))
-
-
 def roundtrip(source: str | Path, via: str, *, source_format: str | None = None, include: str | None = None,
               exclude: str | None = None, max_memory: int = transfer.DEFAULT_MAX_MEMORY, **options) -> Report:
     """Convert ``source`` to format ``via`` and back to its own format in a temporary folder, then compare.
 
     Only what ``via`` holds is compared (``convert --to VIA`` and back: ``hf`` holds no non-tensor
-    entries, ``fsdp1`` the model and its optimizer state); ``report.left_out`` lists the rest. The
-    temporary folder is made under ``$TMPDIR``. ``options`` (tolerances, progress) go to ``compare_sides``.
+    entries, ``fsdp1`` the model, its optimizer state, the scheduler and other entries of tensors or
+    plain data); ``report.left_out`` lists the rest. The temporary folder is made under ``$TMPDIR``.
+    ``options`` (tolerances, progress) go to ``compare_sides``.
 
     >>> roundtrip("step-1000", "torch").equal                              # doctest: +SKIP
     True

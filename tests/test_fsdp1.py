@@ -217,7 +217,7 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------
 # The tests
 
-from conftest import read_tensor  # noqa: E402
+from conftest import dcptool, read_tensor  # noqa: E402
 from harness.conversions import convert_checkpoint  # noqa: E402
 from dcptool.errors import CheckpointError, UnsafePickleError  # noqa: E402
 from dcptool.formats import detect, open_checkpoint  # noqa: E402
@@ -406,3 +406,29 @@ def test_foreign_objects_in_a_rank_file_are_refused(tmp_path):
     torch.save({"w": torch.zeros(2), "x": NotACheckpointType()}, tmp_path / "model_world_size_1_rank_0.pt")
     with pytest.raises(UnsafePickleError, match="NotACheckpointType"):
         open_checkpoint(tmp_path)
+
+
+def test_entries_verl_has_no_place_for_ride_in_the_extra_state(tmp_path):
+    """A source's train_state rides as plain data in rank 0's extra-state file, beside verl's placeholder
+    scheduler, and comes back without one; an object that is not plain data (a numpy array, which torch's
+    weights_only loading refuses) is left out with a line."""
+    import numpy as np
+
+    train_state = {"step": 7, "seen": b"position 100", "losses": [1.5, 0.25]}
+    torch.save({"model": {"w": torch.arange(6.0).reshape(3, 2)}, "train_state": train_state,
+                "metrics": {"hist": np.arange(3)}}, tmp_path / "source.pt")
+    result = dcptool("convert", tmp_path / "source.pt", tmp_path / "out", "--to", "fsdp1", "--world-size", "2")
+    left_out = next(line for line in result.stdout.splitlines() if line.startswith("left out"))
+    assert "not plain data" in left_out and left_out.endswith(": metrics.hist")
+    extra = [torch.load(tmp_path / "out" / f"extra_state_world_size_2_rank_{r}.pt", weights_only=True) for r in (0, 1)]
+    assert extra == [{"lr_scheduler": None, "dcptool_carried": {"train_state": train_state}}, {"lr_scheduler": None}]
+    dcptool("convert", tmp_path / "out", tmp_path / "back.pt", "--to", "torch")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back.keys() == {"w", "train_state"} and back["train_state"] == train_state
+    # A carried entry under a key of the model files never replaces the model's value.
+    torch.save({**extra[1], "dcptool_carried": {"w": torch.zeros(3, 2)}},
+               tmp_path / "out" / "extra_state_world_size_2_rank_1.pt")
+    checkpoint = open_checkpoint(tmp_path / "out")
+    assert torch.equal(read_tensor(checkpoint, "w"), torch.arange(6.0).reshape(3, 2))
+    assert "dcptool_carried of the extra-state files holds w, which the model" in checkpoint.info["not_read"][0]
+    assert "train_state.step" not in checkpoint.objects

@@ -173,9 +173,10 @@ def test_roundtrip_passes(exports, source, via):
     code, report, stderr = run_verify(exports[source], "--roundtrip", via)
     assert code == 0, (stderr, report and report["differences"][:5])
     assert report["roundtrip"] == via and report["tensors_compared"] > 0
-    holds_everything = via in ("torch", "dcp") or source == "hf"
+    # fsdp1 carries what verl's files have no place for (train_state) in its extra-state files
+    holds_everything = via in ("torch", "dcp", "fsdp1") or source == "hf"
     assert bool(report["left_out"]) != holds_everything
-    if via in ("hf", "fsdp1") and source != "hf":
+    if via == "hf" and source != "hf":
         assert all(k.startswith(("dcp.optim.", "train_state")) for k in report["left_out"])
 
 
@@ -471,30 +472,47 @@ def test_a_model_only_dcp_with_the_model_elsewhere_is_another_layout(exports, ti
 
 
 def test_dcp_to_fsdp1_and_back_restores_the_non_tensor_entries(titan, tmp_path):
-    """torchtitan's param_groups (flattened per parameter) and lr_scheduler come back as they were, read by torch."""
+    """torchtitan's param_groups (flattened per parameter), lr_scheduler, train_state and per-rank dataloader
+    state come back as they were, read by torch."""
     dcptool("convert", titan["dcp"], tmp_path / "f1", "--to", "fsdp1", "--world-size", "2")
     dcptool("convert", tmp_path / "f1", tmp_path / "back", "--to", "dcp")
     # verl's files are as before (tests/test_fsdp1.py loads them in FSDP); its config records what to give back.
     config = json.loads((tmp_path / "f1" / "fsdp_config.json").read_text())
     assert config == {"FSDP_version": 1, "world_size": 2, "dcptool_source_layout": {
         "state": "per_parameter", "param_groups": "per_parameter", "lr_scheduler": "lr_scheduler"}}
+    # What verl has no place for rides in the extra-state files as plain data: each data-parallel rank's
+    # dataloader state with its rank (the source saved 2, as many as the folder's ranks), the rest in rank 0's.
+    nested_source = nested_state(titan["dcp"], tmp_path)
+    extra = [torch.load(tmp_path / "f1" / f"extra_state_world_size_2_rank_{r}.pt", weights_only=True) for r in (0, 1)]
+    assert extra[0]["dcptool_carried"] == {"train_state": nested_source["train_state"],
+                                           "dataloader": {"dp_rank_0": nested_source["dataloader"]["dp_rank_0"]}}
+    assert extra[1]["dcptool_carried"] == {"dataloader": {"dp_rank_1": nested_source["dataloader"]["dp_rank_1"]}}
+    assert [e["lr_scheduler"] for e in extra] == [nested_source["lr_scheduler"]] * 2
 
     source, back = read_dcp(titan["dcp"], tmp_path), read_dcp(tmp_path / "back", tmp_path)
-    unheld = {k for k in source if k.startswith(("train_state.", "dataloader."))}  # verl's files have no place for them
-    assert unheld and set(back) == set(source) - unheld
+    assert any(k.startswith(("train_state.", "dataloader.dp_rank_1")) for k in source) and set(back) == set(source)
     assert any(k.startswith("optimizer.param_groups.") for k in back) and "lr_scheduler.last_epoch" in back
     for key, value in back.items():
         assert torch.equal(value, source[key]) if isinstance(value, torch.Tensor) else value == source[key], key
-    # Nested as it was saved, too: torch unflattens both into the same state dict (less what verl cannot hold).
-    nested_source, nested_back = nested_state(titan["dcp"], tmp_path), nested_state(tmp_path / "back", tmp_path)
-    assert set(nested_back) == set(nested_source) - {"train_state", "dataloader"}
+    # Nested as it was saved, too: torch unflattens both into the same state dict.
+    nested_back = nested_state(tmp_path / "back", tmp_path)
+    assert nested_back.keys() == nested_source.keys()
     assert nested_back["optimizer"].keys() == nested_source["optimizer"].keys()
-    assert nested_back["lr_scheduler"] == nested_source["lr_scheduler"]
+    for root in ("lr_scheduler", "train_state", "dataloader"):
+        assert nested_back[root] == nested_source[root], root
 
-    code, report, stderr = run_verify(titan["dcp"], tmp_path / "back", "--exclude", r"^(train_state|dataloader)\.")
+    code, report, stderr = run_verify(titan["dcp"], tmp_path / "back")
     assert code == 0, (stderr, report["differences"][:5])
     assert report["objects_compared"] == sum(not isinstance(v, torch.Tensor) for v in back.values())
     code, report, stderr = run_verify(titan["dcp"], "--roundtrip", "fsdp1")
     assert code == 0, (stderr, report["differences"][:5])
-    assert sorted(report["left_out"]) == sorted(unheld)
+    assert report["left_out"] == []
     assert report["objects_compared"] == sum(not isinstance(v, torch.Tensor) for v in back.values())
+    # On another number of ranks the data-parallel ranks' states go whole into rank 0's file, and come back.
+    dcptool("convert", titan["dcp"], tmp_path / "f3", "--to", "fsdp1", "--world-size", "3")
+    carried = torch.load(tmp_path / "f3" / "extra_state_world_size_3_rank_0.pt", weights_only=True)["dcptool_carried"]
+    assert carried == {"train_state": nested_source["train_state"], "dataloader": nested_source["dataloader"]}
+    assert all("dcptool_carried" not in torch.load(tmp_path / "f3" / f"extra_state_world_size_3_rank_{r}.pt",
+                                                   weights_only=True) for r in (1, 2))
+    dcptool("convert", tmp_path / "f3", tmp_path / "back3", "--to", "dcp")
+    assert run_verify(titan["dcp"], tmp_path / "back3")[0] == 0

@@ -174,12 +174,33 @@ def test_orig_params_folder_resumes_at_another_world_size(saved, tmp_path, world
 
 
 def test_dcp_source_written_for_stock_verl_resumes(saved, tmp_path):
-    """A DCP checkpoint (named optimizer state) written with --optim-form flat --model-values dtensor:cpu."""
+    """A DCP checkpoint (named optimizer state) written with --optim-form flat --model-values dtensor:cpu;
+    its torchtitan-style train_state and per-rank dataloader state, which verl has no place for, ride in
+    the extra-state files (dcptool_carried) without disturbing verl's resume, and come back."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
     actor = saved("fsdp1")
-    dcptool("convert", actor, tmp_path / "dcp", "--to", "dcp")
+    dcptool("convert", actor, tmp_path / "full.pt", "--to", "torch")
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    unheld = {"train_state": {"step": 7, "tokens_seen": torch.tensor(4096), "note": "hello"},
+              "dataloader": {"dp_rank_0": b"position 100", "dp_rank_1": b"position 101"}}
+    torch.save({**state, **unheld}, tmp_path / "titan-like.pt")
+    torch_save_to_dcp(tmp_path / "titan-like.pt", tmp_path / "dcp")  # torch's own DCP writer
     out = tmp_path / "verl"
     write_for(tmp_path / "dcp", out, 2, "convert", "--optim-form", "flat", "--model-values", "dtensor:cpu")
-    assert_same_step(resumed_losses(out, 2, "--dtensor"), verl_jobs.reference(actor.parent / "actor.full.pt"))
+    for rank, own in enumerate(({"train_state": unheld["train_state"], "dataloader": {"dp_rank_0": b"position 100"}},
+                                {"dataloader": {"dp_rank_1": b"position 101"}})):
+        carried = torch.load(out / f"extra_state_world_size_2_rank_{rank}.pt", weights_only=True)["dcptool_carried"]
+        assert carried.keys() == own.keys() and carried["dataloader"] == own["dataloader"]
+    got = resumed_losses(out, 2, "--dtensor")
+    assert got["extra_keys"] == ["dcptool_carried", "lr_scheduler"]
+    assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
+    dcptool("convert", out, tmp_path / "back", "--to", "dcp")
+    dcp_to_torch_save(tmp_path / "back", tmp_path / "back.pt")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["dataloader"] == unheld["dataloader"]
+    assert back["train_state"].keys() == unheld["train_state"].keys() and back["train_state"]["note"] == "hello"
+    assert back["train_state"]["step"] == 7 and torch.equal(back["train_state"]["tokens_seen"], torch.tensor(4096))
 
 
 def test_fsdp2_dtensor_folder_resumes_under_fsdp1(saved, tmp_path):

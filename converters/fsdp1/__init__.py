@@ -1,8 +1,9 @@
 """verl's FSDP1 checkpoint folder: one ``torch.save`` file per rank of FSDP1 ``SHARDED_STATE_DICT`` values.
 
 A folder holds ``model_world_size_{W}_rank_{r}.pt`` for every rank ``r`` of ``W``, optionally
-``optim_world_size_{W}_rank_{r}.pt``, ``extra_state_world_size_{W}_rank_{r}.pt``,
-``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``; dcptool adds ``dcptool_source_layout``
+``optim_world_size_{W}_rank_{r}.pt``, ``extra_state_world_size_{W}_rank_{r}.pt`` (where dcptool
+carries under ``dcptool_carried`` what of its source verl has no place for, e.g. torchtitan's
+``train_state``), ``fsdp_config.json`` (``{"FSDP_version": 1, "world_size": W}``; dcptool adds ``dcptool_source_layout``
 where it restructured the source's non-tensor entries, for its reader to give them back) and
 ``huggingface/`` (config, tokenizer). Each model file is a flat state dict whose parameters are
 

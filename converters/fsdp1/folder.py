@@ -20,7 +20,12 @@ RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.
 OPTIMIZER = "optimizer"  # the optimizer's entries are read under this root: optimizer.state.<param>.exp_avg
 EXTRA_STATE = "extra_state"  # extra_state.lr_scheduler.*, and extra_state.rank_<r>.rng.* of each saving rank
 SCHEDULER_ROOTS = ("lr_scheduler", "lr_schedulers", "scheduler")  # where sources keep the lr scheduler
+NO_SCHEDULER = "none"  # SOURCE_LAYOUT's lr_scheduler where the source had none: the extra state's None is a placeholder
 RANK_ENTRY = re.compile(r"rank_(\d+)$")  # extra_state.rank_<r>: what source rank r saved of its own
+# The key of verl's extra-state dict under which dcptool carries the source's entries verl has no place for
+# (torchtitan's train_state.*, dataloader.*), nested as the source had them; verl reads only lr_scheduler and rng.
+CARRIED = "dcptool_carried"
+DP_RANK = re.compile(r"dp_rank_(\d+)$")  # torchtitan's dataloader.dp_rank_<r>: one data-parallel rank's state
 
 
 def file_name(kind: str, world_size: int, rank: int) -> str:

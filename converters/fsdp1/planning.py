@@ -13,12 +13,15 @@ from typing import Any
 
 from dcptool import dtypes, models, selection
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
-from dcptool.errors import UsageError, printable, option
+from dcptool.errors import CheckpointError, UsageError, printable, option
+from dcptool.state_dicts import plain_data
 from dcptool.converters.fsdp1.codecs import DEVICE_TYPE, VERL_MESH_DIM_NAMES
-from dcptool.converters.fsdp1.folder import EXTRA_STATE, NAME, OPTIMIZER, RANK_ENTRY, SCHEDULER_ROOTS
+from dcptool.converters.fsdp1.folder import (CARRIED, DP_RANK, EXTRA_STATE, NAME, NO_SCHEDULER, OPTIMIZER, RANK_ENTRY,
+                                             SCHEDULER_ROOTS)
 from dcptool.converters.fsdp1.optimizer import OPTIMIZER_FORMS
 
-HOLDS = "the model, its optimizer state and the lr scheduler"  # what entries() carries
+HOLDS = "the model, its optimizer state, the lr scheduler and other entries of tensors or plain data"  # entries()
+_NO_PLACE = "verl's files hold the model, the optimizer and the lr scheduler only"
 
 _OPTIMIZER_ROOT = re.compile(r"(^|\.)(optim|optimizer)\.")
 _PARAM_GROUPS = re.compile(r"(^|\.)(optim|optimizer)\.param_groups(\.(\d+)\.(.+))?$")
@@ -38,6 +41,8 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     ``extra_state.lr_scheduler``. State of one source rank (``extra_state.rank_<r>``, e.g. its RNG
     state) is left out unless ``keep_rank_state`` (then rank ``r`` of the output gets it, if there is
     one: ``world_size`` None keeps every rank's). ``include`` / ``exclude`` select model weights by name.
+    What verl's files have no place for (torchtitan's ``train_state.*``, ``dataloader.*``) is carried
+    under ``extra_state`` (``_carried``) where it is tensors or plain data.
 
     >>> tensors, objects, reasons = entries(open_checkpoint("global_step_10/actor"), 16)   # doctest: +SKIP
     >>> [t.key for t in tensors][-1], reasons                                             # doctest: +SKIP
@@ -56,6 +61,7 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     left_out: dict[str, list[str]] = {}
     flat_groups: dict[str, dict[str, Any]] = {}  # parameter -> its settings, from a flattened state dict
     merged: list[ObjectInfo] = []
+    no_place: list = []  # entries carried under extra_state.dcptool_carried
     for key, entry in [*checkpoint.tensors.items(), *checkpoint.objects.items()]:
         if id(entry) in used:
             continue
@@ -73,6 +79,11 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
             path, problem = None, f"state of single ranks of the source job; {option('keep_rank_state', True)} keeps it"
         elif own and world_size is not None and int(own.group(1)) >= world_size:
             path, problem = None, f"state of source ranks that a world size of {world_size} does not have"
+        if path is None and problem == _NO_PLACE:
+            problem = _not_carried(checkpoint, entry)
+            if problem is None:
+                no_place.append(entry)
+                continue
         if path is None:
             left_out.setdefault(problem, []).append(key)
         elif shape is None:
@@ -80,6 +91,11 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
         else:
             target = dtype if dtype and path[0] == OPTIMIZER and entry.dtype in dtypes.CASTABLE and shape else None
             tensors.append(OutTensor(join_path(path), path, target or entry.dtype, shape, entry))
+    for entry, path in _carried(no_place, world_size):
+        if isinstance(entry, TensorInfo):
+            tensors.append(OutTensor(join_path(path), path, entry.dtype, entry.shape, entry))
+        else:
+            objects.append(OutObject(join_path(path), path, entry, checkpoint))
     if flat_groups:
         groups = _param_groups(flat_groups)
         objects.append(OutObject(f"{OPTIMIZER}.param_groups", (OPTIMIZER, "param_groups"),
@@ -93,13 +109,44 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
     return tensors, objects, {key: why for why, keys in left_out.items() for key in keys}
 
 
+def _not_carried(checkpoint: Checkpoint, entry) -> str | None:
+    """Why an entry verl's files have no place for cannot be carried in them, or None when it can: a tensor,
+    or an object of plain data (which torch's ``weights_only`` loading of verl's files reads back)."""
+    if isinstance(entry, TensorInfo):
+        return None
+    try:
+        value = checkpoint.object_value(entry)
+    except CheckpointError:  # classes outside the restricted unpickler's allowlist
+        return f"{_NO_PLACE}, and the restricted unpickler does not read it"
+    return None if plain_data(value) else f"{_NO_PLACE}, and it is not plain data torch's weights_only loading reads"
+
+
+def _carried(entries: list, world_size: int | None) -> list[tuple[Any, tuple]]:
+    """Where the entries verl has no place for go: ``extra_state.dcptool_carried.<their path>`` in rank 0's
+    extra-state file (the file the reader takes the scheduler from; a large one is kept once), but the
+    state of one data-parallel rank (``dataloader.dp_rank_<r>``) in rank ``r``'s file where the source saved
+    as many data-parallel ranks as the output has ranks; else all of them whole in rank 0's file."""
+    dp_rank = {}
+    for entry in entries:
+        match = next((m for m in map(DP_RANK.match, map(str, entry.path)) if m), None)
+        if match:
+            dp_rank[entry.key] = int(match.group(1))
+    by_rank = world_size is not None and sorted(set(dp_rank.values())) == list(range(world_size))
+    return [(entry, (EXTRA_STATE, f"rank_{dp_rank.get(entry.key, 0) if by_rank else 0}", CARRIED, *entry.path))
+            for entry in entries]
+
+
 def source_layout(tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, str]:
     """What ``entries`` restructured of the source's optimizer and scheduler for verl's files, for the reader
     to put back (``fsdp_config.json`` records it): ``param_groups`` ``"per_parameter"`` where they were
     flattened per parameter (torchtitan, AReaL), ``state`` likewise for the state's nesting (torch's
     flattened optimizer state dict keeps ``state.<param>.exp_avg`` as one entry under the optimizer),
-    ``lr_scheduler`` the root the scheduler came from."""
+    ``lr_scheduler`` the root the scheduler came from, or ``"none"`` where the source has none and the
+    extra-state files hold only verl's placeholder (``lr_scheduler: None``, which verl's loader needs)."""
     layout = {}
+    extra = [e for e in [*tensors, *objects] if e.path[0] == EXTRA_STATE]
+    if extra and not any(e.path[:2] == (EXTRA_STATE, "lr_scheduler") for e in extra):
+        layout["lr_scheduler"] = NO_SCHEDULER
     if any(t.path[:2] == (OPTIMIZER, "state") and isinstance(t.source, TensorInfo)
            and str(t.source.path[-1]).startswith("state.") for t in tensors):
         layout["state"] = "per_parameter"
@@ -134,7 +181,7 @@ def _training_path(key: str, path: tuple, everything: dict, chosen: dict, shape,
         return (EXTRA_STATE, "lr_scheduler") + path[1:], ""
     root = _OPTIMIZER_ROOT.search(key)
     if root is None:
-        return None, "verl's files hold the model, the optimizer and the lr scheduler only"
+        return None, _NO_PLACE
     groups = _PARAM_GROUPS.fullmatch(key, root.start())
     if groups:
         rest = (int(groups.group(4)), groups.group(5)) if groups.group(3) else ()

@@ -5,7 +5,9 @@ unpickler, and chunks are placed by the global offsets the files record, never b
 The model files give the model at the top level; the optimizer files give
 ``optimizer.state.<param>.<moment>`` (laid out like the parameter) and ``optimizer.param_groups``
 (in any form of ``optimizer.OPTIMIZER_FORMS``); the extra-state files give
-``extra_state.lr_scheduler.*`` and, per saving rank, ``extra_state.rank_<r>.*`` (its RNG state).
+``extra_state.lr_scheduler.*`` and, per saving rank, ``extra_state.rank_<r>.*`` (its RNG state);
+what dcptool carried there for the source (``dcptool_carried``: torchtitan's ``train_state.*``) comes
+back under its own keys.
 A folder dcptool wrote from a source that keeps these otherwise (param_groups flattened per parameter,
 the scheduler at the top level) gives them back as the source had them (``_as_in_source``).
 ``info`` records the forms read (``optimizer_form``, ``model_values``, the DTensors' ``mesh``).
@@ -23,8 +25,8 @@ from dcptool.errors import CheckpointError, json_kind, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive
 from dcptool.converters.fsdp1.codecs import mesh_facts
-from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, HF_DIR, NAME, OPTIMIZER, RANK_FILE, SCHEDULER_ROOTS,
-                                             SOURCE_LAYOUT, file_name)
+from dcptool.converters.fsdp1.folder import (CARRIED, CONFIG, EXTRA_STATE, HF_DIR, NAME, NO_SCHEDULER, OPTIMIZER,
+                                             RANK_FILE, SCHEDULER_ROOTS, SOURCE_LAYOUT, file_name)
 from dcptool.converters.fsdp1.gathering import Gathered, NotRead, gather_rank, read_part
 from dcptool.converters.fsdp1.optimizer import read_optimizer
 
@@ -106,7 +108,9 @@ def _check_model_files(files: CheckpointFiles, world_size: int, found: set[int],
 
 def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int], tensors: dict,
                       objects: dict) -> list[str]:
-    """verl's ``{"lr_scheduler": ..., "rng": ...}``: the scheduler once (rank 0's), the rest under each rank.
+    """verl's ``{"lr_scheduler": ..., "rng": ...}``: the scheduler once (rank 0's), the rest under each rank,
+    but for what dcptool carried under ``dcptool_carried`` (``planning._carried``), given back under the
+    source's own keys: every rank's together (rank 0's holds all but one data-parallel rank's state).
 
     The RNG state belongs to one rank of the saving job: it is read as ``extra_state.rank_<r>.rng``,
     which a new world size drops unless asked to keep it (numpy's RNG state is read as numpy data).
@@ -122,9 +126,13 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
             root = archive.load()
             if not isinstance(root, dict):
                 raise NotRead(f"{archive.where}: holds a {type(root).__name__}, not a dict: extra state not read")
+            carried = root.get(CARRIED, {})
+            if not isinstance(carried, dict):
+                raise NotRead(f"{archive.where}: {CARRIED} holds a {type(carried).__name__}, not a dict: "
+                              "extra state not read")
             shared = {k: v for k, v in root.items() if k == "lr_scheduler" and rank == 0}
-            own = {k: v for k, v in root.items() if k != "lr_scheduler"}
-            for part, prefix in ((shared, (EXTRA_STATE,)), (own, (EXTRA_STATE, f"rank_{rank}"))):
+            own = {k: v for k, v in root.items() if k not in ("lr_scheduler", CARRIED)}
+            for part, prefix in ((carried, ()), (shared, (EXTRA_STATE,)), (own, (EXTRA_STATE, f"rank_{rank}"))):
                 if part:
                     gather_rank(archive, part, prefix, gathered_tensors, gathered_objects, {})
     except NotRead as exc:
@@ -134,6 +142,10 @@ def _read_extra_state(files: CheckpointFiles, world_size: int, present: set[int]
     if len(present) < world_size:
         return [f"{files.path(file_name('extra_state', world_size, min(set(range(world_size)) - present)))}: missing "
                 "(the extra state of every rank is needed): the extra state is not read"]
+    clash = sorted((gathered_tensors.keys() | gathered_objects.keys()) & (tensors.keys() | objects.keys()))
+    if clash:  # a carried entry never stands in for one of the model or optimizer files
+        return [f"{files.location}: {CARRIED} of the extra-state files holds {printable(clash[0])}, which the model "
+                "or optimizer files hold too: the extra state is not read"]
     tensors.update(gathered_tensors)
     objects.update(gathered_objects)
     return []
@@ -145,7 +157,8 @@ def _as_in_source(files: CheckpointFiles, tensors: dict[str, Gathered],
     ``fsdp_config.json`` records how they were restructured for verl (``planning.source_layout``):
     param_groups flattened per parameter again (``optimizer.param_groups.<param>.<setting>``, as torch's
     ``get_state_dict`` flattens them), the state's moments one entry each under the optimizer (their keys
-    do not change, their nesting does), and the lr scheduler back at its root (``lr_scheduler.last_epoch``)."""
+    do not change, their nesting does), the lr scheduler back at its root (``lr_scheduler.last_epoch``), and
+    no scheduler where the source had none (the ``None`` verl's loader needs is the writer's placeholder)."""
     layout = files.read_json_object(CONFIG, MAX_CONFIG, "an FSDP config").get(SOURCE_LAYOUT)
     if not isinstance(layout, dict):
         return objects
@@ -168,6 +181,8 @@ def _as_in_source(files: CheckpointFiles, tensors: dict[str, Gathered],
                             flat = ObjectInfo((OPTIMIZER, f"param_groups.{parameter}.{setting}"), value=value)
                             restored[flat.key] = flat
             continue
+        if path == (EXTRA_STATE, "lr_scheduler") and scheduler_root == NO_SCHEDULER and entry.value is None:
+            continue  # the placeholder the writer put where the source had no scheduler
         if path[:2] == (EXTRA_STATE, "lr_scheduler") and scheduler_root in SCHEDULER_ROOTS:
             entry = ObjectInfo((scheduler_root, *path[2:]), value=entry.value)
         restored[entry.key] = entry

@@ -57,8 +57,10 @@ class Writer:
     ``FSDP.optim_state_dict_to_load`` takes; ``flat`` and ``orig``: the plain ``optimizer.state_dict()``
     of FSDP1 with ``use_orig_params`` False or True, ``fsdp2``: that of FSDP2 (``PlainOptimizer``), which
     verl's ``optimizer.load_state_dict`` takes as it is. ``extra_state_world_size_{W}_rank_{r}.pt``
-    (entries under ``extra_state``): ``{"lr_scheduler": ...}`` in every file, plus what source rank
-    ``r`` saved of its own (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it.
+    (entries under ``extra_state``): ``{"lr_scheduler": ...}`` in every file (``None`` where the source has
+    none: verl's loader reads the key), plus what source rank ``r`` saved of its own
+    (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it, and under
+    ``dcptool_carried`` the source's entries verl has no place for (``planning._carried``), which verl ignores.
     ``hf_config_dir`` is copied to ``huggingface/``. ``source_layout`` (``planning.source_layout``), when
     the non-tensor entries were restructured for verl, is recorded in ``fsdp_config.json`` for the reader.
 
