@@ -49,13 +49,14 @@ TASK_BYTES = 64 * 2**20
 # The most a task assembled in a buffer holds: its bytes are still in the core's cache when written out
 # (32 MB slabs made the write from them cost three times the read into them).
 SLAB_BYTES = 2 * 2**20
-# Source runs shorter than this on average are read into a slab rather than copied run by run: a
-# kernel copy and a CRC mapping per run cost more than the bytes.
+# Source runs shorter than this on average are read into a slab rather than copied run by run: the
+# system calls and CRC-32s of a copy per run cost more than the bytes.
 SMALL_RUN = 2**20
-# Runs shorter than this are read and written through the thread's buffer and checksummed there: a kernel
-# copy, then a mapping to checksum it, cost more than such bytes (chunks of a thousand ranks are a few KB each).
+# Runs shorter than this are read and written through the thread's window even when no CRC-32 is wanted:
+# a kernel copy costs more than such bytes (chunks of a thousand ranks are a few KB each).
 KERNEL_COPY_RUN = 2**18
-# Bytes of a checksummed run read, checksummed and written at a time: they stay in the core's cache throughout.
+# Bytes of a run copied through the thread's window at a time (read, checksummed when wanted, written): they
+# stay in the core's cache throughout (larger windows made the write cost up to five times the read).
 COPY_WINDOW = 2**18
 # The most one kernel copy moves while it holds the output file (a whole record may be gigabytes).
 KERNEL_COPY_STEP = 16 * 2**20
