@@ -361,20 +361,29 @@ class Checkpoint:
             raw = self.raw_bytes(tensor, chunk)
             local_lo, extent = [l - co for l, co in zip(lo, chunk.offsets)], [h - l for l, h in zip(lo, hi)]
             stored = self.record_of(tensor, chunk) if passing and chunk.view is None else None
-            if stored is None or not is_contiguous(extent, raw.strides):
+            start = raw.offset + sum(l * s for l, s in zip(local_lo, raw.strides)) * raw.itemsize
+            run = (start, math.prod(extent) * raw.itemsize)  # the record's bytes whose CRC-32 is handed in
+            if stored is not None and not is_contiguous(extent, raw.strides):
+                run = whole_rows(raw, chunk.sizes, local_lo, extent, len(scratch))
+                if run is not None and record_checks(self.files).has_part(stored, *run):
+                    run = None  # the block beside it (another column block of these rows) handed it in
+                elif run is None:
+                    self.check_record(tensor, chunk)
+                stored = None if run is None else stored
+            elif stored is None:
                 self.check_record(tensor, chunk)
-                stored = None
             # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.
             target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
-            crc = self._copy_box(raw, local_lo, extent, target, scratch, chunk.view is not None, stored is not None)
+            crc = self._copy_box(raw, local_lo, extent, target, scratch, chunk.view is not None,
+                                 run if stored is not None else None)
             if stored is not None:
-                start = raw.offset + sum(l * s for l, s in zip(local_lo, raw.strides)) * raw.itemsize
-                record_checks(self.files).add_part(stored, tensor.key, start, math.prod(extent) * raw.itemsize, crc)
+                record_checks(self.files).add_part(stored, tensor.key, *run, crc)
 
     def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch,
-                  split_gaps: bool = False, checksum: bool = False) -> int:
-        """Copy a box of a chunk's elements into ``target``; with ``checksum`` (the box is one run of source
-        bytes), return the CRC-32 of those bytes, else 0."""
+                  split_gaps: bool = False, checksum: tuple[int, int] | None = None) -> int:
+        """Copy a box of a chunk's elements into ``target``; with ``checksum`` (``(offset, size)`` of the run of
+        the file that holds the box: the box itself when it is one run, else ``whole_rows``'s), return the
+        CRC-32 of that run's bytes, else 0."""
         itemsize = raw.itemsize
         start = raw.offset + sum(l * s for l, s in zip(lo, raw.strides)) * itemsize
         if target.flags.c_contiguous and is_contiguous(extent, raw.strides):  # one run to one run: read in place
@@ -382,6 +391,8 @@ class Checkpoint:
             self.files.read_into(raw.file, start, data)
             return crc32(data) if checksum else 0
         span = (sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1) * itemsize
+        if checksum is not None and checksum[1] <= len(scratch):  # the run that holds the box, read (or mapped) as one
+            return self._copy_rows(raw, start, extent, target, scratch, checksum)
         # Split what does not fit, and views that are mostly gaps (rows of a permuted view far apart).
         sparse = split_gaps and span > 2 * math.prod(extent) * itemsize + 4096
         if (span > len(scratch) or sparse) and any(n > 1 for n in extent):
@@ -393,7 +404,10 @@ class Checkpoint:
                 sub_lo[dim] += begin
                 sub_extent[dim] = count
                 index = tuple(slice(begin, begin + count) if d == dim else slice(None) for d in range(len(extent)))
-                part = self._copy_box(raw, sub_lo, sub_extent, target[index], scratch, split_gaps, checksum)
+                sub_run = None if checksum is None else (
+                    raw.offset + sum(l * s for l, s in zip(sub_lo, raw.strides)) * itemsize,
+                    math.prod(sub_extent) * itemsize)
+                part = self._copy_box(raw, sub_lo, sub_extent, target[index], scratch, split_gaps, sub_run)
                 # halves along the first dim of more than one element: consecutive runs of a contiguous box
                 crc = crc32_combine(crc, part, math.prod(sub_extent) * itemsize) if begin else part
             return crc
@@ -408,7 +422,42 @@ class Checkpoint:
             flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(itemsize))
             target[...] = np.lib.stride_tricks.as_strided(flat, shape=extent, strides=[s * itemsize for s in raw.strides])
             del flat  # the mapping closes only once no array points into it
-            return crc32(buffer) if checksum else 0
+            return 0
+
+    def _copy_rows(self, raw: RawBytes, start: int, extent: list[int], target: np.ndarray, scratch,
+                   rows: tuple[int, int]) -> int:
+        """Copy a box out of the run ``rows`` that holds it (``whole_rows``); the CRC-32 of the run."""
+        first, size = rows
+        with self.files.mapped(raw.file, first, size) as mapped:
+            buffer = mapped if mapped is not None else scratch[:size]
+            if mapped is None:
+                self.files.read_into(raw.file, first, buffer)
+            flat = np.frombuffer(buffer, dtype=dtypes.raw_view_type(raw.itemsize), offset=start - first)
+            target[...] = np.lib.stride_tricks.as_strided(flat, shape=extent,
+                                                          strides=[s * raw.itemsize for s in raw.strides])
+            del flat  # the mapping closes only once no array points into it
+            return crc32(buffer)
+
+
+def whole_rows(raw: RawBytes, sizes, lo, extent, limit: int) -> tuple[int, int] | None:
+    """``(offset, size)`` of the whole rows of a chunk stored in row-major order that hold a box of it (a
+    column block: the rows from its first to its last, all their columns), when they are at most ``limit``
+    bytes; else None. Column blocks of the same rows give the same run, so its CRC-32 is computed once and
+    the runs of successive rows tile the record (``RecordChecks.add_part``).
+
+    >>> whole_rows(RawBytes("f", 100, (4, 6), (6, 1), 2), (4, 6), [1, 2], [2, 3], 2**20)
+    (112, 24)
+    """
+    if tuple(raw.strides) != row_major(sizes):
+        return None
+    partial = max((d for d, (n, whole) in enumerate(zip(extent, sizes)) if n < whole), default=0)
+    row = raw.strides[partial - 1] if partial else math.prod(sizes)  # elements of one row
+    first = sum(l * s for l, s in zip(lo, raw.strides))
+    last = first + sum((n - 1) * s for n, s in zip(extent, raw.strides))
+    begin, end = first // row * row, (last // row + 1) * row
+    if (end - begin) * raw.itemsize > limit:
+        return None
+    return raw.offset + begin * raw.itemsize, (end - begin) * raw.itemsize
 
 
 def is_contiguous(extent, strides) -> bool:

@@ -125,6 +125,27 @@ def test_a_damaged_dcp_record_is_refused_where_it_is_read(gloo_dcp, tmp_path, en
         assert dcptool("convert", copy, out, "--to", "torch", "--no-fsync", "--no-verify-records").returncode == 0
 
 
+def test_a_damaged_record_read_as_column_blocks_is_refused(checkpoints, tmp_path):
+    """reshard --tp 2 of an FSDP checkpoint cuts o_proj (TP's row-wise weight) into column blocks narrower than
+    its chunks: each block's rows are checksummed whole as they are read, and a damaged byte is still found."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source, reference = checkpoints("fsdp2_dp2")
+    key = "model.layers.0.self_attn.o_proj.weight"
+    info = next(info for index, info in FileSystemReader(str(source)).read_metadata().storage_data.items()
+                if index.fqn == key)
+    copy = tmp_path / "damaged"
+    shutil.copytree(source, copy)
+    record = (copy / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    flip(copy / info.relative_path, info.offset + damage_at(record, "data bytes"))
+    out = tmp_path / "out"
+    line = refused(["reshard", copy, out, "--tp", "2", "--config-dir", reference, "--no-fsync"], out,
+                   info.relative_path, key)
+    assert "CRC-32" in line
+    dcptool("reshard", source, out, "--tp", "2", "--config-dir", reference, "--no-fsync")
+    assert json.loads(dcptool("check", out, "--json").stdout)["ok"]
+
+
 def test_check_names_every_damaged_record_folded_by_layer(gloo_dcp, tmp_path):
     """Both chunk records of both layers' up_proj damaged: four problems, one line (--all: four)."""
     from torch.distributed.checkpoint import FileSystemReader
