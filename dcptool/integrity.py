@@ -9,7 +9,7 @@ covered by its chunks exactly once: a checkpoint that fails there has that one p
 - records that overlap in their file;
 - every non-tensor entry is unpickled by the restricted unpickler (its record checked whole);
 - what the format itself knows a loader needs (``Format.problems``: an HF index against its shards);
-- the model's ``config.json``, where one is present, against the weights' names and shapes (as
+- the model's ``config.json``, where one comes with it (in or beside it), against the weights' names and shapes (as
   transformers would build the model).
 
 Every problem is collected (``Report.problems``), none stops the others. Records are checked by a few
@@ -160,18 +160,15 @@ def _overlapping_records(checkpoint: Checkpoint) -> list[Problem]:
 
 
 def _config_problem(checkpoint: Checkpoint) -> tuple[str | None, str | None]:
-    """The config.json the checkpoint comes with (its reader's, or one in its folder) and the first way its
+    """The config.json the checkpoint comes with (``selection.config_folder``) and the first way its
     model weights do not fit it, as transformers would build the model; (None, None) without a config."""
     from dcptool import conversion, hf_config
-    from dcptool.selection import read_config
+    from dcptool.selection import config_folder, read_config
 
-    folder = checkpoint.info.get("hf_config_dir")
-    if folder is None and checkpoint.files.local_folder is not None and checkpoint.files.is_file("config.json"):
-        folder = checkpoint.files.local_folder
+    folder = config_folder(checkpoint)
     if folder is None:
         return None, None
-    where = str(checkpoint.files.path("config.json")) if folder == checkpoint.files.local_folder else \
-        f"{folder}/config.json"
+    where = f"{folder}/config.json"
     try:
         config = read_config(folder)
         tensors = conversion.hf_export_entries(checkpoint, config_dir=folder)[0]

@@ -29,7 +29,7 @@ from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
-from dcptool.selection import config_beside, model_part, read_config
+from dcptool.selection import config_folder, model_part, read_config
 from dcptool.storage import CheckpointFiles
 
 # Entries that belong to one data-parallel rank of the saving job (torchtitan's dataloader state):
@@ -219,7 +219,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     over, and the problems found (none raised)."""
     output = formats.get(to).plan_output(checkpoint, OutputRequest(dtype=dtype))
     tensors, objects = output.tensors, output.objects
-    config_dir = config_dir or checkpoint.info.get("hf_config_dir") or config_beside(checkpoint.root)
+    config_dir = config_dir or config_folder(checkpoint)
     config = read_config(config_dir) if config_dir is not None else None
     config_path = CheckpointFiles(config_dir).path("config.json") if config_dir is not None else None
     problems, warnings = _config_problems(config, config_path, mesh, "ep"), []

@@ -105,6 +105,12 @@ def read_config(config_dir: str | Path) -> dict:
         raise UsageError(f"{files.path('config.json')}: not valid JSON ({exc})") from None
 
 
+def config_folder(checkpoint: Checkpoint) -> str | Path | None:
+    """The folder of the model's ``config.json`` that a checkpoint comes with: the one its reader found
+    (verl's ``huggingface/``), else one in or beside it (``config_beside``); None when there is none."""
+    return checkpoint.info.get("hf_config_dir") or config_beside(checkpoint.root)
+
+
 def config_beside(root: str | Path) -> Path | None:
     """The folder of a model's ``config.json`` in or beside a local checkpoint: the checkpoint's folder, its
     ``huggingface/`` (verl), the folder above or that folder's ``huggingface/``; None when there is none."""

@@ -98,8 +98,7 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     # Two buffers per thread (a slab and its reads), none larger than the work needs.
     buffer_bytes = max(2**15, min(max_memory // (2 * threads), 3 * largest))
     tasks = _across_files([task for piece, file, offset in placed
-                           for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes),
-                                                  )])
+                           for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes))])
     mover = _Mover(checkpoint, out, crc, buffer_bytes, _start_writeback() if flush else None)
     parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
     report = on_bytes or (lambda n: None)

@@ -36,6 +36,7 @@ from dcptool.format_interface import Layout, OutputRequest
 from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import plain_data, split_object
 from dcptool.torch_archive import Unpicklable
+from dcptool.torch_archive.records import record_checks
 
 # Elements handled at once by comparisons and scans: bounds their temporaries (a few MB), beside the budget.
 BLOCK = 1 << 16
@@ -66,7 +67,12 @@ class RegionReader:
     def slabs(self, tensor: TensorInfo, max_elements: int | None = None) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
         """``(offsets, values)`` in row-major order; ``values`` is an unsigned view, valid until the next slab."""
         for offsets, sizes in transfer.slabs(tensor.shape, max_elements or self.max_elements(tensor)):
-            yield offsets, self.checkpoint.region_in(tensor, offsets, sizes, self.slab_buffer, self.read_buffer)
+            # Records' CRC-32s are taken from the bytes as they are read (``passing``), not by reading them again.
+            yield offsets, self.checkpoint.region_in(tensor, offsets, sizes, self.slab_buffer, self.read_buffer,
+                                                     passing=True)
+        checks = record_checks(self.checkpoint.files)
+        if checks is not None:
+            checks.finish()  # the records the slabs read only in part
 
 
 def buffer_size(max_memory: int, tensors, readers: int = 1) -> int:
@@ -281,16 +287,10 @@ _TRAINING_ROOTS = selection.OPTIMIZER_ROOTS | selection.NON_MODEL_ROOTS
 
 def layout_of(checkpoint: Checkpoint) -> KeyLayout:
     """``checkpoint``'s layout (``selection.model_part`` finds the model part)."""
-    wrapper = selection.model_wrapper(checkpoint) or ()
-    model = {id(e) for e in [*selection.model_part(checkpoint).values(),
-                             *selection.model_part(checkpoint, entries=checkpoint.objects).values()]}
-    rest = [e for e in [*checkpoint.tensors.values(), *checkpoint.objects.values()] if id(e) not in model]
-    parent = wrapper[:-1]  # AReaL's optimizer sits beside its model: dcp.model, dcp.optim
-    optimizer = next((tuple(e.path[:len(parent) + 1]) for e in rest if e.path[:len(parent)] == parent
-                      and len(e.path) > len(parent) and e.path[len(parent)] in selection.OPTIMIZER_ROOTS), None)
     # A flat torch.save of a whole training state ({"dcp.optim.state.w.exp_avg": ...}) is no model only.
     training_keys = any(_TRAINING_ROOTS & set(key.split(".")) for key in checkpoint.tensors)
-    return KeyLayout(wrapper, optimizer, not rest and not training_keys)
+    return KeyLayout(selection.model_wrapper(checkpoint) or (), selection.optimizer_root(checkpoint),
+                     not _outside_model(checkpoint) and not training_keys)
 
 
 def _layout_difference(a: KeyLayout, b: KeyLayout) -> str | None:

@@ -34,6 +34,18 @@ EXTREMES_8 = [b"\xff" * 8, b"\xff" * 7 + b"\x7f", b"\x00" * 7 + b"\x80", b"\x00\
 SPECIAL_BYTES = [0x00, 0xFF, 0x7F, 0x80, 0x0A, 0x28, 0x2E, 0x94, 0x68, 0x71, 0x72, 0x8B, 0x8E, 0x58]
 
 
+def mutate_json_file(rng: random.Random, target: Path, mutate_fields, chance: float) -> str:
+    """Mutate a JSON file in place: with probability ``chance`` its fields (``mutate_fields(rng, parsed)`` gives
+    the new text), else its bytes; returns what was done."""
+    if rng.random() < chance:
+        text, what = mutate_fields(rng, json.loads(target.read_text()))
+        target.write_bytes(text.encode("utf-8", "surrogatepass"))
+    else:
+        mutated, what = mutate_bytes(rng, target.read_bytes())
+        target.write_bytes(mutated)
+    return what
+
+
 def mutate_bytes(rng: random.Random, data: bytes, lo: int = 0, hi: int | None = None,
                  same_length: bool = False) -> tuple[bytes, str]:
     """One generic mutation of ``data[lo:hi]``: a byte changed, a 4- or 8-byte field set to an extreme,
@@ -337,24 +349,10 @@ def make_case(kind: str, rng: random.Random, bases: Path, folder: Path) -> tuple
         return folder, "hf-dcp", f"{target.name}:{what}"
     if kind == "index":
         shutil.copytree(bases / "hf2", folder)
-        target = folder / "model.safetensors.index.json"
-        if rng.random() < 0.7:
-            text, what = mutate_index(rng, json.loads(target.read_text()))
-            target.write_bytes(text.encode("utf-8", "surrogatepass"))
-        else:
-            mutated, what = mutate_bytes(rng, target.read_bytes())
-            target.write_bytes(mutated)
-        return folder, "hf", what
+        return folder, "hf", mutate_json_file(rng, folder / "model.safetensors.index.json", mutate_index, 0.7)
     if kind == "fsdp-config":
         shutil.copytree(bases / "fsdp1", folder)
-        target = folder / "fsdp_config.json"
-        if rng.random() < 0.75:
-            text, what = mutate_config(rng, json.loads(target.read_text()))
-            target.write_text(text)
-        else:
-            mutated, what = mutate_bytes(rng, target.read_bytes())
-            target.write_bytes(mutated)
-        return folder, "fsdp1", what
+        return folder, "fsdp1", mutate_json_file(rng, folder / "fsdp_config.json", mutate_config, 0.75)
     if kind == "fsdp1-dtensor-pickle":
         shutil.copytree(bases / "fsdp1-dtensor", folder)
         target = folder / "model_world_size_1_rank_0.pt"

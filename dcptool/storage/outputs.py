@@ -77,14 +77,13 @@ class OutputFiles:
         self._lock = threading.Lock()
 
     def fd(self, name: str) -> int:
-        """The file's descriptor, creating the file on first use (open for reading too: a kernel copy's CRC-32
-        is taken from the bytes it wrote)."""
+        """The file's descriptor, creating the file on first use."""
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
                 path = self.folder / name
                 fd = self._fds[name] = _attempt(
-                    "creating", path, lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                    "creating", path, lambda: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
                 self._writing[name] = threading.Lock()
             return fd
 
