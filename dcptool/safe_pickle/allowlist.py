@@ -230,6 +230,10 @@ _RECORDS = [
     "torch.distributed.checkpoint.metadata.StorageMeta",
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     "torch.distributed.checkpoint.planner.WriteItemType",
+    # save plans: Megatron-Core keeps them in .metadata (Metadata.all_local_plans)
+    "torch.distributed.checkpoint.planner.SavePlan",
+    "torch.distributed.checkpoint.planner.WriteItem",
+    "torch.distributed.checkpoint.planner.TensorWriteData",
     # DTensor state (verl's FSDP1 files, DTensor values pickled with torch.save)
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "torch.distributed.tensor._dtensor_spec.TensorMeta",
