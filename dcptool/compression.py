@@ -27,6 +27,7 @@ RawBytes(file='<zstd>/__0_0.distcp@0', offset=704, shape=(4, 6), strides=(6, 1),
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
@@ -38,8 +39,9 @@ from typing import Any
 from dcptool import dtypes, encodings, safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, RawBytes, archive_prefix,
-                                           chunk_bytes, zip64_values)
+from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, Archive, RawBytes,
+                                           archive_prefix, chunk_bytes, zip64_values)
+from dcptool.torch_archive.records import StoredData, check_crc
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13
 ZSTD_ARCHIVE = "zstd-archive"  # the chunk encoding of a torch.save archive in a zstd record
@@ -47,6 +49,7 @@ SUPPORTED = (ZSTD,)
 BLOCK = 4 * 2**20  # bytes compressed at a time when writing
 INPUT = 2**17  # compressed bytes read at a time (zstd's recommended input size)
 HEAD = 2**14  # decompressed bytes a chunk's archive is located from: data.pkl and the headers before the storage
+TRAILER_READ = 2**12  # decompressed bytes read at a time after a storage: its archive's last few hundred
 CURSORS = 16  # decompressors kept open part-way through their records: two per copy thread
 # A record decompresses to at most its elements plus this much archive (zip headers, data.pkl): a read
 # past that is a zstd bomb, refused. Object records (pickled state) may hold up to OBJECT_LIMIT.
@@ -87,6 +90,10 @@ class _Record:
     limit: int
     size: int | None = None  # its decompressed bytes, once counted
     used_end: int | None = None  # where the bytes read of it end (a chunk's storage): a cursor there is done
+    head: bytes | None = None  # its first decompressed bytes; once its storage is located, those before it
+    whole: bool = False  # whether the head holds all of its bytes
+    trailer: bytes | None = None  # its decompressed bytes from ``used_end`` to its end, until taken (``trailer``)
+    trailer_taken: bool = False
 
 
 class _Cursor:
@@ -157,10 +164,36 @@ class DecompressingFiles(CheckpointFiles):
         return name, record.size
 
     def head(self, name: str, size: int) -> bytes:
-        """The first ``size`` bytes of a record's decompressed bytes (all of them when there are fewer)."""
-        buffer = bytearray(size)
-        got = _Cursor(self, name, self._records[name]).read(0, [memoryview(buffer)], whole=False)
-        return bytes(buffer[:got])
+        """The first ``size`` bytes of a record's decompressed bytes (all of them when there are fewer), kept
+        (``CompressedArchive`` keeps those before the storage: all that locating the storage again needs)."""
+        record = self._records[name]
+        if record.head is None:
+            buffer = bytearray(size)
+            got = _Cursor(self, name, record).read(0, [memoryview(buffer)], whole=False)
+            record.head, record.whole = bytes(buffer[:got]), got < size
+        return record.head
+
+    def trailer(self, name: str) -> bytes:
+        """A record's decompressed bytes after the storage a chunk's bytes are read from (``used_end``): its
+        archive's data descriptor and central directory, what its storage's CRC-32 is checked against. Kept
+        by the read that reaches ``used_end``, which goes on to the record's end (a few hundred bytes more),
+        until taken by this; decompressed again only where no read kept them."""
+        record = self._records[name]
+        if record.trailer is None:
+            self._keep_trailer(_Cursor(self, name, record), record)
+        trailer, record.trailer, record.trailer_taken = record.trailer, None, True
+        return trailer
+
+    def _keep_trailer(self, cursor: _Cursor, record: _Record) -> None:
+        """Read ``cursor`` (at or before ``used_end``) to the record's end, keeping the bytes from ``used_end``."""
+        cursor.read(record.used_end, [], whole=False)
+        trailer = bytearray()
+        while not cursor.ended:
+            if cursor.pos > record.limit:
+                raise self.too_large(cursor.name)
+            piece = bytearray(min(TRAILER_READ, record.limit + 1 - cursor.pos))
+            trailer += piece[:cursor.read(cursor.pos, [memoryview(piece)], whole=False)]
+        record.trailer = bytes(trailer)
 
     def corrupt(self, name: str, why: str) -> CheckpointError:
         record = self._records[name]
@@ -207,6 +240,9 @@ class DecompressingFiles(CheckpointFiles):
         failed = True
         try:
             cursor.read(offset, [buffer])
+            if cursor.pos == record.used_end and record.trailer is None and not record.trailer_taken \
+                    and self.verify_records:
+                self._keep_trailer(cursor, record)  # what the storage's CRC-32 is checked against, as it passes
             failed = False
         finally:
             self._give_back(cursor, failed)
@@ -270,7 +306,7 @@ class CompressedArchive:
     bytes; ``load`` and ``raw_bytes`` as ``torch_archive.Archive``'s, the elements read under the record's name."""
 
     def __init__(self, files: DecompressingFiles, relative: str, offset: int, length: int, limit: int):
-        self.files, self.limit = files, limit
+        self.files, self.relative, self.offset, self.limit = files, relative, offset, limit
         self.name = files.record(relative, offset, length, limit)
         self.where = str(files.path(self.name))
         self._head = files.head(self.name, min(HEAD, limit))
@@ -294,20 +330,94 @@ class CompressedArchive:
             raise CheckpointError(f"{self.where}: data.pkl does not end within the archive's first {HEAD:,} bytes")
         return safe_pickle.load_bytes(self._head[start:start + size], f"{self.where}/data.pkl")
 
-    def raw_bytes(self, tensor: safe_pickle.TensorRef) -> RawBytes:
-        """Where the elements of ``tensor`` are in the record's decompressed bytes, checked against its storage."""
+    def _storage(self, tensor: safe_pickle.TensorRef) -> tuple[int, int]:
+        """``(start, size)`` of the storage of ``tensor`` in the record's decompressed bytes: no read of the
+        chunk goes past it (``used_end``)."""
         start, size = self._entry(f"data/{tensor.storage.key}")
-        itemsize = tensor.dtype.itemsize
         if size is None:  # said only by its data descriptor, behind its bytes: the size data.pkl gives it
-            size = tensor.storage.numel * itemsize
+            size = tensor.storage.numel * tensor.dtype.itemsize
         if start + size > self.limit:
             raise self.files.too_large(self.name)
+        record = self.files._records[self.name]
+        record.used_end = start + size
+        if not record.whole:
+            record.head = self._head[:start]
+        return start, size
+
+    def raw_bytes(self, tensor: safe_pickle.TensorRef) -> RawBytes:
+        """Where the elements of ``tensor`` are in the record's decompressed bytes, checked against its storage."""
+        start, size = self._storage(tensor)
+        itemsize = tensor.dtype.itemsize
         raw = RawBytes(self.name, start + tensor.storage_offset * itemsize, tensor.shape, tensor.stride, itemsize)
         if tensor.storage_offset * itemsize + raw.span > size or size < tensor.storage.numel * itemsize:
             raise CheckpointError(f"{self.where}: tensor bytes lie outside storage "
                                   f"data/{printable(tensor.storage.key)}")
-        self.files._records[self.name].used_end = start + size  # no read goes past the storage
         return raw
+
+    def stored_data(self, label: str) -> StoredData | None:
+        """The chunk's storage, whose CRC-32 is checked where its bytes are read, as a plain record's
+        (``torch_archive.records``). The CRC-32 and the archive's central directory follow the storage in
+        the stream: they are read after it (``DecompressingFiles.trailer``), and the whole archive but the
+        storage's bytes is then checked as a plain record is opened (``recorded_after``). A record that
+        ends within its head is checked whole now (None: nothing left to check)."""
+        tensor = self.load()
+        if not isinstance(tensor, safe_pickle.TensorRef):
+            raise CheckpointError(f"{self.where}: holds {type(tensor).__name__}, not the tensor of {printable(label)}")
+        start, size = self._storage(tensor)
+        where = f"{self.files.path(self.relative)} (record of {printable(label)} at byte {self.offset:,}, zstd)"
+        entry = f"{where}: data/{printable(tensor.storage.key)}"
+        if self.files._records[self.name].whole:
+            found = _checked(self._head, b"", len(self._head), where).storage_data()
+            check_crc(entry, zlib.crc32(self._head[start:start + size]),
+                      next((stored.crc for stored in found if stored.offset == start), None))
+            return None
+        return StoredData(self.name, start, size, None, entry, recorded_after=functools.partial(
+            _recorded_crc, self.files, self.name, self._head[:start], start, size, where))
+
+
+def _recorded_crc(files: DecompressingFiles, name: str, before: bytes, start: int, size: int, where: str) -> int | None:
+    """The CRC-32 a zstd record's archive records for its storage ``[start, start+size)`` (``before`` are the
+    bytes before it), the archive's whole structure checked over the bytes before and after the storage."""
+    archive = _checked(before, files.trailer(name), start + size, where)
+    found = [stored for stored in archive.storage_data() if stored.offset == start and stored.size == size]
+    if len(found) != 1:
+        raise CheckpointError(f"{where}: damaged zip record: its central directory has no storage of "
+                              f"{size:,} bytes at byte {start:,}, where its local headers place it")
+    return found[0].crc
+
+
+def _checked(head: bytes, trailer: bytes, trailer_at: int, where: str) -> Archive:
+    """A record's archive, checked as a plain record is opened (``torch_archive.Archive``), from the bytes
+    known of it: ``head`` from its start, ``trailer`` from ``trailer_at`` to its end (the storage's bytes
+    between are not needed)."""
+    known = _KnownBytes(where, head, trailer, trailer_at)
+    return Archive(known, "", 0, known.size(""), where=where, head=len(head), tail=len(trailer) or Archive.TAIL)
+
+
+class _KnownBytes:
+    """The bytes known of a record, as the files a ``torch_archive.Archive`` reads: its head, and its trailer
+    from ``trailer_at`` on (an archive opened reads no storage's bytes)."""
+
+    verify_records = True
+
+    def __init__(self, where: str, head: bytes, trailer: bytes, trailer_at: int):
+        self.where, self.head, self.trailer, self.trailer_at = where, head, trailer, trailer_at
+
+    def size(self, relative: str) -> int:
+        return self.trailer_at + len(self.trailer)
+
+    def path(self, relative: str) -> str:
+        return self.where
+
+    def check_range(self, relative: str, offset: int, length: int) -> None:
+        pass  # the archive reads within its length, which is this one's size
+
+    def read(self, relative: str, offset: int, length: int) -> bytes:
+        if offset + length <= len(self.head):
+            return self.head[offset:offset + length]
+        if offset >= self.trailer_at:
+            return self.trailer[offset - self.trailer_at:offset - self.trailer_at + length]
+        raise ValueError(f"it places a zip structure at bytes {offset:,}..{offset + length:,}, in its storage")
 
 
 def _local_entries(head: bytes) -> dict[str, tuple[int, int | None]]:
@@ -375,8 +485,18 @@ def compress_records(folder: Path, name: str, records: list[tuple[int, int]]) ->
 
 def _locate(files: DecompressingFiles, tensor, chunk) -> RawBytes:
     """A chunk's elements in its zstd record: located from the record's head, read by streaming decompression."""
-    limit = chunk.numel * dtypes.dtype(tensor.dtype).itemsize + ARCHIVE_SLACK
-    return chunk_bytes(CompressedArchive(files, chunk.file, chunk.offset, chunk.length, limit), tensor, chunk)
+    return chunk_bytes(CompressedArchive(files, chunk.file, chunk.offset, chunk.length, _limit(tensor, chunk)),
+                       tensor, chunk)
 
 
-encodings.register(encodings.Encoding(ZSTD_ARCHIVE, locate=_locate))
+def _limit(tensor, chunk) -> int:
+    """The most bytes a chunk's record may decompress to: its elements and an archive around them."""
+    return chunk.numel * dtypes.dtype(tensor.dtype).itemsize + ARCHIVE_SLACK
+
+
+def _stored(files: DecompressingFiles, tensor, chunk, label: str) -> StoredData | None:
+    """The storage of a chunk's zstd record, checked where its bytes are read (``CompressedArchive.stored_data``)."""
+    return CompressedArchive(files, chunk.file, chunk.offset, chunk.length, _limit(tensor, chunk)).stored_data(label)
+
+
+encodings.register(encodings.Encoding(ZSTD_ARCHIVE, locate=_locate, record=_stored))

@@ -20,7 +20,7 @@ class Encoding:
     ``locate(files, tensor, chunk)``: where the elements of ``chunk`` (a ``core.Chunk`` of the
     ``core.TensorInfo`` ``tensor``, in the ``storage.CheckpointFiles`` ``files``) are, a
     ``torch_archive.RawBytes``, its record opened and checked against the chunk's dtype and sizes.
-    ``record(files, chunk, label)``: the storage of ``chunk``'s record whose CRC-32 is checked where its
+    ``record(files, tensor, chunk, label)``: the storage of ``chunk``'s record whose CRC-32 is checked where its
     bytes are read (a ``torch_archive.records.StoredData``, the record's structure checked as it is
     opened; ``label`` names the chunk in messages), or None. ``uniform``: records of one dtype, shape and length hold their
     elements at the same place in them, so a checkpoint opens one record of each such shape, not each.
@@ -28,7 +28,7 @@ class Encoding:
 
     name: str
     locate: Callable[[Any, Any, Any], Any]
-    record: Callable[[Any, Any, str], Any] | None = None
+    record: Callable[[Any, Any, Any, str], Any] | None = None
     uniform: bool = False
 
 

@@ -92,23 +92,24 @@ class Archive:
     as torch's reader would check it, and more: the end records (zip64 included) against each other and
     the central directory, every local header against its directory entry, entries inside the archive
     and apart, and the CRC-32 of every entry but the storages (``storage_data`` gives those, checked where
-    their bytes are read: ``records``). ``label`` names what the archive holds in messages (a key).
+    their bytes are read: ``records``). ``label`` names what the archive holds in messages (a key), ``where``
+    (when given) the archive itself; ``head`` and ``tail``: the bytes its first and last reads take.
     """
 
     HEAD = TAIL = 4096
 
     def __init__(self, files: CheckpointFiles, relative: str, offset: int = 0, length: int | None = None,
-                 label: str = ""):
+                 label: str = "", where: str | None = None, head: int = HEAD, tail: int = TAIL):
         self.files, self.relative, self.offset = files, relative, offset
         self.length = files.size(relative) - offset if length is None else length
         at = f" at byte {offset:,}" if offset else ""
-        self.where = str(files.path(relative)) + (f" (record of {printable(label)}{at})" if label else
-                                                  f" (record at byte {offset})" if offset else "")
+        self.where = where or str(files.path(relative)) + (f" (record of {printable(label)}{at})" if label else
+                                                           f" (record at byte {offset})" if offset else "")
         self.checked = getattr(files, "verify_records", True)
         files.check_range(relative, offset, self.length)  # offsets and lengths from metadata, before any read
-        self._head = files.read(relative, offset, min(self.length, self.HEAD))
-        self._tail_start = max(0, self.length - self.TAIL)
-        self._tail = self._head[self._tail_start:] if self.length <= self.HEAD else \
+        self._head = files.read(relative, offset, min(self.length, head))
+        self._tail_start = max(0, self.length - tail)
+        self._tail = self._head[self._tail_start:] if self.length <= head else \
             files.read(relative, offset + self._tail_start, self.length - self._tail_start)
         self._starts: dict[str, int] = {}
         try:
@@ -346,7 +347,7 @@ def _chunk_archive(files: CheckpointFiles, chunk, label: str) -> Archive:
     return Archive(files, chunk.file, chunk.offset, chunk.length, label)
 
 
-def _chunk_storage(files: CheckpointFiles, chunk, label: str) -> StoredData:
+def _chunk_storage(files: CheckpointFiles, tensor, chunk, label: str) -> StoredData:
     """The storage of a chunk's record (its one ``data/`` entry), the record checked as it is opened."""
     archive = _chunk_archive(files, chunk, label)
     found = archive.storage_data()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from zlib_ng.zlib_ng import crc32, crc32_combine
@@ -26,13 +26,27 @@ CRC_WINDOW = 2**20
 @dataclass(frozen=True)
 class StoredData:
     """The bytes ``[offset, offset+size)`` of ``relative`` that a zip entry holds, and the CRC-32 its archive
-    records for them (None: ``torch.save`` was told not to compute them); ``where`` names the record and entry."""
+    records for them (None: ``torch.save`` was told not to compute them); ``where`` names the record and entry.
+
+    ``recorded_after``: where the CRC-32 is recorded behind the bytes, in a stream read once (a zstd record:
+    its data descriptor and central directory follow the storage), the call that checks the rest of the
+    record once the bytes have been read and returns the CRC-32 it records (``crc`` is then None)."""
 
     relative: str
     offset: int
     size: int
     crc: int | None
     where: str
+    recorded_after: Callable[[], int | None] | None = field(default=None, compare=False)
+
+    @property
+    def checkable(self) -> bool:
+        """Whether the record stores a CRC-32 of these bytes, now or behind them."""
+        return self.crc is not None or self.recorded_after is not None
+
+    def recorded_crc(self) -> int | None:
+        """The CRC-32 the record stores for these bytes (``recorded_after``'s once the bytes have been read)."""
+        return self.crc if self.recorded_after is None else self.recorded_after()
 
 
 def check_crc(where: str, computed: int, stored: int | None) -> None:
@@ -109,7 +123,7 @@ class RecordChecks:
     def check(self, stored: StoredData, key: str) -> None:
         """Check a storage's CRC-32 over its bytes, once: threads that ask while another checks it wait for
         that answer (several threads assembling blocks of one tensor read its records at the same time)."""
-        if stored.crc is None:
+        if not stored.checkable:
             return
         with self._lock:
             if stored in self._checked:
@@ -126,8 +140,8 @@ class RecordChecks:
             self.check(stored, key)  # checked now, or failed: says so
             return
         try:
-            check_crc(_named(stored, key), crc_of_range(self.files, stored.relative, stored.offset, stored.size),
-                      stored.crc)
+            computed = crc_of_range(self.files, stored.relative, stored.offset, stored.size)
+            check_crc(_named(stored, key), computed, stored.recorded_crc())
         except CheckpointError as exc:
             with self._lock:
                 self._failed[stored] = exc
@@ -150,7 +164,7 @@ class RecordChecks:
     def add_part(self, stored: StoredData, key: str, offset: int, nbytes: int, crc: int) -> None:
         """The CRC-32 of bytes ``[offset, offset+nbytes)`` of a storage, as a copy read them; the storage is
         checked once the runs handed in cover it."""
-        if stored.crc is None:
+        if not stored.checkable:
             return
         with self._lock:
             if stored in self._checked or stored in self._failed:
@@ -163,7 +177,7 @@ class RecordChecks:
                 return
             self._checked.add(stored)
             del self._parts[stored]
-        check_crc(_named(stored, key), whole, stored.crc)
+        check_crc(_named(stored, key), whole, stored.recorded_crc())
 
     def finish(self) -> None:
         """Check the storages that runs covered only in part (the rest of their bytes was not copied)."""
