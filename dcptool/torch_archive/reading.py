@@ -103,6 +103,7 @@ class Archive:
         self.files, self.relative, self.offset = files, relative, offset
         self.length = files.size(relative) - offset if length is None else length
         at = f" at byte {offset:,}" if offset else ""
+        self.labelled = bool(label) or where is not None  # whether messages name what it holds already
         self.where = where or str(files.path(relative)) + (f" (record of {printable(label)}{at})" if label else
                                                            f" (record at byte {offset})" if offset else "")
         self.checked = getattr(files, "verify_records", True)
@@ -208,11 +209,27 @@ class Archive:
         spans.sort()
         for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
             if begin < end:
-                raise CheckpointError(f"{self.where}: damaged zip record: entries {printable(a)!r} and "
-                                      f"{printable(b)!r} overlap")
+                raise CheckpointError(f"{self.where}: damaged zip record: entries {self._named(a)} and "
+                                      f"{self._named(b)} overlap")
         if spans and spans[-1][1] > self._directory_start:
-            raise CheckpointError(f"{self.where}: damaged zip record: entry {printable(spans[-1][2])!r} runs into "
+            raise CheckpointError(f"{self.where}: damaged zip record: entry {self._named(spans[-1][2])} runs into "
                                   "the central directory")
+
+    def _named(self, name: str) -> str:
+        """An entry as messages name it: a storage with the keys of the tensors the archive's pickle keeps in it
+        (``'archive/data/0' (model.w)``), where the pickle can still be read and the archive's label does
+        not name them already."""
+        shown = repr(printable(name))
+        storages = self.prefix + "data/"
+        if self.labelled or not name.startswith(storages):
+            return shown
+        try:
+            root = self.load()
+        except CheckpointError:
+            return shown
+        keys = list(_keys_of_storage(root, name[len(storages):]))
+        more = f", and {len(keys) - 3:,} more" if len(keys) > 3 else ""
+        return f"{shown} ({', '.join(printable(key) for key in keys[:3])}{more})" if keys else shown
 
     def _local(self, name: str, entry: ZipEntry) -> tuple[int, int]:
         """Where the entry's data starts in the archive, and where the entry ends (its data descriptor
@@ -224,7 +241,7 @@ class Archive:
             name_length, extra_length = fields[-2], fields[-1]
             start = entry.header + LOCAL_HEADER.size + name_length + extra_length  # after the name and extra field
             if start + entry.size > self.length:
-                raise CheckpointError(f"{self.where}: truncated: entry {printable(name)!r} ends past the archive")
+                raise CheckpointError(f"{self.where}: truncated: entry {self._named(name)} ends past the archive")
             if not self.checked:
                 return start, start + entry.size
             named = self._read(entry.header + LOCAL_HEADER.size, name_length + extra_length)
@@ -244,9 +261,9 @@ class Archive:
         except CheckpointError:
             raise
         except Damaged as exc:
-            raise CheckpointError(f"{self.where}: damaged zip record: entry {printable(name)!r}: {exc}") from None
+            raise CheckpointError(f"{self.where}: damaged zip record: entry {self._named(name)}: {exc}") from None
         except (struct.error, ValueError) as exc:
-            raise CheckpointError(f"{self.where}: corrupt zip entry {printable(name)!r} ({printable(str(exc), 80)})") \
+            raise CheckpointError(f"{self.where}: corrupt zip entry {self._named(name)} ({printable(str(exc), 80)})") \
                 from None
 
     def _descriptor(self, entry: ZipEntry, at: int) -> int:
@@ -307,6 +324,19 @@ class Archive:
         if tensor.storage_offset * itemsize + raw.span > size or size < tensor.storage.numel * itemsize:
             raise CheckpointError(f"{self.where}: tensor bytes lie outside storage data/{printable(tensor.storage.key)}")
         return raw
+
+
+def _keys_of_storage(obj, storage: str, path: str = ""):
+    """The dotted keys (as DCP flattens a state dict) of the tensors in ``obj`` that view ``storage``."""
+    if isinstance(obj, TensorRef):
+        if obj.storage.key == storage:
+            yield path
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _keys_of_storage(value, storage, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _keys_of_storage(value, storage, f"{path}.{index}" if path else str(index))
 
 
 class Damaged(ValueError):
