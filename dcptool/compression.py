@@ -40,7 +40,7 @@ from dcptool import dtypes, encodings, safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, Archive, RawBytes,
-                                           archive_prefix, chunk_bytes, zip64_values)
+                                           archive_prefix, chunk_bytes, chunk_label, zip64_values)
 from dcptool.torch_archive.records import StoredData, check_crc
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13
@@ -88,6 +88,7 @@ class _Record:
     offset: int
     length: int
     limit: int
+    label: str = ""  # what it holds, as messages name it (a chunk)
     size: int | None = None  # its decompressed bytes, once counted
     used_end: int | None = None  # where the bytes read of it end (a chunk's storage): a cursor there is done
     head: bytes | None = None  # its first decompressed bytes; once its storage is located, those before it
@@ -141,13 +142,13 @@ class DecompressingFiles(CheckpointFiles):
         self._waiting: list[tuple[str, int]] = []  # (name, offset) of the reads waiting for a cursor
         self._turns = threading.Condition()
 
-    def record(self, relative: str, offset: int, length: int, limit: int) -> str:
+    def record(self, relative: str, offset: int, length: int, limit: int, label: str = "") -> str:
         """The name that the decompressed bytes of the record ``[offset, offset+length)`` of ``relative`` are read
-        under; a read past ``limit`` bytes of them is refused (a zstd bomb)."""
+        under; a read past ``limit`` bytes of them is refused (a zstd bomb). ``label`` names what it holds."""
         self.check_range(relative, offset, length)
         name = f"{_NAME}{relative}@{offset}"
         with self._turns:
-            self._records.setdefault(name, _Record(relative, offset, length, limit))
+            self._records.setdefault(name, _Record(relative, offset, length, limit, label))
         return name
 
     def decompressed(self, relative: str, offset: int, length: int, limit: int = OBJECT_LIMIT) -> tuple[str, int]:
@@ -196,14 +197,16 @@ class DecompressingFiles(CheckpointFiles):
         record.trailer = bytes(trailer)
 
     def corrupt(self, name: str, why: str) -> CheckpointError:
-        record = self._records[name]
-        return CheckpointError(f"{super().path(record.relative)}: the zstd record at byte {record.offset:,} is corrupt "
-                               f"({why})")
+        return CheckpointError(f"{self._named(name)} is corrupt ({why})")
 
     def too_large(self, name: str) -> CheckpointError:
+        return CheckpointError(f"{self._named(name)} decompresses to more than the {self._records[name].limit:,} "
+                               "bytes it can hold")
+
+    def _named(self, name: str) -> str:
         record = self._records[name]
-        return CheckpointError(f"{super().path(record.relative)}: the zstd record at byte {record.offset:,} "
-                               f"decompresses to more than the {record.limit:,} bytes it can hold")
+        held = f" of {printable(record.label)}" if record.label else ""
+        return f"{super().path(record.relative)}: the zstd record{held} at byte {record.offset:,}"
 
     # Records' names read through cursors; all others as the checkpoint's files.
 
@@ -305,10 +308,12 @@ class CompressedArchive:
     """A chunk's ``torch.save`` archive in a zstd record, located from the record's first ``HEAD`` decompressed
     bytes; ``load`` and ``raw_bytes`` as ``torch_archive.Archive``'s, the elements read under the record's name."""
 
-    def __init__(self, files: DecompressingFiles, relative: str, offset: int, length: int, limit: int):
+    def __init__(self, files: DecompressingFiles, relative: str, offset: int, length: int, limit: int,
+                 label: str = ""):
         self.files, self.relative, self.offset, self.limit = files, relative, offset, limit
-        self.name = files.record(relative, offset, length, limit)
-        self.where = str(files.path(self.name))
+        self.name = files.record(relative, offset, length, limit, label)
+        self.where = f"{files.path(relative)} (record of {printable(label)} at byte {offset:,}, zstd)" if label else \
+            str(files.path(self.name))
         self._head = files.head(self.name, min(HEAD, limit))
         try:
             self._entries = _local_entries(self._head)
@@ -354,7 +359,7 @@ class CompressedArchive:
                                   f"data/{printable(tensor.storage.key)}")
         return raw
 
-    def stored_data(self, label: str) -> StoredData | None:
+    def stored_data(self) -> StoredData | None:
         """The chunk's storage, whose CRC-32 is checked where its bytes are read, as a plain record's
         (``torch_archive.records``). The CRC-32 and the archive's central directory follow the storage in
         the stream: they are read after it (``DecompressingFiles.trailer``), and the whole archive but the
@@ -362,9 +367,9 @@ class CompressedArchive:
         ends within its head is checked whole now (None: nothing left to check)."""
         tensor = self.load()
         if not isinstance(tensor, safe_pickle.TensorRef):
-            raise CheckpointError(f"{self.where}: holds {type(tensor).__name__}, not the tensor of {printable(label)}")
+            raise CheckpointError(f"{self.where}: holds {type(tensor).__name__}, not a tensor")
         start, size = self._storage(tensor)
-        where = f"{self.files.path(self.relative)} (record of {printable(label)} at byte {self.offset:,}, zstd)"
+        where = self.where
         entry = f"{where}: data/{printable(tensor.storage.key)}"
         if self.files._records[self.name].whole:
             found = _checked(self._head, b"", len(self._head), where).storage_data()
@@ -485,8 +490,9 @@ def compress_records(folder: Path, name: str, records: list[tuple[int, int]]) ->
 
 def _locate(files: DecompressingFiles, tensor, chunk) -> RawBytes:
     """A chunk's elements in its zstd record: located from the record's head, read by streaming decompression."""
-    return chunk_bytes(CompressedArchive(files, chunk.file, chunk.offset, chunk.length, _limit(tensor, chunk)),
-                       tensor, chunk)
+    archive = CompressedArchive(files, chunk.file, chunk.offset, chunk.length, _limit(tensor, chunk),
+                                chunk_label(tensor.key, chunk))
+    return chunk_bytes(archive, tensor, chunk)
 
 
 def _limit(tensor, chunk) -> int:
@@ -496,7 +502,8 @@ def _limit(tensor, chunk) -> int:
 
 def _stored(files: DecompressingFiles, tensor, chunk, label: str) -> StoredData | None:
     """The storage of a chunk's zstd record, checked where its bytes are read (``CompressedArchive.stored_data``)."""
-    return CompressedArchive(files, chunk.file, chunk.offset, chunk.length, _limit(tensor, chunk)).stored_data(label)
+    return CompressedArchive(files, chunk.file, chunk.offset, chunk.length, _limit(tensor, chunk),
+                             label).stored_data()
 
 
 encodings.register(encodings.Encoding(ZSTD_ARCHIVE, locate=_locate, record=_stored))

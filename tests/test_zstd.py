@@ -19,6 +19,7 @@ import torch
 
 from conftest import dcptool, read_tensor
 from jobs import STORAGE_JOBS, run_job
+from test_records import KINDS, TORCH_DOES_NOT_SEE, checked, damage_at, refused
 from dcptool import compression, formats
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
@@ -92,7 +93,8 @@ def test_corrupt_stream_is_one_line(saved, tmp_path):
         file.write(b"\0\0\0\0")  # no zstd frame starts so
     result = dcptool("convert", broken, tmp_path / "out.pt", "--to", "torch", check=False)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert f"{chunk.file}: the zstd record at byte {chunk.offset:,} is corrupt (" in result.stderr
+    named = f"{chunk.file}: the zstd record of proj.weight chunk at {list(chunk.offsets)} at byte {chunk.offset:,}"
+    assert f"{named} is corrupt (" in result.stderr
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -156,3 +158,103 @@ def test_a_record_is_decompressed_once_when_read_in_order(tmp_path):
         list(pool.map(lambda row: files.read_into(name, *row), rows[::-1] + rows))
     assert all(bytes(buffer) == data[start:start + 4096] for start, buffer in rows)
     assert len(files._cursors) <= compression.CURSORS
+
+
+# Records checked as plain records are: each storage's CRC-32 over its decompressed bytes as they pass, against
+# the data descriptor and central directory that follow it in the stream; the archive's structure as opened.
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """A real job's zstd DCP with a tensor whose records decompress to 128 KiB (more than a record's head)."""
+    path = tmp_path_factory.mktemp("zstd-large") / "ckpt"
+    run_job(2, "save-zstd", path, "--large", module=STORAGE_JOBS)
+    return path
+
+
+def damaged_copy(source, copy, key: str, kind: str) -> str:
+    """``source`` copied to ``copy`` with rank 0's record of ``key`` decompressed, damaged (``kind``, found with
+    zipfile: test_records' ``damage_at``), compressed again and written back at the end of its file, the
+    metadata (torch's own, unpickled and pickled again) pointing there. Returns the record's file name."""
+    shutil.copytree(source, copy)
+    metadata = pickle.loads((copy / ".metadata").read_bytes())
+    index, info = next((index, info) for index, info in metadata.storage_data.items()
+                       if index.fqn == key and info.relative_path == "__0_0.distcp")
+    with open(copy / info.relative_path, "rb") as file:
+        file.seek(info.offset)
+        record = bytearray(zstandard.ZstdDecompressor().stream_reader(file.read(info.length),
+                                                                      read_across_frames=True).read())
+    record[damage_at(bytes(record), kind)] ^= 0x01
+    data = zstandard.ZstdCompressor().compress(bytes(record))
+    with open(copy / info.relative_path, "ab") as file:
+        end = file.tell()
+        file.write(data)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=end, length=len(data))
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+    return info.relative_path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_zstd_record_is_refused_where_it_is_read(large, tmp_path, kind):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    copy, key = tmp_path / "damaged", "large.weight"
+    name = damaged_copy(large, copy, key, kind)
+    if kind in TORCH_DOES_NOT_SEE:  # torch loads it: damaged bytes as wrong values
+        dcp_to_torch_save(copy, tmp_path / "torch.pt")
+        loaded = torch.load(tmp_path / "torch.pt", weights_only=True)[key]
+        expected = torch.load(f"{large}.reference.pt", weights_only=True)[key]
+        assert torch.equal(loaded, expected) == (kind == "CRC field")
+    else:
+        with pytest.raises(BaseException):  # noqa: B017 - torch's CheckpointException wraps its reader's error
+            dcp_to_torch_save(copy, tmp_path / "torch.pt")
+    report = checked(copy, name, key)
+    assert [p["kind"] for p in report["problems"]] == ["record"]
+    out = tmp_path / "out"
+    line = refused(["convert", copy, out, "--to", "torch", "--no-fsync"], out, name, key)
+    assert kind != "data bytes" or "CRC-32" in line
+    refused(["reshard", copy, out, "--dp", "1", "--no-fsync"], out, name, key)
+    refused(["verify", copy, f"{large}.reference.pt", "--exclude", "^train_state"], out, name, key)
+    if kind in TORCH_DOES_NOT_SEE:
+        assert dcptool("convert", copy, out, "--to", "torch", "--no-fsync", "--no-verify-records").returncode == 0
+
+
+def test_zstd_records_are_decompressed_once_as_they_are_checked(large, tmp_path):
+    """An intact zstd checkpoint checks fine; a copy decompresses each record once, checking its CRC-32 as the
+    bytes pass: what it decompresses beyond what it reads unchecked is the records' trailers (their data
+    descriptors and central directories, under 1 KiB a record)."""
+    assert json.loads(dcptool("check", large, "--json").stdout)["ok"]
+    done = subprocess.run([sys.executable, "-c", COUNT_DECOMPRESSED, str(large), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    checked_bytes, unchecked = json.loads(done.stdout.splitlines()[-1])
+    records = sum(1 for t in formats.open_checkpoint(large).tensors.values() for _ in t.chunks)
+    assert unchecked < checked_bytes < unchecked + 1024 * records
+    for out in ("checked.pt", "unchecked.pt"):
+        dcptool("verify", tmp_path / out, f"{large}.reference.pt")
+
+
+# Counts the bytes decompressed by convert with record checks and without (--no-verify-records).
+COUNT_DECOMPRESSED = """
+import json, sys
+from dcptool import compression
+from dcptool.cli import main
+counted = [0]
+read = compression._Cursor.read
+def counting(self, offset, buffers, whole=True):
+    before = self.pos
+    try:
+        return read(self, offset, buffers, whole)
+    finally:
+        counted[0] += self.pos - before
+compression._Cursor.read = counting
+totals = []
+for out, flags in (("checked.pt", []), ("unchecked.pt", ["--no-verify-records"])):
+    counted[0] = 0
+    try:
+        main(["convert", sys.argv[1], f"{sys.argv[2]}/{out}", "--to", "torch", "--no-fsync", *flags])
+    except SystemExit as exit:
+        assert not exit.code, exit.code
+    totals.append(counted[0])
+print(json.dumps(totals))
+"""

@@ -3,7 +3,8 @@ as ``-m harness.storage_jobs``):
 HuggingFaceStorageWriter / Reader (HF-storage DCP) and FileSystemWriter with the ZStandard extension.
 
     save-hf OUT [--consolidate]   FSDP2 on every rank; dcp.save(HuggingFaceStorageWriter(save_distributed=True))
-    save-zstd OUT                 FSDP2; dcp.save(FileSystemWriter(_extensions=[ZStandard()]))
+    save-zstd OUT [--large]       FSDP2; dcp.save(FileSystemWriter(_extensions=[ZStandard()])); --large adds a
+                                  tensor sharded by rows whose records decompress to 128 KiB a rank
     load-hf DIR REFERENCE         dcp.load(HuggingFaceStorageReader(DIR)) into FSDP2; every shard checked
     load-zstd DIR REFERENCE       dcp.load (torch's default reader, which undoes the zstd transform); checked
 
@@ -21,7 +22,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from harness.runtime import exit_now
 
@@ -58,6 +60,10 @@ def save(args) -> None:
     else:
         writer = FileSystemWriter(args.path, _extensions=[ZStandard()])
         state = {**state, "train_state": {"step": 7}}  # a non-tensor entry: its record is compressed too
+        if args.large:
+            values = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            state["large.weight"] = distribute_tensor(values, mesh, [Shard(0)])
     dcp.save(state, storage_writer=writer)
     reference = full({k: v for k, v in state.items() if k != "train_state"})
     if dist.get_rank() == 0:
@@ -89,6 +95,7 @@ def main() -> int:
     parser.add_argument("path")
     parser.add_argument("reference", nargs="?")
     parser.add_argument("--consolidate", action="store_true")
+    parser.add_argument("--large", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     try:
