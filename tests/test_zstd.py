@@ -173,13 +173,13 @@ def large(tmp_path_factory):
 
 
 def damaged_copy(source, copy, key: str, kind: str) -> str:
-    """``source`` copied to ``copy`` with rank 0's record of ``key`` decompressed, damaged (``kind``, found with
+    """``source`` copied to ``copy`` with the first record of ``key`` (by file) decompressed, damaged (``kind``, found with
     zipfile: test_records' ``damage_at``), compressed again and written back at the end of its file, the
     metadata (torch's own, unpickled and pickled again) pointing there. Returns the record's file name."""
     shutil.copytree(source, copy)
     metadata = pickle.loads((copy / ".metadata").read_bytes())
-    index, info = next((index, info) for index, info in metadata.storage_data.items()
-                       if index.fqn == key and info.relative_path == "__0_0.distcp")
+    index, info = min(((index, info) for index, info in metadata.storage_data.items() if index.fqn == key),
+                      key=lambda item: item[1].relative_path)
     with open(copy / info.relative_path, "rb") as file:
         file.seek(info.offset)
         record = bytearray(zstandard.ZstdDecompressor().stream_reader(file.read(info.length),
@@ -258,3 +258,14 @@ for out, flags in (("checked.pt", []), ("unchecked.pt", ["--no-verify-records"])
     totals.append(counted[0])
 print(json.dumps(totals))
 """
+
+
+@pytest.mark.parametrize("key", ["proj.weight", "train_state.step"])
+def test_a_damaged_small_zstd_record_is_refused(saved, tmp_path, key):
+    """Records that end within their head (the job's small chunks) are checked whole when opened; an object's
+    record is decompressed whole and checked as a plain one."""
+    copy = tmp_path / "damaged"
+    name = damaged_copy(saved, copy, key, "data bytes" if key != "train_state.step" else "CRC field")
+    checked(copy, name, key)
+    out = tmp_path / "out"
+    refused(["convert", copy, out, "--to", "torch", "--no-fsync"], out, name, key)
