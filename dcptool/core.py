@@ -13,8 +13,10 @@ bytes. Any rectangular region of a tensor is assembled from the chunks that over
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,31 @@ from dcptool.torch_archive import Archive, RawBytes, chunk_label, row_major
 from dcptool.torch_archive.records import StoredData, record_checks
 
 RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
+
+# The problems of single entries found while a checkpoint is opened under ``entry_problems``.
+_entry_problems: ContextVar[list[tuple[str, str, CheckpointError]] | None] = ContextVar("entry_problems", default=None)
+
+
+@contextlib.contextmanager
+def entry_problems() -> Iterator[list[tuple[str, str, CheckpointError]]]:
+    """While a checkpoint is opened in this context, a problem of one entry (what its metadata says of it, its
+    chunks' cover) is collected as ``(kind, key, error)`` and the entry left out, where it would stop the
+    opening: ``check`` names every problem, not the first."""
+    found: list[tuple[str, str, CheckpointError]] = []
+    token = _entry_problems.set(found)
+    try:
+        yield found
+    finally:
+        _entry_problems.reset(token)
+
+
+def entry_problem(kind: str, key: str, error: CheckpointError) -> None:
+    """Raise ``error``, a problem of the entry ``key`` (``metadata``, ``cover``), unless ``entry_problems`` collects
+    them; the caller then leaves the entry out."""
+    found = _entry_problems.get()
+    if found is None:
+        raise error
+    found.append((kind, key, error))
 
 
 @dataclass(frozen=True)
@@ -243,9 +270,13 @@ class Checkpoint:
         return sorted(used)
 
     def validate(self) -> None:
-        """Check that every tensor's chunks lie inside it and cover it exactly once."""
-        for tensor in self.tensors.values():
-            check_cover(tensor, where=str(self.root))
+        """Check that every tensor's chunks lie inside it and cover it exactly once (``entry_problem``)."""
+        for key, tensor in list(self.tensors.items()):
+            try:
+                check_cover(tensor, where=str(self.root))
+            except CheckpointError as exc:
+                entry_problem("cover", key, exc)
+                del self.tensors[key]
 
     def raw_bytes(self, tensor: TensorInfo, chunk: Chunk) -> RawBytes:
         """Where a chunk's elements are, opening its record the first time it is needed.

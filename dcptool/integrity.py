@@ -1,7 +1,7 @@
 """``dcptool check``: everything torch or an engine would trip on in one checkpoint, found without loading it.
 
 The checkpoint is opened as every command opens it (its metadata checked against the files, every tensor
-covered by its chunks exactly once: a checkpoint that fails there has that one problem), then:
+covered by its chunks exactly once), each entry that fails there named and left out, then:
 
 - every record (``torch.save`` archives: DCP chunks, ``torch.save`` and FSDP1 files) is checked as torch
   would check it and more: its zip structure, the CRC-32 of every entry over all of its bytes, and the
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcptool import encodings, formats
-from dcptool.core import RAW, Checkpoint, TensorInfo
+from dcptool.core import RAW, Checkpoint, TensorInfo, entry_problems
 from dcptool.errors import CheckpointError, UsageError, counted, printable
 
 # Threads checking records: reading from disk overlaps, and CRC-32 releases the GIL.
@@ -36,8 +36,9 @@ THREADS = 4
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing a loader would trip on: its kind (``record``, ``object``, ``checkpoint``, ``file``, ``config``
-    and what a format adds, e.g. ``index``), the entry or file it concerns, and the one-line message."""
+    """One thing a loader would trip on: its kind (``metadata``, ``cover``, ``record``, ``object``, ``checkpoint``,
+    ``file``, ``config`` and what a format adds, e.g. ``index``), the entry or file it concerns, and the one-line
+    message."""
 
     kind: str
     name: str
@@ -83,17 +84,27 @@ class Report:
 
 
 def check_path(path, source_format: str | None = None, progress: Callable[[int], None] | None = None) -> Report:
-    """Check the checkpoint at ``path``: a path that is no checkpoint raises (exit 2); a checkpoint that cannot
-    be opened is a report with that one problem."""
+    """Check the checkpoint at ``path``: a path that is no checkpoint raises (exit 2). An entry that the
+    metadata describes wrongly (its record missing or past its file's end, a chunk cover with a gap or an
+    overlap) is a problem of its own, the entry left out and the rest checked (``core.entry_problems``); a
+    checkpoint that cannot be opened at all is a report of that problem and those found before it."""
     name = source_format or formats.detect(path)
+    with entry_problems() as found:
+        try:
+            checkpoint = formats.open_checkpoint(path, name)
+        except CheckpointError as exc:
+            problems = _entry_problems(found) + [Problem("checkpoint", str(path), str(exc))]
+            return Report(str(path), name, problems=problems)
     try:
-        checkpoint = formats.open_checkpoint(path, name)
-    except CheckpointError as exc:
-        return Report(str(path), name, problems=[Problem("checkpoint", str(path), str(exc))])
-    try:
-        return check_checkpoint(checkpoint, progress)
+        report = check_checkpoint(checkpoint, progress)
     finally:
         checkpoint.files.close()
+    report.problems[:0] = _entry_problems(found)
+    return report
+
+
+def _entry_problems(found) -> list[Problem]:
+    return [Problem(kind, key, str(error)) for kind, key, error in found]
 
 
 def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | None = None) -> Report:

@@ -279,3 +279,29 @@ def test_check_of_a_path_that_is_no_checkpoint_exits_2(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     result = dcptool("check", tmp_path / "notes.txt", check=False)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_check_names_every_entry_the_metadata_gets_wrong(gloo_dcp, tmp_path):
+    """Two independent problems in a real job's .metadata (torch's own, unpickled and pickled again): a tensor
+    with a chunk left out (a gap in its cover) and another whose record lies past its file's end. Both are
+    named, each under its kind; every other entry is still checked; opening it for a copy stops at the first."""
+    import dataclasses
+    import pickle
+
+    source, records = gloo_dcp
+    copy = tmp_path / "two-problems"
+    shutil.copytree(source, copy)
+    metadata = pickle.loads((copy / ".metadata").read_bytes())
+    gap, past = [key for key, entry in metadata.state_dict_metadata.items()
+                 if key.endswith("up_proj.weight") and len(getattr(entry, "chunks", ())) > 1][:2]
+    metadata.state_dict_metadata[gap].chunks.pop()
+    for index, info in metadata.storage_data.items():
+        if index.fqn == past:
+            metadata.storage_data[index] = dataclasses.replace(info, offset=info.offset + 2**30)
+    (copy / ".metadata").write_bytes(pickle.dumps(metadata))
+
+    report = checked(copy, f"{gap}: chunks cover", f"truncated: {past} needs bytes")
+    assert [(p["kind"], p["name"]) for p in report["problems"]] == [("metadata", past), ("cover", gap)]
+    assert report["tensors"] == len(metadata.state_dict_metadata) - report["objects"] - 2 and report["records"] > 0
+    out = tmp_path / "out"
+    refused(["convert", copy, out, "--to", "torch", "--no-fsync"], out, past)

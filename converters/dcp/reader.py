@@ -17,7 +17,7 @@ from dcptool import compression, dtypes, safe_pickle
 from dcptool.compression import ZSTD_ARCHIVE, DecompressingFiles
 from dcptool.converters.dcp.metadata import INFO_CLASS, ChunkRows, StorageRows, each_record, unpickle
 from dcptool.converters.dcp.names import DATA_FILE, FILESYSTEM_MODULE, METADATA, METADATA_MODULE, NAME, saving_rank
-from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, TensorInfo, join_path
+from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, TensorInfo, entry_problem, join_path
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, file_name_problem, printable, shape_problem, utf8_problem,
                             with_article)
 from dcptool.safe_pickle import Record
@@ -52,44 +52,47 @@ def read(files: CheckpointFiles) -> Checkpoint:
     tensors: dict[str, TensorInfo] = {}
     objects: dict[str, ObjectInfo] = {}
     for key, entry in metadata.state_dict_metadata.items():
-        problem = utf8_problem(key)
-        if problem:
-            raise CheckpointError(f"{where}: a key of state_dict_metadata {problem}")
-        nested = _nested_path(planner_data.get(key, (key,)), key, where)
-        if _is(entry, "BytesStorageMetadata"):
-            file, offset, length, encoding = _storage_info(files, storage, key, None, where)
-            if encoding == ZSTD_ARCHIVE:  # objects are small: decompressed now, then read as plain records
-                files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
-                (file, length), offset = files.decompressed(file, offset, length), 0
-            objects[key] = ObjectInfo(nested, blob=(file, offset, length))
-        elif _is(entry, "TensorStorageMetadata"):
-            dtype = _dtype_of(getattr(entry, "properties", None), key, where)
-            itemsize = dtypes.dtype(dtype).itemsize
-            shape = _dims(getattr(entry, "size", None), f"{where}: {printable(key)}: size", itemsize)
-            chunk_list = getattr(entry, "chunks", None)
-            if not isinstance(chunk_list, list):
-                raise CheckpointError(f"{where}: {printable(key)}: chunks is {_kind(chunk_list)}, not a list")
-            table = _chunk_table(files, storage, key, chunk_list, dtype, where)
-            if table is not None:
-                tensors[key] = TensorInfo(nested, dtype, shape, table)
-                continue
-            chunks = []
-            for chunk in each_record(chunk_list):
-                if not _is(chunk, "ChunkStorageMetadata"):
-                    raise CheckpointError(f"{where}: {printable(key)}: a chunk is {_kind(chunk)}, not ChunkStorageMetadata")
-                at = f"{where}: {printable(key)}: chunk"
-                offsets = _dims(getattr(chunk, "offsets", None), f"{at} offsets")
-                sizes = _dims(getattr(chunk, "sizes", None), f"{at} sizes", itemsize)
-                file, offset, length, encoding = _storage_info(files, storage, key, offsets, where)
-                if encoding == ZSTD_ARCHIVE:  # decompressed on first read (dcptool.compression)
+        try:
+            problem = utf8_problem(key)
+            if problem:
+                raise CheckpointError(f"{where}: a key of state_dict_metadata {problem}")
+            nested = _nested_path(planner_data.get(key, (key,)), key, where)
+            if _is(entry, "BytesStorageMetadata"):
+                file, offset, length, encoding = _storage_info(files, storage, key, None, where)
+                if encoding == ZSTD_ARCHIVE:  # objects are small: decompressed now, then read as plain records
                     files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
-                elif length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
-                    raise CheckpointError(f"{at} at {list(offsets)}: a record of {length:,} bytes cannot hold "
-                                          f"{dtype}{list(sizes)}")
-                chunks.append(Chunk(offsets, sizes, file, offset, length, encoding, rank=saving_rank(file)))
-            tensors[key] = TensorInfo(nested, dtype, shape, chunks)
-        else:
-            raise CheckpointError(f"{where}: {printable(key)}: unknown entry type {_kind(entry)}")
+                    (file, length), offset = files.decompressed(file, offset, length), 0
+                objects[key] = ObjectInfo(nested, blob=(file, offset, length))
+            elif _is(entry, "TensorStorageMetadata"):
+                dtype = _dtype_of(getattr(entry, "properties", None), key, where)
+                itemsize = dtypes.dtype(dtype).itemsize
+                shape = _dims(getattr(entry, "size", None), f"{where}: {printable(key)}: size", itemsize)
+                chunk_list = getattr(entry, "chunks", None)
+                if not isinstance(chunk_list, list):
+                    raise CheckpointError(f"{where}: {printable(key)}: chunks is {_kind(chunk_list)}, not a list")
+                table = _chunk_table(files, storage, key, chunk_list, dtype, where)
+                if table is not None:
+                    tensors[key] = TensorInfo(nested, dtype, shape, table)
+                    continue
+                chunks = []
+                for chunk in each_record(chunk_list):
+                    if not _is(chunk, "ChunkStorageMetadata"):
+                        raise CheckpointError(f"{where}: {printable(key)}: a chunk is {_kind(chunk)}, not ChunkStorageMetadata")
+                    at = f"{where}: {printable(key)}: chunk"
+                    offsets = _dims(getattr(chunk, "offsets", None), f"{at} offsets")
+                    sizes = _dims(getattr(chunk, "sizes", None), f"{at} sizes", itemsize)
+                    file, offset, length, encoding = _storage_info(files, storage, key, offsets, where)
+                    if encoding == ZSTD_ARCHIVE:  # decompressed on first read (dcptool.compression)
+                        files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
+                    elif length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
+                        raise CheckpointError(f"{at} at {list(offsets)}: a record of {length:,} bytes cannot hold "
+                                              f"{dtype}{list(sizes)}")
+                    chunks.append(Chunk(offsets, sizes, file, offset, length, encoding, rank=saving_rank(file)))
+                tensors[key] = TensorInfo(nested, dtype, shape, chunks)
+            else:
+                raise CheckpointError(f"{where}: {printable(key)}: unknown entry type {_kind(entry)}")
+        except CheckpointError as exc:  # this entry's alone: check goes on to name the others
+            entry_problem("metadata", key, exc)
 
     ranks = {int(m.group(1)) for name in files.names("*.distcp") if (m := DATA_FILE.match(name))}
     info = {"version": version, "world_size": len(ranks) or None}  # one data file per saving rank
