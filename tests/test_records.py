@@ -288,7 +288,7 @@ def test_check_names_every_entry_the_metadata_gets_wrong(gloo_dcp, tmp_path):
     import dataclasses
     import pickle
 
-    source, records = gloo_dcp
+    source, _ = gloo_dcp
     copy = tmp_path / "two-problems"
     shutil.copytree(source, copy)
     metadata = pickle.loads((copy / ".metadata").read_bytes())
