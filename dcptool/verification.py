@@ -72,7 +72,7 @@ class RegionReader:
                                                      passing=True)
         checks = record_checks(self.checkpoint.files)
         if checks is not None:
-            checks.finish()  # the records the slabs read only in part
+            checks.finish(tensor.key)  # the tensor's records the slabs read only in part
 
 
 def buffer_size(max_memory: int, tensors, readers: int = 1) -> int:

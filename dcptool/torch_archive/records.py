@@ -179,10 +179,12 @@ class RecordChecks:
             del self._parts[stored]
         check_crc(_named(stored, key), whole, stored.recorded_crc())
 
-    def finish(self) -> None:
-        """Check the storages that runs covered only in part (the rest of their bytes was not copied)."""
+    def finish(self, key: str | None = None) -> None:
+        """Check the storages that runs covered only in part (the rest of their bytes was not copied): those
+        whose runs were last handed in for ``key`` where given (a reader done with one tensor, while other
+        threads may still be reading theirs), else all."""
         with self._lock:
-            left = [(stored, self._keys[stored]) for stored in self._parts]
+            left = [(stored, self._keys[stored]) for stored in self._parts if key is None or self._keys[stored] == key]
         for stored, key in left:
             self.check(stored, key)
 
