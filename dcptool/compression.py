@@ -16,6 +16,12 @@ data instead, found for the small entries before the storage by its sizes and CR
 storage's size is the one ``data.pkl`` gives. An object's record is decompressed to its end when the checkpoint
 is opened, to count its bytes, and read from then on as a plain archive (objects are small).
 
+A chunk's record is checked as a plain one is (``torch_archive.records``; torch's zstd frames carry no
+checksum of their own): its storage's CRC-32 over the decompressed bytes as they pass, against the CRC-32
+the archive records behind them. The read that reaches the storage's end goes on to the record's end (its
+data descriptor and central directory: a few hundred bytes), so nothing is decompressed twice, and the
+archive is then checked, all but the storage's bytes, as a plain record is opened.
+
 Writing (``compress_records``) still writes each data file plain first, then rewrites it with each
 record compressed in turn: for a while the file takes its plain and its compressed size on disk.
 
@@ -94,7 +100,7 @@ class _Record:
     head: bytes | None = None  # its first decompressed bytes; once its storage is located, those before it
     whole: bool = False  # whether the head holds all of its bytes
     trailer: bytes | None = None  # its decompressed bytes from ``used_end`` to its end, until taken (``trailer``)
-    trailer_taken: bool = False
+    trailer_taken: bool = False  # its storage was checked: a read that reaches ``used_end`` again keeps nothing
 
 
 class _Cursor:
@@ -151,10 +157,11 @@ class DecompressingFiles(CheckpointFiles):
             self._records.setdefault(name, _Record(relative, offset, length, limit, label))
         return name
 
-    def decompressed(self, relative: str, offset: int, length: int, limit: int = OBJECT_LIMIT) -> tuple[str, int]:
+    def decompressed(self, relative: str, offset: int, length: int, limit: int = OBJECT_LIMIT,
+                     label: str = "") -> tuple[str, int]:
         """``(name, size)`` of a record's decompressed bytes (``record``), decompressed to the end once to count
         them: an object's record, read as a whole archive (its zip directory is at its end)."""
-        name = self.record(relative, offset, length, limit)
+        name = self.record(relative, offset, length, limit, label)
         record = self._records[name]
         if record.size is None:
             cursor = _Cursor(self, name, record)
@@ -369,15 +376,14 @@ class CompressedArchive:
         if not isinstance(tensor, safe_pickle.TensorRef):
             raise CheckpointError(f"{self.where}: holds {type(tensor).__name__}, not a tensor")
         start, size = self._storage(tensor)
-        where = self.where
-        entry = f"{where}: data/{printable(tensor.storage.key)}"
+        entry = f"{self.where}: data/{printable(tensor.storage.key)}"
         if self.files._records[self.name].whole:
-            found = _checked(self._head, b"", len(self._head), where).storage_data()
+            found = _checked(self._head, b"", len(self._head), self.where).storage_data()
             check_crc(entry, zlib.crc32(self._head[start:start + size]),
                       next((stored.crc for stored in found if stored.offset == start), None))
             return None
         return StoredData(self.name, start, size, None, entry, recorded_after=functools.partial(
-            _recorded_crc, self.files, self.name, self._head[:start], start, size, where))
+            _recorded_crc, self.files, self.name, self._head[:start], start, size, self.where))
 
 
 def _recorded_crc(files: DecompressingFiles, name: str, before: bytes, start: int, size: int, where: str) -> int | None:

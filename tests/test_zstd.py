@@ -269,3 +269,17 @@ def test_a_damaged_small_zstd_record_is_refused(saved, tmp_path, key):
     checked(copy, name, key)
     out = tmp_path / "out"
     refused(["convert", copy, out, "--to", "torch", "--no-fsync"], out, name, key)
+
+
+def test_a_corrupt_object_stream_names_its_key(saved, tmp_path):
+    copy = tmp_path / "broken"
+    shutil.copytree(saved, copy)
+    metadata = pickle.loads((copy / ".metadata").read_bytes())
+    info = next(info for index, info in metadata.storage_data.items() if index.fqn == "train_state.step")
+    with open(copy / info.relative_path, "r+b") as file:
+        file.seek(info.offset)
+        file.write(b"\0\0\0\0")  # no zstd frame starts so
+    named = f"{info.relative_path}: the zstd record of train_state.step at byte {info.offset:,} is corrupt ("
+    out = tmp_path / "out.pt"
+    refused(["convert", copy, out, "--to", "torch"], out, named)
+    checked(copy, named)

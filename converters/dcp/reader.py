@@ -61,7 +61,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
                 file, offset, length, encoding = _storage_info(files, storage, key, None, where)
                 if encoding == ZSTD_ARCHIVE:  # objects are small: decompressed now, then read as plain records
                     files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
-                    (file, length), offset = files.decompressed(file, offset, length), 0
+                    (file, length), offset = files.decompressed(file, offset, length, label=key), 0
                 objects[key] = ObjectInfo(nested, blob=(file, offset, length))
             elif _is(entry, "TensorStorageMetadata"):
                 dtype = _dtype_of(getattr(entry, "properties", None), key, where)
