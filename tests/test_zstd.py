@@ -173,9 +173,9 @@ def large(tmp_path_factory):
 
 
 def damaged_copy(source, copy, key: str, kind: str) -> str:
-    """``source`` copied to ``copy`` with the first record of ``key`` (by file) decompressed, damaged (``kind``, found with
-    zipfile: test_records' ``damage_at``), compressed again and written back at the end of its file, the
-    metadata (torch's own, unpickled and pickled again) pointing there. Returns the record's file name."""
+    """``source`` copied to ``copy`` with the first record of ``key`` (by file) decompressed, damaged (``kind``,
+    found with zipfile: test_records' ``damage_at``), compressed again and written back at the end of its file,
+    the metadata (torch's own, unpickled and pickled again) pointing there. Returns the record's file name."""
     shutil.copytree(source, copy)
     metadata = pickle.loads((copy / ".metadata").read_bytes())
     index, info = min(((index, info) for index, info in metadata.storage_data.items() if index.fqn == key),

@@ -179,12 +179,13 @@ class RecordChecks:
             del self._parts[stored]
         check_crc(_named(stored, key), whole, stored.recorded_crc())
 
-    def finish(self, key: str | None = None) -> None:
+    def finish(self, tensor: str | None = None) -> None:
         """Check the storages that runs covered only in part (the rest of their bytes was not copied): those
-        whose runs were last handed in for ``key`` where given (a reader done with one tensor, while other
-        threads may still be reading theirs), else all."""
+        whose runs were last handed in for the key ``tensor`` where given (a reader done with one tensor, while
+        other threads may still be reading theirs), else all."""
         with self._lock:
-            left = [(stored, self._keys[stored]) for stored in self._parts if key is None or self._keys[stored] == key]
+            left = [(stored, self._keys[stored]) for stored in self._parts
+                    if tensor is None or self._keys[stored] == tensor]
         for stored, key in left:
             self.check(stored, key)
 
