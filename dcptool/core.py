@@ -178,9 +178,9 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     chunks: list[Chunk] | ChunkTable
-    # Computes the values from other tensors instead of reading the chunks' bytes (``dcptool.quant``'s
-    # dequantized weights): ``transform.read(checkpoint, offsets, sizes, out, scratch)``; the chunks give the layout.
-    transform: Any = field(default=None, repr=False)
+    # Computes the values from source regions instead of reading the chunks' bytes (a ``Computed``:
+    # dequantized weights, averages, merged adapters); the chunks give the layout.
+    transform: Computed | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -189,6 +189,41 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+class Computed:
+    """How the regions of a computed tensor are made from regions of source tensors (``TensorInfo.transform``).
+
+    ``read(checkpoint, offsets, sizes, out, scratch)`` fills ``out`` (an unsigned view of the tensor's item
+    size, shape ``sizes``) with the region at ``offsets``; ``checkpoint`` is the one the tensor belongs to,
+    ``scratch`` a read buffer it may use (``Checkpoint.read_region``'s). Copies plan such tensors as any
+    other: in slabs of the pieces a writer asks for, split over threads and torchrun ranks
+    (``dcptool.transfer``), each slab's temporaries bounded by ``work_bytes`` per element. Sources read with
+    ``passing=True`` hand in their records' CRC-32s as they pass; the copy finishes the checks of
+    ``checkpoint`` and of the ``others`` a computation reads.
+    """
+
+    work_bytes: int = 16  # bytes of temporaries per output element of a read (transfer sizes slabs by them)
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        raise NotImplementedError
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        """Checkpoints other than the tensor's own that ``read`` reads."""
+        return ()
+
+
+def float32_region(checkpoint: Checkpoint, tensor: TensorInfo, offsets, sizes, scratch: memoryview) -> np.ndarray:
+    """A region of a floating-point tensor as float32 values (float64 rounded to nearest, float8 decoded
+    exactly), read for a computation: its records' CRC-32s handed in as they pass (``Computed``)."""
+    itemsize = dtypes.dtype(tensor.dtype).itemsize
+    bits = np.empty(tuple(sizes), dtype=dtypes.raw_view_type(itemsize))
+    checkpoint.read_region(tensor, offsets, sizes, bits, scratch, passing=True)
+    if tensor.dtype in dtypes.FLOAT8:
+        return dtypes.float8_to_float32(bits, tensor.dtype)
+    if tensor.dtype == "float64":
+        return bits.view(np.float64).astype(np.float32)
+    return dtypes.cast(bits, tensor.dtype, "float32").view(np.float32)
 
 
 def join_path(path) -> str:

@@ -23,20 +23,21 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.core import Checkpoint, Computed, TensorInfo
 from dcptool.errors import UsageError, option
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 
 
 @dataclass(frozen=True)
-class BlockDequant:
+class BlockDequant(Computed):
     """How the regions of a dequantized weight are computed (a ``TensorInfo.transform``)."""
 
     weight: TensorInfo  # the float8 weight as stored
     scale: TensorInfo  # one scale per block
     block: tuple[int, int]
     dtype: str  # the output's
+    work_bytes = 13  # per element: the float8 bits, their float32 values, the scaled values, the cast result
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         """Fill ``out`` (an unsigned view of ``dtype``, shape ``sizes``) with the region at ``offsets``,
@@ -49,7 +50,7 @@ class BlockDequant:
         while start < row0 + rows:
             stop = min(row0 + rows, (start // b0 + 1) * b0)  # to the end of this block row
             bits = np.empty((stop - start, cols), dtype=np.uint8)
-            checkpoint.read_region(self.weight, (start, col0), (stop - start, cols), bits, scratch)
+            checkpoint.read_region(self.weight, (start, col0), (stop - start, cols), bits, scratch, passing=True)
             scales = self._scales(checkpoint, start // b0, first_col_block, last_col_block, scratch)
             # float32 times float32, as torch's w.float() * scale
             values = dtypes.float8_to_float32(bits, self.weight.dtype) * scales[col_blocks]
@@ -59,7 +60,7 @@ class BlockDequant:
     def _scales(self, checkpoint, block_row: int, first: int, last: int, scratch) -> np.ndarray:
         itemsize = dtypes.dtype(self.scale.dtype).itemsize
         raw = np.empty((1, last - first + 1), dtype=dtypes.raw_view_type(itemsize))
-        checkpoint.read_region(self.scale, (block_row, first), raw.shape, raw, scratch)
+        checkpoint.read_region(self.scale, (block_row, first), raw.shape, raw, scratch, passing=True)
         return dtypes.cast(raw[0], self.scale.dtype, "float32").view(np.float32)
 
 

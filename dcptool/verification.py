@@ -350,7 +350,14 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
     Weights of different naming families are matched by ``align_families``.
     """
-    checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
+    return pair(formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b), prefix_a=prefix_a,
+                prefix_b=prefix_b, include=include, exclude=exclude, family_a=family_a, family_b=family_b)
+
+
+def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | None = None,
+         prefix_b: str | None = None, include: str | None = None, exclude: str | None = None,
+         family_a: str = AUTO, family_b: str = AUTO) -> Pairing:
+    """``sides`` of two open checkpoints (``average`` pairs every source with the first this way)."""
     pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
                       select_side(checkpoint_b, prefix_b, include, exclude))
     if not (prefix_a or prefix_b):
