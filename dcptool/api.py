@@ -435,12 +435,12 @@ def check(path: str | Path, *, source_format: str | None = None, revision: str |
 def average(sources: list[str | Path], destination: str | Path, *, weights: str | list[float] | None = None,
             to: str | None = None, dp: int | None = None, tp: int = 1, ep: int = 1, etp: int | str = 1, cp: int = 1,
             dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
-            include_optimizer: bool = False, revision: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
+            config_dir: str | Path | None = None, include_optimizer: bool = False, revision: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
             overwrite: bool = False, fsync: bool = True, dry_run: bool = False, progress: Progress | None = None,
             verify_records: bool = True) -> Report:
     """``dcptool average``: the weighted mean of checkpoints of one model (any formats, naming families and
     meshes; each paired with the first as ``verify`` pairs them), written as the first is laid out, or as
-    format ``to`` on the mesh of ``dp``, ``tp``, ... (as ``reshard`` takes them).
+    format ``to`` on the mesh of ``dp``, ``tp``, ... (as ``reshard`` takes them, ``plan`` and ``config_dir`` too).
 
     Each floating-point tensor is ``w0*x0 + w1*x1 + ...`` in float32 (each product and sum rounded to float32,
     in the order of ``sources``), rounded to the first's dtype as torch's ``.to(dtype)``; other dtypes must be
@@ -477,7 +477,7 @@ def average(sources: list[str | Path], destination: str | Path, *, weights: str 
         mesh = {"dp": dp, "tp": tp, "ep": ep, "etp": etp, "cp": cp, "dp_replicate": dp_replicate, "world_size": world_size}
         given = any(value not in (None, 1, "1") for value in mesh.values())
         planned = averaging.plan_average(checkpoints, weights, to=to, include_optimizer=include_optimizer, plan=plan,
-                                         mesh_options=_mesh(**mesh) if given else None)
+                                         mesh_options=_mesh(**mesh) if given else None, config_dir=config_dir)
         averaging.check_equal(planned, parse_size(max_memory, "max_memory"))
         if planned.reshard is not None:
             return _write_or_report(planned.reshard, destination, dry_run, progress, max_memory, overwrite, fsync)

@@ -28,6 +28,8 @@ COMMANDS = {
     "export-hf-shards": ["export-hf", "{src}", "{dst}", "--max-shard-size", "200KB"],
     "fsdp1-w4": ["convert", "{src}", "{dst}", "--to", "fsdp1", "--world-size", "4"],
     "torch-file": ["convert", "{src}", "{dst}", "--to", "torch"],
+    # computed tensors (each a mean of its regions in both sources) split over the ranks as copies are
+    "average-dp4": ["average", "{src}", "{src}", "{dst}", "--dp", "4", "--weights", "0.25,0.75"],
 }
 
 

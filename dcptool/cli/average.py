@@ -9,7 +9,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (CpOption, DpReplicateOption, DryRunOption, EpOption, EtpOption, MaxMemoryOption,
+from dcptool.cli.options import (ConfigDirOption, CpOption, DpReplicateOption, DryRunOption, EpOption, EtpOption, MaxMemoryOption,
                                  NoFsyncOption, NoVerifyRecordsOption, OutputFormat, OverwriteOption, PlanOption,
                                  RevisionOption, TpOption, WorldSizeOption)
 from dcptool.errors import UsageError
@@ -29,6 +29,7 @@ def average_command(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
+    config_dir: Optional[str] = ConfigDirOption,
     include_optimizer: bool = typer.Option(False, "--include-optimizer", help="Average the optimizer state too (every checkpoint must hold it); by default it is left out."),
     revision: Optional[str] = RevisionOption,
     dry_run: bool = DryRunOption,
@@ -54,7 +55,7 @@ def average_command(
         raise UsageError("give at least two checkpoints to average, then the output (dcptool average A B DST)")
     *sources, destination = paths
     report = api.average(sources, output_path(destination), weights=weights, to=to, dp=dp, tp=tp, ep=ep, etp=etp,
-                         cp=cp, dp_replicate=dp_replicate, world_size=world_size, plan=plan,
+                         cp=cp, dp_replicate=dp_replicate, world_size=world_size, plan=plan, config_dir=config_dir,
                          include_optimizer=include_optimizer, revision=revision, max_memory=max_memory,
                          overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run, progress=render.progress,
                          verify_records=not no_verify_records)
