@@ -211,3 +211,23 @@ def test_diff_of_a_bfloat16_export_counts_values_not_bits(steps, tmp_path):
     same = dcptool.diff(step1, step1)
     assert same.summary() == f"100.0% of {sum(full1[k].numel() for k in full1):.2g} parameters bit-identical; " \
                              f"0 of {len(full1)} tensors changed".replace("e+0", "e")
+
+
+def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(steps, checkpoints, tmp_path):
+    """An adapter's views (renamed, rows permuted for torchtitan's RoPE layout) of averaged tensors read the
+    averages, as the same adapter reads them from the average written out."""
+    from conftest import read_tensor
+    from dcptool import averaging, conversion
+
+    (step1, _), (step2, _) = steps["step1"], steps["step2"]
+    config = checkpoints("fsdp2_dp2")[1]
+    soup, renamed = tmp_path / "soup", tmp_path / "soup-archon"
+    run_cli("average", step1, step2, soup)
+    run_cli("convert", soup, renamed, "--to", "dcp", "--adapter", "archon", "--config-dir", config)
+    stored = formats.open_checkpoint(renamed)
+    planned = averaging.plan_average([formats.open_checkpoint(step1), formats.open_checkpoint(step2)], None)
+    computed, _ = conversion.adapted(planned.conversion.checkpoint, "archon", config_dir=config)
+    weights = [k for k, t in computed.tensors.items() if t.transform is not None]
+    assert any("wq" in k for k in weights) and len(weights) == planned.averaged
+    for key in weights:
+        assert torch.equal(read_tensor(computed, key), read_tensor(stored, key)), key
