@@ -26,7 +26,7 @@ import numpy as np
 
 from dcptool import dtypes, formats, resharding, selection, verification
 from dcptool.conversion import Conversion, plan_convert
-from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region
+from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
 
@@ -41,28 +41,19 @@ class WeightedMean(Computed):
 
     terms: tuple[tuple[Checkpoint, TensorInfo, float], ...]
     dtype: str
-    work_bytes = 20  # per element: the float32 sum; a source's bits, their float32 values; the result's bits
+    work_bytes = 16  # per element: the float32 sum, a term's float32 values and its bits (``workspace``s), rounding
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
-        total = None
-        for source, tensor, weight in self.terms:
-            values = float32_region(source, tensor, offsets, sizes, scratch)
-            values = values * np.float32(weight)  # a new array: the region may be a view of the bits read
-            if total is None:
-                total = values  # not 0 + w0*x0, which would turn -0.0 into 0.0
-            else:
-                total += values
-        out[...] = from_float32(total, self.dtype)
+        total, values = workspace("mean", sizes, np.float32), workspace("mean.term", sizes, np.float32)
+        for number, (source, tensor, weight) in enumerate(self.terms):
+            term = float32_region(source, tensor, offsets, sizes, scratch, total if number == 0 else values)
+            term *= np.float32(weight)  # w0*x0 first, not 0 + w0*x0, which would turn -0.0 into 0.0
+            if number:
+                total += term
+        dtypes.from_float32(total, self.dtype, out, values.view(np.uint32))
 
     def others(self) -> tuple[Checkpoint, ...]:
         return tuple(source for source, _, _ in self.terms[1:])
-
-
-def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values as the bits of ``dtype`` (rounded to nearest, ties to even, as torch's ``.to``)."""
-    if dtype == "float64":
-        return values.astype(np.float64).view(np.uint64)
-    return dtypes.cast(values.view(np.uint32), "float32", dtype)
 
 
 def parse_weights(weights, count: int) -> list[float]:
@@ -108,14 +99,14 @@ def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = Non
     """What ``dcptool average`` writes: the first checkpoint's entries, each floating-point tensor the mean of
     its pairs in all (``WeightedMean``), laid out as the first is, or as format ``to`` and ``mesh_options``
     (those of ``resharding.mesh_options``, with ``plan`` and ``config_dir`` as reshard takes them; None: the
-    first's own chunks) lay it out."""
+    first's own chunks) lay it out. ``config_dir``'s config.json also maps names across naming families."""
     if len(checkpoints) < 2:
         raise UsageError("give at least two checkpoints to average, then the output")
     first = checkpoints[0]
     planned = Planned(checkpoints, parse_weights(weights, len(checkpoints)))
     pairs, pairing_notes = [], []
     for other in checkpoints[1:]:
-        pairing = verification.pair(first, other)
+        pairing = verification.pair(first, other, config_dir=config_dir)
         pairs.append({id(tensor): pairing.b.tensors[name] for name, tensor in pairing.a.tensors.items()
                       if name in pairing.b.tensors})
         if pairing.note:  # names matched across families

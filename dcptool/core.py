@@ -14,6 +14,7 @@ bytes. Any rectangular region of a tensor is assembled from the chunks that over
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,17 +214,40 @@ class Computed:
         return ()
 
 
-def float32_region(checkpoint: Checkpoint, tensor: TensorInfo, offsets, sizes, scratch: memoryview) -> np.ndarray:
-    """A region of a floating-point tensor as float32 values (float64 rounded to nearest, float8 decoded
-    exactly), read for a computation: its records' CRC-32s handed in as they pass (``Computed``)."""
-    itemsize = dtypes.dtype(tensor.dtype).itemsize
-    bits = np.empty(tuple(sizes), dtype=dtypes.raw_view_type(itemsize))
+_workspaces = threading.local()
+
+
+def workspace(name: str, shape, dtype) -> np.ndarray:
+    """This thread's reusable array ``name`` of ``shape`` and ``dtype``, for the temporaries of a computation
+    (``Computed.read``): slab after slab reuses its memory (fresh arrays cost more in page faults than the
+    arithmetic). Its contents are the caller's until it asks for ``name`` again; the memory is the thread's
+    until it ends (copies run in threads of their own)."""
+    shape = tuple(shape)
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffers = _workspaces.__dict__
+    buffer = buffers.get(name)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = buffers[name] = np.empty(max(nbytes, 1), np.uint8)
+    return buffer[:nbytes].view(dtype).reshape(shape)
+
+
+def float32_region(checkpoint: Checkpoint, tensor: TensorInfo, offsets, sizes, scratch: memoryview,
+                   out: np.ndarray) -> np.ndarray:
+    """Fill ``out`` (float32, shape ``sizes``) with a region of a floating-point tensor (float64 rounded to
+    nearest, float8 decoded exactly), read for a computation: its records' CRC-32s handed in as they pass
+    (``Computed``). Returns ``out``."""
+    if tensor.dtype == "float32":
+        checkpoint.read_region(tensor, offsets, sizes, out.view(np.uint32), scratch, passing=True)
+        return out
+    bits = workspace("float32_region", sizes, dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize))
     checkpoint.read_region(tensor, offsets, sizes, bits, scratch, passing=True)
-    if tensor.dtype in dtypes.FLOAT8:
-        return dtypes.float8_to_float32(bits, tensor.dtype)
-    if tensor.dtype == "float64":
-        return bits.view(np.float64).astype(np.float32)
-    return dtypes.cast(bits, tensor.dtype, "float32").view(np.float32)
+    if tensor.dtype == "bfloat16":  # its bits are the top half of the float32's
+        np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif tensor.dtype in dtypes.FLOAT8:
+        np.take(dtypes.float8_to_float32(np.arange(256, dtype=np.uint8), tensor.dtype), bits, out=out)
+    else:  # float16, float64
+        out[...] = bits.view(dtypes.dtype(tensor.dtype).numpy)
+    return out
 
 
 def join_path(path) -> str:

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+from conftest import dcptool as run_cli
+from conftest import load_reference, read_dcp
+from jobs import run_job
 from safetensors.torch import load_file
 
 import dcptool
 from dcptool import formats
-from conftest import dcptool as run_cli
-from conftest import load_reference, read_dcp
-from jobs import run_job
 
 U = 2.0 ** -24  # float32's unit roundoff
 
@@ -204,10 +204,10 @@ def test_diff_of_a_bfloat16_export_counts_values_not_bits(steps, tmp_path):
     assert sorted(got) == sorted(model_keys(full1))  # the model part: B holds a model only
     assert {k for k in full1 if k.startswith("optimizer.")} <= set(report.left_out)
     assert report.left_out_why == "B holds a model only"
-    for key in got:
+    for key, change in got.items():
         want = torch_changes(full1[key], full2[key].to(torch.bfloat16))
-        assert got[key].dtype == "float32 -> bfloat16" and got[key].identical == 0
-        assert (got[key].numel, got[key].changed) == (want["elements"], want["changed"]), key
+        assert change.dtype == "float32 -> bfloat16" and change.identical == 0
+        assert (change.numel, change.changed) == (want["elements"], want["changed"]), key
     same = dcptool.diff(step1, step1)
     assert same.summary() == f"100.0% of {sum(full1[k].numel() for k in full1):.2g} parameters bit-identical; " \
                              f"0 of {len(full1)} tensors changed".replace("e+0", "e")
@@ -217,6 +217,7 @@ def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(s
     """An adapter's views (renamed, rows permuted for torchtitan's RoPE layout) of averaged tensors read the
     averages, as the same adapter reads them from the average written out."""
     from conftest import read_tensor
+
     from dcptool import averaging, conversion
 
     (step1, _), (step2, _) = steps["step1"], steps["step2"]
@@ -231,3 +232,19 @@ def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(s
     assert any("wq" in k for k in weights) and len(weights) == planned.averaged
     for key in weights:
         assert torch.equal(read_tensor(computed, key), read_tensor(stored, key)), key
+
+
+def test_average_across_naming_families(steps, checkpoints, tmp_path):
+    """Archon names (grouped attention names, wq/wk with RoPE rows permuted) paired with HF names as verify
+    pairs them; the output keeps the first's names."""
+    (step1, full1), (step2, full2) = steps["step1"], steps["step2"]
+    archon = tmp_path / "step2-archon"
+    run_cli("convert", step2, archon, "--to", "dcp", "--adapter", "archon", "--config-dir", checkpoints("fsdp2_dp2")[1])
+    out = tmp_path / "soup.pt"
+    refused = run_cli("average", step1, archon, out, "--to", "torch", check=False)
+    assert refused.returncode == 2 and "--config-dir" in refused.stderr and not out.exists()
+    result = run_cli("average", step1, archon, out, "--to", "torch", "--config-dir", checkpoints("fsdp2_dp2")[1])
+    assert "across families" in result.stderr
+    written = torch.load(out, weights_only=True)
+    for key in model_keys(full1):
+        assert torch.equal(written[key], expected_mean([full1[key], full2[key]], [0.5, 0.5], torch.float32)), key

@@ -9,7 +9,7 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (ConfigDirOption, CpOption, DpReplicateOption, DryRunOption, EpOption, EtpOption, MaxMemoryOption,
+from dcptool.cli.options import (CpOption, DpReplicateOption, DryRunOption, EpOption, EtpOption, MaxMemoryOption,
                                  NoFsyncOption, NoVerifyRecordsOption, OutputFormat, OverwriteOption, PlanOption,
                                  RevisionOption, TpOption, WorldSizeOption)
 from dcptool.errors import UsageError
@@ -29,7 +29,7 @@ def average_command(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    config_dir: Optional[str] = ConfigDirOption,
+    config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json: heads and experts, to map names across naming families (Llama's q/k rows) and, with mesh options, to check tp and ep."),
     include_optimizer: bool = typer.Option(False, "--include-optimizer", help="Average the optimizer state too (every checkpoint must hold it); by default it is left out."),
     revision: Optional[str] = RevisionOption,
     dry_run: bool = DryRunOption,
