@@ -50,7 +50,8 @@ class ComputedView(Computed):
     def work_bytes(self) -> int:
         """The hull a part reads (rows ``step`` apart: ``step`` times the box) and what its source computes."""
         return max((dtypes.dtype(p.source.dtype).itemsize * max([1, *(max(s) for s in p.steps)])
-                    + (p.source.transform.work_bytes if p.source.transform is not None else 0) for p in self.parts),
+                    + (getattr(p.source.transform, "work_bytes", Computed.work_bytes) if p.source.transform else 0)
+                    for p in self.parts),
                    default=0)
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
