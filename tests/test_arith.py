@@ -29,8 +29,11 @@ def steps(checkpoints, tmp_path_factory):
     """{name: (path, full state dict under torchtitan names)} for step1 (DCP dp=2), step2 (DCP tp=2), step3.pt
     (torch.save of an AReaL-layout DCP of dp=2) and step3 (that DCP)."""
     root = tmp_path_factory.mktemp("steps")
+    deep = '{"num_hidden_layers": 3}'  # layers enough to fold (diff folds runs of 3 or more as inspect does)
     run_job(2, "save-dcp", root / "step2", "--dp", "1", "--tp", "2", "--steps", "2", "--then",
-            "save-dcp", root / "step3", "--dp", "2", "--steps", "3", "--layout", "areal")
+            "save-dcp", root / "step3", "--dp", "2", "--steps", "3", "--layout", "areal", "--then",
+            "save-dcp", root / "deep1", "--dp", "2", "--model-config", deep, "--then",
+            "save-dcp", root / "deep2", "--dp", "2", "--model-config", deep, "--steps", "2")
     run_cli("convert", root / "step3", root / "step3.pt", "--to", "torch")
     step1, reference1 = checkpoints("fsdp2_dp2")
 
@@ -40,7 +43,9 @@ def steps(checkpoints, tmp_path_factory):
     return {"step1": (step1, load_reference(reference1)),
             "step2": (root / "step2", load_reference(root / "step2.reference")),
             "step3.pt": (root / "step3.pt", titan(load_reference(root / "step3.reference"))),
-            "step3": (root / "step3", titan(load_reference(root / "step3.reference")))}
+            "step3": (root / "step3", titan(load_reference(root / "step3.reference"))),
+            "deep1": (root / "deep1", load_reference(root / "deep1.reference")),
+            "deep2": (root / "deep2", load_reference(root / "deep2.reference"))}
 
 
 def model_keys(full: dict) -> list[str]:
@@ -248,3 +253,16 @@ def test_average_across_naming_families(steps, checkpoints, tmp_path):
     written = torch.load(out, weights_only=True)
     for key in model_keys(full1):
         assert torch.equal(written[key], expected_mean([full1[key], full2[key]], [0.5, 0.5], torch.float32)), key
+
+
+def test_diff_folds_layers_as_inspect_does_and_all_expands_them(steps):
+    (deep1, full1), (deep2, full2) = steps["deep1"], steps["deep2"]
+    folded = run_cli("diff", deep1, deep2, "--include", "q_proj").stdout.splitlines()
+    keys = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(3)]
+    row = next(line for line in folded if line.startswith("model.layers.{0..2}.self_attn.q_proj.weight "))
+    changes = [torch_changes(full1[k], full2[k]) for k in keys]
+    elements, changed = sum(c["elements"] for c in changes), sum(c["changed"] for c in changes)
+    assert f"{elements:,}" in row.split() and f"{changed:,}" in row.split(), row
+    everything = run_cli("diff", deep1, deep2, "--include", "q_proj", "--all").stdout.splitlines()
+    assert [line.split()[0] for line in everything[2:5]] == keys
+    assert not any(line.startswith(keys[0]) for line in folded)

@@ -62,6 +62,7 @@ def average_command(
     if as_json:
         print(json.dumps({"destination": str(report.destination), "format": report.format, "dry_run": report.dry_run,
                           "tensors": report.tensors, "bytes": report.bytes_written, "notes": report.notes,
-                          "left_out": report.dropped, "planned_files": report.planned_files}, indent=2))
+                          "left_out": report.dropped, "planned_files": report.planned_files,
+                          "warnings": getattr(report, "warnings", [])}, indent=2))
     else:
         render.written(report)
