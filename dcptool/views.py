@@ -54,6 +54,12 @@ class ComputedView(Computed):
                     for p in self.parts),
                    default=0)
 
+    def others(self) -> tuple[Checkpoint, ...]:
+        """The other checkpoints its computed sources read (a view of an average reads the average's)."""
+        found = {id(c): c for p in self.parts if p.source.transform is not None
+                 for c in getattr(p.source.transform, "others", tuple)()}
+        return tuple(found.values())
+
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         for part in self.parts:
             lo = [max(o, p) for o, p in zip(offsets, part.offsets)]
@@ -64,7 +70,7 @@ class ComputedView(Computed):
             first = [o + sum(i * step[k] for i, step in zip(local, part.steps)) for k, o in enumerate(part.origin)]
             hull = [1 + sum((n - 1) * step[k] for n, step in zip(extent, part.steps)) for k in range(len(first))]
             values = np.empty(hull, dtype=out.dtype)
-            checkpoint.read_region(part.source, tuple(first), tuple(hull), values, scratch)
+            checkpoint.read_region(part.source, tuple(first), tuple(hull), values, scratch, passing=True)
             strides = [sum(step[k] * values.strides[k] for k in range(len(hull))) for step in part.steps]
             target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
             target[...] = np.lib.stride_tricks.as_strided(values, shape=extent, strides=strides)
