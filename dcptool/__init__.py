@@ -59,13 +59,13 @@ from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolErr
                             UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
-    from dcptool.api import (Reader, Region, TensorSpec, check, checksum, convert, export_hf, import_hf, inspect,  # noqa: A004
-                             open, reshard, tensor_layout, verify)
+    from dcptool.api import (Reader, Region, TensorSpec, average, check, checksum, convert, diff, export_hf,  # noqa: A004
+                             import_hf, inspect, open, reshard, tensor_layout, verify)
 
 # The library code behind the commands lives in modules named apart from them (dcptool.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
-           "reshard", "verify", "checksum", "check", "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError",
+           "reshard", "verify", "checksum", "check", "average", "diff", "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError",
            "UnsafePickleError", "UsageError", "OutputExistsError", "MismatchError"]
 
 

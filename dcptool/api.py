@@ -45,6 +45,7 @@ from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
     from dcptool.checksums import Result
+    from dcptool.difference import Report as DiffReport
     from dcptool.integrity import Report as CheckReport
     from dcptool.inspection import Inspection
     from dcptool.layout import Layout
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from dcptool.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
-           "verify", "checksum", "check"]
+           "verify", "checksum", "check", "average", "diff"]
 
 Size = Union[int, str]
 Progress = Callable[[Union[int, None], str], ContextManager[Callable[[int], None]]]
@@ -428,6 +429,101 @@ def check(path: str | Path, *, source_format: str | None = None, revision: str |
     path, = hub.with_revision(path, revision=revision)
     with formats.records_checked(True), _progress(progress, None, "checking") as advance:
         return integrity.check_path(path, source_format, progress=advance)
+
+
+@_records
+def average(sources: list[str | Path], destination: str | Path, *, weights: str | list[float] | None = None,
+            to: str | None = None, dp: int | None = None, tp: int = 1, ep: int = 1, etp: int | str = 1, cp: int = 1,
+            dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
+            config_dir: str | Path | None = None, include_optimizer: bool = False, revision: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
+            overwrite: bool = False, fsync: bool = True, dry_run: bool = False, progress: Progress | None = None,
+            verify_records: bool = True) -> Report:
+    """``dcptool average``: the weighted mean of checkpoints of one model (any formats, naming families and
+    meshes; each paired with the first as ``verify`` pairs them), written as the first is laid out, or as
+    format ``to`` on the mesh of ``dp``, ``tp``, ... (as ``reshard`` takes them, ``plan`` and ``config_dir`` too).
+
+    Each floating-point tensor is ``w0*x0 + w1*x1 + ...`` in float32 (each product and sum rounded to float32,
+    in the order of ``sources``), rounded to the first's dtype as torch's ``.to(dtype)``; other dtypes must be
+    equal in every source. Optimizer state is left out unless ``include_optimizer``.
+
+    Args:
+        weights: one number per source (a list, or ``"0.5,0.3,0.2"``; default equal); weights that do not sum
+            to 1 are divided by their sum. Finite, not negative, not all zero.
+
+    Returns:
+        ``Report`` (a ``ReshardReport`` when a mesh is given); ``notes`` say the weights used and what was left out.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> a, b = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.ones(3, np.float32)}, f"{a}/model.safetensors")
+        >>> safetensors.numpy.save_file({"w": np.full(3, 4, np.float32)}, f"{b}/model.safetensors")
+        >>> dcptool.average([a, b], f"{a}-mean", weights=[3, 1]).tensors
+        1
+        >>> safetensors.numpy.load_file(f"{a}-mean/model.safetensors")["w"].tolist()
+        [1.75, 1.75, 1.75]
+    """
+    from dcptool import averaging
+
+    destination = output_path(destination)
+    paths = hub.with_revision(*sources, revision=revision)
+    checkpoints = []
+    try:
+        for path in paths:
+            checkpoints.append(formats.open_checkpoint(path))
+            check_apart(checkpoints[-1].files.location, destination)
+        if not dry_run:
+            check_destination(destination, overwrite)
+        mesh = {"dp": dp, "tp": tp, "ep": ep, "etp": etp, "cp": cp, "dp_replicate": dp_replicate, "world_size": world_size}
+        given = any(value not in (None, 1, "1") for value in mesh.values())
+        planned = averaging.plan_average(checkpoints, weights, to=to, include_optimizer=include_optimizer, plan=plan,
+                                         mesh_options=_mesh(**mesh) if given else None, config_dir=config_dir)
+        averaging.check_equal(planned, parse_size(max_memory, "max_memory"))
+        if planned.reshard is not None:
+            return _write_or_report(planned.reshard, destination, dry_run, progress, max_memory, overwrite, fsync)
+        return _run(planned.conversion, destination, dry_run, progress, max_memory, overwrite, fsync)
+    finally:
+        for checkpoint in checkpoints:
+            checkpoint.files.close()
+
+
+@_records
+def diff(a: str | Path, b: str | Path, *, include: str | None = None, exclude: str | None = None,
+         prefix_a: str | None = None, prefix_b: str | None = None, from_a: str | None = None,
+         from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto", revision: str | None = None,
+         max_memory: Size = DEFAULT_MAX_MEMORY, progress: Progress | None = None,
+         verify_records: bool = True) -> DiffReport:
+    """``dcptool diff``: what changed from ``a`` to ``b`` (any formats, layouts and naming families, paired as
+    ``verify`` pairs them), per tensor and in total: elements changed, bit-identical, the largest absolute
+    change and the relative L2 change ``||b - a|| / ||a||``.
+
+    Returns:
+        ``difference.Report``: ``.summary()`` (its first line), ``.changes`` per tensor, ``.grouped()`` (layers
+        folded), ``.top(k)``; ``.to_json()`` is what ``diff --json`` prints.
+
+    Example:
+        >>> import tempfile, numpy as np, safetensors.numpy, dcptool
+        >>> a, b = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> safetensors.numpy.save_file({"w": np.zeros(4, np.float32)}, f"{a}/model.safetensors")
+        >>> safetensors.numpy.save_file({"w": np.array([0, 0, 0, 3], np.float32)}, f"{b}/model.safetensors")
+        >>> dcptool.diff(a, b).summary()
+        '75.0% of 4 parameters bit-identical; 1 of 1 tensor changed'
+    """
+    from dcptool import difference, verification
+
+    a, b = hub.with_revision(a, b, revision=revision)
+    pairing = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a, prefix_b=prefix_b,
+                                 include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b)
+    try:
+        total = sum(t.nbytes for k, t in pairing.a.tensors.items() if k in pairing.b.tensors)
+        with _progress(progress, total, "comparing") as advance:
+            report = difference.diff_sides(pairing.a, pairing.b, max_memory=parse_size(max_memory, "max_memory"),
+                                           progress=advance)
+    finally:
+        pairing.a.checkpoint.files.close()
+        pairing.b.checkpoint.files.close()
+    report.note, report.left_out, report.left_out_why = pairing.note, pairing.left_out, pairing.left_out_why
+    return report
 
 
 def _source(source, source_format, revision, dequantize: bool, config_dir, dtype) -> tuple[Checkpoint, list[str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -205,9 +206,9 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     chunks: list[Chunk] | ChunkTable
-    # Computes the values from other tensors instead of reading the chunks' bytes (``dcptool.quant``'s
-    # dequantized weights): ``transform.read(checkpoint, offsets, sizes, out, scratch)``; the chunks give the layout.
-    transform: Any = field(default=None, repr=False)
+    # Computes the values from source regions instead of reading the chunks' bytes (a ``Computed``:
+    # dequantized weights, averages, merged adapters); the chunks give the layout.
+    transform: Computed | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -216,6 +217,65 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.dtype(self.dtype).itemsize
+
+
+class Computed:
+    """How the regions of a computed tensor are made from regions of source tensors (``TensorInfo.transform``).
+
+    ``read(checkpoint, offsets, sizes, out, scratch)`` fills ``out`` (an unsigned view of the tensor's item
+    size, shape ``sizes``) with the region at ``offsets``; ``checkpoint`` is the one the tensor belongs to,
+    ``scratch`` a read buffer it may use (``Checkpoint.read_region``'s). Copies plan such tensors as any
+    other: in slabs of the pieces a writer asks for, split over threads and torchrun ranks
+    (``dcptool.transfer``), each slab's temporaries bounded by ``work_bytes`` per element. Sources read with
+    ``passing=True`` hand in their records' CRC-32s as they pass; the copy finishes the checks of
+    ``checkpoint`` and of the ``others`` a computation reads. A transform that is no ``Computed`` (``read``
+    alone) is taken to read its own checkpoint, with ``Computed.work_bytes`` of temporaries.
+    """
+
+    work_bytes: int = 16  # bytes of temporaries per output element of a read (transfer sizes slabs by them)
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        raise NotImplementedError
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        """Checkpoints other than the tensor's own that ``read`` reads."""
+        return ()
+
+
+_workspaces = threading.local()
+
+
+def workspace(name: str, shape, dtype) -> np.ndarray:
+    """This thread's reusable array ``name`` of ``shape`` and ``dtype``, for the temporaries of a computation
+    (``Computed.read``): slab after slab reuses its memory (fresh arrays cost more in page faults than the
+    arithmetic). Its contents are the caller's until it asks for ``name`` again; the memory is the thread's
+    until it ends (copies run in threads of their own)."""
+    shape = tuple(shape)
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffers = _workspaces.__dict__
+    buffer = buffers.get(name)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = buffers[name] = np.empty(max(nbytes, 1), np.uint8)
+    return buffer[:nbytes].view(dtype).reshape(shape)
+
+
+def float32_region(checkpoint: Checkpoint, tensor: TensorInfo, offsets, sizes, scratch: memoryview,
+                   out: np.ndarray) -> np.ndarray:
+    """Fill ``out`` (float32, shape ``sizes``) with a region of a floating-point tensor (float64 rounded to
+    nearest, float8 decoded exactly), read for a computation: its records' CRC-32s handed in as they pass
+    (``Computed``). Returns ``out``."""
+    if tensor.dtype == "float32":
+        checkpoint.read_region(tensor, offsets, sizes, out.view(np.uint32), scratch, passing=True)
+        return out
+    bits = workspace("float32_region", sizes, dtypes.raw_view_type(dtypes.dtype(tensor.dtype).itemsize))
+    checkpoint.read_region(tensor, offsets, sizes, bits, scratch, passing=True)
+    if tensor.dtype == "bfloat16":  # its bits are the top half of the float32's
+        np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif tensor.dtype in dtypes.FLOAT8:
+        np.take(dtypes.float8_to_float32(np.arange(256, dtype=np.uint8), tensor.dtype), bits, out=out)
+    else:  # float16, float64
+        out[...] = bits.view(dtypes.dtype(tensor.dtype).numpy)
+    return out
 
 
 def join_path(path) -> str:

@@ -92,13 +92,35 @@ def cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     # Work on a 1-d view: numpy turns results of 0-d arrays into scalars.
     as_f32 = _to_float32(values.reshape(-1), src)
     if dst == "float32":
-        result = as_f32.view(np.uint32)
+        return as_f32.view(np.uint32).reshape(values.shape)
+    result = np.empty(as_f32.shape, raw_view_type(dtype(dst).itemsize))
+    from_float32(as_f32, dst, result)
+    return result.reshape(values.shape)
+
+
+def from_float32(values: np.ndarray, dst: str, out: np.ndarray, work: np.ndarray | None = None) -> None:
+    """Write float32 ``values`` as the bits of ``dst`` (float64 or one of ``CASTABLE``) into ``out`` (an
+    unsigned view of its item size, of the same shape), rounding as torch's ``.to(dst)`` does; for
+    computations that reuse their buffers (``core.Computed``): ``work``, a uint32 array of the same shape,
+    holds bfloat16's rounding instead of a fresh one.
+
+    >>> out = np.empty(2, np.uint16)
+    >>> from_float32(np.array([1.0, 1.00390625], np.float32), "bfloat16", out); [hex(b) for b in out]
+    ['0x3f80', '0x3f80']
+    """
+    values, out = np.atleast_1d(values), np.atleast_1d(out)  # 0-d arrays as views of one element: no scalars
+    work = None if work is None else np.atleast_1d(work)
+    if dst == "float32":
+        out[...] = values.view(np.uint32)
+    elif dst == "float64":
+        out.view(np.float64)[...] = values
     elif dst == "float16":
         with np.errstate(over="ignore"):  # out-of-range values become inf, as in torch
-            result = as_f32.astype(np.float16).view(np.uint16)
+            out.view(np.float16)[...] = values
+    elif dst == "bfloat16":
+        _float32_to_bfloat16(values, out, work)
     else:
-        result = _float32_to_bfloat16(as_f32)
-    return result.reshape(values.shape)
+        raise CheckpointError(f"cannot convert float32 to {dst}: only float64, {', '.join(CASTABLE)} are cast")
 
 
 def float8_to_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -143,10 +165,17 @@ def _to_float32(values: np.ndarray, src: str) -> np.ndarray:
     return (values.astype(np.uint32) << 16).view(np.float32)
 
 
-def _float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
+def _float32_to_bfloat16(values: np.ndarray, out: np.ndarray, work: np.ndarray | None = None) -> None:
     # Round to nearest even on the dropped 16 bits, as torch does; torch's CPU kernels turn every NaN into 0xFFFF.
+    # In place on one temporary: fresh arrays per slab cost more in page faults than the arithmetic.
     bits = values.view(np.uint32)
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    rounded = ((bits + rounding) >> 16).astype(np.uint16)
-    rounded[np.isnan(values)] = 0xFFFF
-    return rounded
+    rounded = np.right_shift(bits, 16, out=work)
+    rounded &= 1
+    rounded += np.uint32(0x7FFF)
+    rounded += bits
+    rounded >>= 16
+    out[...] = rounded
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.isfinite(values.sum(dtype=np.float32))  # NaN anywhere makes the sum NaN: one pass, no array
+    if not finite:
+        out[np.isnan(values)] = 0xFFFF

@@ -23,20 +23,21 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.core import Checkpoint, Computed, TensorInfo, workspace
 from dcptool.errors import UsageError, option
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 
 
 @dataclass(frozen=True)
-class BlockDequant:
+class BlockDequant(Computed):
     """How the regions of a dequantized weight are computed (a ``TensorInfo.transform``)."""
 
     weight: TensorInfo  # the float8 weight as stored
     scale: TensorInfo  # one scale per block
     block: tuple[int, int]
     dtype: str  # the output's
+    work_bytes = 9  # per element: the float8 bits, their float32 values, the rounding (``workspace``s)
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         """Fill ``out`` (an unsigned view of ``dtype``, shape ``sizes``) with the region at ``offsets``,
@@ -48,18 +49,21 @@ class BlockDequant:
         start = row0
         while start < row0 + rows:
             stop = min(row0 + rows, (start // b0 + 1) * b0)  # to the end of this block row
-            bits = np.empty((stop - start, cols), dtype=np.uint8)
-            checkpoint.read_region(self.weight, (start, col0), (stop - start, cols), bits, scratch)
+            shape = (stop - start, cols)
+            bits = workspace("dequant.bits", shape, np.uint8)
+            checkpoint.read_region(self.weight, (start, col0), shape, bits, scratch, passing=True)
             scales = self._scales(checkpoint, start // b0, first_col_block, last_col_block, scratch)
-            # float32 times float32, as torch's w.float() * scale
-            values = dtypes.float8_to_float32(bits, self.weight.dtype) * scales[col_blocks]
-            out[start - row0:stop - row0] = dtypes.cast(values.view(np.uint32), "float32", self.dtype)
+            values = workspace("dequant.values", shape, np.float32)
+            np.take(dtypes.float8_to_float32(np.arange(256, dtype=np.uint8), self.weight.dtype), bits, out=values)
+            values *= scales[col_blocks]  # float32 times float32, as torch's w.float() * scale
+            dtypes.from_float32(values, self.dtype, out[start - row0:stop - row0],
+                                workspace("dequant.rounding", shape, np.uint32))
             start = stop
 
     def _scales(self, checkpoint, block_row: int, first: int, last: int, scratch) -> np.ndarray:
         itemsize = dtypes.dtype(self.scale.dtype).itemsize
         raw = np.empty((1, last - first + 1), dtype=dtypes.raw_view_type(itemsize))
-        checkpoint.read_region(self.scale, (block_row, first), raw.shape, raw, scratch)
+        checkpoint.read_region(self.scale, (block_row, first), raw.shape, raw, scratch, passing=True)
         return dtypes.cast(raw[0], self.scale.dtype, "float32").view(np.float32)
 
 

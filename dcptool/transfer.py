@@ -33,7 +33,7 @@ import numpy as np
 from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
+from dcptool.core import Checkpoint, Chunk, Computed, Piece, is_contiguous, overlapping
 from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts
@@ -109,9 +109,10 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
             for task, value in finished:
                 parts[task.piece].append((task.index, value, task.nbytes))
                 report(task.nbytes)
-        checks = record_checks(checkpoint.files)
-        if checks is not None:
-            checks.finish()
+        for read in [checkpoint, *computed_sources(piece for piece, _, _ in placed)]:
+            checks = record_checks(read.files)
+            if checks is not None:
+                checks.finish()  # the records the tasks read only in part
     finally:
         if collecting:
             gc.enable()
@@ -124,6 +125,16 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
             value = crc32_combine(value, part_crc, nbytes)
         result[piece] = value
     return result
+
+
+def computed_sources(pieces) -> list[Checkpoint]:
+    """The checkpoints other than the source that computed tensors among ``pieces`` read (an average's)."""
+    found: dict[int, Checkpoint] = {}
+    for piece in pieces:
+        transform = piece.tensor.source.transform
+        if transform is not None:  # a transform with ``read`` alone (no ``Computed``) reads its own checkpoint only
+            found.update((id(other), other) for other in getattr(transform, "others", tuple)())
+    return list(found.values())
 
 
 def _across_files(tasks: list[Task]) -> list[Task]:
@@ -239,6 +250,8 @@ def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, tas
     source_itemsize = dtypes.dtype(piece.tensor.source.dtype).itemsize
     cast = piece.tensor.source.dtype != piece.tensor.dtype
     per_element = source_itemsize + (itemsize if cast else 0)  # a cast allocates its result beside the buffer
+    if piece.tensor.source.transform is not None:  # and a computation its temporaries
+        per_element += getattr(piece.tensor.source.transform, "work_bytes", Computed.work_bytes)
     for offsets, sizes in slabs(piece.sizes, max(1, min(task_bytes, SLAB_BYTES) // per_element)):
         start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
         tasks.append(Task(piece, len(tasks), file, offset + start, math.prod(sizes) * itemsize,

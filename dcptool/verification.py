@@ -134,16 +134,18 @@ def _split_out_tensors(checkpoint: Checkpoint, tensors: dict[str, TensorInfo], o
 
 
 def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "auto",
-                   include: str | None = None, exclude: str | None = None) -> tuple[Side, Side, str | None]:
+                   include: str | None = None, exclude: str | None = None,
+                   config_dir: str | Path | None = None) -> tuple[Side, Side, str | None]:
     """Sides whose model weights use different naming families (an Archon checkpoint and its HF
-    export): both reduced to their model parts, B's mapped to A's names (``dcptool.adapters``), and a
-    line saying so. Sides of one family come back as they are, with no line."""
+    export): both reduced to their model parts, B's mapped to A's names (``dcptool.adapters``, with the
+    config.json of ``config_dir``, else of the folder either reader found), and a line saying so. Sides
+    of one family come back as they are, with no line."""
     params_a, params_b = selection.model_part(a.checkpoint), selection.model_part(b.checkpoint)
     found_a = adapters.detect_family(params_a) if family_a == AUTO else family_a
     found_b = adapters.detect_family(params_b) if family_b == AUTO else family_b
     if found_a is None or found_b is None or found_a == found_b:
         return a, b, None
-    config_dir = b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
+    config_dir = config_dir or b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
     config = selection.read_config(config_dir) if config_dir is not None else None
     mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config)
     result = mapping.convert(params_b)
@@ -350,7 +352,15 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
     Weights of different naming families are matched by ``align_families``.
     """
-    checkpoint_a, checkpoint_b = formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b)
+    return pair(formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b), prefix_a=prefix_a,
+                prefix_b=prefix_b, include=include, exclude=exclude, family_a=family_a, family_b=family_b)
+
+
+def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | None = None,
+         prefix_b: str | None = None, include: str | None = None, exclude: str | None = None,
+         family_a: str = AUTO, family_b: str = AUTO, config_dir: str | Path | None = None) -> Pairing:
+    """``sides`` of two open checkpoints (``average`` pairs every source with the first this way, with the
+    config.json of ``config_dir`` where names are mapped across families)."""
     pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
                       select_side(checkpoint_b, prefix_b, include, exclude))
     if not (prefix_a or prefix_b):
@@ -374,7 +384,8 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
         pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
                             *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]
         pairing.left_out_why = "outside the prefixes given" if pairing.left_out else None
-    pairing.a, pairing.b, pairing.note = align_families(pairing.a, pairing.b, family_a, family_b, include, exclude)
+    pairing.a, pairing.b, pairing.note = align_families(pairing.a, pairing.b, family_a, family_b, include, exclude,
+                                                        config_dir)
     if pairing.note and not pairing.left_out:  # across families only the model weights are compared
         pairing.left_out = [*_outside_model(checkpoint_a), *_outside_model(checkpoint_b)]
         pairing.left_out_why = "across naming families only the model weights compare"

@@ -15,15 +15,83 @@ cost planning, not copies, and keep kernel copies, ``--max-memory`` and torchrun
 
 from __future__ import annotations
 
-from dcptool.core import Chunk, ChunkView, TensorInfo
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcptool import dtypes
+from dcptool.core import Checkpoint, Chunk, ChunkView, Computed, TensorInfo
 from dcptool.errors import UsageError
 
 Path = tuple[str | int, ...]
 
 
+@dataclass(frozen=True)
+class Part:
+    """A box of a view, ``[offsets, offsets + sizes)``, whose element ``i`` (counted from ``offsets``) is
+    element ``origin + sum(i[d] * steps[d])`` of ``source``."""
+
+    source: TensorInfo
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    origin: tuple[int, ...]
+    steps: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class ComputedView(Computed):
+    """A view of tensors of which some are computed (``core.Computed``): the chunks, views of the stored ones,
+    give the layout; the values are read box by box through each source's own reading, so a view of a
+    dequantized or averaged tensor holds the computed values, not the stored bytes under them."""
+
+    parts: tuple[Part, ...]
+
+    @property
+    def work_bytes(self) -> int:
+        """The hull a part reads (rows ``step`` apart: ``step`` times the box) and what its source computes."""
+        return max((dtypes.dtype(p.source.dtype).itemsize * max([1, *(max(s) for s in p.steps)])
+                    + (getattr(p.source.transform, "work_bytes", Computed.work_bytes) if p.source.transform else 0)
+                    for p in self.parts),
+                   default=0)
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        """The other checkpoints its computed sources read (a view of an average reads the average's)."""
+        found = {id(c): c for p in self.parts if p.source.transform is not None
+                 for c in getattr(p.source.transform, "others", tuple)()}
+        return tuple(found.values())
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        for part in self.parts:
+            lo = [max(o, p) for o, p in zip(offsets, part.offsets)]
+            hi = [min(o + s, p + n) for o, s, p, n in zip(offsets, sizes, part.offsets, part.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            local, extent = [l - p for l, p in zip(lo, part.offsets)], [h - l for l, h in zip(lo, hi)]
+            first = [o + sum(i * step[k] for i, step in zip(local, part.steps)) for k, o in enumerate(part.origin)]
+            hull = [1 + sum((n - 1) * step[k] for n, step in zip(extent, part.steps)) for k in range(len(first))]
+            values = np.empty(hull, dtype=out.dtype)
+            checkpoint.read_region(part.source, tuple(first), tuple(hull), values, scratch, passing=True)
+            strides = [sum(step[k] * values.strides[k] for k in range(len(hull))) for step in part.steps]
+            target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
+            target[...] = np.lib.stride_tricks.as_strided(values, shape=extent, strides=strides)
+
+
+def _with_values(view: TensorInfo, tensors: list[TensorInfo], parts) -> TensorInfo:
+    """``view`` reading its values through ``parts`` (``Part`` arguments) when any of ``tensors`` is computed."""
+    if all(tensor.transform is None for tensor in tensors):
+        return view
+    view.transform = ComputedView(tuple(Part(source, tuple(offsets), tuple(sizes), tuple(origin), tuple(map(tuple, steps)))
+                                        for source, offsets, sizes, origin, steps in parts))
+    return view
+
+
+def _unit(dim: int, ndim: int) -> tuple[int, ...]:
+    return tuple(1 if k == dim else 0 for k in range(ndim))
+
+
 def renamed(tensor: TensorInfo, path: Path) -> TensorInfo:
-    """The same tensor under another name (its chunks are shared, not viewed)."""
-    return TensorInfo(path, tensor.dtype, tensor.shape, tensor.chunks)
+    """The same tensor under another name (its chunks are shared, not viewed; a computed one stays computed)."""
+    return TensorInfo(path, tensor.dtype, tensor.shape, tensor.chunks, tensor.transform)
 
 
 def select(tensor: TensorInfo, dim: int, index: int, path: Path) -> TensorInfo:
@@ -34,7 +102,9 @@ def select(tensor: TensorInfo, dim: int, index: int, path: Path) -> TensorInfo:
     sizes[dim] = 1
     axes = [d for d in range(len(tensor.shape)) if d != dim]
     shape = tuple(tensor.shape[d] for d in axes)
-    return TensorInfo(path, tensor.dtype, shape, _box(tensor, lo, sizes, axes, (0,) * len(shape)))
+    view = TensorInfo(path, tensor.dtype, shape, _box(tensor, lo, sizes, axes, (0,) * len(shape)))
+    ndim = len(tensor.shape)
+    return _with_values(view, [tensor], [(tensor, (0,) * len(shape), shape, lo, [_unit(a, ndim) for a in axes])])
 
 
 def narrow(tensor: TensorInfo, dim: int, start: int, length: int, path: Path) -> TensorInfo:
@@ -44,7 +114,8 @@ def narrow(tensor: TensorInfo, dim: int, start: int, length: int, path: Path) ->
     sizes = list(tensor.shape)
     sizes[dim] = length
     axes = list(range(len(tensor.shape)))
-    return TensorInfo(path, tensor.dtype, tuple(sizes), _box(tensor, lo, sizes, axes, (0,) * len(sizes)))
+    view = TensorInfo(path, tensor.dtype, tuple(sizes), _box(tensor, lo, sizes, axes, (0,) * len(sizes)))
+    return _with_values(view, [tensor], [(tensor, (0,) * len(sizes), sizes, lo, [_unit(a, len(axes)) for a in axes])])
 
 
 def stack(tensors: list[TensorInfo], path: Path) -> TensorInfo:
@@ -54,20 +125,25 @@ def stack(tensors: list[TensorInfo], path: Path) -> TensorInfo:
     for index, tensor in enumerate(tensors):
         ndim = len(tensor.shape)
         chunks += _box(tensor, [0] * ndim, list(tensor.shape), [None, *range(ndim)], (index,) + (0,) * ndim)
-    return TensorInfo(path, first.dtype, (len(tensors), *first.shape), chunks)
+    view = TensorInfo(path, first.dtype, (len(tensors), *first.shape), chunks)
+    ndim = len(first.shape)
+    return _with_values(view, tensors, [(tensor, (index,) + (0,) * ndim, (1, *tensor.shape), (0,) * ndim,
+                                         [(0,) * ndim, *(_unit(d, ndim) for d in range(ndim))])
+                                        for index, tensor in enumerate(tensors)])
 
 
 def cat(tensors: list[TensorInfo], dim: int, path: Path) -> TensorInfo:
     """The tensors concatenated along ``dim`` (gate and up projections into a fused ``gate_up_proj``)."""
     first = _same(tensors, path, dims=dim)
-    chunks, start = [], 0
+    chunks, parts, start = [], [], 0
     for tensor in tensors:
         ndim = len(tensor.shape)
         place = tuple(start if d == dim else 0 for d in range(ndim))
         chunks += _box(tensor, [0] * ndim, list(tensor.shape), list(range(ndim)), place)
+        parts.append((tensor, place, tensor.shape, (0,) * ndim, [_unit(d, ndim) for d in range(ndim)]))
         start += tensor.shape[dim]
     shape = tuple(start if d == dim else n for d, n in enumerate(first.shape))
-    return TensorInfo(path, first.dtype, shape, chunks)
+    return _with_values(TensorInfo(path, first.dtype, shape, chunks), tensors, parts)
 
 
 def permute_rows(tensor: TensorInfo, rows: list[int], path: Path) -> TensorInfo:
@@ -78,8 +154,10 @@ def permute_rows(tensor: TensorInfo, rows: list[int], path: Path) -> TensorInfo:
     """
     if sorted(rows) != list(range(tensor.shape[0])):
         raise ValueError("rows must be a permutation of the first dim")
-    chunks = []
+    chunks, parts, ndim = [], [], len(tensor.shape)
     for first, source, count, step in _runs(rows):
+        parts.append((tensor, (first, *[0] * (ndim - 1)), (count, *tensor.shape[1:]), (source, *[0] * (ndim - 1)),
+                      [tuple(step if k == 0 else 0 for k in range(ndim))] + [_unit(d, ndim) for d in range(1, ndim)]))
         for chunk in tensor.chunks:
             if not chunk.numel:
                 continue
@@ -94,7 +172,7 @@ def permute_rows(tensor: TensorInfo, rows: list[int], path: Path) -> TensorInfo:
             steps = [tuple(step if k == 0 else 0 for k in range(ndim))] + [_unit(d, ndim) for d in range(1, ndim)]
             offsets = (first + j_lo, *chunk.offsets[1:])
             chunks.append(_viewed(chunk, offsets, (j_hi - j_lo, *chunk.sizes[1:]), start, steps))
-    return TensorInfo(path, tensor.dtype, tensor.shape, chunks)
+    return _with_values(TensorInfo(path, tensor.dtype, tensor.shape, chunks), [tensor], parts)
 
 
 def _runs(rows: list[int]):
@@ -125,10 +203,6 @@ def _same(tensors: list[TensorInfo], path: Path, dims: int | None) -> TensorInfo
             raise UsageError(f"{'.'.join(map(str, path))}: cannot combine {first.key} ({first.dtype}"
                              f"{list(first.shape)}) with {tensor.key} ({tensor.dtype}{list(tensor.shape)})")
     return first
-
-
-def _unit(dim: int, ndim: int) -> tuple[int, ...]:
-    return tuple(1 if k == dim else 0 for k in range(ndim))
 
 
 def _box(tensor: TensorInfo, lo: list[int], sizes: list[int], axes: list[int | None], place) -> list[Chunk]:

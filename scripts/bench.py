@@ -41,6 +41,8 @@ Rows (id: what runs; the peer is the route users take today for the same job):
   *-nofsync            export-hf, convert-torch and the reshards with --no-fsync (the cost
                        of durability)
   import-hf            dcptool import-hf HF DST --dp 2 --tp 2    peer: none (HF export -> DCP on a mesh)
+  average3             dcptool average SRC HF SRC DST            peer: cp-sync (the mean of three checkpoints,
+                       the DCP, its HF export and the DCP again, in float32, written as the DCP is laid out)
   verify               dcptool verify SRC HF --prefix-a auto     peer: peer-verify
                        (the checkpoint against its own HF export, made before timing;
                        --model moe: an export that keeps the Archon names, --adapter hf)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 DCPTOOL_ROWS = {"export-hf", "export-hf-moe", "convert-torch", "reshard-dp4", "reshard-tp4",
                 "export-hf-nofsync", "convert-torch-nofsync", "reshard-dp4-nofsync", "reshard-tp4-nofsync",
-                "verify", "checksum", "inspect"}
+                "verify", "checksum", "inspect", "average3"}
 PEER_ROWS = {"peer-export-hf", "peer-torch-save", "peer-reshard-dp4", "peer-reshard-tp4", "peer-verify",
              "sha256sum", "peer-inspect"}
 # The readers of issue 13: dcptool row -> (cp -r of its source, peer or None where none exists).
@@ -51,8 +51,9 @@ def test_bench_smoke(tmp_path):
         assert row["min_s"] <= row["median_s"] <= row["max_s"]
         assert row["peak_mb"] > 0 and len(row["times_s"]) == 1
         assert row["size"] == "2MB" and row["name"] and row["command"]
-    for rid in DCPTOOL_ROWS - {"export-hf-moe"}:
+    for rid in DCPTOOL_ROWS - {"export-hf-moe", "average3"}:
         assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
+    assert rows["average3"]["kind"] == "dcptool" and rows["average3"]["peer"] == "cp-sync"  # timed against a durable copy
     assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
     # The durable floor (cp -r && sync) that issue 12's target compares the copy commands with.
     assert rows["cp-sync"]["kind"] == "floor" and rows["cp-sync"]["ratio_to_durable_cp"] == 1.0

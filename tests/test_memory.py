@@ -44,3 +44,10 @@ def test_peak_memory_within_budget(big_checkpoint, baseline_mb, tmp_path, comman
     assert model_mb > 10 * BUDGET_MB
     # Data buffers are the budget; allow some slack for the allocator and per-file metadata.
     assert peak - baseline_mb < BUDGET_MB + 24, (peak, baseline_mb, model_mb)
+
+
+def test_average_peak_memory_within_budget(big_checkpoint, baseline_mb, tmp_path):
+    """Computed tensors (a mean of two sources, optimizer state included) stream within the budget too."""
+    peak = peak_rss_mb("average", big_checkpoint, big_checkpoint, tmp_path / "out", "--include-optimizer",
+                       "--max-memory", f"{BUDGET_MB}MiB")
+    assert peak - baseline_mb < BUDGET_MB + 24, (peak, baseline_mb)

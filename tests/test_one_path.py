@@ -143,3 +143,31 @@ def test_reports_of_inspect_and_verify_are_the_api_s(sources, tmp_path):
                                  "--json").stdout)
     assert picture == json.loads(json.dumps(dcptool.tensor_layout(sources["dcp"], "model.norm.weight",
                                                                   mesh="dp=2").to_json()))
+
+
+@pytest.mark.parametrize("cli_options, api_options", [
+    (["--weights", "1,3", "--to", "torch"], {"weights": "1,3", "to": "torch"}),
+    (["--dp", "1", "--tp", "2", "--config-dir", CONFIG, "--include-optimizer", "--max-memory", "1MiB"],
+     {"dp": 1, "tp": 2, "config_dir": CONFIG, "include_optimizer": True, "max_memory": "1MiB"}),
+], ids=["weights-torch", "tp2-optimizer"])
+def test_average_by_command_line_and_api_writes_the_same_bytes(sources, tmp_path, cli_options, api_options):
+    cli_options = [sources["config"] if option == CONFIG else option for option in cli_options]
+    api_options = {key: sources["config"] if value == CONFIG else value for key, value in api_options.items()}
+    name = "out.pt" if api_options.get("to") == "torch" else "out"
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "api").mkdir()
+    run_cli("average", sources["dcp"], sources["dcp"], tmp_path / "cli" / name, *cli_options)
+    dcptool.average([sources["dcp"], sources["dcp"]], tmp_path / "api" / name, **api_options)
+    cli_files, api_files = files_of(tmp_path / "cli" / name), files_of(tmp_path / "api" / name)
+    assert cli_files and sorted(cli_files) == sorted(api_files)
+    assert [name for name in cli_files if cli_files[name] != api_files[name]] == []
+
+
+def test_average_dry_run_writes_nothing_and_diff_prints_the_api_s_report(sources, tmp_path):
+    destination = tmp_path / "out"
+    result = run_cli("average", sources["dcp"], sources["hf"], destination, "--dry-run")
+    assert "would write" in result.stdout and not destination.exists()
+    assert dcptool.average([sources["dcp"], sources["hf"]], destination, dry_run=True).planned_files
+    assert not destination.exists()
+    printed = json.loads(run_cli("diff", sources["dcp"], sources["hf"], "--json", "--top", "2").stdout)
+    assert printed == json.loads(json.dumps(dcptool.diff(sources["dcp"], sources["hf"]).to_json(2)))

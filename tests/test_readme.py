@@ -64,6 +64,8 @@ INPUTS = {
     "dcptool check step-1000": ["step-1000", "hf-out"],
     "dcptool checksum step-1000": ["step-1000", "hf-out"],
     ".venv/bin/pip": [],
+    "dcptool average step-800": ["step-800", "step-900", "step-1000", "Llama-3.1-8B"],
+    "dcptool diff step-900": ["step-900", "step-1000", "hf-bf16"],
     "scripts/test.sh": [],
 }
 
@@ -133,6 +135,9 @@ def made(tmp_path_factory, checkpoints):
         "step-2000": lambda out: run_job(4, "save-dcp", out, "--dp", "2", "--tp", "2", "--model-config", wide),
         "base-model": lambda out: shutil.copytree(f"{get('step-2000')}.reference", out),
         "step-1000": copy(checkpoints("fsdp2_dp2")[0]),
+        # the same model after more steps, saved on other meshes (average and diff recipes)
+        "step-800": lambda out: run_job(2, "save-dcp", out, "--dp", "2", "--steps", "2"),
+        "step-900": lambda out: run_job(2, "save-dcp", out, "--dp", "1", "--tp", "2", "--steps", "3"),
         "run/step-100": copy(checkpoints("fsdp2_dp2")[0]),
         "step-1000.pt": torch_save,
         "hf-out": export,

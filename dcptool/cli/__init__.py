@@ -16,7 +16,7 @@ import typer
 
 from dcptool import errors, formats
 # Imported in the order `dcptool --help` lists the commands: each module registers its own.
-from dcptool.cli import inspect, convert, export_hf, reshard, verify, checksum, check  # noqa: F401, I001
+from dcptool.cli import inspect, convert, export_hf, reshard, average, verify, diff, checksum, check  # noqa: F401, I001
 from dcptool.cli.app import app
 from dcptool.cli.render import settings
 from dcptool.models import FAMILIES

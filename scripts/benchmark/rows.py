@@ -76,6 +76,11 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
         rows.append(Row("export-hf-moe", "dcptool export-hf (Archon MoE -> HF per-expert)", "dcptool", "export-hf",
                         dcptool + ["export-hf", str(moe_src), str(outdir / "hf-moe")], outdir / "hf-moe", [moe_src],
                         source=moe_info))
+    # Souping: the checkpoint, its HF export and the checkpoint again averaged (three float32 sums per element),
+    # written as the first is laid out; its yardstick is cp -r && sync of a folder of the output's size.
+    rows.append(Row("average3", "dcptool average of 3 (DCP, its HF export, DCP) -> DCP", "dcptool", "cp-sync",
+                    dcptool + ["average", str(src), str(hf), str(src), str(outdir / "average3")],
+                    outdir / "average3", [src, hf]))
     manifest = outdir / "manifest.json"
     rows += [
         Row("verify", "dcptool verify (DCP vs its HF export)", "dcptool", "peer-verify",
@@ -108,7 +113,7 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
     # Each dcptool row next to its peer (in the table, the chart and the order of a round).
     order = ["cp", "cp-sync", "export-hf", "export-hf-moe", "export-hf-nofsync", "peer-export-hf", "convert-torch",
              "convert-torch-nofsync", "peer-torch-save", "reshard-dp4", "reshard-dp4-nofsync", "peer-reshard-dp4",
-             "reshard-tp4", "reshard-tp4-nofsync", "peer-reshard-tp4", "import-hf", "verify", "peer-verify", "checksum",
+             "reshard-tp4", "reshard-tp4-nofsync", "peer-reshard-tp4", "import-hf", "average3", "verify", "peer-verify", "checksum",
              "sha256sum", "inspect", "peer-inspect"]
     return sorted(rows, key=lambda r: order.index(r.id))
 
