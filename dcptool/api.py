@@ -179,6 +179,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
               prefix: str | None = None, source_format: str | None = None, revision: str | None = None,
               dtype: str | None = None, include: str | None = None, exclude: str | None = None,
               max_shard_size: Size = "5GB", adapter: str = "auto", hf_experts: str = "per-expert",
+              lora: str | None = None, lora_config: str | Path | None = None, lora_alpha: float | None = None,
               dequantize: bool = False, push_to_hub: str | None = None, private: bool = False,
               hub_branch: str | None = None, commit_message: str | None = None,
               max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
@@ -189,6 +190,9 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
 
     Args:
         adapter: the family of the checkpoint's names (auto, hf, archon, torchtitan).
+        lora: a peft (LoRA) model's checkpoint: ``"merge"`` merges every adapter into the base weights,
+            ``"adapter"`` writes a PEFT adapter folder; ``lora_config`` (an ``adapter_config.json``, default one
+            beside the checkpoint) and ``lora_alpha`` give lora_alpha and the other settings.
         push_to_hub: then upload the export to this hub repo (``ORG/NAME``), with ``private``,
             ``hub_branch`` and ``commit_message`` as the command's ``--private``, ``--revision``,
             ``--commit-message``.
@@ -214,10 +218,15 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     elif private or hub_branch or commit_message:
         raise UsageError(f"{option('private')}, {option('hub_branch')} and {option('commit_message')} go with "
                          f"{option('push_to_hub')}")
+    if lora not in (None, "merge", "adapter"):
+        raise UsageError(f"{option('lora', lora)}: choose merge or adapter")
+    if lora is None and (lora_config is not None or lora_alpha is not None):
+        raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
     checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype,
                                         include=include, exclude=exclude, adapter=adapter, hf_experts=hf_experts,
-                                        max_shard_size=parse_size(max_shard_size, "max_shard_size"))
+                                        max_shard_size=parse_size(max_shard_size, "max_shard_size"),
+                                        lora=conversion.LoraRequest(lora, lora_config, lora_alpha) if lora else None)
     if dequantize:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool import quant
 

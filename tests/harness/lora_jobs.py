@@ -1,0 +1,139 @@
+"""A real LoRA fine-tuning job: a tiny transformers Llama wrapped by peft, FSDP2 on gloo, AdamW, ``dcp.save``.
+
+Run under torchrun from the repository root, with the tests folder on the path::
+
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node 2 -m harness.lora_jobs \
+        save-lora /tmp/lora --variants lora,rslora_tied,dora
+
+Each variant is one checkpoint ``OUT/<variant>``: ``{"model": get_model_state_dict(peft model), "optim":
+get_optimizer_state_dict(...)}`` as an FSDP engine saves it, after a few AdamW steps on real losses so
+``lora_B`` is not zero, with ``huggingface/config.json`` and ``huggingface/adapter_config.json`` beside
+the weights (as verl keeps its config folder). Rank 0 writes ``OUT/<variant>.reference/``:
+
+* ``base/``: the base model as a Hugging Face folder (what ``PeftModel.from_pretrained`` is given);
+* ``peft.pt``: the gathered peft state dict; ``merged.pt``: peft's own ``merge_and_unload()`` of it;
+* ``adapter/``: peft's ``save_pretrained`` of the trained adapter;
+* ``inputs.pt`` and ``logits.pt``: token ids and the trained peft model's logits on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import peft
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import transformers
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from harness.runtime import Timer, exit_now, init_distributed, log, rank
+
+MODEL_SEED, DATA_SEED, STEPS = 1234, 99, 3
+VOCAB = 128
+
+# name -> (config of the base model, the peft LoraConfig's settings)
+VARIANTS = {
+    # LoRA on attention, MLP and the embedding; the head trained whole (modules_to_save)
+    "lora": ({"tie_word_embeddings": False},
+             {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj", "embed_tokens"],
+              "modules_to_save": ["lm_head"]}),
+    # rsLoRA, tied embeddings with LoRA on the embedding (so on the head too, once merged)
+    "rslora_tied": ({"tie_word_embeddings": True},
+                    {"r": 8, "lora_alpha": 8, "use_rslora": True,
+                     "target_modules": ["q_proj", "v_proj", "up_proj", "embed_tokens"]}),
+    # DoRA on linear layers
+    "dora": ({"tie_word_embeddings": False},
+             {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]}),
+}
+
+
+def base_config(settings: dict) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    **settings)
+
+
+def peft_model(variant: str) -> tuple[transformers.PreTrainedModel, peft.PeftModel]:
+    """The base model (seeded) and the peft model around it; lora_B starts at zero, as peft makes it."""
+    model_settings, lora_settings = VARIANTS[variant]
+    torch.manual_seed(MODEL_SEED)
+    base = transformers.LlamaForCausalLM(base_config(model_settings))
+    return base, peft.get_peft_model(base, peft.LoraConfig(**lora_settings))
+
+
+def save_lora(out: Path, variant: str) -> None:
+    timer = Timer()
+    _, model = peft_model(variant)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(DATA_SEED + rank())
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=generator)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    timer.mark("train")
+    target = out / variant
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=target)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    timer.mark("dcp.save")
+    if rank() == 0:
+        write_reference(target, variant, full)
+    dist.barrier()
+    timer.mark("reference")
+    log(f"{variant}: {timer}")
+
+
+def write_reference(target: Path, variant: str, full: dict) -> None:
+    """The oracles: peft's own view of the trained model, computed on one process from the gathered state."""
+    reference = Path(f"{target}.reference")
+    reference.mkdir(parents=True)
+    torch.save(full, reference / "peft.pt")
+    _, model = peft_model(variant)
+    model.load_state_dict(full, strict=True)
+    model.eval()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    torch.save(ids, reference / "inputs.pt")
+    torch.save(logits, reference / "logits.pt")
+    model.save_pretrained(reference / "adapter")
+    # The base folder: the weights before training (the same seed), which the adapter goes on.
+    torch.manual_seed(MODEL_SEED)
+    transformers.LlamaForCausalLM(base_config(VARIANTS[variant][0])).save_pretrained(reference / "base")
+    merged = model.merge_and_unload()
+    torch.save({k: v.clone() for k, v in merged.state_dict().items()}, reference / "merged.pt")
+    beside = target / "huggingface"
+    beside.mkdir()
+    (beside / "config.json").write_text((reference / "base" / "config.json").read_text())
+    config = json.loads((reference / "adapter" / "adapter_config.json").read_text())
+    (beside / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    save = sub.add_parser("save-lora")
+    save.add_argument("out", type=Path)
+    save.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    init_distributed()
+    for variant in args.variants.split(","):
+        save_lora(args.out, variant)
+    exit_now(0)
+
+
+if __name__ == "__main__":
+    main()
