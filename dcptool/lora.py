@@ -38,8 +38,10 @@ PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"
 MODES = ("merge", "adapter")
 # <module>.<part>.<adapter>[.weight]: peft's adapter tensors (embedding ones are parameters, no .weight)
+# (an adapter folder's names have no adapter name: peft loads them as "default")
 _PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
-                   r"\.(?P<adapter>[^.]+?)(?:\.weight)?$")
+                   r"(?:\.(?!weight$)(?P<adapter>[^.]+))?(?:\.weight)?$")
+DEFAULT_ADAPTER = "default"
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
 _MARKS = (".lora_", ".base_layer.", ".modules_to_save.", ".original_module.")
@@ -93,8 +95,9 @@ def is_peft(names) -> bool:
     return any(name.startswith(PEFT_PREFIX) or any(mark in name for mark in _MARKS) for name in names)
 
 
-def find(named: dict[str, TensorInfo], where: str = "") -> Found | None:
-    """The peft structure of a model's weights (``selection.model_part``), None when they are not peft's."""
+def find(named: dict[str, TensorInfo], where: str = "", require_base: bool = True) -> Found | None:
+    """The peft structure of a model's weights (``selection.model_part``), None when they are not peft's.
+    ``require_base``: every targeted weight must be there (False: an adapter folder's, which holds none)."""
     if not is_peft(named):
         return None
     base: dict[str, TensorInfo] = {}
@@ -106,7 +109,7 @@ def find(named: dict[str, TensorInfo], where: str = "") -> Found | None:
         name = key.removeprefix(PEFT_PREFIX)
         part = _PART.match(name)
         if part:
-            adapter = part["adapter"]
+            adapter = part["adapter"] or DEFAULT_ADAPTER
             adapters[adapter] = None
             pair = targets.setdefault(part["module"] + ".weight", {}).setdefault(adapter, Pair())
             kind = part["part"]
@@ -136,23 +139,24 @@ def find(named: dict[str, TensorInfo], where: str = "") -> Found | None:
     base |= {name: next(iter(copies.values())) for name, copies in saved.items()}
     for name, pairs in targets.items():
         for adapter, pair in pairs.items():
-            _check_pair(name, adapter, pair, base.get(name), where)
+            _check_pair(name, adapter, pair, base.get(name), where, require_base)
     return Found(base, targets, {name: base[name] for name in saved}, list(adapters))
 
 
-def _check_pair(name: str, adapter: str, pair: Pair, weight: TensorInfo | None, where: str) -> None:
+def _check_pair(name: str, adapter: str, pair: Pair, weight: TensorInfo | None, where: str,
+                require_base: bool) -> None:
     module = name.removesuffix(".weight")
     if pair.a is None or pair.b is None:
         raise UsageError(f"{where}: {module} has lora_{'B' if pair.a is not None else 'A'} of adapter {adapter!r} "
                          "without its other half")
-    if weight is None:
+    if weight is None and require_base:
         raise UsageError(f"{where}: {module} has LoRA weights of adapter {adapter!r} but no base weight {name}")
     a, b = pair.a.shape, pair.b.shape
-    if len(a) != 2 or len(b) != 2 or len(weight.shape) != 2 or a[0] != b[1]:
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1] or (weight is not None and len(weight.shape) != 2):
         raise UsageError(f"{where}: {module}'s LoRA weights {list(a)} and {list(b)} on {list(weight.shape)} are not "
                          "a plain layer's (LoRA on grouped experts' parameters is not supported)")
     product = (a[1], b[0]) if pair.embedding else (b[0], a[1])
-    if product not in (tuple(weight.shape), tuple(weight.shape)[::-1]):
+    if weight is not None and product not in (tuple(weight.shape), tuple(weight.shape)[::-1]):
         raise UsageError(f"{where}: {module}'s LoRA weights {list(a)} and {list(b)} do not fit its weight "
                          f"{list(weight.shape)}")
     if pair.magnitude is not None and pair.embedding:
@@ -372,3 +376,69 @@ def describe(found: Found, given: Settings) -> dict:
             "modules_to_save": found.saved_modules(), "ranks": ranks,
             "rank": sorted(set(ranks.values())), "dora": found.dora,
             "alpha": given.alpha, "alpha_from": given.where, "use_rslora": given.rslora}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A base model and an adapter folder, as a peft model's state dict (import-hf --lora-adapter)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """A tensor of another checkpoint (an adapter folder's, written with a base model's): a ``TensorInfo.transform``
+    whose regions are that tensor's."""
+
+    checkpoint: Checkpoint
+    tensor: TensorInfo
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        self.checkpoint.read_region(self.tensor, offsets, sizes, out, scratch)
+
+
+def with_adapter(base: Checkpoint, adapter: Checkpoint, ties: dict[str, str]) -> tuple[Checkpoint, list[str]]:
+    """``base`` (HF names) with ``adapter`` (a PEFT adapter folder) on it, under the names ``get_model_state_dict``
+    gives a peft model (adapter ``default``): what an FSDP job of that model loads. ``ties``: output weight ->
+    the embedding the config ties it to (the peft model's state dict holds both)."""
+    where = str(adapter.root)
+    found = find(adapter.tensors, where, require_base=False)
+    if found is None or not found.targets:
+        raise UsageError(f"{where}: no LoRA weights (lora_A / lora_B) in the adapter folder")
+    given = settings(adapter, None, None)
+    saved_modules = set(given.config.get("modules_to_save") or [])
+    saved = {name: tensor for name, tensor in found.base.items() if name.rsplit(".", 2)[-2] in saved_modules}
+    weights = dict(base.tensors)
+    for output, embedding in ties.items():
+        if output not in weights and embedding in weights:
+            weights[output] = weights[embedding]
+    targets = {name.removesuffix(".weight") for name in found.targets}
+    for name in [*found.targets, *saved]:
+        if name not in weights:
+            raise UsageError(f"{where}: the adapter has weights for {name}, which the base model {base.root} has not")
+    tensors: dict[str, TensorInfo] = {}
+
+    def put(key: str, tensor: TensorInfo, source: Checkpoint) -> None:
+        key = PEFT_PREFIX + key
+        transform = None if source is base else Elsewhere(source, tensor)
+        tensors[key] = TensorInfo((key,), tensor.dtype, tensor.shape, tensor.chunks, transform=transform)
+
+    for name, tensor in weights.items():
+        module, _, leaf = name.rpartition(".")
+        put(f"{module}.base_layer.{leaf}" if module in targets else
+            f"{module}.original_module.{leaf}" if name in saved else name, tensor, base)
+    for name, pairs in found.targets.items():
+        pair, module = pairs[DEFAULT_ADAPTER], name.removesuffix(".weight")
+        if pair.embedding:
+            put(f"{module}.lora_embedding_A.{DEFAULT_ADAPTER}", pair.a, adapter)
+            put(f"{module}.lora_embedding_B.{DEFAULT_ADAPTER}", pair.b, adapter)
+        else:
+            put(f"{module}.lora_A.{DEFAULT_ADAPTER}.weight", pair.a, adapter)
+            put(f"{module}.lora_B.{DEFAULT_ADAPTER}.weight", pair.b, adapter)
+        if pair.magnitude is not None:
+            put(f"{module}.lora_magnitude_vector.{DEFAULT_ADAPTER}.weight", pair.magnitude, adapter)
+    for name, tensor in saved.items():
+        module, _, leaf = name.rpartition(".")
+        put(f"{module}.modules_to_save.{DEFAULT_ADAPTER}.{leaf}", tensor, adapter)
+    notes = [f"added adapter {where} as {DEFAULT_ADAPTER!r}: {len(found.targets)} LoRA layers"
+             + (f", modules_to_save {', '.join(sorted(saved_modules))}" if saved else "") + ", under peft's names"]
+    return Checkpoint(base.format, base.root, base.files, tensors, dict(base.objects), dict(base.info),
+                      base._resolved), notes
