@@ -13,7 +13,14 @@ the weights (as verl keeps its config folder). Rank 0 writes ``OUT/<variant>.ref
 * ``base/``: the base model as a Hugging Face folder (what ``PeftModel.from_pretrained`` is given);
 * ``peft.pt``: the gathered peft state dict; ``merged.pt``: peft's own ``merge_and_unload()`` of it;
 * ``adapter/``: peft's ``save_pretrained`` of the trained adapter;
-* ``inputs.pt`` and ``logits.pt``: token ids and the trained peft model's logits on them.
+* ``inputs.pt`` and ``logits.pt``: token ids and the trained peft model's logits on them;
+* ``optim.pt``: the gathered optimizer state.
+
+``load-lora --ckpt CKPT VARIANT REFERENCE OPTIM`` (repeatable) builds the variant's peft model from another
+seed, shards it with FSDP2 on this job's ranks, ``dcp.load``s CKPT into it as a resumed job does (OPTIM 1:
+``{"model", "optim"}`` with the AdamW state; 0: the model's keys at the top level, as import-hf writes them)
+and compares the gathered model (and optimizer) state bitwise with REFERENCE's ``peft.pt`` (and ``optim.pt``).
+Exit status 0 means every comparison held.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -87,10 +95,13 @@ def save_lora(out: Path, variant: str) -> None:
     target = out / variant
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=target)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=whole)
+    full_optim = get_optimizer_state_dict(model, optimizer, options=whole)
     timer.mark("dcp.save")
     if rank() == 0:
         write_reference(target, variant, full)
+        torch.save(full_optim, Path(f"{target}.reference") / "optim.pt")
     dist.barrier()
     timer.mark("reference")
     log(f"{variant}: {timer}")
@@ -122,17 +133,68 @@ def write_reference(target: Path, variant: str, full: dict) -> None:
     (beside / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
+def load_lora(path: Path, variant: str, reference: Path, with_optim: bool) -> list[str]:
+    """Load a checkpoint into a freshly built, sharded peft model; the differences from the reference."""
+    torch.manual_seed(MODEL_SEED + 1)  # other base weights: the load must replace them all
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(base_config(VARIANTS[variant][0])),
+                                peft.LoraConfig(**VARIANTS[variant][1]))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if with_optim:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    else:
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state)
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0 only
+    gathered = get_model_state_dict(model, options=whole)
+    gathered_optim = get_optimizer_state_dict(model, optimizer, options=whole) if with_optim else None
+    if rank() != 0:
+        return []
+    problems = _differences(gathered, torch.load(reference / "peft.pt"), "model")
+    if with_optim:
+        problems += _differences(gathered_optim, torch.load(reference / "optim.pt"), "optim")
+    return problems
+
+
+def _differences(got, expected, at: str) -> list[str]:
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(got) != set(expected):
+            return [f"{at}: keys differ: {sorted(set(got) ^ set(expected), key=str)[:5] if isinstance(got, dict) else got}"]
+        return [line for key in expected for line in _differences(got[key], expected[key], f"{at}.{key}")]
+    if isinstance(expected, list):
+        return [line for i, item in enumerate(expected) for line in _differences(got[i], item, f"{at}.{i}")]
+    if isinstance(expected, torch.Tensor):
+        return [] if isinstance(got, torch.Tensor) and torch.equal(got, expected) else [f"{at}: values differ"]
+    return [] if got == expected else [f"{at}: {got!r} != {expected!r}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     save = sub.add_parser("save-lora")
     save.add_argument("out", type=Path)
     save.add_argument("--variants", default=",".join(VARIANTS))
+    load = sub.add_parser("load-lora")
+    load.add_argument("--ckpt", nargs=4, action="append", metavar=("CKPT", "VARIANT", "REFERENCE", "OPTIM"))
     args = parser.parse_args()
     init_distributed()
-    for variant in args.variants.split(","):
-        save_lora(args.out, variant)
-    exit_now(0)
+    if args.cmd == "save-lora":
+        for variant in args.variants.split(","):
+            save_lora(args.out, variant)
+        exit_now(0)
+    failed = False
+    for path, variant, reference, optim in args.ckpt:
+        problems = load_lora(Path(path), variant, Path(reference), optim == "1")
+        log(f"{path}: " + ("; ".join(problems[:5]) if problems else "loaded, equal to the reference"))
+        failed |= bool(problems)
+    exit_now(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""LoRA (peft) checkpoints: a peft-wrapped Llama trained with FSDP2 on 2 gloo ranks (harness.lora_jobs), then
+merged (against peft's own merge_and_unload), exported as a PEFT adapter (loaded by PeftModel.from_pretrained),
+carried by reshard and convert, and laid out again by import-hf --lora-adapter (loaded by a resumed FSDP2 job)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import dcptool
+from jobs import LORA_JOBS, run_job
+
+VARIANTS = ["lora", "rslora_tied", "dora"]
+
+
+def refused(*args, names: list[str], output):
+    """exit 2, one line naming each of ``names``, no traceback, nothing written."""
+    result = dcptool(*args, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for name in names:
+        assert name in lines[0], lines[0]
+    assert not output.exists()
+    return lines[0]
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merge_matches_peft(lora_runs, variant, tmp_path):
+    import transformers
+
+    checkpoint, reference = lora_runs / variant, lora_runs / f"{variant}.reference"
+    out = tmp_path / "merged"
+    result = dcptool("export-hf", checkpoint, out, "--lora", "merge", "--config-dir", checkpoint / "huggingface")
+    assert "merged" in result.stderr and "adapter_config.json" in result.stderr
+    peft_merged = torch.load(reference / "merged.pt", weights_only=True)
+    exported = load_file(out / "model.safetensors")
+    tied = json.loads((checkpoint / "huggingface" / "config.json").read_text())["tie_word_embeddings"]
+    assert set(exported) == set(peft_merged) - ({"lm_head.weight"} if tied else set())
+    base = load_file(reference / "base" / "model.safetensors")
+    changed = [k for k in exported if not torch.equal(exported[k], base[k])]
+    assert any("q_proj" in k for k in changed)  # the adapters were merged, not the base copied
+    for key, tensor in exported.items():  # float32 rounding of peft's own merge
+        torch.testing.assert_close(tensor, peft_merged[key], rtol=1e-6, atol=1e-7, msg=key)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.load(reference / "inputs.pt", weights_only=True)
+    if tied:  # the head is the merged embedding, as in peft's merged model (no longer the peft model's)
+        assert "the head changes too" in result.stderr
+        torch.testing.assert_close(model.lm_head.weight.detach(), peft_merged["lm_head.weight"], rtol=1e-6, atol=1e-7)
+        assert not torch.equal(model.lm_head.weight.detach(), base["model.embed_tokens.weight"])
+    else:
+        torch.testing.assert_close(logits_of(model, ids), torch.load(reference / "logits.pt", weights_only=True),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_merge_rounds_to_dtype_as_torch(lora_runs, tmp_path):
+    checkpoint = lora_runs / "lora"
+    dcptool("export-hf", checkpoint, tmp_path / "f32", "--lora", "merge")
+    dcptool("export-hf", checkpoint, tmp_path / "bf16", "--lora", "merge", "--dtype", "bfloat16", "--max-memory", "1MiB")
+    f32, bf16 = load_file(tmp_path / "f32" / "model.safetensors"), load_file(tmp_path / "bf16" / "model.safetensors")
+    for key, tensor in f32.items():
+        assert torch.equal(bf16[key], tensor.to(torch.bfloat16)), key
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_adapter_loads_in_peft(lora_runs, variant, tmp_path):
+    import peft
+    import transformers
+
+    checkpoint, reference = lora_runs / variant, lora_runs / f"{variant}.reference"
+    out = tmp_path / "adapter"
+    dcptool("export-hf", checkpoint, out, "--lora", "adapter")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    ours, theirs = load_file(out / "adapter_model.safetensors"), load_file(reference / "adapter" / "adapter_model.safetensors")
+    # peft's own save adds the targeted embedding's base weight; every tensor of ours is one of its, bitwise
+    assert set(theirs) - set(ours) <= {"base_model.model.model.embed_tokens.base_layer.weight"}
+    assert set(ours) <= set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    config = json.loads((out / "adapter_config.json").read_text())
+    expected = json.loads((reference / "adapter" / "adapter_config.json").read_text())
+    for field in ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "modules_to_save"):
+        assert config[field] == expected[field], field
+    assert sorted(config["target_modules"]) == sorted(expected["target_modules"])
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(reference / "base"), out)
+    ids = torch.load(reference / "inputs.pt", weights_only=True)
+    assert torch.equal(logits_of(model, ids), torch.load(reference / "logits.pt", weights_only=True))
+
+
+def test_inspect_shows_adapters(lora_runs):
+    found = json.loads(dcptool("inspect", lora_runs / "lora", "--json").stdout)
+    lora = found["lora"]
+    assert lora["adapters"] == ["default"] and lora["alpha"] == 16 and lora["modules_to_save"] == ["lm_head"]
+    assert lora["ranks"]["model.layers.1.mlp.down_proj"] == 4 and len(lora["ranks"]) == 15
+    assert found["names"] == {"family": "hf", "kind": "llama"}
+    text = dcptool("inspect", lora_runs / "dora").stdout
+    assert "LoRA (DoRA): adapter default, rank 4 on 6 modules (down_proj, q_proj, v_proj)" in text
+
+
+def test_refusals(lora_runs, tmp_path):
+    checkpoint = lora_runs / "lora"
+    out = tmp_path / "out"
+    refused("export-hf", checkpoint, out, names=["LoRA", "--lora merge", "--lora adapter"], output=out)
+    refused("export-hf", checkpoint, out, "--lora-alpha", "16", names=["--lora"], output=out)
+    # no adapter_config.json beside it: alpha unknown until given
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare, ignore=shutil.ignore_patterns("huggingface"))
+    refused("export-hf", bare, out, "--lora", "merge", names=["lora_alpha", "--lora-config", "--lora-alpha"], output=out)
+    refused("export-hf", bare, out, "--lora", "merge", "--lora-config", tmp_path / "none.json",
+            names=["none.json", "--lora-config"], output=out)
+    dcptool("export-hf", bare, tmp_path / "alpha", "--lora", "merge", "--lora-alpha", "16")
+    dcptool("export-hf", bare, tmp_path / "config", "--lora", "merge", "--lora-config",
+            checkpoint / "huggingface" / "adapter_config.json")
+    dcptool("export-hf", checkpoint, tmp_path / "beside", "--lora", "merge")
+    beside = load_file(tmp_path / "beside" / "model.safetensors")
+    for name in ("alpha", "config"):
+        got = load_file(tmp_path / name / "model.safetensors")
+        assert all(torch.equal(got[k], beside[k]) for k in beside), name
+    halved = tmp_path / "halved"
+    dcptool("export-hf", bare, halved, "--lora", "merge", "--lora-alpha", "8")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(load_file(halved / "model.safetensors")[key], beside[key])
+
+
+def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
+    """reshard and convert carry the LoRA weights and their AdamW state; import-hf --lora-adapter lays out base and
+    adapter as the peft model's state dict: a real FSDP2 job of the peft model loads each."""
+    checkpoint, reference = lora_runs / "lora", lora_runs / "lora.reference"
+    dcptool("reshard", checkpoint, tmp_path / "dp1", "--dp", "1")
+    assert "equal" in dcptool("verify", checkpoint, tmp_path / "dp1").stdout
+    dcptool("convert", checkpoint, tmp_path / "whole.pt", "--to", "torch")
+    dcptool("verify", checkpoint, tmp_path / "whole.pt")
+    dcptool("export-hf", checkpoint, tmp_path / "adapter", "--lora", "adapter")
+    result = dcptool("import-hf", reference / "base", tmp_path / "resume", "--dp", "2",
+                     "--lora-adapter", tmp_path / "adapter")
+    assert "15 LoRA layers, modules_to_save lm_head" in result.stderr
+    job = run_job(2, "load-lora", "--ckpt", tmp_path / "dp1", "lora", reference, "1",
+                  "--ckpt", tmp_path / "resume", "lora", reference, "0", module=LORA_JOBS)
+    assert job.stdout.count("loaded, equal to the reference") == 2, job.stdout[-3000:]
