@@ -65,6 +65,7 @@ INPUTS = {
     "dcptool checksum step-1000": ["step-1000", "hf-out"],
     ".venv/bin/pip": [],
     "scripts/test.sh": [],
+    "dcptool inspect lora/step-300": ["lora/step-300", "base-llama"],
 }
 
 
@@ -99,7 +100,7 @@ def inputs_of(lines: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory, checkpoints):
+def made(tmp_path_factory, checkpoints, lora_runs):
     """``made(path)``: the README path ``path`` made once (a folder or file under a shared root)."""
     root = tmp_path_factory.mktemp("readme-inputs")
     done: dict[str, Path] = {}
@@ -142,6 +143,8 @@ def made(tmp_path_factory, checkpoints):
         "global_step_10/actor": lambda out: run_job(2, "save", out, "--dtensor", "--flat-params", module=VERL_JOBS),
         "llama-hf": lambda out: hf_folder(out, "llama"),
         "titan/step-10": lambda out: family(out, "llama", "torchtitan", "llama-hf", "--dp", "2"),
+        "lora/step-300": copy(lora_runs / "lora"),
+        "base-llama": copy(lora_runs / "lora.reference" / "base"),
         "archon/step-10": lambda out: dcptool("convert", get("titan/step-10"), out, "--to", "dcp",
                                               "--adapter", "archon", "--config-dir", get("llama-hf")),
     }
