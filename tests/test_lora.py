@@ -92,6 +92,19 @@ def test_adapter_loads_in_peft(lora_runs, variant, tmp_path):
     assert torch.equal(logits_of(model, ids), torch.load(reference / "logits.pt", weights_only=True))
 
 
+def test_merge_from_any_format(lora_runs, tmp_path):
+    """The same merge from the checkpoint converted to verl's FSDP1 files and to one torch.save file."""
+    checkpoint = lora_runs / "dora"
+    dcptool("export-hf", checkpoint, tmp_path / "from-dcp", "--lora", "merge", "--lora-alpha", "8")
+    expected = load_file(tmp_path / "from-dcp" / "model.safetensors")
+    for name, options in (("fsdp1", ["--to", "fsdp1", "--world-size", "2"]), ("whole.pt", ["--to", "torch"])):
+        dcptool("convert", checkpoint, tmp_path / name, *options)
+        assert "LoRA (DoRA): adapter default" in dcptool("inspect", tmp_path / name).stdout
+        dcptool("export-hf", tmp_path / name, tmp_path / f"{name}-merged", "--lora", "merge", "--lora-alpha", "8")
+        got = load_file(tmp_path / f"{name}-merged" / "model.safetensors")
+        assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected), name
+
+
 def test_inspect_shows_adapters(lora_runs):
     found = json.loads(dcptool("inspect", lora_runs / "lora", "--json").stdout)
     lora = found["lora"]
