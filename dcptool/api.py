@@ -458,12 +458,12 @@ def _source(source, source_format, revision, dequantize: bool, config_dir, dtype
 
 def _with_lora_adapter(checkpoint: Checkpoint, adapter_dir, config_dir) -> tuple[Checkpoint, list[str]]:
     """import-hf's base model with a PEFT adapter folder on it, under a peft model's names (``dcptool.lora``)."""
-    from dcptool import lora, models
+    from dcptool import lora
     from dcptool.selection import config_folder, read_config
 
     folder = config_dir or config_folder(checkpoint)
-    ties = {tie.output.hf: tie.embedding.hf for tie in models.active_ties(read_config(folder) if folder else None)}
-    return lora.with_adapter(checkpoint, formats.open_checkpoint(adapter_dir, "hf"), ties)
+    return lora.with_adapter(checkpoint, formats.open_checkpoint(adapter_dir, "hf"),
+                             read_config(folder) if folder else None)
 
 
 def _forms(optim_form: str | None, model_values: str | None) -> dict[str, str]:

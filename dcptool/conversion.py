@@ -16,6 +16,7 @@ its files and rank 0 the index (``dcptool.distributed``); one process writes eve
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import tempfile
@@ -114,9 +115,13 @@ class LoraRequest:
     adapter_config: dict | None = None  # planned: the adapter folder's adapter_config.json
 
 
-def _renamer(mapping: adapters.Mapping | None, where: str):
+def _renamer(mapping: adapters.Mapping | None, where: str, found):
     """``renamed(name, tensor) -> (hf name, tensor)``: a tensor laid out as the weight ``name`` is (a LoRA B's rows
     are the weight's), under the weight's HF name, as the mapping renames and reorders it."""
+    experts = [name for name, pairs in found.targets.items() if any(p.experts for p in pairs.values())]
+    if mapping is not None and experts:
+        raise UsageError(f"{where}: LoRA on the grouped experts {experts[0]} of {mapping.source} names is not "
+                         "supported (HF names are)")
     def renamed(name: str, tensor: TensorInfo) -> tuple[str, TensorInfo]:
         if mapping is None:
             return name, tensor
@@ -134,7 +139,7 @@ def _merge(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, named: dic
     where = str(checkpoint.root)
     given = lora_weights.settings(checkpoint, lora.config, lora.alpha)
     lora_weights.require_alpha(given, checkpoint.root)
-    renamed = _renamer(mapping, where)
+    renamed = _renamer(mapping, where, found)
     tied = {tie.output.hf: tie.embedding.hf for tie in models.active_ties(config)}
     notes = [f"merged {len(found.targets)} LoRA layers of {', '.join(found.adapters)} (lora_alpha {given.alpha} from "
              f"{given.where}{', rsLoRA' if given.rslora else ''}{', DoRA' if found.dora else ''})"]
@@ -143,8 +148,8 @@ def _merge(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, named: dic
         if hf_name in tied:
             raise UsageError(f"{where}: LoRA on {hf_name}, which the config ties to {tied[hf_name]}: the merged "
                              "model cannot hold both; untie them in config.json (tie_word_embeddings: false) first")
-        pairs = {adapter: lora_weights.Pair(pair.a, renamed(name, pair.b)[1], pair.embedding,
-                                            pair.magnitude and renamed(name, pair.magnitude)[1])
+        pairs = {adapter: dataclasses.replace(pair, b=renamed(name, pair.b)[1],
+                                              magnitude=pair.magnitude and renamed(name, pair.magnitude)[1])
                  for adapter, pair in pairs.items()}
         named[hf_name] = lora_weights.merged(hf_name, named[hf_name], pairs, given, dtype, where)
         outputs = [output for output, embedding in tied.items() if embedding == hf_name]
@@ -162,7 +167,7 @@ def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, 
                          f"{len(found.adapters)} ({', '.join(found.adapters)}): merge them with {option('lora', 'merge')}")
     given = lora_weights.settings(checkpoint, lora.config, lora.alpha)
     lora_weights.require_alpha(given, checkpoint.root)
-    renamed = _renamer(mapping, where)
+    renamed = _renamer(mapping, where, found)
     entries = lora_weights.adapter_entries(found, renamed)
     modules = [renamed(name, next(iter(pairs.values())).b)[0].removesuffix(".weight")
                for name, pairs in found.targets.items()]

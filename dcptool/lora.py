@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool import dtypes
+from dcptool import adapters, dtypes, models
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles, is_remote
@@ -45,20 +45,26 @@ DEFAULT_ADAPTER = "default"
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
 _MARKS = (".lora_", ".base_layer.", ".modules_to_save.", ".original_module.")
+_BASE_LAYERS = re.compile(r"(\.base_layer)+\.")  # peft nests parameter wrappers: experts.base_layer.base_layer.w
+_WRAPPERS = re.compile(r"(\.base_layer)+$")
 
 
 @dataclass
 class Pair:
-    """One adapter on one layer: ``a`` [r, in] and ``b`` [out, r] (embeddings: [r, vocab] and [dim, r])."""
+    """One adapter on one layer: ``a`` [r, in] and ``b`` [out, r] (embeddings: [r, vocab] and [dim, r]); on
+    grouped experts [E, out, in] (peft's ``target_parameters``), ``a`` [r*E, in] and ``b`` [out, r*E]."""
 
     a: TensorInfo | None = None
     b: TensorInfo | None = None
     embedding: bool = False
     magnitude: TensorInfo | None = None  # DoRA
+    module: str = ""  # peft's module path (``...experts.base_layer`` for a nested parameter wrapper)
+    experts: int = 0  # grouped experts: how many (0: a plain layer)
+    swapped: bool = True  # grouped experts stored [E, out, in] (transformers v5), else [E, in, out]
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        return self.a.shape[0] // (self.experts or 1)
 
 
 @dataclass
@@ -79,8 +85,15 @@ class Found:
         return {name.removesuffix(".weight"): next(iter(pairs.values())).rank for name, pairs in self.targets.items()}
 
     def target_modules(self) -> list[str]:
-        """The targeted modules' last names (peft's ``target_modules``: ``q_proj``, ``embed_tokens``)."""
-        return sorted({module.rsplit(".", 1)[-1] for module in self.modules()})
+        """The targeted modules' last names (peft's ``target_modules``: ``q_proj``, ``embed_tokens``); grouped
+        experts' parameters are ``target_parameters``."""
+        return sorted({name.removesuffix(".weight").rsplit(".", 1)[-1] for name, pairs in self.targets.items()
+                       if not next(iter(pairs.values())).experts})
+
+    def target_parameters(self) -> list[str]:
+        """peft's ``target_parameters``: grouped experts' parameters (``mlp.experts.gate_up_proj``)."""
+        return sorted({".".join(name.split(".")[-3:]) for name, pairs in self.targets.items()
+                       if next(iter(pairs.values())).experts})
 
     def saved_modules(self) -> list[str]:
         return sorted({name.rsplit(".", 2)[-2] for name in self.saved})
@@ -101,7 +114,7 @@ def find(named: dict[str, TensorInfo], where: str = "", require_base: bool = Tru
     if not is_peft(named):
         return None
     base: dict[str, TensorInfo] = {}
-    targets: dict[str, dict[str, Pair]] = {}
+    modules: dict[str, dict[str, Pair]] = {}
     saved: dict[str, dict[str, TensorInfo]] = {}
     originals: dict[str, TensorInfo] = {}
     adapters: dict[str, None] = {}
@@ -111,7 +124,7 @@ def find(named: dict[str, TensorInfo], where: str = "", require_base: bool = Tru
         if part:
             adapter = part["adapter"] or DEFAULT_ADAPTER
             adapters[adapter] = None
-            pair = targets.setdefault(part["module"] + ".weight", {}).setdefault(adapter, Pair())
+            pair = modules.setdefault(part["module"], {}).setdefault(adapter, Pair(module=part["module"]))
             kind = part["part"]
             if kind == "lora_magnitude_vector":
                 pair.magnitude = tensor
@@ -126,7 +139,7 @@ def find(named: dict[str, TensorInfo], where: str = "", require_base: bool = Tru
         if (match := _ORIGINAL.match(name)) is not None:
             originals[f"{match['module']}.{match['rest']}"] = tensor
             continue
-        name = name.replace(".base_layer.", ".")
+        name = _BASE_LAYERS.sub(".", name)
         if ".lora_" in name:
             raise UsageError(f"{where}: {key} is a LoRA tensor dcptool does not know (lora_A/B, lora_embedding_A/B "
                              "and lora_magnitude_vector weights are)")
@@ -137,10 +150,38 @@ def find(named: dict[str, TensorInfo], where: str = "", require_base: bool = Tru
                              "modules_to_save: which replaces the model's is not known")
     base |= {name: original for name, original in originals.items() if name not in saved}
     base |= {name: next(iter(copies.values())) for name, copies in saved.items()}
-    for name, pairs in targets.items():
+    targets: dict[str, dict[str, Pair]] = {}
+    for module, pairs in modules.items():
         for adapter, pair in pairs.items():
+            name = _target(module, pair, base, where) if require_base else module + ".weight"
             _check_pair(name, adapter, pair, base.get(name), where, require_base)
+            if adapter in targets.setdefault(name, {}):
+                raise UsageError(f"{where}: two LoRA layers of adapter {adapter!r} on {name}")
+            targets[name][adapter] = pair
     return Found(base, targets, {name: base[name] for name in saved}, list(adapters))
+
+
+def _target(module: str, pair: Pair, base: dict[str, TensorInfo], where: str) -> str:
+    """The base weight a module's adapter changes: ``<module>.weight``, or for peft's parameter wrappers on
+    grouped experts, the one [E, ., .] parameter of the wrapped module whose shape fits (``pair.experts`` and
+    ``pair.swapped`` set)."""
+    owner = _WRAPPERS.sub("", module)
+    if owner + ".weight" in base or pair.a is None or pair.b is None:
+        return owner + ".weight"
+    fits = []
+    for name, tensor in base.items():
+        if name.rpartition(".")[0] != owner or len(tensor.shape) != 3 or pair.a.shape[0] % tensor.shape[0]:
+            continue
+        experts, first, second = tensor.shape
+        if (pair.b.shape[0], pair.a.shape[1]) == (first, second):
+            fits.append((name, experts, True))
+        elif (pair.b.shape[0], pair.a.shape[1]) == (second, first):
+            fits.append((name, experts, False))
+    if len(fits) != 1:
+        raise UsageError(f"{where}: {module}'s LoRA weights {list(pair.a.shape)} and {list(pair.b.shape)} fit "
+                         f"{'no' if not fits else 'more than one'} weight of {owner}")
+    name, pair.experts, pair.swapped = fits[0]
+    return name
 
 
 def _check_pair(name: str, adapter: str, pair: Pair, weight: TensorInfo | None, where: str,
@@ -152,6 +193,10 @@ def _check_pair(name: str, adapter: str, pair: Pair, weight: TensorInfo | None, 
     if weight is None and require_base:
         raise UsageError(f"{where}: {module} has LoRA weights of adapter {adapter!r} but no base weight {name}")
     a, b = pair.a.shape, pair.b.shape
+    if pair.experts:
+        if pair.magnitude is not None or pair.embedding:
+            raise UsageError(f"{where}: {module}: DoRA on grouped experts is not supported")
+        return
     if len(a) != 2 or len(b) != 2 or a[0] != b[1] or (weight is not None and len(weight.shape) != 2):
         raise UsageError(f"{where}: {module}'s LoRA weights {list(a)} and {list(b)} on {list(weight.shape)} are not "
                          "a plain layer's (LoRA on grouped experts' parameters is not supported)")
@@ -240,15 +285,20 @@ def require_alpha(found: Settings, root) -> None:
 
 @dataclass(frozen=True)
 class Delta:
-    """``scaling * B @ A`` of one adapter, transposed for embeddings and ``fan_in_fan_out`` layers."""
+    """``scaling * B @ A`` of one adapter, transposed for embeddings and ``fan_in_fan_out`` layers; on grouped
+    experts, expert ``e``'s ``B[:, :, e] @ A[e]`` with A as [E, r, in] and B as [out, r, E] (peft's ``ParamWrapper``)."""
 
     a: TensorInfo
     b: TensorInfo
     scaling: float
     transposed: bool
+    experts: int = 0
+    swapped: bool = True
 
     def region(self, checkpoint: Checkpoint, offsets, sizes, scratch) -> np.ndarray:
-        """Rows ``offsets[0]..+sizes[0]`` and columns ``offsets[1]..+sizes[1]`` of the delta, float32."""
+        """The region of the delta at ``offsets`` of ``sizes``, float32."""
+        if self.experts:
+            return self._experts_region(checkpoint, offsets, sizes, scratch)
         (row0, col0), (rows, cols) = offsets, sizes
         rank = self.a.shape[0]
         if self.transposed:  # delta[i, j] = (B @ A)[j, i]
@@ -258,6 +308,17 @@ class Delta:
         b = _float32(checkpoint, self.b, (row0, 0), (rows, rank), scratch)
         a = _float32(checkpoint, self.a, (0, col0), (rank, cols), scratch)
         return _product(b, a) * np.float32(self.scaling)
+
+    def _experts_region(self, checkpoint, offsets, sizes, scratch) -> np.ndarray:
+        (first, out0, in0), (count, outs, ins) = offsets, sizes
+        if not self.swapped:  # [E, in, out]
+            (in0, out0), (ins, outs) = (out0, in0), (outs, ins)
+        rank, total = self.a.shape[0] // self.experts, self.a.shape[0]
+        a = _float32(checkpoint, self.a, (first * rank, in0), (count * rank, ins), scratch).reshape(count, rank, ins)
+        b = _float32(checkpoint, self.b, (out0, 0), (outs, total), scratch).reshape(outs, rank, self.experts)
+        b = b[:, :, first:first + count]
+        layout = "ore,eri->eoi" if self.swapped else "ore,eri->eio"
+        return np.einsum(layout, b, a, optimize=False) * np.float32(self.scaling)
 
 
 def _product(b: np.ndarray, a: np.ndarray) -> np.ndarray:
@@ -312,6 +373,9 @@ def merged(name: str, weight: TensorInfo, pairs: dict[str, Pair], found: Setting
                          "adapter at a time with peft")
     deltas = []
     for pair in pairs.values():
+        if pair.experts:
+            deltas.append(Delta(pair.a, pair.b, found.scaling(module, pair.rank), False, pair.experts, pair.swapped))
+            continue
         transposed = pair.embedding or found.fan_in_fan_out
         shape = (pair.a.shape[1], pair.b.shape[0]) if transposed else (pair.b.shape[0], pair.a.shape[1])
         if shape != tuple(weight.shape):
@@ -340,7 +404,7 @@ def adapter_entries(found: Found, renamed) -> dict[str, TensorInfo]:
     for name, pairs in found.targets.items():
         pair = pairs[adapter]
         hf_name, b = renamed(name, pair.b)
-        module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+        module = PEFT_PREFIX + (pair.module if hf_name == name else hf_name.removesuffix(".weight"))
         if pair.embedding:
             out[f"{module}.lora_embedding_A"], out[f"{module}.lora_embedding_B"] = pair.a, b
         else:
@@ -357,13 +421,17 @@ def adapter_config(found: Found, given: Settings, renamed_modules: list[str]) ->
     """``adapter_config.json`` of the adapter folder: the source's settings, with what the weights say."""
     ranks = Counter(found.ranks().values())
     rank = ranks.most_common(1)[0][0]
+    layers = [not next(iter(pairs.values())).experts for pairs in found.targets.values()]  # plain layers
     config = dict(given.config)
     config.update({
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": given.alpha,
-        "target_modules": sorted({module.rsplit(".", 1)[-1] for module in renamed_modules}),
-        "rank_pattern": {module: r for module, r in zip(renamed_modules, found.ranks().values()) if r != rank},
+        "target_modules": sorted({module.rsplit(".", 1)[-1] for module, plain in zip(renamed_modules, layers)
+                                  if plain}),
+        "target_parameters": given.config.get("target_parameters") or found.target_parameters() or None,
+        "rank_pattern": {module: r for module, r, plain in zip(renamed_modules, found.ranks().values(), layers)
+                         if r != rank and plain},
         "use_rslora": given.rslora,
         "use_dora": found.dora,
         "fan_in_fan_out": given.fan_in_fan_out,
@@ -379,6 +447,7 @@ def describe(found: Found, given: Settings) -> dict:
     """What ``inspect`` shows of a peft model's adapters."""
     ranks = found.ranks()
     return {"adapters": found.adapters, "target_modules": found.target_modules(),
+            "target_parameters": found.target_parameters(),
             "modules_to_save": found.saved_modules(), "ranks": ranks,
             "rank": sorted(set(ranks.values())), "dora": found.dora,
             "alpha": given.alpha, "alpha_from": given.where, "use_rslora": given.rslora}
@@ -401,10 +470,11 @@ class Elsewhere:
         self.checkpoint.read_region(self.tensor, offsets, sizes, out, scratch)
 
 
-def with_adapter(base: Checkpoint, adapter: Checkpoint, ties: dict[str, str]) -> tuple[Checkpoint, list[str]]:
+def with_adapter(base: Checkpoint, adapter: Checkpoint, config: dict | None) -> tuple[Checkpoint, list[str]]:
     """``base`` (HF names) with ``adapter`` (a PEFT adapter folder) on it, under the names ``get_model_state_dict``
-    gives a peft model (adapter ``default``): what an FSDP job of that model loads. ``ties``: output weight ->
-    the embedding the config ties it to (the peft model's state dict holds both)."""
+    gives a peft model (adapter ``default``): what an FSDP job of that model loads. ``config``: the model's
+    config.json (a tied output is in the peft model's state dict too; experts an adapter adapts as grouped
+    parameters are transformers v5's fused tensors there)."""
     where = str(adapter.root)
     found = find(adapter.tensors, where, require_base=False)
     if found is None or not found.targets:
@@ -413,13 +483,21 @@ def with_adapter(base: Checkpoint, adapter: Checkpoint, ties: dict[str, str]) ->
     saved_modules = set(given.config.get("modules_to_save") or [])
     saved = {name: tensor for name, tensor in found.base.items() if name.rsplit(".", 2)[-2] in saved_modules}
     weights = dict(base.tensors)
-    for output, embedding in ties.items():
-        if output not in weights and embedding in weights:
-            weights[output] = weights[embedding]
-    targets = {name.removesuffix(".weight") for name in found.targets}
-    for name in [*found.targets, *saved]:
+    pairs = [pairs[DEFAULT_ADAPTER] for pairs in found.targets.values()]
+    wrapped = {_WRAPPERS.sub("", pair.module) for pair in pairs} - {name.removesuffix(".weight") for name in weights}
+    if any(name.startswith(owner + ".0.") for owner in wrapped for name in weights):  # experts one per tensor
+        mapping, _ = adapters.mapping_for(weights, "hf", "hf", config, "fused")  # as the peft model holds them
+        weights = {name: entry for name, (entry, _) in mapping.convert(weights).entries.items()}
+    for tie in models.active_ties(config):
+        if tie.output.hf not in weights and tie.embedding.hf in weights:
+            weights[tie.output.hf] = weights[tie.embedding.hf]
+    for pair in pairs:  # the adapter's layers on the base model's weights (grouped experts found by their shapes)
+        _target(pair.module, pair, weights, where)
+    for name in [_WRAPPERS.sub("", pair.module) + ".weight" for pair in pairs if not pair.experts] + list(saved):
         if name not in weights:
             raise UsageError(f"{where}: the adapter has weights for {name}, which the base model {base.root} has not")
+    # peft wraps a module once per adapted weight (nested parameter wrappers): its weights sit that deep
+    depth = Counter(_WRAPPERS.sub("", pair.module) for pair in pairs)
     tensors: dict[str, TensorInfo] = {}
 
     def put(key: str, tensor: TensorInfo, source: Checkpoint) -> None:
@@ -429,10 +507,10 @@ def with_adapter(base: Checkpoint, adapter: Checkpoint, ties: dict[str, str]) ->
 
     for name, tensor in weights.items():
         module, _, leaf = name.rpartition(".")
-        put(f"{module}.base_layer.{leaf}" if module in targets else
+        put(f"{module}{'.base_layer' * depth[module]}.{leaf}" if module in depth else
             f"{module}.original_module.{leaf}" if name in saved else name, tensor, base)
-    for name, pairs in found.targets.items():
-        pair, module = pairs[DEFAULT_ADAPTER], name.removesuffix(".weight")
+    for pair in pairs:
+        module = pair.module
         if pair.embedding:
             put(f"{module}.lora_embedding_A.{DEFAULT_ADAPTER}", pair.a, adapter)
             put(f"{module}.lora_embedding_B.{DEFAULT_ADAPTER}", pair.b, adapter)

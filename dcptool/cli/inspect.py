@@ -103,8 +103,9 @@ def _lora_line(lora: dict) -> str:
     alpha = (f"lora_alpha {lora['alpha']} ({lora['alpha_from']})" if lora["alpha"] is not None else
              "lora_alpha unknown (no adapter_config.json beside it: export-hf --lora needs --lora-config or --lora-alpha)")
     saved = f"; modules_to_save {', '.join(lora['modules_to_save'])}" if lora["modules_to_save"] else ""
+    targets = [*lora["target_modules"], *lora["target_parameters"]]
     return (f"LoRA{' (DoRA)' if lora['dora'] else ''}: adapter {', '.join(lora['adapters'])}, rank {ranks} on "
-            f"{len(lora['ranks'])} modules ({', '.join(lora['target_modules'])}){saved}; {alpha}"
+            f"{len(lora['ranks'])} modules ({', '.join(targets)}){saved}; {alpha}"
             f"{', rsLoRA' if lora['use_rslora'] else ''}")
 
 

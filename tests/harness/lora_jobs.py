@@ -1,4 +1,4 @@
-"""A real LoRA fine-tuning job: a tiny transformers Llama wrapped by peft, FSDP2 on gloo, AdamW, ``dcp.save``.
+"""A real LoRA fine-tuning job: a tiny transformers Llama (and Qwen3-MoE) wrapped by peft, FSDP2 on gloo, AdamW, ``dcp.save``.
 
 Run under torchrun from the repository root, with the tests folder on the path::
 
@@ -59,20 +59,30 @@ VARIANTS = {
     # DoRA on linear layers
     "dora": ({"tie_word_embeddings": False},
              {"r": 4, "lora_alpha": 8, "use_dora": True, "target_modules": ["q_proj", "v_proj", "down_proj"]}),
+    # Qwen3-MoE: transformers v5's fused experts [E, out, in] (gate_up_proj, down_proj) as target_parameters
+    "qwen3_moe": ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                   "head_dim": 8, "tie_word_embeddings": False},
+                  {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"],
+                   "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
 }
 
 
-def base_config(settings: dict) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    **settings)
+def base_config(settings: dict) -> transformers.PretrainedConfig:
+    settings = dict(settings)
+    kind = transformers.Qwen3MoeConfig if settings.pop("model_type", "llama") == "qwen3_moe" else transformers.LlamaConfig
+    return kind(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, **settings)
+
+
+def causal_lm(settings: dict) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_config(base_config(settings))
 
 
 def peft_model(variant: str) -> tuple[transformers.PreTrainedModel, peft.PeftModel]:
     """The base model (seeded) and the peft model around it; lora_B starts at zero, as peft makes it."""
     model_settings, lora_settings = VARIANTS[variant]
     torch.manual_seed(MODEL_SEED)
-    base = transformers.LlamaForCausalLM(base_config(model_settings))
+    base = causal_lm(model_settings)
     return base, peft.get_peft_model(base, peft.LoraConfig(**lora_settings))
 
 
@@ -123,7 +133,7 @@ def write_reference(target: Path, variant: str, full: dict) -> None:
     model.save_pretrained(reference / "adapter")
     # The base folder: the weights before training (the same seed), which the adapter goes on.
     torch.manual_seed(MODEL_SEED)
-    transformers.LlamaForCausalLM(base_config(VARIANTS[variant][0])).save_pretrained(reference / "base")
+    causal_lm(VARIANTS[variant][0]).save_pretrained(reference / "base")
     merged = model.merge_and_unload()
     torch.save({k: v.clone() for k, v in merged.state_dict().items()}, reference / "merged.pt")
     beside = target / "huggingface"
@@ -136,8 +146,7 @@ def write_reference(target: Path, variant: str, full: dict) -> None:
 def load_lora(path: Path, variant: str, reference: Path, with_optim: bool) -> list[str]:
     """Load a checkpoint into a freshly built, sharded peft model; the differences from the reference."""
     torch.manual_seed(MODEL_SEED + 1)  # other base weights: the load must replace them all
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(base_config(VARIANTS[variant][0])),
-                                peft.LoraConfig(**VARIANTS[variant][1]))
+    model = peft.get_peft_model(causal_lm(VARIANTS[variant][0]), peft.LoraConfig(**VARIANTS[variant][1]))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mesh=mesh)
