@@ -171,3 +171,74 @@ def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
                   "--ckpt", tmp_path / "resume", "lora", reference, "0",
                   "--ckpt", tmp_path / "resume-moe", "qwen3_moe", moe, "0", module=LORA_JOBS)
     assert job.stdout.count("loaded, equal to the reference") == 3, job.stdout[-3000:]
+
+
+def test_archon_names_under_peft(lora_runs, tmp_path):
+    """peft wrapping a torchtitan / Archon model: its names (q/k rows RoPE-interleaved, so lora_B's rows too),
+    made from the job's state with the tests' independent oracle (harness.family_models), merge to the same HF
+    weights and export the same adapter."""
+    from harness.family_models import hf_to_family
+
+    reference, config = lora_runs / "lora.reference", lora_runs / "lora" / "huggingface"
+    hf_config = json.loads((config / "config.json").read_text())
+    peft_state = torch.load(reference / "peft.pt", weights_only=True)
+    prefix = "base_model.model."
+
+    def archon(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        [(new, value)] = hf_to_family({name: tensor}, "llama", "archon", hf_config).items()
+        return new, value
+
+    state = {}
+    for key, tensor in peft_state.items():
+        name = key.removeprefix(prefix)
+        for part in (".base_layer.", ".original_module.", ".modules_to_save.default."):
+            if part in name:
+                module, leaf = name.split(part)
+                new, value = archon(f"{module}.{leaf}", tensor)
+                state[prefix + new.replace(f".{leaf}", f"{part}{leaf}")] = value
+                break
+        else:
+            if ".lora_" not in name:
+                new, value = archon(name, tensor)
+                state[prefix + new] = value
+                continue
+            module, part = name.split(".lora_")
+            new, value = archon(f"{module}.weight", tensor)  # lora_B's rows follow the weight's
+            state[prefix + new.removesuffix(".weight") + ".lora_" + part] = value if part.split(".")[0].endswith("B") else tensor
+    assert f"{prefix}layers.0.attention.wq.lora_B.default.weight" in state
+    (tmp_path / "titan").mkdir()
+    torch.save({"model": state}, tmp_path / "titan" / "model.pt")
+    shutil.copy(config / "adapter_config.json", tmp_path / "titan")
+    result = dcptool("export-hf", tmp_path / "titan" / "model.pt", tmp_path / "merged", "--lora", "merge",
+                     "--config-dir", config)
+    assert "archon (llama)" in result.stderr
+    merged, expected = load_file(tmp_path / "merged" / "model.safetensors"), torch.load(reference / "merged.pt")
+    assert set(merged) == set(expected)
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+    dcptool("export-hf", tmp_path / "titan" / "model.pt", tmp_path / "adapter", "--lora", "adapter",
+            "--config-dir", config)
+    ours, theirs = load_file(tmp_path / "adapter" / "adapter_model.safetensors"), load_file(reference / "adapter" / "adapter_model.safetensors")
+    assert set(ours) <= set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_refusals_of_what_cannot_merge(lora_runs, tmp_path):
+    """LoRA on a head the config ties to the embedding, and DoRA next to another adapter: one line each."""
+    state = torch.load(lora_runs / "rslora_tied.reference" / "peft.pt", weights_only=True)
+    head = "base_model.model.lm_head"
+    state[f"{head}.base_layer.weight"] = state.pop(f"{head}.weight")
+    state[f"{head}.lora_A.default.weight"], state[f"{head}.lora_B.default.weight"] = torch.ones(8, 32), torch.ones(128, 8)
+    torch.save({"model": state}, tmp_path / "tied.pt")
+    config = lora_runs / "rslora_tied" / "huggingface"
+    out = tmp_path / "out"
+    refused("export-hf", tmp_path / "tied.pt", out, "--lora", "merge", "--config-dir", config, "--lora-config",
+            config / "adapter_config.json", names=["lm_head.weight", "ties", "tie_word_embeddings"], output=out)
+    dora = torch.load(lora_runs / "dora.reference" / "peft.pt", weights_only=True)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    dora[f"{q}.lora_A.second.weight"] = dora[f"{q}.lora_A.default.weight"]
+    dora[f"{q}.lora_B.second.weight"] = dora[f"{q}.lora_B.default.weight"]
+    torch.save({"model": dora}, tmp_path / "dora.pt")
+    refused("export-hf", tmp_path / "dora.pt", out, "--lora", "merge", "--lora-alpha", "8",
+            names=["DoRA", "q_proj", "one adapter at a time"], output=out)
+    refused("export-hf", tmp_path / "dora.pt", out, "--lora", "adapter", "--lora-alpha", "8",
+            names=["2 (default, second)", "--lora merge"], output=out)
