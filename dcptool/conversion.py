@@ -141,8 +141,8 @@ def _merge(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, named: dic
     lora_weights.require_alpha(given, checkpoint.root)
     renamed = _renamer(mapping, where, found)
     tied = {tie.output.hf: tie.embedding.hf for tie in models.active_ties(config)}
-    notes = [f"merged {len(found.targets)} LoRA layers of {', '.join(found.adapters)} (lora_alpha {given.alpha} from "
-             f"{given.where}{', rsLoRA' if given.rslora else ''}{', DoRA' if found.dora else ''})"]
+    notes = [(f"merged {len(found.targets)} LoRA layers of {', '.join(found.adapters)} (lora_alpha {given.alpha} "
+              f"from {given.where}{', rsLoRA' if given.rslora else ''}{', DoRA' if found.dora else ''})")]
     for name, pairs in found.targets.items():
         hf_name, _ = renamed(name, next(iter(pairs.values())).b)
         if hf_name in tied:

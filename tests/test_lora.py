@@ -7,10 +7,9 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import dcptool
 from jobs import LORA_JOBS, run_job
+from safetensors.torch import load_file
 
 VARIANTS = ["lora", "rslora_tied", "dora", "qwen3_moe"]  # (harness.lora_jobs.VARIANTS)
 
