@@ -116,6 +116,26 @@ def test_merge_from_any_format(lora_runs, tmp_path):
         assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected), name
 
 
+def test_verl_fsdp1_files(lora_runs, tmp_path):
+    """verl's FSDP1 files of a LoRA run: merged as peft merges them; the optimizer, built over the trainable
+    parameters only (peft froze the rest), keyed by their positions among those, read under their names."""
+    checkpoint, reference = lora_runs / "lora-fsdp1", lora_runs / "lora-fsdp1.reference"
+    dcptool("export-hf", checkpoint, tmp_path / "merged", "--lora", "merge")  # config and adapter_config: huggingface/
+    merged, expected = load_file(tmp_path / "merged" / "model.safetensors"), torch.load(reference / "merged.pt")
+    assert set(merged) == set(expected)
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+    found = json.loads(dcptool("inspect", checkpoint, "--json").stdout)
+    assert found["info"]["optimizer_form"] == "orig" and not found["info"].get("not_read")
+    dcptool("convert", checkpoint, tmp_path / "whole.pt", "--to", "torch")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)["optimizer"]["state"]
+    full = torch.load(reference / "optim.pt", weights_only=True)["state"]
+    assert set(whole) == set(full) and all("lora_" in name or "modules_to_save" in name for name in full)
+    for name, moments in full.items():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(whole[name][moment], moments[moment]), (name, moment)
+
+
 def test_inspect_shows_adapters(lora_runs):
     found = json.loads(dcptool("inspect", lora_runs / "lora", "--json").stdout)
     lora = found["lora"]

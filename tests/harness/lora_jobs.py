@@ -6,7 +6,7 @@ Run under torchrun from the repository root, with the tests folder on the path::
         save-lora /tmp/lora --variants lora,rslora_tied,dora
 
 Each variant is one checkpoint ``OUT/<variant>``: ``{"model": get_model_state_dict(peft model), "optim":
-get_optimizer_state_dict(...)}`` as an FSDP engine saves it, after a few AdamW steps on real losses so
+get_optimizer_state_dict(...)}`` as an FSDP engine saves it (``--fsdp1 VARIANT``: also as verl's FSDP1 files), after a few AdamW steps on real losses so
 ``lora_B`` is not zero, with ``huggingface/config.json`` and ``huggingface/adapter_config.json`` beside
 the weights (as verl keeps its config folder). Rank 0 writes ``OUT/<variant>.reference/``:
 
@@ -121,6 +121,52 @@ def save_lora(out: Path, variant: str) -> None:
     log(f"{variant}: {timer}")
 
 
+def save_lora_fsdp1(out: Path, variant: str) -> None:
+    """The same training under FSDP1, saved as verl's FSDPCheckpointManager saves it (harness.verl_jobs): each
+    decoder layer a unit, verl's 1-D device mesh, ``use_orig_params`` (peft freezes the base weights), and per
+    rank ``model_world_size_W_rank_r.pt`` of ``model.state_dict()`` under SHARDED_STATE_DICT, the optimizer
+    state and the extra state; ``fsdp_config.json``; the reference as ``save_lora``'s, gathered with
+    FULL_STATE_DICT."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from harness.verl_jobs import sharded
+
+    world = dist.get_world_size()
+    _, model = peft_model(variant)
+    layer = type(model.base_model.model.model.layers[0])
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer}), use_orig_params=True,
+                 device_id=torch.device("cpu"), device_mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(DATA_SEED + rank())
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    target = out / f"{variant}-fsdp1"
+    target.mkdir(parents=True, exist_ok=True)
+    with sharded(model):
+        torch.save(model.state_dict(), target / f"model_world_size_{world}_rank_{rank()}.pt")
+        torch.save(optimizer.state_dict(), target / f"optim_world_size_{world}_rank_{rank()}.pt")
+    torch.save({"lr_scheduler": None, "rng": {"cpu": torch.get_rng_state()}},
+               target / f"extra_state_world_size_{world}_rank_{rank()}.pt")
+    # offload_to_cpu=False: with the default, every moment of a parameter comes back in one shared buffer
+    full_config = (FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+                   FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True))
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, *full_config):
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        full_optim = FSDP.optim_state_dict(model, optimizer)
+    if rank() == 0:
+        (target / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": world}))
+        write_reference(target, variant, full)
+        torch.save(full_optim, Path(f"{target}.reference") / "optim.pt")
+    dist.barrier()
+    log(f"{variant} (FSDP1, verl's files) saved")
+
+
 def write_reference(target: Path, variant: str, full: dict) -> None:
     """The oracles: peft's own view of the trained model, computed on one process from the gathered state."""
     reference = Path(f"{target}.reference")
@@ -194,6 +240,7 @@ def main() -> None:
     save = sub.add_parser("save-lora")
     save.add_argument("out", type=Path)
     save.add_argument("--variants", default=",".join(VARIANTS))
+    save.add_argument("--fsdp1", default="", help="variants also saved as verl's FSDP1 files (OUT/<variant>-fsdp1)")
     load = sub.add_parser("load-lora")
     load.add_argument("--ckpt", nargs=4, action="append", metavar=("CKPT", "VARIANT", "REFERENCE", "OPTIM"))
     args = parser.parse_args()
@@ -201,6 +248,8 @@ def main() -> None:
     if args.cmd == "save-lora":
         for variant in args.variants.split(","):
             save_lora(args.out, variant)
+        for variant in filter(None, args.fsdp1.split(",")):
+            save_lora_fsdp1(args.out, variant)
         exit_now(0)
     failed = False
     for path, variant, reference, optim in args.ckpt:
