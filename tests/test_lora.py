@@ -261,3 +261,22 @@ def test_refusals_of_what_cannot_merge(lora_runs, tmp_path):
             names=["DoRA", "q_proj", "one adapter at a time"], output=out)
     refused("export-hf", tmp_path / "dora.pt", out, "--lora", "adapter", "--lora-alpha", "8",
             names=["2 (default, second)", "--lora merge"], output=out)
+
+
+def test_every_adapter_merged(lora_runs, tmp_path):
+    """Two adapters on the same layers: both merged. The second undoes the first (its B negated), so the
+    merge is the base model again, within float32 rounding; modules_to_save's copy still replaces the head."""
+    state = torch.load(lora_runs / "lora.reference" / "peft.pt", weights_only=True)
+    for key in [k for k in state if ".lora_" in k]:
+        state[key.replace(".default", ".undo")] = -state[key] if "_B" in key else state[key]
+    torch.save({"model": state}, tmp_path / "two.pt")
+    result = dcptool("export-hf", tmp_path / "two.pt", tmp_path / "merged", "--lora", "merge", "--lora-alpha", "16")
+    assert "merged 15 LoRA layers of default, undo" in result.stderr
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    base = load_file(lora_runs / "lora.reference" / "base" / "model.safetensors")
+    trained_head = state["base_model.model.lm_head.modules_to_save.default.weight"]
+    for key, tensor in merged.items():
+        expected = trained_head if key == "lm_head.weight" else base[key]
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=key)
+    refused("export-hf", tmp_path / "two.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-alpha", "16",
+            names=["2 (default, undo)"], output=tmp_path / "adapter")
