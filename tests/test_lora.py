@@ -280,3 +280,30 @@ def test_every_adapter_merged(lora_runs, tmp_path):
         torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=key)
     refused("export-hf", tmp_path / "two.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-alpha", "16",
             names=["2 (default, undo)"], output=tmp_path / "adapter")
+
+
+def test_fan_in_fan_out(tmp_path):
+    """GPT-2's Conv1D layers store [in, out] (peft's fan_in_fan_out): the delta is (B @ A).T. A peft GPT-2
+    saved with torch.save, lora_B made non-zero, against peft's own merge_and_unload."""
+    import peft
+    import transformers
+
+    torch.manual_seed(5)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                peft.LoraConfig(r=4, lora_alpha=12, target_modules=["c_attn", "c_fc"],
+                                                fan_in_fan_out=True))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    torch.save({"model": model.state_dict()}, tmp_path / "gpt2.pt")
+    model.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["fan_in_fan_out"]
+    dcptool("export-hf", tmp_path / "gpt2.pt", tmp_path / "merged", "--lora", "merge", "--lora-config",
+            tmp_path / "adapter" / "adapter_config.json")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    expected = model.merge_and_unload().state_dict()
+    assert "transformer.h.0.attn.c_attn.weight" in merged and set(merged) <= set(expected)
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
