@@ -84,12 +84,19 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         raise UsageError(f"{checkpoint.root}: the weights hold LoRA adapters ({', '.join(found.adapters)}): "
                          f"merge them into the model with {option('lora', 'merge')} or write a PEFT adapter folder "
                          f"with {option('lora', 'adapter')}")
+    if lora is not None and (found is None or not found.targets):
+        if lora.mode == "adapter":
+            raise UsageError(f"{checkpoint.root}: no LoRA weights (lora_A / lora_B) to write an adapter folder of")
+        lora = None
+        notes = [f"{option('lora', 'merge')}: no LoRA weights in the checkpoint; its weights exported as they are"]
+    else:
+        notes = []
     if found is not None:
         named = found.base
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts)
-    notes = [note] if note else []
+    notes += [note] if note else []
     if mapping is not None:
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
@@ -122,6 +129,7 @@ def _renamer(mapping: adapters.Mapping | None, where: str, found):
     if mapping is not None and experts:
         raise UsageError(f"{where}: LoRA on the grouped experts {experts[0]} of {mapping.source} names is not "
                          "supported (HF names are)")
+
     def renamed(name: str, tensor: TensorInfo) -> tuple[str, TensorInfo]:
         if mapping is None:
             return name, tensor
