@@ -127,7 +127,11 @@ def save_lora_fsdp1(out: Path, variant: str) -> None:
     rank ``model_world_size_W_rank_r.pt`` of ``model.state_dict()`` under SHARDED_STATE_DICT, the optimizer
     state and the extra state; ``fsdp_config.json``; the reference as ``save_lora``'s, gathered with
     FULL_STATE_DICT."""
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        StateDictType,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
