@@ -307,3 +307,36 @@ def test_fan_in_fan_out(tmp_path):
     assert "transformer.h.0.attn.c_attn.weight" in merged and set(merged) <= set(expected)
     for key, tensor in merged.items():
         torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_rank_and_alpha_patterns(lora_runs, tmp_path):
+    """Ranks and alphas per module (peft's rank_pattern, alpha_pattern): merged with each module's own scale,
+    and written back into the adapter folder's config so that peft builds the same layers."""
+    import peft
+    import transformers
+
+    base_folder = lora_runs / "lora.reference" / "base"
+    torch.manual_seed(9)
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                "rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 32}}
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_folder),
+                                peft.LoraConfig(**settings))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    torch.save({"model": model.state_dict()}, tmp_path / "patterns.pt")
+    model.save_pretrained(tmp_path / "peft-adapter")
+    config = tmp_path / "peft-adapter" / "adapter_config.json"
+    dcptool("export-hf", tmp_path / "patterns.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-config", config)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["r"] == 4 and written["alpha_pattern"] == {"v_proj": 32}
+    assert written["rank_pattern"] == {f"model.layers.{i}.mlp.down_proj": 2 for i in range(2)}
+    ids = torch.load(lora_runs / "lora.reference" / "inputs.pt", weights_only=True)
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base_folder),
+                                            tmp_path / "adapter")
+    assert torch.equal(logits_of(loaded, ids), logits_of(model, ids))
+    dcptool("export-hf", tmp_path / "patterns.pt", tmp_path / "merged", "--lora", "merge", "--lora-config", config)
+    merged, expected = load_file(tmp_path / "merged" / "model.safetensors"), model.merge_and_unload().state_dict()
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
