@@ -198,8 +198,9 @@ def _check_pair(name: str, adapter: str, pair: Pair, weight: TensorInfo | None, 
             raise UsageError(f"{where}: {module}: DoRA on grouped experts is not supported")
         return
     if len(a) != 2 or len(b) != 2 or a[0] != b[1] or (weight is not None and len(weight.shape) != 2):
-        raise UsageError(f"{where}: {module}'s LoRA weights {list(a)} and {list(b)} on {list(weight.shape)} are not "
-                         "a plain layer's (LoRA on grouped experts' parameters is not supported)")
+        on = f" on {list(weight.shape)}" if weight is not None else ""
+        raise UsageError(f"{where}: {module}'s LoRA weights {list(a)} and {list(b)}{on} are neither a layer's nor "
+                         "grouped experts'")
     product = (a[1], b[0]) if pair.embedding else (b[0], a[1])
     if weight is not None and product not in (tuple(weight.shape), tuple(weight.shape)[::-1]):
         raise UsageError(f"{where}: {module}'s LoRA weights {list(a)} and {list(b)} do not fit its weight "
@@ -272,6 +273,7 @@ def settings(checkpoint: Checkpoint, config: str | Path | None, alpha: float | N
 
 
 def require_alpha(found: Settings, root) -> None:
+    """Refuse, naming the options that give it, when lora_alpha is not known."""
     if found.alpha is None:
         where = found.where or f"{root}: no {CONFIG_FILE} beside the checkpoint"
         raise UsageError(f"{where}: lora_alpha is not known; give the adapter's config with {option('lora_config')} "
