@@ -33,10 +33,12 @@ from dcptool import adapters, dtypes, models
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles, is_remote
+from dcptool.transfer import slabs
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"
-MODES = ("merge", "adapter")
+# Bytes of float32 temporaries per element of a merged block (W, B @ A, their sum, the rounding's)
+WORK_BYTES = 32
 # <module>.<part>.<adapter>[.weight]: peft's adapter tensors (embedding ones are parameters, no .weight)
 # (an adapter folder's names have no adapter name: peft loads them as "default")
 _PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
@@ -340,7 +342,13 @@ class LoraMerge:
     magnitude: TensorInfo | None = None  # DoRA (one adapter)
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
-        """Fill ``out`` (an unsigned view of ``dtype``, shape ``sizes``) with the region at ``offsets``."""
+        """Fill ``out`` (an unsigned view of ``dtype``, shape ``sizes``) with the region at ``offsets``, a block
+        at a time: the float32 temporaries of a block take no more than the scratch buffer (``--max-memory``)."""
+        for start, block in slabs(tuple(sizes), max(1, len(scratch) // WORK_BYTES)):
+            at = tuple(o + s for o, s in zip(offsets, start))
+            self._read(checkpoint, at, block, out[tuple(slice(s, s + n) for s, n in zip(start, block))], scratch)
+
+    def _read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         values = self._merged(checkpoint, offsets, sizes, scratch)
         if self.magnitude is not None:
             width = self.weight.shape[1]

@@ -68,14 +68,20 @@ VARIANTS = {
                    "head_dim": 8, "tie_word_embeddings": False},
                   {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"],
                    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    # ~170 MB of float32 weights, for tests/test_memory.py (not made by default; no reference)
+    "big": ({"hidden_size": 768, "intermediate_size": 2304, "num_hidden_layers": 6, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "tie_word_embeddings": False},
+            {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}),
 }
+DEFAULT_VARIANTS = ["lora", "rslora_tied", "dora", "qwen3_moe"]
 
 
 def base_config(settings: dict) -> transformers.PretrainedConfig:
     settings = dict(settings)
     kind = transformers.Qwen3MoeConfig if settings.pop("model_type", "llama") == "qwen3_moe" else transformers.LlamaConfig
-    return kind(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, **settings)
+    shape = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    return kind(**(shape | settings))
 
 
 def causal_lm(settings: dict) -> transformers.PreTrainedModel:
@@ -113,7 +119,7 @@ def save_lora(out: Path, variant: str) -> None:
     full = get_model_state_dict(model, options=whole)
     full_optim = get_optimizer_state_dict(model, optimizer, options=whole)
     timer.mark("dcp.save")
-    if rank() == 0:
+    if rank() == 0 and variant != "big":
         write_reference(target, variant, full)
         torch.save(full_optim, Path(f"{target}.reference") / "optim.pt")
     dist.barrier()
@@ -243,7 +249,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     save = sub.add_parser("save-lora")
     save.add_argument("out", type=Path)
-    save.add_argument("--variants", default=",".join(VARIANTS))
+    save.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     save.add_argument("--fsdp1", default="", help="variants also saved as verl's FSDP1 files (OUT/<variant>-fsdp1)")
     load = sub.add_parser("load-lora")
     load.add_argument("--ckpt", nargs=4, action="append", metavar=("CKPT", "VARIANT", "REFERENCE", "OPTIM"))
