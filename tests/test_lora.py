@@ -340,3 +340,16 @@ def test_rank_and_alpha_patterns(lora_runs, tmp_path):
     merged, expected = load_file(tmp_path / "merged" / "model.safetensors"), model.merge_and_unload().state_dict()
     for key, tensor in merged.items():
         torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_merge_under_torchrun(lora_runs, tmp_path):
+    """Under torchrun each rank computes the merged weights of its own shards: the same bytes as one process."""
+    from test_torchrun import contents, torchrun
+
+    options = ["--lora", "merge", "--max-shard-size", "40KB", "--config-dir", lora_runs / "lora" / "huggingface"]
+    dcptool("export-hf", lora_runs / "lora", tmp_path / "alone", *options)
+    result = torchrun("export-hf", lora_runs / "lora", tmp_path / "ranks", *options)
+    assert result.returncode == 0, result.stderr[-3000:]
+    alone = contents(tmp_path / "alone")
+    assert len([name for name in alone if name.endswith(".safetensors")]) >= 2
+    assert contents(tmp_path / "ranks") == alone
