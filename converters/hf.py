@@ -24,6 +24,7 @@ from dcptool.storage import CheckpointFiles, OutputFiles
 
 NAME = "hf"
 INDEX = "model.safetensors.index.json"
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # a PEFT adapter folder
 MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the __metadata__ entry of torch's HF-storage DCP files
 # Files that make an export usable by transformers, copied from --config-dir.
@@ -222,16 +223,21 @@ class Writer(SafetensorsFiles):
     """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order)."""
 
     def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
-                 config: dict | None = None):
+                 config: dict | None = None, adapter_config: dict | None = None):
         self.folder, self.config_dir = folder, config_dir
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")  # the hub's split gets bytes
         self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
+        # A PEFT adapter folder instead (export-hf --lora adapter): one adapter_model.safetensors, and this as
+        # adapter_config.json (peft loads no shards).
+        self.adapter_config = adapter_config
         self.out = OutputFiles(folder)
 
     def plan(self, tensors, objects):
         by_key = {t.key: t for t in tensors}
         if len(by_key) != len(tensors):
             raise UsageError("two tensors would get the same name in the safetensors output")
+        if self.adapter_config is not None:
+            return self.lay_out({ADAPTER_FILE: [_whole(by_key[k]) for k in sorted(by_key)]})
         split = split_state_dict_into_shards_factory(
             by_key, get_storage_size=lambda t: t.nbytes, filename_pattern="model{suffix}.safetensors",
             max_shard_size=self.max_shard_size,
@@ -240,6 +246,9 @@ class Writer(SafetensorsFiles):
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
         """Write the index (when sharded) and copy the config; returns the objects safetensors cannot hold."""
+        if self.adapter_config is not None:
+            (self.folder / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=2) + "\n")
+            return [o.key for o in objects]
         if len(self._pieces) > 1:  # sharded, as the hub's split says when it makes more than one file
             weight_map = dict(sorted((piece.tensor.key, name) for piece, (name, _) in self._place.items()))
             index = {"metadata": {"total_size": sum(self.files().values())}, "weight_map": weight_map}

@@ -180,6 +180,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
               prefix: str | None = None, source_format: str | None = None, revision: str | None = None,
               dtype: str | None = None, include: str | None = None, exclude: str | None = None,
               max_shard_size: Size = "5GB", adapter: str = "auto", hf_experts: str = "per-expert",
+              lora: str | None = None, lora_config: str | Path | None = None, lora_alpha: float | None = None,
               dequantize: bool = False, push_to_hub: str | None = None, private: bool = False,
               hub_branch: str | None = None, commit_message: str | None = None,
               max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
@@ -190,6 +191,9 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
 
     Args:
         adapter: the family of the checkpoint's names (auto, hf, archon, torchtitan).
+        lora: a peft (LoRA) model's checkpoint: ``"merge"`` merges every adapter into the base weights,
+            ``"adapter"`` writes a PEFT adapter folder; ``lora_config`` (an ``adapter_config.json``, default one
+            beside the checkpoint) and ``lora_alpha`` give lora_alpha and the other settings.
         push_to_hub: then upload the export to this hub repo (``ORG/NAME``), with ``private``,
             ``hub_branch`` and ``commit_message`` as the command's ``--private``, ``--revision``,
             ``--commit-message``.
@@ -215,10 +219,15 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     elif private or hub_branch or commit_message:
         raise UsageError(f"{option('private')}, {option('hub_branch')} and {option('commit_message')} go with "
                          f"{option('push_to_hub')}")
+    if lora not in (None, "merge", "adapter"):
+        raise UsageError(f"{option('lora', lora)}: choose merge or adapter")
+    if lora is None and (lora_config is not None or lora_alpha is not None):
+        raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
     checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype,
                                         include=include, exclude=exclude, adapter=adapter, hf_experts=hf_experts,
-                                        max_shard_size=parse_size(max_shard_size, "max_shard_size"))
+                                        max_shard_size=parse_size(max_shard_size, "max_shard_size"),
+                                        lora=conversion.LoraRequest(lora, lora_config, lora_alpha) if lora else None)
     if dequantize:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool import quant
 
@@ -269,10 +278,12 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
               etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None,
               plan: str = "auto", adapter: str = "hf", config_dir: str | Path | None = None,
               revision: str | None = None, dtype: str | None = None, dequantize: bool = False,
+              lora_adapter: str | Path | None = None,
               max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
               dry_run: bool = False, progress: Progress | None = None) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
-    out for the mesh, under the names of the job that loads it (``adapter``: hf, archon, torchtitan).
+    out for the mesh, under the names of the job that loads it (``adapter``: hf, archon, torchtitan). ``lora_adapter``:
+    a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads (``get_model_state_dict``).
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.
@@ -288,10 +299,13 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
 
     if adapter not in models.FAMILIES:
         raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.FAMILIES)}")
+    if lora_adapter is not None and (adapter != "hf" or tp * ep * cp != 1):
+        raise UsageError(f"{option('lora_adapter')} lays out a peft model of HF names for FSDP (data parallel): "
+                         f"drop {option('adapter')}, {option('tp')}, {option('ep')} and {option('cp')}")
     return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
                     plan=plan, to="dcp", keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
                     dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
-                    fsync=fsync, dry_run=dry_run, progress=progress)
+                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter)
 
 
 @_records
@@ -538,6 +552,16 @@ def _source(source, source_format, revision, dequantize: bool, config_dir, dtype
     return quant.dequantized(checkpoint, config_dir, dtype)
 
 
+def _with_lora_adapter(checkpoint: Checkpoint, adapter_dir, config_dir) -> tuple[Checkpoint, list[str]]:
+    """import-hf's base model with a PEFT adapter folder on it, under a peft model's names (``dcptool.lora``)."""
+    from dcptool import lora
+    from dcptool.selection import config_folder, read_config
+
+    folder = config_dir or config_folder(checkpoint)
+    return lora.with_adapter(checkpoint, formats.open_checkpoint(adapter_dir, "hf"),
+                             read_config(folder) if folder else None)
+
+
 def _forms(optim_form: str | None, model_values: str | None) -> dict[str, str]:
     """The fsdp1 output forms given (``OutputRequest.forms``)."""
     return {name: value for name, value in (("optim_form", optim_form), ("model_values", model_values)) if value}
@@ -551,12 +575,15 @@ def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
 
 def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
              config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
-             progress) -> ReshardReport:
+             progress, lora_adapter=None) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
 
     destination = output_path(destination)
     checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
+    if lora_adapter is not None:
+        checkpoint, more = _with_lora_adapter(checkpoint, lora_adapter, config_dir)
+        notes += more
     check_apart(checkpoint.files.location, destination)
     if not dry_run:
         check_destination(destination, overwrite)  # before planning, whose warnings would come first

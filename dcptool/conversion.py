@@ -16,6 +16,7 @@ its files and rank 0 the index (``dcptool.distributed``); one process writes eve
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from dcptool import adapters, distributed, formats, models, transfer
+from dcptool import lora as lora_weights
 from dcptool.selection import (OPTIMIZER_ROOTS, model_part, model_wrapper, optimizer_root, out_tensors,
                                read_config, select)
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
@@ -61,7 +63,7 @@ class Report:
 
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
                       dtype: str | None = None, include: str | None = None, exclude: str | None = None,
-                      adapter: str = "auto", hf_experts: str = "per-expert"):
+                      adapter: str = "auto", hf_experts: str = "per-expert", lora: LoraRequest | None = None):
     """The model weights to export under their HF names, the config folder to copy (or None), and notes.
 
     ``adapter`` is the family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
@@ -69,23 +71,118 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
     ``huggingface/``) is used; a config that ties the output to the embedding drops the output weight, which
     transformers recreates from the embedding.
+
+    A peft-wrapped model (``dcptool.lora``) is exported with ``lora``: its adapters merged into the base
+    weights (``lora.mode == "merge"``), or as a PEFT adapter folder's tensors (``"adapter"``: the config
+    folder returned is None); without it, refused.
     """
     named = select(model_part(checkpoint, prefix), include, exclude)
     if not named:
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with {option('prefix')})")
+    found = lora_weights.find(named, str(checkpoint.root))
+    if found is not None and found.targets and lora is None:
+        raise UsageError(f"{checkpoint.root}: the weights hold LoRA adapters ({', '.join(found.adapters)}): "
+                         f"merge them into the model with {option('lora', 'merge')} or write a PEFT adapter folder "
+                         f"with {option('lora', 'adapter')}")
+    if lora is not None and (found is None or not found.targets):
+        if lora.mode == "adapter":
+            raise UsageError(f"{checkpoint.root}: no LoRA weights (lora_A / lora_B) to write an adapter folder of")
+        lora = None
+        notes = [f"{option('lora', 'merge')}: no LoRA weights in the checkpoint; its weights exported as they are"]
+    else:
+        notes = []
+    if found is not None:
+        named = found.base
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts)
-    notes = [note] if note else []
+    notes += [note] if note else []
     if mapping is not None:
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
         named = {name: entry for name, (entry, _) in result.entries.items()}
         notes += [f"left out {line}" for line in result.dropped]
+    if found is not None and found.targets:
+        if lora.mode == "adapter":
+            return _adapter_entries(checkpoint, found, lora, mapping, notes)
+        notes += _merge(checkpoint, found, lora, mapping, named, dtype, config)
     for output in models.tied_outputs(config):  # transformers recreates a tied output from the embedding
         if named.pop(output, None) is not None:
             notes.append(f"left out {output}: the config ties it to the embedding")
     return out_tensors(named, dtype, keep_paths=False), config_dir, notes
+
+
+@dataclass
+class LoraRequest:
+    """export-hf's ``--lora`` (merge or adapter) and where alpha comes from (``--lora-config``, ``--lora-alpha``)."""
+
+    mode: str
+    config: str | Path | None = None
+    alpha: float | None = None
+    adapter_config: dict | None = None  # planned: the adapter folder's adapter_config.json
+
+
+def _renamer(mapping: adapters.Mapping | None, where: str, found):
+    """``renamed(name, tensor) -> (hf name, tensor)``: a tensor laid out as the weight ``name`` is (a LoRA B's rows
+    are the weight's), under the weight's HF name, as the mapping renames and reorders it."""
+    experts = [name for name, pairs in found.targets.items() if any(p.experts for p in pairs.values())]
+    if mapping is not None and experts:
+        raise UsageError(f"{where}: LoRA on the grouped experts {experts[0]} of {mapping.source} names is not "
+                         "supported (HF names are)")
+
+    def renamed(name: str, tensor: TensorInfo) -> tuple[str, TensorInfo]:
+        if mapping is None:
+            return name, tensor
+        result = mapping.convert({name: tensor}, model=False)
+        if len(result.entries) != 1:
+            raise UsageError(f"{where}: the LoRA weights of {name} cannot follow it to HF names")
+        [(hf_name, (entry, _))] = result.entries.items()
+        return hf_name, entry
+    return renamed
+
+
+def _merge(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, named: dict, dtype: str | None,
+           config: dict | None) -> list[str]:
+    """Replace each targeted weight of ``named`` (HF names) by its merge with its adapters; notes."""
+    where = str(checkpoint.root)
+    given = lora_weights.settings(checkpoint, lora.config, lora.alpha)
+    lora_weights.require_alpha(given, checkpoint.root)
+    renamed = _renamer(mapping, where, found)
+    tied = {tie.output.hf: tie.embedding.hf for tie in models.active_ties(config)}
+    notes = [(f"merged {len(found.targets)} LoRA layers of {', '.join(found.adapters)} (lora_alpha {given.alpha} "
+              f"from {given.where}{', rsLoRA' if given.rslora else ''}{', DoRA' if found.dora else ''})")]
+    for name, pairs in found.targets.items():
+        hf_name, _ = renamed(name, next(iter(pairs.values())).b)
+        if hf_name in tied:
+            raise UsageError(f"{where}: LoRA on {hf_name}, which the config ties to {tied[hf_name]}: the merged "
+                             "model cannot hold both; untie them in config.json (tie_word_embeddings: false) first")
+        pairs = {adapter: dataclasses.replace(pair, b=renamed(name, pair.b)[1],
+                                              magnitude=pair.magnitude and renamed(name, pair.magnitude)[1])
+                 for adapter, pair in pairs.items()}
+        named[hf_name] = lora_weights.merged(hf_name, named[hf_name], pairs, given, dtype, where)
+        outputs = [output for output, embedding in tied.items() if embedding == hf_name]
+        if outputs:
+            notes.append(f"merged LoRA into {hf_name}, which the config ties to {outputs[0]}: the head changes "
+                         "too, as transformers ties them")
+    return notes
+
+
+def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, notes: list[str]):
+    """The PEFT adapter folder's tensors, no config folder, and notes; its adapter_config.json goes in ``lora``."""
+    where = str(checkpoint.root)
+    if len(found.adapters) != 1:
+        raise UsageError(f"{where}: {option('lora', 'adapter')} writes one adapter, and the weights hold "
+                         f"{len(found.adapters)} ({', '.join(found.adapters)}): merge them with {option('lora', 'merge')}")
+    given = lora_weights.settings(checkpoint, lora.config, lora.alpha)
+    lora_weights.require_alpha(given, checkpoint.root)
+    renamed = _renamer(mapping, where, found)
+    entries = lora_weights.adapter_entries(found, renamed)
+    modules = [renamed(name, next(iter(pairs.values())).b)[0].removesuffix(".weight")
+               for name, pairs in found.targets.items()]
+    lora.adapter_config = lora_weights.adapter_config(found, given, modules)
+    notes.append(f"adapter {found.adapters[0]!r}: {len(found.targets)} LoRA layers, lora_alpha {given.alpha} from "
+                 f"{given.where}; the base model's weights left out")
+    return out_tensors(entries, None, keep_paths=False), None, notes
 
 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
@@ -298,15 +395,19 @@ def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None 
 def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
                    dtype: str | None = None, include: str | None = None, exclude: str | None = None,
                    adapter: str = "auto", hf_experts: str = "per-expert",
-                   max_shard_size: int | str = "5GB") -> Conversion:
-    """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files.
+                   max_shard_size: int | str = "5GB", lora: LoraRequest | None = None) -> Conversion:
+    """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files;
+    with ``lora.mode == "adapter"``, a PEFT adapter folder instead.
 
     A config.json the weights do not fit is refused here, before anything is written (``dcptool.hf_config``).
     """
     from dcptool import hf_config
 
     tensors, config_dir, notes = hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude,
-                                                   adapter, hf_experts)
+                                                   adapter, hf_experts, lora)
+    if lora is not None and lora.adapter_config is not None:
+        why = "an adapter folder holds the adapter's weights only"
+        return Conversion(checkpoint, "hf", tensors, [], {"adapter_config": lora.adapter_config}, notes, why)
     config = hf_config.export_config(config_dir, tensors, dtype)
     if config_dir is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "

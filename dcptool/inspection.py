@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dcptool import adapters, core, selection, stats
+from dcptool import adapters, core, lora, selection, stats
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.mesh import Mesh
@@ -40,6 +40,7 @@ class Inspection:
     names: dict | None
     parameters: dict[str, Any]
     stats: stats.StatsReport | None = None
+    lora: dict | None = None  # a peft model's adapters (``lora.describe``)
 
     def to_json(self) -> dict[str, Any]:
         """``inspect --json``."""
@@ -54,6 +55,7 @@ class Inspection:
             "mesh": None if self.mesh is None else self.mesh.as_dict() | {"plan": self.plan},
             "names": self.names,
             "parameters": self.parameters,
+            "lora": self.lora,
         }
         if self.stats:
             report["stats"] = self.stats.to_json()
@@ -74,7 +76,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, wi
         inferred = resharding.infer_mesh(checkpoint)
     found = Inspection(checkpoint, tensors, objects, files, sum(checkpoint.files.size(f) for f in files),
                        ranks_recorded, inferred[0] if inferred else None, inferred[1].name if inferred else None,
-                       naming(checkpoint), stats.parameter_counts(checkpoint, tensors))
+                       naming(checkpoint), stats.parameter_counts(checkpoint, tensors), lora=adapters_of(checkpoint))
     if with_stats:
         found.stats = stats.compute(checkpoint, tensors, max_memory=max_memory, threads=threads, progress=progress)
     return found
@@ -83,6 +85,10 @@ def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, wi
 def naming(checkpoint: Checkpoint) -> dict | None:
     """The naming family and model kind of the model weights (``dcptool.adapters``), or None for names no table knows."""
     params = selection.model_part(checkpoint)
+    try:  # a peft model's: the base model's names, without peft's wrapping
+        params = getattr(lora.find(params), "base", params)
+    except UsageError:
+        pass
     family = adapters.detect_family(params)
     if family is None:
         return None
@@ -92,3 +98,16 @@ def naming(checkpoint: Checkpoint) -> dict | None:
     except UsageError:  # a model type with no table: the family is still worth showing
         kind = None
     return {"family": family, "kind": kind}
+
+
+def adapters_of(checkpoint: Checkpoint) -> dict | None:
+    """A peft model's adapters: names, rank per module, target modules, and lora_alpha where an
+    ``adapter_config.json`` beside the checkpoint says it (None: not a peft model's weights)."""
+    try:
+        found = lora.find(selection.model_part(checkpoint), str(checkpoint.root), require_base=False)
+        if found is None or not found.targets:
+            return None
+        given = lora.settings(checkpoint, None, None)
+    except UsageError as exc:
+        return {"problem": str(exc)}
+    return lora.describe(found, given)

@@ -75,6 +75,10 @@ against cp -r of that folder (cp-hf-dcp, cp-zstd, ...; ratios are plain time rat
   dequantize-fp8       convert --to hf --dequantize of float8_e4m3fn projections with
                        weight_scale_inv per 128 x 128 block (written by ``_fp8``)
                                                     peer: peer-dequantize (w.float() * scale, bf16)
+  export-hf-lora-merge export-hf --lora merge of a peft model's DCP (the dense shape in peft's names, LoRA
+                       r=16 on every projection, lora_alpha from adapter_config.json beside it; written by
+                       ``_lora``), timed against cp-sync-lora: cp -r && sync of its own output
+                                                    peer: none (peft's merge_and_unload needs the whole model)
 
 Output (``--out``, default bench-out/): results.json (every row at every size: times,
 peak memory, ratios to cp -r and to the peer per tensor byte of the checkpoint each row reads
@@ -112,8 +116,8 @@ from pathlib import Path
 from benchmark import REPO, workers
 from benchmark.measure import SAMPLE_S, remove
 from benchmark.report import chart, chart_title, machine_info, summarize, write_report
-from benchmark.rows import (GLOO_LAYOUTS, checkpoint_info, make_rows, reader_folder, reader_rows, reader_shapes,
-                            reader_sources, run_row, save_checkpoints)
+from benchmark.rows import (GLOO_LAYOUTS, checkpoint_info, lora_output, make_rows, reader_folder, reader_rows,
+                            reader_shapes, reader_sources, run_row, save_checkpoints)
 from benchmark.scale import scale_bench
 from benchmark.shapes import Shape, choose_shape, human, inspect_shape, parse_size
 
@@ -281,7 +285,7 @@ def bench_size(args, target: int, work: Path, logs: Path,
             remove(Path(f"{path}.done"))
         for reader in readers:  # the reader sources, and the gloo job's folders they were made from
             folder = reader_folder(reader, tag, work)
-            for path in (folder, Path(f"{folder}.done"), work / f"ckpt-optim-{tag}",
+            for path in (folder, Path(f"{folder}.done"), lora_output(folder), work / f"ckpt-optim-{tag}",
                          work / f"ckpt-optim-{tag}.done", work / f"accelerate-{tag}"):
                 remove(path)
     remove(outdir)
@@ -304,7 +308,7 @@ def verify_export(src: Path, shape: Shape, tag: str, work: Path) -> Path:
 
 # The processes the bench starts of itself: ``bench.py _save ...`` and so on (see benchmark.workers).
 WORKERS = {"_save": workers.worker_save, "_reshard": workers.worker_reshard, "_fp8": workers.make_fp8,
-           "_peer": workers.peer}
+           "_lora": workers.make_lora, "_peer": workers.peer}
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in WORKERS:

@@ -66,6 +66,18 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def lora_runs(tmp_path_factory):
+    """LoRA checkpoints of a peft-wrapped Llama (and Qwen3-MoE) trained with FSDP2 on 2 gloo ranks
+    (harness.lora_jobs), one job for all variants: ``root/<variant>`` and ``root/<variant>.reference``; and
+    ``root/lora-fsdp1``: the "lora" variant trained under FSDP1 and saved as verl's files."""
+    from jobs import LORA_JOBS, run_job
+
+    root = tmp_path_factory.mktemp("lora")
+    run_job(2, "save-lora", root, "--fsdp1", "lora", module=LORA_JOBS)
+    return root
+
+
 def load_reference(reference: Path) -> dict:
     import torch
 

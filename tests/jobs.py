@@ -27,6 +27,7 @@ FAMILY_JOBS = "harness.family_jobs"
 VERL_JOBS = "harness.verl_jobs"
 ACCELERATE_JOBS = "harness.accelerate_jobs"
 STORAGE_JOBS = "harness.storage_jobs"
+LORA_JOBS = "harness.lora_jobs"
 
 
 def run_job(nproc: int, *args: str, timeout: float = 300, check: bool = True,

@@ -27,7 +27,8 @@ READER_ROWS = {"export-hf-hf-dcp": ("cp-hf-dcp", "peer-consolidate"),
                "convert-torch-zstd": ("cp-zstd", "peer-torch-save-zstd"),
                "export-hf-accelerate": ("cp-accelerate", "peer-accelerate-merge"),
                "reshard-verl-w4": ("cp-verl", None),
-               "dequantize-fp8": ("cp-fp8", "peer-dequantize")}
+               "dequantize-fp8": ("cp-fp8", "peer-dequantize"),
+               "export-hf-lora-merge": ("cp-sync-lora", None)}
 READER_EXTRA = {row for pair in READER_ROWS.values() for row in pair if row} | set(READER_ROWS)
 NUMERIC = ("median_s", "min_s", "max_s", "peak_mb", "peak_mb_median", "peak_mb_min", "peak_mb_max",
            "ratio_to_cp", "ratio_to_peer", "size_bytes", "tensor_bytes", "tensors")
@@ -83,6 +84,8 @@ def test_bench_smoke(tmp_path):
     assert written >= 3 * rows["reshard-verl-w4"]["source"]["tensors"], verl_log
     fp8_log = (logs / "dequantize-fp8-2MB-r0.log").read_text()
     assert "float8 weights to bfloat16 (blocks of 128x128)" in fp8_log and "_scale_inv scales" in fp8_log, fp8_log
+    lora_log = (logs / "export-hf-lora-merge-2MB-r0.log").read_text()  # every projection merged, alpha found beside it
+    assert re.search(r"merged \d+ LoRA layers of default \(lora_alpha 32 from .*adapter_config.json\)", lora_log), lora_log
 
     # The MoE row: its yardstick is the dense export, per tensor byte of the checkpoint each reads.
     moe, dense = rows["export-hf-moe"], rows["export-hf"]

@@ -51,3 +51,20 @@ def test_average_peak_memory_within_budget(big_checkpoint, baseline_mb, tmp_path
     peak = peak_rss_mb("average", big_checkpoint, big_checkpoint, tmp_path / "out", "--include-optimizer",
                        "--max-memory", f"{BUDGET_MB}MiB")
     assert peak - baseline_mb < BUDGET_MB + 24, (peak, baseline_mb)
+
+
+def test_lora_merge_within_budget(tmp_path_factory, tmp_path):
+    """export-hf --lora merge computes every merged weight in float32 blocks no larger than the scratch buffer:
+    within the budget too (a LoRA run's checkpoint saved by a real FSDP2 job, harness.lora_jobs)."""
+    from jobs import LORA_JOBS, run_job
+
+    root = tmp_path_factory.mktemp("big-lora")
+    run_job(2, "save-lora", root, "--variants", "big", module=LORA_JOBS)
+    checkpoint = root / "big"
+    baseline = peak_rss_mb("inspect", checkpoint, "--json")
+    # float32 weights merged and rounded to bfloat16: the most temporaries per element
+    peak = peak_rss_mb("export-hf", checkpoint, tmp_path / "out", "--lora", "merge", "--lora-alpha", "32",
+                       "--dtype", "bfloat16", "--max-memory", f"{BUDGET_MB}MiB")
+    model_mb = sum(f.stat().st_size for f in checkpoint.glob("*.distcp")) / 2**20
+    assert model_mb > 10 * BUDGET_MB
+    assert peak - baseline < BUDGET_MB + 24, (peak, baseline, model_mb)

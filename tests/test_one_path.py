@@ -83,6 +83,32 @@ def test_command_line_and_api_write_the_same_bytes(sources, tmp_path, command, c
     assert [name for name in cli_files if cli_files[name] != api_files[name]] == []
 
 
+# The LoRA options, on a peft model's checkpoint (conftest.lora_runs); LORA is replaced by its folder.
+LORA = "<the LoRA runs' folder>"
+LORA_CASES = [
+    ("export-hf", ["--lora", "merge", "--lora-alpha", "12", "--dtype", "bfloat16"],
+     {"lora": "merge", "lora_alpha": 12, "dtype": "bfloat16"}),
+    ("export-hf", ["--lora", "adapter", "--lora-config", f"{LORA}/lora/huggingface/adapter_config.json"],
+     {"lora": "adapter", "lora_config": f"{LORA}/lora/huggingface/adapter_config.json"}),
+    ("import-hf", ["--dp", "2", "--lora-adapter", f"{LORA}/lora.reference/adapter"],
+     {"dp": 2, "lora_adapter": f"{LORA}/lora.reference/adapter"}),
+]
+
+
+@pytest.mark.parametrize("command, cli_options, api_options", LORA_CASES,
+                         ids=[f"{c}{''.join(o[:2])}" for c, o, _ in LORA_CASES])
+def test_lora_options_write_the_same_bytes(lora_runs, tmp_path, command, cli_options, api_options):
+    source = lora_runs / ("lora.reference/base" if command == "import-hf" else "lora")
+    cli_options = [option.replace(LORA, str(lora_runs)) for option in cli_options]
+    api_options = {key: value.replace(LORA, str(lora_runs)) if isinstance(value, str) else value
+                   for key, value in api_options.items()}
+    run_cli(command, source, tmp_path / "cli", *cli_options)
+    API[command](source, tmp_path / "api", **api_options)
+    cli_files, api_files = files_of(tmp_path / "cli"), files_of(tmp_path / "api")
+    assert cli_files and sorted(cli_files) == sorted(api_files)
+    assert [name for name in cli_files if cli_files[name] != api_files[name]] == []
+
+
 # Every writing command with every format it can write; reshard's --to takes the formats laid out over ranks.
 DRY_RUNS = ([("convert", ["--to", name]) for name in formats.writable()] + [("export-hf", [])]
             + [("reshard", ["--to", name, "--world-size", "2"]) for name in formats.writable()

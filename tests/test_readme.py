@@ -67,6 +67,7 @@ INPUTS = {
     "dcptool average step-800": ["step-800", "step-900", "step-1000", "Llama-3.1-8B"],
     "dcptool diff step-900": ["step-900", "step-1000", "hf-bf16"],
     "scripts/test.sh": [],
+    "dcptool inspect lora/step-300": ["lora/step-300", "base-llama"],
 }
 
 
@@ -101,7 +102,7 @@ def inputs_of(lines: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory, checkpoints):
+def made(tmp_path_factory, checkpoints, lora_runs):
     """``made(path)``: the README path ``path`` made once (a folder or file under a shared root)."""
     root = tmp_path_factory.mktemp("readme-inputs")
     done: dict[str, Path] = {}
@@ -147,6 +148,8 @@ def made(tmp_path_factory, checkpoints):
         "global_step_10/actor": lambda out: run_job(2, "save", out, "--dtensor", "--flat-params", module=VERL_JOBS),
         "llama-hf": lambda out: hf_folder(out, "llama"),
         "titan/step-10": lambda out: family(out, "llama", "torchtitan", "llama-hf", "--dp", "2"),
+        "lora/step-300": copy(lora_runs / "lora"),
+        "base-llama": copy(lora_runs / "lora.reference" / "base"),
         "archon/step-10": lambda out: dcptool("convert", get("titan/step-10"), out, "--to", "dcp",
                                               "--adapter", "archon", "--config-dir", get("llama-hf")),
     }

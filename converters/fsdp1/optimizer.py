@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from dcptool import dtypes, selection
+from dcptool import dtypes, models, selection
 from dcptool.core import Chunk, ObjectInfo, OutObject, OutTensor, join_path
 from dcptool.errors import CheckpointError, UsageError, printable, option
 from dcptool.safe_pickle import TensorRef
@@ -74,6 +74,10 @@ def read_optimizer(files: CheckpointFiles, world_size: int, present: set[int], m
     by_position = [key for root in roots for key in root["state"] if type(key) is not str]
     if by_position and not all(type(key) is int for key in by_position):
         raise CheckpointError(f"{archives[0].where}: optimizer state keyed by something other than names and numbers")
+    positions = sum(len(group.get("params") or ()) for group in roots[0]["param_groups"] if isinstance(group, dict))
+    trainable = [key for key in params if models.peft_trainable(key)]
+    if by_position and positions < len(params) and positions == len(trainable):  # peft froze the rest
+        params, shapes = trainable, {key: shapes[key] for key in trainable}
     dtensor_moments = any(is_dtensor(v) for root in roots for entry in root["state"].values()
                           if isinstance(entry, dict) for v in entry.values())
     form = "named" if not by_position else "fsdp2" if dtensor_moments else "orig"

@@ -31,6 +31,9 @@ def export_hf(
     private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),
     hub_branch: Optional[str] = typer.Option(None, "--revision", metavar="BRANCH", help="With --push-to-hub: the branch to upload to, created if missing (e.g. one per step)."),
     commit_message: Optional[str] = typer.Option(None, "--commit-message", metavar="MESSAGE", help="With --push-to-hub: the commit message."),
+    lora: Optional[Literal["merge", "adapter"]] = typer.Option(None, "--lora", help="A checkpoint of a peft (LoRA) model: merge every adapter into the base weights, or write a PEFT adapter folder (adapter_model.safetensors, adapter_config.json) that PeftModel.from_pretrained loads."),
+    lora_config: Optional[str] = typer.Option(None, "--lora-config", metavar="FILE", help="With --lora: the adapter's adapter_config.json (lora_alpha, use_rslora, ...); default: one beside the checkpoint."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="With --lora: lora_alpha (the merge scales B @ A by lora_alpha / r), over the config's."),
     dequantize: bool = DequantizeOption,
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
@@ -47,16 +50,23 @@ def export_hf(
     Archon and torchtitan names (grouped experts, Llama's interleaved q/k rows) become Hugging Face's;
     the family is detected from the names and printed.
 
+    A peft (LoRA) model's checkpoint needs --lora: merge (W + lora_alpha / r * B @ A per layer, rsLoRA and
+    DoRA too, computed in float32 as it streams) or adapter (a PEFT adapter folder). lora_alpha comes from
+    an adapter_config.json beside the checkpoint (or its huggingface/), --lora-config or --lora-alpha.
+
     [bold]Examples[/bold]:
       [cyan]dcptool export-hf recover_checkpoint hf-out --config-dir base-model --dtype bfloat16[/cyan]
       [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
+      [cyan]dcptool export-hf lora/step-300 merged --config-dir base-model --lora merge[/cyan]
+      [cyan]dcptool export-hf lora/step-300 adapter --lora adapter --lora-config lora/adapter_config.json[/cyan]
       [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --revision step-1000[/cyan]
     """
     from dcptool import api
 
     report = api.export_hf(source, destination, config_dir=config_dir, prefix=prefix, source_format=source_format,
                            dtype=dtype, include=include, exclude=exclude,
-                           max_shard_size=max_shard_size, adapter=adapter, hf_experts=hf_experts, dequantize=dequantize,
+                           max_shard_size=max_shard_size, adapter=adapter, hf_experts=hf_experts, lora=lora,
+                           lora_config=lora_config, lora_alpha=lora_alpha, dequantize=dequantize,
                            push_to_hub=push_to_hub, private=private, hub_branch=hub_branch,
                            commit_message=commit_message, max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync,
                            dry_run=dry_run, progress=render.progress,

@@ -83,6 +83,8 @@ def _print_table(path: str, found, show_all: bool) -> None:
     lines += [f"{key}: {value}" for key, value in checkpoint.info.items() if value is not None]
     if found.names:
         lines.append(f"names: {found.names['family']}" + (f" ({found.names['kind']})" if found.names["kind"] else ""))
+    if found.lora:
+        lines.append(_lora_line(found.lora))
     if found.mesh:
         lines.append(f"saved on mesh {found.mesh.describe()} (plan {found.plan})")
     elif found.ranks_recorded:
@@ -91,6 +93,20 @@ def _print_table(path: str, found, show_all: bool) -> None:
         lines += render.aligned(stats.STATS_HEADER, stats.stats_rows(found.stats, shown), right=set(range(1, 9)))
         lines += stats.summary_lines(found.stats, shown)
     print("\n".join(lines))
+
+
+def _lora_line(lora: dict) -> str:
+    """The adapters of a peft model: names, ranks, targets, and whether lora_alpha is known."""
+    if "problem" in lora:
+        return f"LoRA: {lora['problem']}"
+    ranks = "/".join(map(str, lora["rank"]))
+    alpha = (f"lora_alpha {lora['alpha']} ({lora['alpha_from']})" if lora["alpha"] is not None else
+             "lora_alpha unknown (no adapter_config.json beside it: export-hf --lora needs --lora-config or --lora-alpha)")
+    saved = f"; modules_to_save {', '.join(lora['modules_to_save'])}" if lora["modules_to_save"] else ""
+    targets = [*lora["target_modules"], *lora["target_parameters"]]
+    return (f"LoRA{' (DoRA)' if lora['dora'] else ''}: adapter {', '.join(lora['adapters'])}, rank {ranks} on "
+            f"{len(lora['ranks'])} modules ({', '.join(targets)}){saved}; {alpha}"
+            f"{', rsLoRA' if lora['use_rslora'] else ''}")
 
 
 def _chunking(tensor) -> str:

@@ -84,6 +84,7 @@ def import_hf(
     dry_run: bool = DryRunOption,
     revision: Optional[str] = RevisionOption,
     dequantize: bool = DequantizeOption,
+    lora_adapter: Optional[str] = typer.Option(None, "--lora-adapter", metavar="ADAPTER_DIR", help="A PEFT adapter folder to put on the model: the output holds the peft model's state dict (base_layer, lora_A/B.default, ...), as an FSDP job of that model loads it with dcp.load."),
     max_memory: str = MaxMemoryOption,
     overwrite: bool = OverwriteOption,
     no_fsync: bool = NoFsyncOption,
@@ -97,13 +98,14 @@ def import_hf(
       [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-archon --adapter archon --dp 8 --ep 8[/cyan]
       [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
       [cyan]dcptool import-hf Qwen/Qwen3-8B qwen3-dcp --revision main[/cyan]   (a hub repo, through the hub cache)
+      [cyan]dcptool import-hf Qwen3-8B lora-resume --lora-adapter my-adapter --dp 8[/cyan]   (resume a LoRA run)
     """
     from dcptool import api
 
     report = api.import_hf(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
                            world_size=world_size, plan=plan, adapter=adapter, config_dir=config_dir, revision=revision,
-                           dtype=dtype, dequantize=dequantize, max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync,
-                           dry_run=dry_run, progress=render.progress)
+                           dtype=dtype, dequantize=dequantize, lora_adapter=lora_adapter, max_memory=max_memory,
+                           overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run, progress=render.progress)
     _show(report, False)
 
 

@@ -36,7 +36,8 @@ from dcptool.models.kind import (
 )
 
 __all__ = ["FAMILIES", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
-           "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]
+           "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
+           "peft_trainable"]
 
 _HELPERS = {"common", "kind"}
 
@@ -155,6 +156,12 @@ def expert_of(name: str) -> tuple[str, int, str] | None:
     ``up_proj.weight``); None for a name of no single expert."""
     match = common.PER_EXPERT.match(name)
     return (match[1], int(match[2]), match[3]) if match else None
+
+
+def peft_trainable(name: str) -> bool:
+    """Whether a peft (LoRA) model trains this parameter: its adapters' and ``modules_to_save``'s copies; peft
+    freezes the rest, which an optimizer built over the trainable parameters never sees."""
+    return ".lora_" in name or ".modules_to_save." in name
 
 
 def grouped_experts(name: str, shape: Shape) -> bool:

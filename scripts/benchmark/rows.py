@@ -136,6 +136,9 @@ READER_ROWS = [
     ("fp8", "cp-fp8", "dequantize-fp8", "dcptool convert --dequantize (FP8 blocks -> bf16)",
      ["convert", "{src}", "{out}", "--to", "hf", "--dequantize"], "peer-dequantize",
      "torch loop: w.float() * scale per block -> bf16", ["dequantize", "{src}", "{out}"]),
+    # timed against cp -r && sync of its own output (made untimed beside the source: ``floor_of``)
+    ("lora", "cp-sync-lora", "export-hf-lora-merge", "dcptool export-hf --lora merge (peft LoRA r=16, every projection)",
+     ["export-hf", "{src}", "{out}", "--lora", "merge"], "", "", []),
 ]
 
 
@@ -154,8 +157,15 @@ def reader_rows(sources: dict[str, tuple[Path, dict]], outdir: Path) -> list[Row
         def output(args: list[str], out: str) -> Path:
             return outdir / (f"{out}.pt" if "{out}.pt" in args else out)
 
-        rows.append(Row(floor, f"cp -r ({reader} source)", "floor", floor,
-                        ["cp", "-r", str(src), str(outdir / floor)], outdir / floor, [src], source=info, floor=floor))
+        if "floor_of" in info:  # the durable copy of the row's own output
+            copied = Path(info["floor_of"])
+            rows.append(Row(floor, f"cp -r && sync ({reader} output)", "floor", floor,
+                            ["sh", "-c", 'cp -r "$0" "$1" && sync', str(copied), str(outdir / floor)],
+                            outdir / floor, [copied], source=info, floor=floor))
+        else:
+            rows.append(Row(floor, f"cp -r ({reader} source)", "floor", floor,
+                            ["cp", "-r", str(src), str(outdir / floor)], outdir / floor, [src], source=info,
+                            floor=floor))
         rows.append(Row(rid, name, "dcptool", peer_id, [py, "-m", "dcptool"] + fill(argv, rid),
                         output(argv, rid), [src], source=info, floor=floor))
         if peer_id:
@@ -178,7 +188,7 @@ def reader_shapes(shape: Shape, target: int, max_hidden: int, only: re.Pattern |
     projections take 1 byte an element (twice the elements)."""
     shapes = {"hf-dcp": shape, "zstd": shape, "accelerate": shape,
               "verl": choose_shape("dense", target // 3, max_hidden),
-              "fp8": choose_shape("dense", 2 * target, max_hidden)}
+              "fp8": choose_shape("dense", 2 * target, max_hidden), "lora": shape}
     return {reader: shapes[reader] for reader, _, rid, *_, peer_id, _, _ in READER_ROWS
             if only is None or only.search(rid) or (peer_id and only.search(peer_id))}
 
@@ -200,7 +210,7 @@ def reader_sources(shapes: dict[str, Shape], tag: str, work: Path, logs: Path) -
                 argv = [sys.executable, "-m", "dcptool", "convert", str(work / f"ckpt-optim-{tag}"), str(folder),
                         "--to", "fsdp1", "--world-size", "2", "--no-fsync"]
             else:
-                argv = [sys.executable, str(SCRIPT), "_fp8", str(folder), spec]
+                argv = [sys.executable, str(SCRIPT), f"_{reader}", str(folder), spec]
             t0 = time.perf_counter()
             log = logs / f"make-{reader}.log"
             with open(log, "wb") as out:
@@ -212,7 +222,18 @@ def reader_sources(shapes: dict[str, Shape], tag: str, work: Path, logs: Path) -
         # Ratios of rows on one source are plain time ratios: its bytes on disk stand for its tensor bytes.
         made[reader] = (folder, {"size_bytes": size, "tensor_bytes": size, "files": len(list(folder.rglob("*"))),
                                  "tensors": len(shape.tensors()), "model": f"{reader}: {shape.describe()}"})
+        if reader == "lora":  # its floor copies the merged export, made here untimed
+            merged = lora_output(folder)
+            if not merged.is_dir():
+                subprocess.run([sys.executable, "-m", "dcptool", "export-hf", str(folder), str(merged), "--lora",
+                                "merge", "--no-fsync"], check=True, capture_output=True, cwd=REPO)
+            made[reader][1]["floor_of"] = str(merged)
     return made
+
+
+def lora_output(folder: Path) -> Path:
+    """Where the LoRA source's merged export lies, whose durable copy is the LoRA row's floor."""
+    return Path(f"{folder}-merged")
 
 
 def checkpoint_info(path: Path, shape: Shape) -> dict:

@@ -160,6 +160,43 @@ def make_fp8(argv: list[str]) -> int:
     return 0
 
 
+LORA_RANK, LORA_ALPHA = 16, 32
+
+
+def make_lora(argv: list[str]) -> int:
+    """``_lora OUT SHAPE_JSON``: a dense shape as an FSDP engine saves a peft model: ``dcp.save`` (one process) of
+    ``{"model": ...}`` in peft's names, every 2-D projection a ``base_layer`` with LoRA r=16 (``lora_A`` [r, in],
+    ``lora_B`` [out, r], bf16, B not zero as after training), and ``huggingface/`` with config.json and
+    adapter_config.json (lora_alpha 32) beside it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out, spec = argv
+    shape = Shape(**json.loads(spec))
+    folder = Path(out)
+    gen = torch.Generator().manual_seed(11)
+    model, targets = {}, set()
+    for name, dims, _ in shape.tensors():
+        value = (torch.ones(dims, dtype=torch.bfloat16) if "norm" in name
+                 else (torch.rand(dims, generator=gen) * 0.1 - 0.05).to(torch.bfloat16))
+        if len(dims) == 2 and "_proj." in name:
+            module = "base_model.model." + name.removesuffix(".weight")
+            model[f"{module}.base_layer.weight"] = value
+            model[f"{module}.lora_A.default.weight"] = (torch.rand((LORA_RANK, dims[1]), generator=gen) * 0.02 - 0.01).to(torch.bfloat16)
+            model[f"{module}.lora_B.default.weight"] = (torch.rand((dims[0], LORA_RANK), generator=gen) * 0.02 - 0.01).to(torch.bfloat16)
+            targets.add(module.rsplit(".", 1)[-1])
+        else:
+            model["base_model.model." + name] = value
+    dcp.save({"model": model}, checkpoint_id=folder, no_dist=True)
+    beside = folder / "huggingface"
+    beside.mkdir()
+    (beside / "config.json").write_text(json.dumps(llama_config(shape), indent=1))
+    (beside / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_ALPHA, "target_modules": sorted(targets),
+         "use_rslora": False, "use_dora": False}, indent=1))
+    return 0
+
+
 def worker_reshard(argv: list[str]) -> int:
     """The peer of ``dcptool reshard``: ``_reshard SRC DST SHAPE_JSON --dp N --tp N`` under torchrun."""
     p = argparse.ArgumentParser(prog="bench.py _reshard")
