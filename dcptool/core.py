@@ -228,8 +228,7 @@ class Computed:
     other: in slabs of the pieces a writer asks for, split over threads and torchrun ranks
     (``dcptool.transfer``), each slab's temporaries bounded by ``work_bytes`` per element. Sources read with
     ``passing=True`` hand in their records' CRC-32s as they pass; the copy finishes the checks of
-    ``checkpoint`` and of the ``others`` a computation reads. A transform that is no ``Computed`` (``read``
-    alone) is taken to read its own checkpoint, with ``Computed.work_bytes`` of temporaries.
+    ``checkpoint`` and of the ``others`` a computation reads.
     """
 
     work_bytes: int = 16  # bytes of temporaries per output element of a read (transfer sizes slabs by them)

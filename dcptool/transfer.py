@@ -33,7 +33,7 @@ import numpy as np
 from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, Chunk, Computed, Piece, is_contiguous, overlapping
+from dcptool.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
 from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts
@@ -132,8 +132,8 @@ def computed_sources(pieces) -> list[Checkpoint]:
     found: dict[int, Checkpoint] = {}
     for piece in pieces:
         transform = piece.tensor.source.transform
-        if transform is not None:  # a transform with ``read`` alone (no ``Computed``) reads its own checkpoint only
-            found.update((id(other), other) for other in getattr(transform, "others", tuple)())
+        if transform is not None:
+            found.update((id(other), other) for other in transform.others())
     return list(found.values())
 
 
@@ -251,7 +251,7 @@ def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, tas
     cast = piece.tensor.source.dtype != piece.tensor.dtype
     per_element = source_itemsize + (itemsize if cast else 0)  # a cast allocates its result beside the buffer
     if piece.tensor.source.transform is not None:  # and a computation its temporaries
-        per_element += getattr(piece.tensor.source.transform, "work_bytes", Computed.work_bytes)
+        per_element += piece.tensor.source.transform.work_bytes
     for offsets, sizes in slabs(piece.sizes, max(1, min(task_bytes, SLAB_BYTES) // per_element)):
         start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
         tasks.append(Task(piece, len(tasks), file, offset + start, math.prod(sizes) * itemsize,

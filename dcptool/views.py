@@ -50,14 +50,14 @@ class ComputedView(Computed):
     def work_bytes(self) -> int:
         """The hull a part reads (rows ``step`` apart: ``step`` times the box) and what its source computes."""
         return max((dtypes.dtype(p.source.dtype).itemsize * max([1, *(max(s) for s in p.steps)])
-                    + (getattr(p.source.transform, "work_bytes", Computed.work_bytes) if p.source.transform else 0)
+                    + (p.source.transform.work_bytes if p.source.transform else 0)
                     for p in self.parts),
                    default=0)
 
     def others(self) -> tuple[Checkpoint, ...]:
         """The other checkpoints its computed sources read (a view of an average reads the average's)."""
         found = {id(c): c for p in self.parts if p.source.transform is not None
-                 for c in getattr(p.source.transform, "others", tuple)()}
+                 for c in p.source.transform.others()}
         return tuple(found.values())
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
