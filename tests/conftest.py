@@ -121,7 +121,8 @@ MEGATRON_RUNS = {
 def megatron_runs(tmp_path_factory):
     """Lazily saved Megatron-LM run folders, by name: ``get(name)`` for one of ``MEGATRON_RUNS``, or
     ``get(name, ranks, options)`` for another (made once per session under that name). Each run folder holds
-    ``iter_0000100/``, ``latest_checkpointed_iteration.txt``, ``model.json`` and ``full.pt`` (every weight, whole).
+    ``iter_0000100/``, ``latest_checkpointed_iteration.txt`` and ``model.json``; ``RUN.reference/full.pt`` beside it
+    holds every weight, whole.
     Skips when megatron-core is not installed (scripts/test.sh installs it)."""
     pytest.importorskip("megatron.core", reason="megatron-core 0.19.2 is not installed (scripts/test.sh installs it)")
     root = tmp_path_factory.mktemp("megatron-runs")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import megatron_load
+from harness.runtime import reference_dir
 
 
 def torch_dcp_load(folder: Path, like: dict) -> dict:
@@ -21,7 +22,7 @@ def torch_dcp_load(folder: Path, like: dict) -> dict:
 @pytest.mark.parametrize("name", ["tp2", "pp2", "moe_ep2"])
 def test_harness_saves_what_torch_and_megatron_load(megatron_runs, name, tmp_path):
     run = megatron_runs(name)
-    full = torch.load(run / "full.pt", weights_only=True)
+    full = torch.load(reference_dir(run) / "full.pt", weights_only=True)
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "100"
     for key, value in torch_dcp_load(run / "iter_0000100", full).items():
         assert torch.equal(value, full[key]), key

@@ -14,8 +14,8 @@ repository root with the tests folder on the path::
 of the model, the optimizer in ``fully_reshardable`` form when asked, RNG and rerun-state objects and the
 common state: ``args`` Namespace, ``iteration``, ``checkpoint_version`` ...; or, with ``--format torch``, the
 legacy per-rank ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``), ``RUN/latest_checkpointed_iteration.txt``,
-and beside them ``RUN/model.json`` (the model's options) and ``RUN/full.pt`` (every weight, whole, by its
-torch_dist key: stacked ``decoder.layers.X`` of ``[L, ...]``). ``--weights FILE`` loads such a file of whole
+``RUN/model.json`` (the model's options), and beside the run ``RUN.reference/full.pt`` (every weight, whole, by
+its torch_dist key: stacked ``decoder.layers.X`` of ``[L, ...]``; outside the run, which lists only iterations). ``--weights FILE`` loads such a file of whole
 weights into the model before saving (the model's own random init otherwise).
 
 ``load CKPT`` builds the model of ``--model`` (model.json; ``--tp/--pp/--ep`` override its layout), loads CKPT
@@ -37,6 +37,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from harness.runtime import exit_now, reference_dir  # noqa: E402
 
 # The options of a model, with their defaults (model.json holds them all).
 MODEL_DEFAULTS = {
@@ -288,7 +290,8 @@ def cmd_save(args) -> int:
     if dist.get_rank() == 0:
         (run / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
         (run / "model.json").write_text(json.dumps(model, indent=1))
-        torch.save(full, run / "full.pt")
+        reference_dir(run).mkdir(exist_ok=True)
+        torch.save(full, reference_dir(run) / "full.pt")
     return 0
 
 
@@ -382,6 +385,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # megatron's async writer starts a Manager that imports this module again
-    from harness.runtime import exit_now
 
     exit_now(main(sys.argv[1:]))
