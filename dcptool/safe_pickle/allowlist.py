@@ -254,6 +254,20 @@ _RECORDS = [
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState",
     "torch.distributed._mesh_layout._MeshLayout",  # DeviceMesh state since torch 2.9
     "torch.distributed._mesh_layout._FlatLayout",
+    # Megatron-LM's common state (its args) and rerun state: the classes megatron-core's safe_globals.py lets
+    # torch.load take, learned here as data: a Namespace's attributes, an enum as its value (``.args``)
+    "argparse.Namespace",
+    "types.SimpleNamespace",
+    "signal.Signals",
+    "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
 ]
 
 _DTENSOR = _record_class("torch.distributed.tensor.DTensor")

@@ -108,7 +108,7 @@ def build(model: dict):
         normalization="RMSNorm", layernorm_epsilon=model["eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=model["qkv_bias"], qk_layernorm=model["qk_layernorm"],
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
-        expert_model_parallel_size=model["ep"], sequence_parallel=moe and model["tp"] > 1,
+        expert_model_parallel_size=model["ep"],  # MoE with TP > 1 needs sequence parallel: not with torch norms
         num_moe_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if moe else None,
         moe_router_topk=model["topk"], moe_grouped_gemm=model["grouped_gemm"], moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
@@ -276,10 +276,10 @@ def cmd_save(args) -> int:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(state, str(folder))
-    else:  # Megatron-LM's --ckpt-format torch: every data-parallel rank 0 saves its model part
+    else:  # Megatron-LM's --ckpt-format torch: the ranks of expert-data-parallel rank 0 save their model part
         state["model"] = gpt.state_dict_for_save_checkpoint()
         state["rng_state"] = [rng_state()]
-        if parallel_state.get_data_parallel_rank() == 0:
+        if parallel_state.get_expert_data_parallel_rank() == 0:
             name = legacy_rank_folder(model, parallel_state.get_tensor_model_parallel_rank(),
                                       parallel_state.get_pipeline_model_parallel_rank(),
                                       parallel_state.get_expert_model_parallel_rank())

@@ -1,0 +1,39 @@
+"""Megatron-Core checkpoints: the ``torch_dist`` folder (a DCP folder with ``metadata.json``; the common state in
+``common.pt`` or the ``common_state`` object) and Megatron-LM's legacy per-rank ``mp_rank_*`` files, read
+offline with nothing of Megatron imported; written as torch_dist for Megatron's ``dist_checkpointing.load``.
+
+Megatron-LM's run layout (``iter_0000100/`` folders beside ``latest_checkpointed_iteration.txt``) is a folder
+of checkpoints: each iteration is one, listed newest first (``dcptool.formats``).
+"""
+
+from __future__ import annotations
+
+from dcptool.converters.dcp import METADATA
+from dcptool.converters.megatron.names import CONFIG, NAME
+from dcptool.converters.megatron.reader import detect, read
+from dcptool.converters.megatron.writer import Writer, missing_objects
+from dcptool.format_interface import Format, Layout, Output, OutputRequest
+
+__all__ = ["FORMAT", "Megatron", "detect", "read"]
+
+
+class Megatron(Format):
+    """A Megatron-Core checkpoint folder (torch_dist, or legacy per-rank files when read)."""
+
+    name = NAME
+    refines = ("dcp",)  # a torch_dist folder is a DCP folder too: this format is the one that knows it whole
+    completes = (METADATA, CONFIG)
+    layout = Layout.MESH
+    dcp_loadable = True
+
+    detect = staticmethod(detect)
+    read = staticmethod(read)
+    writer_class = Writer
+
+    def plan_output(self, checkpoint, request: OutputRequest) -> Output:
+        output = super().plan_output(checkpoint, request)
+        output.objects += missing_objects(output.tensors, output.objects, checkpoint)
+        return output
+
+
+FORMAT = Megatron()
