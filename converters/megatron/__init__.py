@@ -11,7 +11,7 @@ from __future__ import annotations
 from dcptool.converters.dcp import METADATA
 from dcptool.converters.megatron.names import CONFIG, NAME
 from dcptool.converters.megatron.reader import detect, read
-from dcptool.converters.megatron.writer import Writer, missing_objects
+from dcptool.converters.megatron.writer import Writer, megatron_objects
 from dcptool.format_interface import Format, Layout, Output, OutputRequest
 
 __all__ = ["FORMAT", "Megatron", "detect", "read"]
@@ -32,7 +32,7 @@ class Megatron(Format):
 
     def plan_output(self, checkpoint, request: OutputRequest) -> Output:
         output = super().plan_output(checkpoint, request)
-        output.objects += missing_objects(output.tensors, output.objects, checkpoint)
+        output.objects = megatron_objects(output.tensors, output.objects, checkpoint)
         return output
 
 

@@ -13,6 +13,9 @@ from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor
 
 # The common state of a checkpoint dcptool made from another format: what Megatron-LM's loader reads first.
 NEW_COMMON_STATE = {"checkpoint_version": 3.0}
+# What Megatron-LM's generate_state_dict puts in the common state (a legacy file holds them at its top level).
+COMMON_ENTRIES = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
+                  "num_floating_point_operations_so_far", "content_metadata")
 STACKED_EXPERTS = ".experts.experts."  # SequentialMLP / grouped GEMM experts: [L, E, ...], an object per (layer, expert)
 
 
@@ -26,12 +29,18 @@ class Writer(DcpWriter):
         return left_out
 
 
-def missing_objects(tensors: list[OutTensor], objects: list[OutObject], checkpoint: Checkpoint) -> list[OutObject]:
-    """The objects Megatron's load of these tensors asks for that ``objects`` lacks: the common state, and
-    ``<module>._extra_state/shard_{layer}[.{expert}]_{L}[.{E}]`` of each stacked linear layer's weight."""
+def megatron_objects(tensors: list[OutTensor], objects: list[OutObject], checkpoint: Checkpoint) -> list[OutObject]:
+    """``objects`` as Megatron's load asks for them: Megatron-LM's common entries gathered into the common state
+    (a legacy checkpoint keeps ``args``, ``iteration`` ... at the top level), one made when there is none, and
+    ``<module>._extra_state/shard_{layer}[.{expert}]_{L}[.{E}]`` of each stacked linear layer's weight that lacks it."""
     have = {obj.key for obj in objects}
-    wanted: dict[str, object] = {COMMON_STATE: [NEW_COMMON_STATE]} if not any(
-        key.startswith(COMMON_STATE.split("/")[0] + "/") for key in have) else {}
+    out = list(objects)
+    if not any(key.startswith(COMMON_STATE.split("/")[0] + "/") for key in have):
+        common = [obj for obj in objects if obj.key in COMMON_ENTRIES]
+        state = {obj.key: obj.value() for obj in common} or dict(NEW_COMMON_STATE)
+        out = [obj for obj in objects if obj not in common]
+        source = ObjectInfo((COMMON_STATE,), value=[state])  # a ShardedObject is saved as a one-element list
+        out.append(OutObject(COMMON_STATE, (COMMON_STATE,), source, checkpoint, merged=[obj.source for obj in common]))
     for tensor in tensors:
         module, _, last = tensor.key.rpartition(".")
         if not (tensor.key.startswith(LAYERS) and last == "weight" and module.rsplit(".", 1)[-1].startswith("linear_")):
@@ -40,8 +49,8 @@ def missing_objects(tensors: list[OutTensor], objects: list[OutObject], checkpoi
         for at in _indices(stacked):
             key = shard_key(module + EXTRA_STATE, at, stacked)
             if key not in have:
-                wanted[key] = [None]
-    return [OutObject(key, (key,), ObjectInfo((key,), value=value), checkpoint) for key, value in wanted.items()]
+                out.append(OutObject(key, (key,), ObjectInfo((key,), value=[None]), checkpoint))
+    return out
 
 
 def _indices(shape: tuple[int, ...]):
