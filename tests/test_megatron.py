@@ -1,13 +1,22 @@
 """Megatron-Core checkpoints: saved by megatron-core 0.19.2 itself on CPU (tests/harness/megatron.py), read by
-dcptool's ``megatron`` format, written back with ``--to megatron`` and loaded by Megatron's own
-``dist_checkpointing.load`` at another layout."""
+dcptool's ``megatron`` format against torch's own ``dcp.load`` and Megatron's gathered weights, written back with
+``--to megatron`` and loaded by Megatron's own ``dist_checkpointing.load`` at another layout."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import megatron_load
+from conftest import dcptool, megatron_load, read_tensor
 from harness.runtime import reference_dir
+
+from dcptool import formats
+
+
+def whole_weights(run: Path) -> dict:
+    """Every weight of the run's model, whole, gathered from Megatron's own sharded state dict in the saving job."""
+    return torch.load(reference_dir(run) / "full.pt", weights_only=True)
 
 
 def torch_dcp_load(folder: Path, like: dict) -> dict:
@@ -19,14 +28,99 @@ def torch_dcp_load(folder: Path, like: dict) -> dict:
     return state
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2", "moe_ep2"])
-def test_harness_saves_what_torch_and_megatron_load(megatron_runs, name, tmp_path):
+def read_all(path: Path) -> dict:
+    checkpoint = formats.open_checkpoint(path)
+    assert checkpoint.format == "megatron"
+    return {key: read_tensor(checkpoint, key) for key in checkpoint.tensors}
+
+
+@pytest.mark.parametrize("name", ["tp2", "legacy_tp2_pp2_dist", "moe_ep2"])  # TP; TP and PP; EP
+def test_torch_dist_read_as_torch_and_megatron_read_it(megatron_runs, name):
     run = megatron_runs(name)
-    full = torch.load(reference_dir(run) / "full.pt", weights_only=True)
-    assert (run / "latest_checkpointed_iteration.txt").read_text() == "100"
-    for key, value in torch_dcp_load(run / "iter_0000100", full).items():
-        assert torch.equal(value, full[key]), key
-    loaded = megatron_load(run / "iter_0000100", run / "model.json", tmp_path / "loaded.pt", "--tp", 1)
+    full = whole_weights(run)
+    read = read_all(run / "iter_0000100")
+    model = {key: value for key, value in read.items() if not key.startswith("optimizer.")}
+    assert model.keys() == full.keys()
+    by_torch = torch_dcp_load(run / "iter_0000100", read)  # the optimizer too
+    for key, value in read.items():
+        assert torch.equal(value, by_torch[key]), key
+        if key in full:
+            assert torch.equal(value, full[key]), key
+    if name == "tp2":  # the fully_reshardable optimizer follows the weights' names and shapes
+        assert {k.split(".", 3)[3] for k in read if k.startswith("optimizer.state.exp_avg.")} == full.keys()
+
+
+def test_inspect_shows_the_run(megatron_runs):
+    run = megatron_runs("moe_ep2")
+    text = dcptool("inspect", run / "iter_0000100").stdout
+    assert "(megatron)" in text.splitlines()[0]
+    for line in ("iteration: 100", "tensor_parallel: 1", "pipeline_parallel: 1", "expert_parallel: 2", "layers: 2",
+                 "sharded_backend: torch_dist"):
+        assert line in text.splitlines(), line
+    assert "4 experts" in text and "q/k layernorm" in text and "rng_state/shard_0.0_1.*" in text
+    report = json.loads(dcptool("inspect", run / "iter_0000100", "--json").stdout)
+    args = report["info"]["args"]
+    assert args["num_experts"] == 4 and args["expert_model_parallel_size"] == 2 and args["params_dtype"] == "float32"
+    assert args["model_type"] == "ModelType(1)"  # Megatron's enum, read as data
+    extra = [key for key in report["objects"] if "._extra_state/" in key]
+    assert "decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.3_2.4" in extra and len(extra) == 20
+    assert "common_state/shard_0_1" in report["objects"]
+
+
+def test_run_folder_lists_its_iterations_newest_first(megatron_runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(megatron_runs("tp2"), run)
+    shutil.copytree(run / "iter_0000100", run / "iter_0000200")
+    (run / "latest_checkpointed_iteration.txt").write_text("200")
+    result = dcptool("inspect", run, check=False)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "a folder holding 2 checkpoints" in result.stderr
+    assert "(newest first): iter_0000200, iter_0000100" in result.stderr
+
+
+@pytest.mark.parametrize("legacy", ["legacy_tp2_pp2", "legacy_moe_pp2_ep2"])
+def test_legacy_files_read_as_torch_dist_of_the_same_model(megatron_runs, legacy):
+    """The per-rank files join into the tensors a torch_dist save of the same model (same seed, same layout) holds:
+    TP pieces by each parameter's parallel dim (SwiGLU halves included), stages by their layer offsets, experts by
+    their EP rank; the tied output layer of the last stage left to the embedding."""
+    files, dist = megatron_runs(legacy), megatron_runs(f"{legacy}_dist")
+    read = read_all(files / "iter_0000100")
+    by_torch = torch_dcp_load(dist / "iter_0000100", whole_weights(dist))
+    assert read.keys() == by_torch.keys()
+    for key, value in read.items():
+        assert torch.equal(value, by_torch[key]), key
+    text = dcptool("inspect", files / "iter_0000100").stdout
+    assert "saved_as: legacy per-rank files (--ckpt-format torch)" in text and "left_out: rng_state" in text
+
+
+def test_zarr_is_refused_saying_how_to_convert_it(tmp_path):
+    folder = tmp_path / "iter_0000010"
+    (folder / "decoder.layers.mlp.linear_fc1.weight").mkdir(parents=True)
+    (folder / "decoder.layers.mlp.linear_fc1.weight" / ".zarray").write_text("{}")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    result = dcptool("inspect", folder, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr
+    assert "metadata.json: a zarr checkpoint, which Megatron-Core removed in 0.16" in lines[0]
+    assert "megatron-core < 0.16" in lines[0] and "torch_dist" in lines[0]
+
+
+@pytest.mark.parametrize("name, source, load", [
+    ("tp2", "iter_0000100", ("--pp", 2)),  # TP 2 -> one writer rank -> Megatron at PP 2
+    ("legacy_tp2_pp2", "iter_0000100", ("--tp", 2)),  # legacy files -> torch_dist -> Megatron at TP 2, PP 1
+    ("moe_ep2", "iter_0000100", ("--ep", 1)),  # experts of EP 2 -> Megatron with every expert on one rank
+])
+def test_written_megatron_loads_in_megatron_at_another_layout(megatron_runs, tmp_path, name, source, load):
+    run = megatron_runs(name)
+    out = tmp_path / "out"
+    dcptool("convert", run / source, out, "--to", "megatron")
+    assert json.loads((out / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
+                                                                "sharded_backend_version": 1}
+    loaded = megatron_load(out, run / "model.json", tmp_path / "loaded.pt", *load)
+    full = whole_weights(run)
     assert loaded.keys() == full.keys()
     for key, value in loaded.items():
         assert torch.equal(value, full[key]), key
+    written = formats.open_checkpoint(out)
+    common = written.object_archive(written.objects["common_state/shard_0_1"]).load()[0]
+    assert common["iteration"] == 100 and written.info["tensor_parallel"] == (1 if name == "moe_ep2" else 2)
