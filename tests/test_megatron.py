@@ -124,3 +124,25 @@ def test_written_megatron_loads_in_megatron_at_another_layout(megatron_runs, tmp
     written = formats.open_checkpoint(out)
     common = written.object_archive(written.objects["common_state/shard_0_1"]).load()[0]
     assert common["iteration"] == 100 and written.info["tensor_parallel"] == (1 if name == "moe_ep2" else 2)
+
+
+def test_common_and_rerun_state_written_back_as_megatron_saved_them(megatron_runs, tmp_path):
+    """The common state (args Namespace, Megatron's enums, dtypes) and the rerun state (ShardedObject, enums) are
+    read as data and pickled back as what they were: torch, with Megatron's own allowlist, loads them equal to
+    what torch's DCP reader unpickles from the source."""
+    from conftest import read_dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+    torch.serialization.add_safe_globals([ShardedObject])
+    source = megatron_runs("tp2") / "iter_0000100"
+    dcptool("convert", source, tmp_path / "all.pt", "--to", "torch")
+    written = torch.load(tmp_path / "all.pt", weights_only=True)
+    saved = read_dcp(source, tmp_path)
+    for key in ("common_state/shard_0_1", "rerun_state_machine_state/shard_0_2", "rng_state/shard_0.1_1.2"):
+        assert key in written
+    common, expected = written["common_state/shard_0_1"][0], saved["common_state/shard_0_1"][0]
+    assert common["args"] == expected["args"] and common["args"].params_dtype is torch.float32
+    assert type(common["args"].model_type).__module__ == "megatron.core.enums"
+    assert written["rerun_state_machine_state/shard_0_2"] == saved["rerun_state_machine_state/shard_0_2"]

@@ -268,15 +268,19 @@ _RECORDS = [
     "megatron.core.rerun_state_machine.RerunMode",
     "megatron.core.rerun_state_machine.RerunState",
     "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.dist_checkpointing.mapping.ShardedObject",  # nested in the rerun state machine's state
 ]
 # Of those, the ones a writer may pickle back as what they were read as (dcptool.torch_archive's pickler): an enum
-# from its value, a namespace from its attributes. They are plain data: their classes run nothing of the file's.
+# from its value, a namespace (or a dataclass) from its attributes. They are plain data: their classes run nothing
+# of the file's.
 ENUM_RECORDS = frozenset({"signal.Signals", "megatron.core.enums.ModelType",
                           *(f"megatron.core.transformer.enums.{name}" for name in
                             ("AttnBackend", "CudaGraphModule", "CudaGraphScope", "InferenceCudaGraphScope")),
                           *(f"megatron.core.rerun_state_machine.{name}" for name in
                             ("RerunDiagnostic", "RerunMode", "RerunState"))})
-NAMESPACE_RECORDS = frozenset({"argparse.Namespace", "types.SimpleNamespace"})
+NAMESPACE_RECORDS = frozenset({"argparse.Namespace", "types.SimpleNamespace",  # and dataclasses, pickled alike
+                               "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                               "megatron.core.dist_checkpointing.mapping.ShardedObject"})
 
 _DTENSOR = _record_class("torch.distributed.tensor.DTensor")
 # The plain classes FSDP1 on one rank names in _rebuild_from_type_v2 (a tensor that FSDP flagged as cloned).
