@@ -105,15 +105,16 @@ def test_zarr_is_refused_saying_how_to_convert_it(tmp_path):
     assert "megatron-core < 0.16" in lines[0] and "torch_dist" in lines[0]
 
 
-@pytest.mark.parametrize("name, source, load", [
-    ("tp2", "iter_0000100", ("--pp", 2)),  # TP 2 -> one writer rank -> Megatron at PP 2
-    ("legacy_tp2_pp2", "iter_0000100", ("--tp", 2)),  # legacy files -> torch_dist -> Megatron at TP 2, PP 1
-    ("moe_ep2", "iter_0000100", ("--ep", 1)),  # experts of EP 2 -> Megatron with every expert on one rank
+@pytest.mark.parametrize("name, write, load", [
+    ("tp2", ("convert",), ("--pp", 2)),  # TP 2 -> one writer rank -> Megatron at PP 2
+    ("tp2", ("reshard", "--dp", 2), ("--tp", 2)),  # every tensor cut in two along dim 0 -> Megatron at TP 2
+    ("legacy_tp2_pp2", ("convert",), ("--tp", 2)),  # legacy files -> torch_dist -> Megatron at TP 2, PP 1
+    ("moe_ep2", ("convert",), ("--ep", 1)),  # experts of EP 2 -> Megatron with every expert on one rank
 ])
-def test_written_megatron_loads_in_megatron_at_another_layout(megatron_runs, tmp_path, name, source, load):
+def test_written_megatron_loads_in_megatron_at_another_layout(megatron_runs, tmp_path, name, write, load):
     run = megatron_runs(name)
     out = tmp_path / "out"
-    dcptool("convert", run / source, out, "--to", "megatron")
+    dcptool(write[0], run / "iter_0000100", out, "--to", "megatron", *write[1:])
     assert json.loads((out / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
                                                                 "sharded_backend_version": 1}
     loaded = megatron_load(out, run / "model.json", tmp_path / "loaded.pt", *load)
@@ -146,3 +147,15 @@ def test_common_and_rerun_state_written_back_as_megatron_saved_them(megatron_run
     assert common["args"] == expected["args"] and common["args"].params_dtype is torch.float32
     assert type(common["args"].model_type).__module__ == "megatron.core.enums"
     assert written["rerun_state_machine_state/shard_0_2"] == saved["rerun_state_machine_state/shard_0_2"]
+
+
+def test_weights_loaded_into_the_model_before_saving(megatron_runs):
+    """The harness's ``--weights``: whole weights by torch_dist key (here another run's, saved at TP 2) placed into a
+    model of another layout (PP 2, the same vocabulary rows) and saved: the save holds exactly those weights."""
+    weights = reference_dir(megatron_runs("tp2")) / "full.pt"
+    run = megatron_runs("tp2_weights_at_pp2", 2, ["--pp", "2", "--padded-vocab", "128", "--weights", str(weights)])
+    given = torch.load(weights, weights_only=True)
+    read = read_all(run / "iter_0000100")
+    assert read.keys() == given.keys()
+    for key, value in read.items():
+        assert torch.equal(value, given[key]), key
