@@ -159,3 +159,66 @@ def test_weights_loaded_into_the_model_before_saving(megatron_runs):
     assert read.keys() == given.keys()
     for key, value in read.items():
         assert torch.equal(value, given[key]), key
+
+
+MCORE_015_METADATA = """
+import pickle, sys, types, torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+module = types.ModuleType("megatron.core.dist_checkpointing.strategies.torch")
+class MCoreMetadata(Metadata):
+    pass
+class MCoreSavePlan(SavePlan):
+    pass
+for cls in (MCoreMetadata, MCoreSavePlan):
+    cls.__module__ = module.__name__
+    setattr(module, cls.__name__, cls)
+sys.modules[module.__name__] = module
+folder = sys.argv[1]
+dcp.save({"decoder.final_layernorm.weight": torch.arange(4.0)}, checkpoint_id=folder, no_dist=True)
+with open(folder + "/.metadata", "rb") as file:
+    saved = pickle.load(file)
+metadata = MCoreMetadata.__new__(MCoreMetadata)
+metadata.__dict__.update(vars(saved), mcore_data={"decoder.final_layernorm.weight": {}},
+                         all_local_plans=[MCoreSavePlan(items=[])])
+with open(folder + "/.metadata", "wb") as file:
+    pickle.dump(metadata, file)
+open(folder + "/metadata.json", "w").write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+"""
+
+
+def test_core_0_15_metadata_subclass_is_read_as_torch_metadata(tmp_path):
+    """Megatron-Core 0.15 pickles ``.metadata`` as its ``MCoreMetadata`` subclass (and save plans as
+    ``MCoreSavePlan``): read as torch's classes, as data."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "iter_0000001"
+    subprocess.run([sys.executable, "-c", MCORE_015_METADATA, str(folder)], check=True, timeout=300)
+    assert b"MCoreMetadata" in (folder / ".metadata").read_bytes()
+    checkpoint = formats.open_checkpoint(folder)
+    assert checkpoint.format == "megatron"
+    assert torch.equal(read_tensor(checkpoint, "decoder.final_layernorm.weight"), torch.arange(4.0))
+
+
+def test_legacy_run_missing_a_rank_file_is_refused(megatron_runs, tmp_path):
+    folder = shutil.copytree(megatron_runs("legacy_tp2_pp2") / "iter_0000100", tmp_path / "iter_0000100")
+    shutil.rmtree(folder / "mp_rank_01_001")
+    result = dcptool("inspect", folder, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr
+    assert "the rank file of tensor rank 1, pipeline rank 1, expert rank 0 is missing" in lines[0]
+    assert "args say TP 2, PP 2, EP 1" in lines[0]
+
+
+@pytest.mark.parametrize("base", ["megatron-common-pt", "megatron", "megatron-legacy"])
+def test_common_state_of_each_layout_gives_the_run(bases, base):
+    """The common state in ``common.pt`` (before core 0.19), in the ``common_state`` object (0.19) and at the top
+    level of legacy files (the fuzz corpus's bases, made without Megatron) gives the same run."""
+    checkpoint = formats.open_checkpoint(bases / base)
+    assert checkpoint.format == "megatron"
+    info = checkpoint.info
+    assert (info["iteration"], info["tensor_parallel"], info["pipeline_parallel"], info["layers"]) == (5, 2, 1, 2)
+    assert info["args"]["model_type"] == "ModelType(1)" and info["args"]["params_dtype"] == "float32"
+    weights = torch.arange(64.0).reshape(2, 8, 4)
+    assert torch.equal(read_tensor(checkpoint, "decoder.layers.self_attention.linear_qkv.weight"), weights)

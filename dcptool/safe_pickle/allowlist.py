@@ -288,6 +288,11 @@ PLAIN_TENSOR_TYPES = (Name("torch.Tensor"), Name("torch.nn.parameter.Parameter")
 PLAIN_TENSOR_STATE_KEYS = frozenset({"_has_been_cloned"})  # FSDP's flag attribute, a bool
 
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
+# Megatron-Core 0.15 pickles its .metadata and save plans as subclasses of torch's (with an mcore_data field):
+# read as what they subclass.
+for _megatron, _torch in (("MCoreMetadata", "metadata.Metadata"), ("MCoreSavePlan", "planner.SavePlan")):
+    ALLOWED[f"megatron.core.dist_checkpointing.strategies.torch.{_megatron}"] = \
+        ALLOWED[f"torch.distributed.checkpoint.{_torch}"]
 ALLOWED.update(
     {
         "collections.OrderedDict": collections.OrderedDict,
