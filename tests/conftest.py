@@ -117,6 +117,8 @@ MEGATRON_RUNS = {
     "legacy_moe_pp2_ep2": (4, ["--format", "torch", "--pp", "2", "--ep", "2", "--experts", "4", "--num-layers", "4",
                                "--tied"]),
     "legacy_moe_pp2_ep2_dist": (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--num-layers", "4", "--tied"]),
+    "legacy_pp2_vpp2": (2, ["--format", "torch", "--pp", "2", "--vpp", "2", "--num-layers", "4"]),
+    "legacy_pp2_vpp2_dist": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4"]),
 }
 
 

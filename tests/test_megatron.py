@@ -78,7 +78,7 @@ def test_run_folder_lists_its_iterations_newest_first(megatron_runs, tmp_path):
     assert "(newest first): iter_0000200, iter_0000100" in result.stderr
 
 
-@pytest.mark.parametrize("legacy", ["legacy_tp2_pp2", "legacy_moe_pp2_ep2"])
+@pytest.mark.parametrize("legacy", ["legacy_tp2_pp2", "legacy_moe_pp2_ep2", "legacy_pp2_vpp2"])
 def test_legacy_files_read_as_torch_dist_of_the_same_model(megatron_runs, legacy):
     """The per-rank files join into the tensors a torch_dist save of the same model (same seed, same layout) holds:
     TP pieces by each parameter's parallel dim (SwiGLU halves included), stages by their layer offsets, experts by
@@ -91,6 +91,7 @@ def test_legacy_files_read_as_torch_dist_of_the_same_model(megatron_runs, legacy
         assert torch.equal(value, by_torch[key]), key
     text = dcptool("inspect", files / "iter_0000100").stdout
     assert "saved_as: legacy per-rank files (--ckpt-format torch)" in text and "left_out: rng_state" in text
+    assert ("virtual_pipeline: 2" in text.splitlines()) == ("vpp" in legacy)  # model0, model1 of each stage
 
 
 def test_zarr_is_refused_saying_how_to_convert_it(tmp_path):

@@ -18,7 +18,9 @@ legacy per-rank ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``), ``RUN/latest_che
 its torch_dist key: stacked ``decoder.layers.X`` of ``[L, ...]``; outside the run, which lists only iterations). ``--weights FILE`` loads such a file of whole
 weights into the model before saving (the model's own random init otherwise).
 
-``load CKPT`` builds the model of ``--model`` (model.json; ``--tp/--pp/--ep`` override its layout), loads CKPT
+``--vpp N`` gives each pipeline stage N model chunks (``model0``, ``model1`` ... in the state dict, as Megatron-LM
+keeps virtual pipeline stages). ``load CKPT`` builds the model of ``--model`` (model.json; ``--tp/--pp/--ep/--vpp``
+override its layout), loads CKPT
 with ``dist_checkpointing.load`` and writes every weight, whole, to ``--out`` (torch.save, by torch_dist key);
 ``--tokens FILE`` (a torch.save of int64 ``[batch, seq]``, pipeline size 1 only) adds the logits of a forward
 pass as ``__logits__``.
@@ -42,7 +44,7 @@ from harness.runtime import exit_now, reference_dir  # noqa: E402
 
 # The options of a model, with their defaults (model.json holds them all).
 MODEL_DEFAULTS = {
-    "tp": 1, "pp": 1, "ep": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
+    "tp": 1, "pp": 1, "ep": 1, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
     "experts": 0, "moe_ffn": 32, "topk": 2, "grouped_gemm": False, "qk_layernorm": False, "qkv_bias": False,
     "vocab": 100, "divisible_by": 16, "padded_vocab": 0, "tied": False, "seq_len": 64, "rope_base": 10000.0,
     "eps": 1e-6,
@@ -90,11 +92,23 @@ def init(model: dict) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
-    parallel_state.initialize_model_parallel(model["tp"], model["pp"], expert_model_parallel_size=model["ep"])
+    parallel_state.initialize_model_parallel(model["tp"], model["pp"], expert_model_parallel_size=model["ep"],
+                                             virtual_pipeline_model_parallel_size=virtual(model))
 
 
-def build(model: dict):
-    """The GPTModel of ``model`` on this rank (its pipeline stage), float32, initialized from a fixed seed."""
+def virtual(model: dict) -> int | None:
+    """The virtual pipeline size as Megatron takes it: None without virtual stages."""
+    return model["vpp"] if model["vpp"] > 1 else None
+
+
+def chunk_key(number: int, chunks: list) -> str:
+    """Where Megatron-LM keeps a model chunk in its state dict: ``model``, or ``model0``, ``model1`` ... with VPP."""
+    return "model" if len(chunks) == 1 else f"model{number}"
+
+
+def build(model: dict) -> list:
+    """The GPTModel chunks of ``model`` on this rank (one per virtual stage of its pipeline stage), float32,
+    initialized from a fixed seed."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -108,6 +122,7 @@ def build(model: dict):
         normalization="RMSNorm", layernorm_epsilon=model["eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=model["qkv_bias"], qk_layernorm=model["qk_layernorm"],
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
+        virtual_pipeline_model_parallel_size=virtual(model),
         expert_model_parallel_size=model["ep"],  # MoE with TP > 1 needs sequence parallel: not with torch norms
         num_moe_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if moe else None,
         moe_router_topk=model["topk"], moe_grouped_gemm=model["grouped_gemm"], moe_token_dispatcher_type="allgather",
@@ -117,11 +132,12 @@ def build(model: dict):
     spec = get_gpt_layer_local_spec(num_experts=model["experts"] or None, moe_grouped_gemm=model["grouped_gemm"],
                                     qk_layernorm=model["qk_layernorm"], normalization="RMSNorm")
     torch.manual_seed(1234 + parallel_state.get_pipeline_model_parallel_rank())
-    return GPTModel(config, spec, vocab_size=padded_vocab(model), max_sequence_length=model["seq_len"],
-                    pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=model["tied"], position_embedding_type="rope",
-                    rotary_base=model["rope_base"])
+    stages = [None] if virtual(model) is None else list(range(model["vpp"]))
+    return [GPTModel(config, spec, vocab_size=padded_vocab(model), max_sequence_length=model["seq_len"],
+                     pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                     share_embeddings_and_output_weights=model["tied"], position_embedding_type="rope",
+                     rotary_base=model["rope_base"], vp_stage=stage) for stage in stages]
 
 
 def run_args(model: dict, checkpoint_format: str):
@@ -137,7 +153,7 @@ def run_args(model: dict, checkpoint_format: str):
     return Namespace(
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
         expert_model_parallel_size=model["ep"], expert_tensor_parallel_size=model["tp"],
-        virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+        virtual_pipeline_model_parallel_size=virtual(model), context_parallel_size=1,
         data_parallel_size=world // (model["tp"] * model["pp"]), world_size=world,
         num_layers=model["num_layers"], hidden_size=model["hidden"], ffn_hidden_size=model["ffn"],
         num_attention_heads=model["heads"], group_query_attention=model["kv_groups"] != model["heads"],
@@ -160,9 +176,14 @@ def rng_state():
             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
 
 
-def fill(model, full: dict[str, torch.Tensor]) -> None:
-    """Load whole weights ``full`` (by torch_dist key) into this rank's part of ``model``: each ShardedTensor of
-    the model's sharded state dict takes its slice, the way ``dist_checkpointing.load`` places what it reads."""
+def fill(chunks: list, full: dict[str, torch.Tensor]) -> None:
+    """Load whole weights ``full`` (by torch_dist key) into this rank's model chunks: each ShardedTensor of a
+    chunk's sharded state dict takes its slice, the way ``dist_checkpointing.load`` places what it reads."""
+    for chunk in chunks:
+        _fill(chunk, full)
+
+
+def _fill(model, full: dict[str, torch.Tensor]) -> None:
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
     from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, ShardedTensorFactory,
                                                           apply_factories, apply_factory_merges)
@@ -183,13 +204,13 @@ def fill(model, full: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(apply_factory_merges(sharded, factories), strict=False)
 
 
-def gather_full(model) -> dict[str, torch.Tensor] | None:
+def gather_full(chunks: list) -> dict[str, torch.Tensor] | None:
     """Every weight of the model across ranks, whole, by torch_dist key (on rank 0; None elsewhere)."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
-    sharded = model.sharded_state_dict()
+    sharded = [chunk.sharded_state_dict() for chunk in chunks]
     apply_factories(sharded)
     mine = [(t.key, tuple(t.global_shape), t.global_slice(), t.data.detach().clone().reshape(t.local_shape))
             for t in nested_values(sharded) if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
@@ -233,7 +254,7 @@ def sharded_objects(model: dict) -> dict:
     return {"rng_state": [rng], "rerun_state_machine_state": rerun}
 
 
-def optimizer_state(gpt) -> dict:
+def optimizer_state(chunks: list) -> dict:
     """An optimizer state in Megatron's ``fully_reshardable`` form, laid out as ``DistributedOptimizer.
     sharded_state_dict`` lays it out (``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each sharded like
     its weight); its values are made here from the weights (Megatron's DistributedOptimizer needs CUDA)."""
@@ -242,7 +263,7 @@ def optimizer_state(gpt) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    sharded = gpt.sharded_state_dict()
+    sharded = [chunk.sharded_state_dict() for chunk in chunks]
     apply_factories(sharded)
     state = []
     for tensor in nested_values(sharded):
@@ -261,23 +282,23 @@ def cmd_save(args) -> int:
     model = {name: getattr(args, name) for name in MODEL_DEFAULTS}
     model["padded_vocab"] = padded_vocab(model)
     init(model)
-    gpt = build(model)
+    chunks = build(model)
     if args.weights:
-        fill(gpt, torch.load(args.weights, weights_only=True))
+        fill(chunks, torch.load(args.weights, weights_only=True))
     run = Path(args.run)
     folder = iteration_folder(run, ITERATION)
     state = common_state(model, args.format)
     if args.format == "torch_dist":
-        state["model"] = gpt.sharded_state_dict()
+        state.update({chunk_key(i, chunks): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)})
         state.update(sharded_objects(model))
         if args.optimizer:
-            state["optimizer"] = optimizer_state(gpt)
+            state["optimizer"] = optimizer_state(chunks)
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(state, str(folder))
     else:  # Megatron-LM's --ckpt-format torch: the ranks of expert-data-parallel rank 0 save their model part
-        state["model"] = gpt.state_dict_for_save_checkpoint()
+        state.update({chunk_key(i, chunks): chunk.state_dict_for_save_checkpoint() for i, chunk in enumerate(chunks)})
         state["rng_state"] = [rng_state()]
         if parallel_state.get_expert_data_parallel_rank() == 0:
             name = legacy_rank_folder(model, parallel_state.get_tensor_model_parallel_rank(),
@@ -285,7 +306,7 @@ def cmd_save(args) -> int:
                                       parallel_state.get_expert_model_parallel_rank())
             (folder / name).mkdir(parents=True, exist_ok=True)
             torch.save(state, folder / name / "model_optim_rng.pt")
-    full = gather_full(gpt)
+    full = gather_full(chunks)
     dist.barrier()
     if dist.get_rank() == 0:
         (run / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
@@ -300,14 +321,16 @@ def cmd_load(args) -> int:
     from megatron.core import dist_checkpointing, parallel_state
 
     model = {**MODEL_DEFAULTS, **json.loads(Path(args.model).read_text())}
-    model.update({name: value for name in ("tp", "pp", "ep") if (value := getattr(args, name)) is not None})
+    model.update({name: value for name in ("tp", "pp", "ep", "vpp") if (value := getattr(args, name)) is not None})
     init(model)
-    gpt = build(model)
-    loaded = dist_checkpointing.load(gpt.sharded_state_dict(), args.ckpt)
-    gpt.load_state_dict(loaded, strict=False)
-    full = gather_full(gpt)
+    chunks = build(model)
+    loaded = dist_checkpointing.load({chunk_key(i, chunks): chunk.sharded_state_dict()
+                                      for i, chunk in enumerate(chunks)}, args.ckpt)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[chunk_key(i, chunks)], strict=False)
+    full = gather_full(chunks)
     if args.tokens:  # every rank runs the forward; rank 0 keeps the logits
-        out = logits(gpt, torch.load(args.tokens, weights_only=True), parallel_state)
+        out = logits(chunks[0], torch.load(args.tokens, weights_only=True), parallel_state)
     if dist.get_rank() == 0:
         torch.save({**full, "__logits__": out} if args.tokens else full, args.out)
     return 0
@@ -357,6 +380,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp", type=int)
     p.add_argument("--pp", type=int)
     p.add_argument("--ep", type=int)
+    p.add_argument("--vpp", type=int)
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", help="torch.save of int64 tokens [batch, seq]: add their logits as __logits__")
     p.set_defaults(func=cmd_load)
