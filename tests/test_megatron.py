@@ -223,3 +223,20 @@ def test_common_state_of_each_layout_gives_the_run(bases, base):
     assert info["args"]["model_type"] == "ModelType(1)" and info["args"]["params_dtype"] == "float32"
     weights = torch.arange(64.0).reshape(2, 8, 4)
     assert torch.equal(read_tensor(checkpoint, "decoder.layers.self_attention.linear_qkv.weight"), weights)
+
+
+def test_check_names_what_megatron_load_would_miss(tmp_path):
+    """A torch_dist folder saved by plain ``dcp.save`` (no common state, no ``_extra_state`` objects): ``check``
+    exits 1 naming both; ``convert --to megatron`` adds them, and the output checks fine."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "plain"
+    dcp.save({"decoder.layers.self_attention.linear_proj.weight": torch.ones(2, 4, 4)}, checkpoint_id=folder,
+             no_dist=True)
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    result = dcptool("check", folder, check=False)
+    assert result.returncode == 1, result.stderr
+    assert "no common state" in result.stdout and "Missing key" in result.stdout
+    assert "decoder.layers.self_attention.linear_proj._extra_state/shard_0_2" in result.stdout
+    dcptool("convert", folder, tmp_path / "fixed", "--to", "megatron")
+    assert "fine" in dcptool("check", tmp_path / "fixed").stdout

@@ -9,9 +9,9 @@ of checkpoints: each iteration is one, listed newest first (``dcptool.formats``)
 from __future__ import annotations
 
 from dcptool.converters.dcp import METADATA
-from dcptool.converters.megatron.names import CONFIG, NAME
+from dcptool.converters.megatron.names import BACKEND, COMMON_PT, CONFIG, NAME
 from dcptool.converters.megatron.reader import detect, read
-from dcptool.converters.megatron.writer import Writer, megatron_objects
+from dcptool.converters.megatron.writer import Writer, expected_objects, has_common_state, megatron_objects
 from dcptool.format_interface import Format, Layout, Output, OutputRequest
 
 __all__ = ["FORMAT", "Megatron", "detect", "read"]
@@ -29,6 +29,23 @@ class Megatron(Format):
     detect = staticmethod(detect)
     read = staticmethod(read)
     writer_class = Writer
+
+    def problems(self, checkpoint) -> list[tuple[str, str]]:
+        """What Megatron's ``dist_checkpointing.load`` of a torch_dist folder would miss: the common state, and
+        the ``_extra_state`` objects of its stacked linear layers ("Missing key")."""
+        if checkpoint.info.get("sharded_backend") != BACKEND:
+            return []
+        found = []
+        if not has_common_state(checkpoint.objects) and not checkpoint.files.is_file(COMMON_PT):
+            found.append(("common_state", f"{checkpoint.root}: no common state ({COMMON_PT} or the common_state "
+                                          "object): Megatron's load_common_state_dict fails"))
+        missing = [key for key in expected_objects((t.key, t.shape) for t in checkpoint.tensors.values())
+                   if key not in checkpoint.objects]
+        if missing:
+            found.append((missing[0], f"{checkpoint.root}: {len(missing)} _extra_state objects that Megatron's load "
+                                      f"asks for are missing ({missing[0]} ...): it fails with \"Missing key\"; "
+                                      "convert --to megatron adds them"))
+        return found
 
     def plan_output(self, checkpoint, request: OutputRequest) -> Output:
         output = super().plan_output(checkpoint, request)

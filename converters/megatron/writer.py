@@ -32,25 +32,36 @@ class Writer(DcpWriter):
 def megatron_objects(tensors: list[OutTensor], objects: list[OutObject], checkpoint: Checkpoint) -> list[OutObject]:
     """``objects`` as Megatron's load asks for them: Megatron-LM's common entries gathered into the common state
     (a legacy checkpoint keeps ``args``, ``iteration`` ... at the top level), one made when there is none, and
-    ``<module>._extra_state/shard_{layer}[.{expert}]_{L}[.{E}]`` of each stacked linear layer's weight that lacks it."""
+    the ``_extra_state`` objects of the stacked linear layers that lack them (``expected_objects``)."""
     have = {obj.key for obj in objects}
     out = list(objects)
-    if not any(key.startswith(COMMON_STATE.split("/")[0] + "/") for key in have):
+    if not has_common_state(have):
         common = [obj for obj in objects if obj.key in COMMON_ENTRIES]
         state = {obj.key: obj.value() for obj in common} or dict(NEW_COMMON_STATE)
         out = [obj for obj in objects if obj not in common]
         source = ObjectInfo((COMMON_STATE,), value=[state])  # a ShardedObject is saved as a one-element list
         out.append(OutObject(COMMON_STATE, (COMMON_STATE,), source, checkpoint, merged=[obj.source for obj in common]))
-    for tensor in tensors:
-        module, _, last = tensor.key.rpartition(".")
-        if not (tensor.key.startswith(LAYERS) and last == "weight" and module.rsplit(".", 1)[-1].startswith("linear_")):
-            continue
-        stacked = tensor.shape[:2] if STACKED_EXPERTS in module else tensor.shape[:1]
-        for at in _indices(stacked):
-            key = shard_key(module + EXTRA_STATE, at, stacked)
-            if key not in have:
-                out.append(OutObject(key, (key,), ObjectInfo((key,), value=[None]), checkpoint))
+    for key in expected_objects((tensor.key, tensor.shape) for tensor in tensors):
+        if key not in have:
+            out.append(OutObject(key, (key,), ObjectInfo((key,), value=[None]), checkpoint))
     return out
+
+
+def has_common_state(keys) -> bool:
+    return any(key.startswith(COMMON_STATE.split("/")[0] + "/") for key in keys)
+
+
+def expected_objects(tensors) -> list[str]:
+    """The ``_extra_state`` objects Megatron's load of these ``(key, shape)`` tensors asks for: one per layer (and
+    expert) of each stacked linear layer's weight, ``<module>._extra_state/shard_{layer}[.{expert}]_{L}[.{E}]``."""
+    keys = []
+    for key, shape in tensors:
+        module, _, last = key.rpartition(".")
+        if not (key.startswith(LAYERS) and last == "weight" and module.rsplit(".", 1)[-1].startswith("linear_")):
+            continue
+        stacked = tuple(shape[:2] if STACKED_EXPERTS in module else shape[:1])
+        keys += [shard_key(module + EXTRA_STATE, at, stacked) for at in _indices(stacked)]
+    return keys
 
 
 def _indices(shape: tuple[int, ...]):
