@@ -37,14 +37,15 @@ class Megatron(Format):
             return []
         found = []
         if not has_common_state(checkpoint.objects) and not checkpoint.files.is_file(COMMON_PT):
-            found.append(("common_state", f"{checkpoint.root}: no common state ({COMMON_PT} or the common_state "
-                                          "object): Megatron's load_common_state_dict fails"))
+            why = (f"{checkpoint.root}: no common state ({COMMON_PT} or the common_state object): Megatron's "
+                   "load_common_state_dict fails")
+            found.append(("common_state", why))
         missing = [key for key in expected_objects((t.key, t.shape) for t in checkpoint.tensors.values())
                    if key not in checkpoint.objects]
         if missing:
-            found.append((missing[0], f"{checkpoint.root}: {len(missing)} _extra_state objects that Megatron's load "
-                                      f"asks for are missing ({missing[0]} ...): it fails with \"Missing key\"; "
-                                      "convert --to megatron adds them"))
+            why = (f"{checkpoint.root}: {len(missing)} _extra_state objects that Megatron's load asks for are missing "
+                   f"({missing[0]} ...): it fails with \"Missing key\"; convert --to megatron adds them")
+            found.append((missing[0], why))
         return found
 
     def plan_output(self, checkpoint, request: OutputRequest) -> Output:
