@@ -338,10 +338,9 @@ def cmd_load(args) -> int:
 
 def logits(gpt, tokens: torch.Tensor, parallel_state) -> torch.Tensor:
     """The model's logits ``[batch, seq, vocab]`` for ``tokens`` (pipeline size 1): causal, no padding."""
-    import torch.distributed as dist
-
     import contextlib
 
+    import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1, "--tokens needs a pipeline size of 1"
