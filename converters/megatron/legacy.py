@@ -201,6 +201,10 @@ def _place(local: str, rank: Rank, chunk_number: int, run: Run) -> tuple[str, tu
     for saved, fused in LOCAL_SPEC_NAMES.items():
         if rest.startswith(saved):
             rest = fused + rest[len(saved):]
+    if rest.startswith("mlp.experts.") and not rest.startswith(LOCAL_EXPERTS):
+        raise CheckpointError(f"{printable(local)}: grouped-GEMM experts of legacy files (Transformer Engine's "
+                              "GroupedMLP) are not read; save the run as torch_dist (--ckpt-format torch_dist) "
+                              "or with SequentialMLP experts")
     if rest.startswith(LOCAL_EXPERTS):
         expert, _, name = rest[len(LOCAL_EXPERTS):].partition(".")
         per_rank = run.experts // run.ep
