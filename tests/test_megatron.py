@@ -240,3 +240,20 @@ def test_check_names_what_megatron_load_would_miss(tmp_path):
     assert "decoder.layers.self_attention.linear_proj._extra_state/shard_0_2" in result.stdout
     dcptool("convert", folder, tmp_path / "fixed", "--to", "megatron")
     assert "fine" in dcptool("check", tmp_path / "fixed").stdout
+
+
+def test_legacy_grouped_gemm_experts_are_refused(tmp_path):
+    """Transformer Engine's GroupedMLP keeps each rank's experts as ``linear_fc1.weight{e}``: not read, in one line
+    (rather than a model with experts missing)."""
+    from argparse import Namespace
+
+    args = Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                     num_layers=1, num_experts=2)
+    model = {"decoder.layers.0.mlp.experts.linear_fc1.weight0": torch.ones(4, 2),
+             "decoder.layers.0.mlp.router.weight": torch.ones(2, 2)}
+    (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    torch.save({"model": model, "args": args, "iteration": 1}, tmp_path / "iter_0000001" / "mp_rank_00" /
+               "model_optim_rng.pt")
+    result = dcptool("inspect", tmp_path / "iter_0000001", check=False)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "linear_fc1.weight0: grouped-GEMM experts of legacy files" in result.stderr
