@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import FAMILY_JOBS, VERL_JOBS, run_job
+from jobs import FAMILY_JOBS, MEGATRON_JOBS, VERL_JOBS, run_job
 
 from conftest import ROOT, dcptool
 from harness.family_models import save_hf
@@ -68,6 +68,7 @@ INPUTS = {
     "dcptool diff step-900": ["step-900", "step-1000", "hf-bf16"],
     "scripts/test.sh": [],
     "dcptool inspect lora/step-300": ["lora/step-300", "base-llama"],
+    "dcptool inspect run/iter_0000100": ["run/iter_0000100"],
 }
 
 
@@ -121,6 +122,11 @@ def made(tmp_path_factory, checkpoints, lora_runs):
     def copy(source: Path):
         return lambda out: shutil.copytree(source, out)
 
+    def megatron_legacy(out: Path) -> None:  # Megatron-LM's per-rank files of TP 2 x PP 2 (megatron-core 0.19.2)
+        run_job(4, "save", root / "megatron-run", "--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4",
+                module=MEGATRON_JOBS)
+        shutil.copytree(root / "megatron-run" / "iter_0000100", out)
+
     def torch_save(out: Path) -> None:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -152,6 +158,7 @@ def made(tmp_path_factory, checkpoints, lora_runs):
         "base-llama": copy(lora_runs / "lora.reference" / "base"),
         "archon/step-10": lambda out: dcptool("convert", get("titan/step-10"), out, "--to", "dcp",
                                               "--adapter", "archon", "--config-dir", get("llama-hf")),
+        "run/iter_0000100": megatron_legacy,
     }
 
     def get(path: str) -> Path:
