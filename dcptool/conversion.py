@@ -75,7 +75,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with {option('prefix')})")
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
-    mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts)
+    mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
     notes = [note] if note else []
     if mapping is not None:
         result = mapping.convert(named)
@@ -89,17 +89,18 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
 
 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
-            config_dir: str | Path | None = None) -> tuple[Checkpoint, list[str]]:
+            config_dir: str | Path | None = None, vocab_tp: int = 1) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
     layout (``models.LAYOUTS``: where its job keeps model and optimizer), and notes.
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
-    family keeps them (views of the same bytes); other entries keep their keys.
+    family keeps them (views of the same bytes); other entries keep their keys. ``vocab_tp``: the tensor
+    parallelism Megatron names pad the vocabulary for.
     """
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
     params = model_part(checkpoint)
-    mapping, note = adapters.mapping_for(params, target, source, config)
+    mapping, note = adapters.mapping_for(params, target, source, config, tp=vocab_tp, where=str(checkpoint.root))
     notes = [note] if note and (mapping or target) else []
     layout = models.LAYOUTS.get(target) if target else None
     if mapping is None and layout is None:

@@ -22,8 +22,8 @@ Path = tuple[str | int, ...]
 
 
 def renamed(tensor: TensorInfo, path: Path) -> TensorInfo:
-    """The same tensor under another name (its chunks are shared, not viewed)."""
-    return TensorInfo(path, tensor.dtype, tensor.shape, tensor.chunks)
+    """The same tensor under another name (its chunks, and how its values are computed, are shared)."""
+    return TensorInfo(path, tensor.dtype, tensor.shape, tensor.chunks, tensor.transform)
 
 
 def select(tensor: TensorInfo, dim: int, index: int, path: Path) -> TensorInfo:

@@ -26,6 +26,9 @@ from dcptool.models import common
 from dcptool.models.kind import (
     FAMILIES,
     LAYOUTS,
+    MEGATRON,
+    NAMING_FAMILIES,
+    MegatronName,
     Divisor,
     ModelKind,
     PlanRule,
@@ -35,7 +38,7 @@ from dcptool.models.kind import (
     Tie,
 )
 
-__all__ = ["FAMILIES", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
+__all__ = ["FAMILIES", "MEGATRON", "NAMING_FAMILIES", "MegatronName", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts"]
 
 _HELPERS = {"common", "kind"}
