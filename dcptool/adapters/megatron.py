@@ -31,7 +31,10 @@ from dcptool.models.kind import MegatronName, ModelKind
 VOCAB_MULTIPLE = 128
 
 LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
-_HFLAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A ShardedObject's key (mapping.py unique_key): the layers' _extra_state, RNG and rerun state, the common
+# state. Megatron's own: another family's engine has no use for them.
+SHARDED_OBJECT = re.compile(r"/shard_[\d.]+_[\d.]+$")
 
 
 @dataclass
@@ -236,7 +239,7 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, tp: int, where: str) -
                                        f"multiple of {VOCAB_MULTIPLE} x tp {tp}")
             result.entries[target] = (_named(entry, target), name)
             continue
-        match = _HFLAYER.match(name)
+        match = _HF_LAYER.match(name)
         if match is None:
             result.unmatched.append(name)
             continue
