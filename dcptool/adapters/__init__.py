@@ -404,11 +404,34 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
         dropped += [f"{prefix}{line}" for line in result.dropped]
         made += [f"{prefix}{line}" for line in result.made]
         unmatched += [named[name][0] for name in result.unmatched]
+        ordered = _slot_order(mapping, prefix, suffix)
         for new_name, (entry, first) in result.entries.items():
             source_key, source_entry = named[first]
-            key = prefix + new_name + suffix
-            out[key] = with_path(entry, _path_for(source_entry.path, source_key, len(prefix), first, new_name, key))
+            if ordered is None:
+                key = prefix + new_name + suffix
+                path = _path_for(source_entry.path, source_key, len(prefix), first, new_name, key)
+            else:
+                key, path = ordered(new_name)
+            out[key] = with_path(entry, path)
     return StateResult(out, dropped, unmatched, made)
+
+
+_MEGATRON_SLOT = re.compile(r"^(.*?)\.?\bstate\.(\w+)\.$")
+
+
+def _slot_order(mapping, prefix: str, suffix: str):
+    """Megatron keeps a parameter's optimizer state as ``optimizer.state.<slot>.<name>``, flat; torch's optimizers
+    (every other family) as ``optimizer.state.<name>.<slot>``, nested. Between them the slot moves, and this
+    gives ``name -> (key, path)``; None where the slot stays where it is."""
+    if mapping.source == MEGATRON and mapping.target != MEGATRON and not suffix:
+        match = _MEGATRON_SLOT.match(prefix)
+        if match:
+            root = tuple(match[1].split(".")) if match[1] else ()
+            return lambda name: (join_path((*root, "state", name, match[2])), (*root, "state", name, match[2]))
+    if mapping.target == MEGATRON and mapping.source != MEGATRON and prefix.endswith("state.") \
+            and re.fullmatch(r"\.\w+", suffix):
+        return lambda name: ((key := f"{prefix}{suffix[1:]}.{name}"), (key,))
+    return None
 
 
 def _named_inside(key: str, params: dict[str, TensorInfo]) -> tuple[str | None, tuple[str, str]]:
