@@ -392,12 +392,18 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
     out, dropped, unmatched, made = dict(kept), [], [], []
     if mapping.source == MEGATRON and mapping.target != MEGATRON:
         own = [key for key in kept if megatron.SHARDED_OBJECT.search(key)]
-        for key in own:
+        buckets = [key for key in kept if megatron.DP_BUCKET.search(key)]
+        for key in own + buckets:
             del out[key]
         if own:
             dropped.append(f"{counted(len(own), 'Megatron-Core ShardedObject')} (layers' _extra_state, RNG, common "
                            f"state: {mapping.target} jobs have no use for them): {', '.join(own[:2])}"
                            + (" ..." if len(own) > 2 else ""))
+        if buckets:
+            dropped.append(f"{counted(len(buckets), 'dp_reshardable optimizer bucket')} ({buckets[0]} ...): Megatron's "
+                           "distributed optimizer flattens a DDP bucket's parameters into one 1-D tensor whose order "
+                           "and padding only the model's bucketing rebuilds; save with "
+                           "--dist-ckpt-optim-fully-reshardable to carry optimizer state")
     # The weights first: the optimizer state after them takes their expert counts.
     for (prefix, suffix), named in sorted(slots.items(), key=lambda slot: bool(slot[0][1])):
         result = mapping.convert({name: entry for name, (_, entry) in named.items()}, model=not suffix)

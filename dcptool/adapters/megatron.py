@@ -35,6 +35,8 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A ShardedObject's key (mapping.py unique_key): the layers' _extra_state, RNG and rerun state, the common
 # state. Megatron's own: another family's engine has no use for them.
 SHARDED_OBJECT = re.compile(r"/shard_[\d.]+_[\d.]+$")
+# The distributed optimizer's dp_reshardable buckets (distrib_optimizer.py): 1-D, a DDP bucket's parameters flat.
+DP_BUCKET = re.compile(r"(^|\.)distributed\.dp_group_idx_\d+\.")
 
 
 @dataclass

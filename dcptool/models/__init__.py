@@ -148,6 +148,11 @@ def embedding_pairs(names) -> list[tuple[str, str]]:
     return [(a, b) for a in inputs for b in outputs]
 
 
+def is_input_embedding(name: str) -> bool:
+    """Whether ``name`` is a model's input embedding (``embed_tokens``, ``wte``, ``tok_embeddings``, ``word_embeddings``)."""
+    return bool(common.INPUT_EMBEDDING.search(name))
+
+
 def tied_outputs(config: dict | None, family: str = "hf") -> list[str]:
     """The output weights ``config`` ties to an embedding, as ``family`` names them: an HF export leaves them out."""
     return [tie.output.name(family) for tie in active_ties(config) if tie.output.name(family)]
