@@ -139,3 +139,30 @@ def logits(model, input_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
     with torch.no_grad():
         return model(input_ids, positions, causal_mask(input_ids.shape[1]))[..., :vocab]
+
+
+# The local spec's sharded_state_dict_keys_map (gpt_layer_specs.py): the norms saved under the fused names.
+_SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def checkpoint_keys(weights: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The global tensors a torch_dist checkpoint of the GPTModel holds (``megatron_weights``' keys as
+    ``TransformerBlock.sharded_state_dict`` saves them): every layer's tensor stacked on a new dim 0
+    (``decoder.layers.X`` [L, ...]), SequentialMLP's experts stacked too (``mlp.experts.experts.X`` [L, E, ...])."""
+    layers = config["num_hidden_layers"]
+    out = {k: v for k, v in weights.items() if not k.startswith("decoder.layers.")}
+    names = sorted({k.split(".", 3)[3] for k in weights if k.startswith("decoder.layers.")})
+    for name in names:
+        if ".local_experts." in name:
+            if not name.startswith("mlp.experts.local_experts.0."):
+                continue
+            rest = name.removeprefix("mlp.experts.local_experts.0.")
+            experts = _experts(config)
+            out[f"decoder.layers.mlp.experts.experts.{rest}"] = torch.stack([torch.stack(
+                [weights[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest}"] for e in range(experts)])
+                for i in range(layers)])
+            continue
+        out["decoder.layers." + _SAVED_AS.get(name, name)] = torch.stack(
+            [weights[f"decoder.layers.{i}.{name}"] for i in range(layers)])
+    return out
