@@ -83,6 +83,23 @@ def unknown_kind(names) -> UsageError:
                       f"known: {known}")
 
 
+# Megatron-LM's args (megatron/training/arguments.py) -> the HF config fields taking its tensors apart needs.
+_ARGS = {"num_attention_heads": "num_attention_heads", "kv_channels": "head_dim", "hidden_size": "hidden_size",
+         "num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "num_experts": "num_experts"}
+
+
+def config_from_args(args: dict | None) -> dict:
+    """The HF config fields a Megatron-LM run's ``args`` (its checkpoint's common state, read as data) gives:
+    head counts and size, layers, the vocabulary before padding (when the run was given ``--vocab-size``)."""
+    if not isinstance(args, dict):
+        return {}
+    config = {hf: args[name] for name, hf in _ARGS.items() if type(args.get(name)) is int and args[name] > 0}
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
+    if type(groups) is int and groups > 0:
+        config["num_key_value_heads"] = groups
+    return config
+
+
 # ---------------------------------------------------------------------------------------------
 # Megatron -> HF
 
