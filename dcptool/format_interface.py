@@ -108,6 +108,9 @@ class Format(ABC):
     name: ClassVar[str]
     writes_folder: ClassVar[bool] = True  # its output is a folder, else one file
     completes: ClassVar[tuple[str, ...]] = ()  # files uploaded last: without them the output is no checkpoint
+    # Formats whose folders this one's are a kind of (a Megatron torch_dist folder is a DCP folder): when both
+    # recognize a checkpoint, this one reads it.
+    refines: ClassVar[tuple[str, ...]] = ()
     writer_class: ClassVar[Callable[..., Writer] | None] = None  # made as writer_class(destination, **options)
     layout: ClassVar[Layout] = Layout.NONE
     compressions: ClassVar[tuple[str, ...]] = ()

@@ -12,7 +12,7 @@ each piece's bytes go) -> ``dcptool.transfer`` (the bytes, streamed) -> ``Writer
 atomic commit (``dcptool.storage``).
 
 >>> sorted(names())
-['accelerate', 'dcp', 'fsdp1', 'hf', 'hf-dcp', 'torch']
+['accelerate', 'dcp', 'fsdp1', 'hf', 'hf-dcp', 'megatron', 'torch']
 >>> get("hf").writes_folder, get("torch").writes_folder, get("accelerate").writable
 (True, False, False)
 >>> get("dcp").layout.value, get("fsdp1").layout.value, get("torch").layout.value
@@ -228,6 +228,8 @@ def _unreadable(entry: os.DirEntry) -> str | None:
 
 def _format_of(files: CheckpointFiles) -> str:
     found = [name for name, module in all_formats().items() if module.detect(files)]
+    refined = {general for name in found for general in all_formats()[name].refines}
+    found = [name for name in found if name not in refined]  # the more specific format reads it
     if len(found) == 1:
         return found[0]
     if not found:

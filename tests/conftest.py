@@ -107,6 +107,61 @@ def read_dcp(path: Path, scratch: Path) -> dict:
     return dict(flat(torch.load(whole, weights_only=True)))
 
 
+# Megatron-LM runs saved by megatron-core itself (tests/harness/megatron.py): name -> (ranks, save options).
+MEGATRON_RUNS = {
+    "tp2": (2, ["--tp", "2", "--optimizer"]),
+    "moe_ep2": (2, ["--ep", "2", "--experts", "4", "--qk-layernorm"]),
+    # legacy per-rank files, and the same model (same seed and layout) saved as torch_dist
+    "legacy_tp2_pp2": (4, ["--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4"]),
+    "legacy_tp2_pp2_dist": (4, ["--tp", "2", "--pp", "2", "--num-layers", "4"]),
+    "legacy_moe_pp2_ep2": (4, ["--format", "torch", "--pp", "2", "--ep", "2", "--experts", "4", "--num-layers", "4",
+                               "--tied"]),
+    "legacy_moe_pp2_ep2_dist": (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--num-layers", "4", "--tied"]),
+    "legacy_pp2_vpp2": (2, ["--format", "torch", "--pp", "2", "--vpp", "2", "--num-layers", "4"]),
+    "legacy_pp2_vpp2_dist": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4"]),
+}
+
+
+@pytest.fixture(scope="session")
+def megatron_runs(tmp_path_factory):
+    """Lazily saved Megatron-LM run folders, by name: ``get(name)`` for one of ``MEGATRON_RUNS``, or
+    ``get(name, ranks, options)`` for another (made once per session under that name). Each run folder holds
+    ``iter_0000100/``, ``latest_checkpointed_iteration.txt`` and ``model.json``; ``RUN.reference/full.pt`` beside it
+    holds every weight, whole.
+    Skips when megatron-core is not installed (scripts/test.sh installs it)."""
+    pytest.importorskip("megatron.core", reason="megatron-core 0.19.2 is not installed (scripts/test.sh installs it)")
+    root = tmp_path_factory.mktemp("megatron-runs")
+    made = {}
+
+    def get(name, ranks=None, options=None):
+        if name not in made:
+            from jobs import MEGATRON_JOBS, run_job
+
+            ranks, options = (ranks, options) if ranks else MEGATRON_RUNS[name]
+            run_job(ranks, "save", root / name, *options, module=MEGATRON_JOBS, timeout=600)
+            made[name] = root / name
+        return made[name]
+
+    return get
+
+
+def megatron_load(checkpoint: Path, model: Path, out: Path, *options) -> dict:
+    """Megatron's own ``dist_checkpointing.load`` of a torch_dist folder into the GPTModel of ``model`` (a run's
+    model.json) at the layout of ``options`` (``"--tp", 2, "--ep", 2``, each 1 unless given; ``"--tokens", FILE``
+    adds logits): every
+    weight, whole, by torch_dist key (and ``__logits__``)."""
+    import torch
+
+    from jobs import MEGATRON_JOBS, run_job
+
+    given = dict(zip(options[::2], options[1::2]))
+    tp, pp, ep = (int(given.pop(flag, 1)) for flag in ("--tp", "--pp", "--ep"))  # 1 unless given
+    ranks = tp * pp * max(1, ep // tp)  # experts borrow data-parallel ranks
+    run_job(ranks, "load", checkpoint, "--model", model, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep,
+            *(str(item) for pair in given.items() for item in pair), module=MEGATRON_JOBS, timeout=600)
+    return torch.load(out, weights_only=True)
+
+
 @pytest.fixture(scope="session")
 def bases(tmp_path_factory):
     """The fuzz tests' small checkpoint of each format (tests/fuzzing.py), made once per session."""

@@ -267,6 +267,8 @@ def make_bases(root: Path) -> Path:
     (root / "fsdp1-dtensor").mkdir()
     subprocess.run([sys.executable, "-c", DTENSOR_SAVE, str(root / "fsdp1-dtensor")], check=True, timeout=300,
                    env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    subprocess.run([sys.executable, "-c", MEGATRON_SAVE, str(root)], check=True, timeout=300,
+                   env=dict(os.environ, PYTHONWARNINGS="ignore"))
     return root
 
 
@@ -286,10 +288,67 @@ dist.destroy_process_group()
 """
 
 
+# Megatron-Core's layouts as its saves lay them out, made without Megatron (so the fuzz tests need none): a
+# torch_dist folder (metadata.json; the common state as the object common_state/shard_0_1, with args a Namespace
+# holding one of Megatron's enums, pickled under Megatron's module name; the _extra_state objects), the same with
+# the older common.pt, and the legacy per-rank mp_rank_0T/model_optim_rng.pt files of TP 2.
+MEGATRON_SAVE = """
+import argparse, enum, json, sys, types, torch, torch.distributed.checkpoint as dcp
+from pathlib import Path
+from torch.distributed.checkpoint import DefaultSavePlanner
+enums = types.ModuleType("megatron.core.enums")
+class ModelType(enum.Enum):
+    encoder_or_decoder = 1
+ModelType.__module__ = enums.__name__
+enums.ModelType = ModelType
+sys.modules[enums.__name__] = enums
+root = Path(sys.argv[1])
+args = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                          num_layers=2, hidden_size=4, num_attention_heads=2, swiglu=True, params_dtype=torch.float32,
+                          model_type=ModelType.encoder_or_decoder, untie_embeddings_and_output_weights=True)
+common = {"args": args, "checkpoint_version": 3.0, "iteration": 5}
+weights = {"embedding.word_embeddings.weight": torch.arange(32.0).reshape(8, 4),
+           "decoder.layers.self_attention.linear_qkv.weight": torch.arange(64.0).reshape(2, 8, 4)}
+objects = {f"decoder.layers.self_attention.linear_qkv._extra_state/shard_{l}_2": [None] for l in range(2)}
+config = json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+dcp.save({**weights, **objects, "common_state/shard_0_1": [common]}, checkpoint_id=root / "megatron", no_dist=True,
+         planner=DefaultSavePlanner(flatten_state_dict=False))
+(root / "megatron" / "metadata.json").write_text(config)
+dcp.save({**weights, **objects}, checkpoint_id=root / "megatron-common-pt", no_dist=True,
+         planner=DefaultSavePlanner(flatten_state_dict=False))
+(root / "megatron-common-pt" / "metadata.json").write_text(config)
+torch.save(common, root / "megatron-common-pt" / "common.pt")
+for tp in range(2):
+    model = {"embedding.word_embeddings.weight": weights["embedding.word_embeddings.weight"][4 * tp:4 * tp + 4],
+             **{f"decoder.layers.{l}.self_attention.linear_qkv.weight": weights[
+                 "decoder.layers.self_attention.linear_qkv.weight"][l, 4 * tp:4 * tp + 4] for l in range(2)},
+             "decoder.layers.0.self_attention.linear_qkv._extra_state": None}
+    (root / "megatron-legacy" / f"mp_rank_0{tp}").mkdir(parents=True)
+    torch.save({"model": model, **common}, root / "megatron-legacy" / f"mp_rank_0{tp}" / "model_optim_rng.pt")
+"""
+
+
+def megatron_common_state(folder: Path) -> tuple[int, int]:
+    """Where the common state's record lies in the base's data file (torch reads the trusted base's .metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    [info] = [info for index, info in metadata.storage_data.items() if index.fqn == "common_state/shard_0_1"]
+    return info.offset, info.offset + info.length
+
+
+def mutate_megatron_config(rng: random.Random, config: dict) -> tuple[str, str]:
+    """Megatron-Core's metadata.json changed as data."""
+    field = rng.choice(["sharded_backend", "sharded_backend_version", "extra"])
+    value = rng.choice(HOSTILE_JSON + ["zarr", "torch_dist", "torch"])
+    return json.dumps({**config, field: value}), f"{field}={json_text(value)[:20]}"
+
+
 # (kind, mutants): where each kind's mutations go; the counts add up to the corpus.
 CORPUS = {"dcp-metadata": 70, "dcp-distcp": 45, "safetensors": 70, "index": 40, "fsdp-config": 30,
-          "fsdp1-pickle": 60, "fsdp1-dtensor-pickle": 40, "torch-save": 25, "hf-dcp": 30}
-CONVERT_TO = {"dcp": "torch", "hf": "dcp", "fsdp1": "hf", "torch": "fsdp1", "hf-dcp": "torch"}
+          "fsdp1-pickle": 60, "fsdp1-dtensor-pickle": 40, "torch-save": 25, "hf-dcp": 30,
+          "megatron-config": 12, "megatron-common-state": 16, "megatron-common-pt": 12, "megatron-legacy": 16}
+CONVERT_TO = {"dcp": "torch", "hf": "dcp", "fsdp1": "hf", "torch": "fsdp1", "hf-dcp": "torch", "megatron": "torch"}
 HOSTILE_OFFSETS = [[0], [0, 0, 0], [-1, 0], [2**63, 0], [1.5, 0], "0,0", None, [3, 0], [0, 4], [True, 0], {}]
 
 
@@ -315,6 +374,23 @@ def mutate_sharding(rng: random.Random, header: dict) -> tuple[str, str]:
 
 def make_case(kind: str, rng: random.Random, bases: Path, folder: Path) -> tuple[Path, str, str]:
     """Copy the base checkpoint of ``kind`` to ``folder`` and mutate it: ``(path to open, format, what)``."""
+    if kind.startswith("megatron"):
+        base, file = {"megatron-config": ("megatron", "metadata.json"),
+                      "megatron-common-state": ("megatron", "__0_0.distcp"),
+                      "megatron-common-pt": ("megatron-common-pt", "common.pt"),
+                      "megatron-legacy": ("megatron-legacy", f"mp_rank_0{rng.randrange(2)}/model_optim_rng.pt")}[kind]
+        shutil.copytree(bases / base, folder)
+        if kind == "megatron-config":
+            return folder, "megatron", mutate_json_file(rng, folder / file, mutate_megatron_config, 0.7)
+        data = (folder / file).read_bytes()
+        if file.endswith(".pt"):
+            mutated, what = mutate_archive(rng, data)
+        else:  # the common state's record in the data file
+            lo, hi = megatron_common_state(folder)
+            record, what = mutate_archive(rng, data[lo:hi])
+            mutated = data[:lo] + record + data[hi:]
+        (folder / file).write_bytes(mutated)
+        return folder, "megatron", f"{file}:{what}"
     if kind.startswith("dcp"):
         shutil.copytree(bases / "dcp", folder)
         if kind == "dcp-metadata":

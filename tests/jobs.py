@@ -27,6 +27,7 @@ FAMILY_JOBS = "harness.family_jobs"
 VERL_JOBS = "harness.verl_jobs"
 ACCELERATE_JOBS = "harness.accelerate_jobs"
 STORAGE_JOBS = "harness.storage_jobs"
+MEGATRON_JOBS = "harness.megatron"  # megatron-core 0.19.2 saving and loading (tests/harness/megatron.py)
 
 
 def run_job(nproc: int, *args: str, timeout: float = 300, check: bool = True,

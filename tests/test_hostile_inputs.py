@@ -377,3 +377,41 @@ def test_verify_of_a_checkpoint_with_a_nan_entry_against_itself(forked_runs, tmp
     torch.save({"w": torch.ones(2), "lr": float("nan")}, tmp_path / "nan.pt")
     [result] = forked_runs.run([["verify", str(tmp_path / "nan.pt"), str(tmp_path / "nan.pt")]])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+class _RunsCode:
+    """Pickles as a call of ``os.system`` (what a hostile checkpoint's pickle does under ``pickle.load``)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("where", ["common.pt", "common state", "legacy args"])
+def test_megatron_pickles_that_run_code_are_refused(forked_runs, bases, tmp_path, where):
+    """Megatron's common state and legacy files are read by the restricted unpickler: a pickle that would run a
+    command under ``pickle.load`` (``torch.load(weights_only=False)``, as Megatron-LM's legacy loader does) is
+    refused in one line and runs nothing."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "ran"
+    common = {"args": _RunsCode(marker), "iteration": 5, "checkpoint_version": 3.0}
+    if where == "common.pt":
+        folder = shutil.copytree(bases / "megatron-common-pt", tmp_path / "run")
+        torch.save(common, folder / "common.pt")
+    elif where == "common state":
+        folder = tmp_path / "run"
+        dcp.save({"w": torch.ones(2), "common_state/shard_0_1": [common]}, checkpoint_id=folder, no_dist=True,
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+        (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
+                                                          "sharded_backend_version": 1}))
+    else:
+        folder = shutil.copytree(bases / "megatron-legacy", tmp_path / "run")
+        torch.save({"model": {"w": torch.ones(2)}, **common}, folder / "mp_rank_00" / "model_optim_rng.pt")
+    refused(forked_runs, folder, "refuses to unpickle posix.system", tmp_path=tmp_path, command="inspect")
+    assert not marker.exists()

@@ -184,3 +184,20 @@ def test_streamed_pickles_load_as_the_values_they_stand_for():
     assert loaded["streamed"] == dict(pairs)
     with pytest.raises(Unpicklable):
         PickleStream(io.BytesIO()).save(object())
+
+
+def test_data_records_are_pickled_back_as_what_they_were():
+    """Namespaces, enums (Megatron's args) and dtypes the restricted unpickler read as data are written back as
+    what they were; any other record cannot be (its class is not data)."""
+    import argparse
+    import signal
+
+    from dcptool.safe_pickle import load_bytes
+
+    saved = {"args": new_object("argparse", "Namespace", {"tp": 2, "signal": Reduced(Global("signal", "Signals"), (15,)),
+                                                          "dtype": Global("torch", "bfloat16")})}
+    written = pickle.loads(dumps(load_bytes(dumps(saved), "common.pt")))
+    assert written == {"args": argparse.Namespace(tp=2, signal=signal.SIGTERM, dtype=torch.bfloat16)}
+    meta = load_bytes(dumps(new_object("torch.distributed.tensor._dtensor_spec", "TensorMeta", {"shape": (1,)})), "x")
+    with pytest.raises(Unpicklable):
+        dumps(meta)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import FAMILY_JOBS, VERL_JOBS, run_job
+from jobs import FAMILY_JOBS, MEGATRON_JOBS, VERL_JOBS, run_job
 
 from conftest import ROOT, dcptool
 from harness.family_models import save_hf
@@ -66,6 +66,7 @@ INPUTS = {
     "dcptool checksum step-1000": ["step-1000", "hf-out"],
     ".venv/bin/pip": [],
     "scripts/test.sh": [],
+    "dcptool inspect run/iter_0000100": ["run/iter_0000100"],
 }
 
 
@@ -119,6 +120,11 @@ def made(tmp_path_factory, checkpoints):
     def copy(source: Path):
         return lambda out: shutil.copytree(source, out)
 
+    def megatron_legacy(out: Path) -> None:  # Megatron-LM's per-rank files of TP 2 x PP 2 (megatron-core 0.19.2)
+        run_job(4, "save", root / "megatron-run", "--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4",
+                module=MEGATRON_JOBS)
+        shutil.copytree(root / "megatron-run" / "iter_0000100", out)
+
     def torch_save(out: Path) -> None:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -145,6 +151,7 @@ def made(tmp_path_factory, checkpoints):
         "titan/step-10": lambda out: family(out, "llama", "torchtitan", "llama-hf", "--dp", "2"),
         "archon/step-10": lambda out: dcptool("convert", get("titan/step-10"), out, "--to", "dcp",
                                               "--adapter", "archon", "--config-dir", get("llama-hf")),
+        "run/iter_0000100": megatron_legacy,
     }
 
     def get(path: str) -> Path:

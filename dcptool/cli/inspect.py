@@ -80,7 +80,8 @@ def _print_table(path: str, found, show_all: bool) -> None:
         lines.append(f"non-tensor entries ({len(found.objects)}): {render.grouped(found.objects)}")
     lines.append(f"{counted(len(tensors), 'tensor')}, {sum(t.nbytes for t in tensors.values()):,} bytes of tensor data; "
                  f"{counted(len(found.files), 'data file')}, {found.disk:,} bytes on disk")
-    lines += [f"{key}: {value}" for key, value in checkpoint.info.items() if value is not None]
+    lines += [f"{key}: {value}" for key, value in checkpoint.info.items() if value is not None
+              and not isinstance(value, dict)]  # a whole record (Megatron's args) is for --json
     if found.names:
         lines.append(f"names: {found.names['family']}" + (f" ({found.names['kind']})" if found.names["kind"] else ""))
     if found.mesh:

@@ -254,7 +254,33 @@ _RECORDS = [
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState",
     "torch.distributed._mesh_layout._MeshLayout",  # DeviceMesh state since torch 2.9
     "torch.distributed._mesh_layout._FlatLayout",
+    # Megatron-LM's common state (its args) and rerun state: the classes megatron-core's safe_globals.py lets
+    # torch.load take, learned here as data: a Namespace's attributes, an enum as its value (``.args``)
+    "argparse.Namespace",
+    "types.SimpleNamespace",
+    "signal.Signals",
+    "megatron.core.enums.ModelType",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.dist_checkpointing.mapping.ShardedObject",  # nested in the rerun state machine's state
 ]
+# Of those, the ones a writer may pickle back as what they were read as (dcptool.torch_archive's pickler): an enum
+# from its value, a namespace (or a dataclass) from its attributes. They are plain data: their classes run nothing
+# of the file's.
+ENUM_RECORDS = frozenset({"signal.Signals", "megatron.core.enums.ModelType",
+                          *(f"megatron.core.transformer.enums.{name}" for name in
+                            ("AttnBackend", "CudaGraphModule", "CudaGraphScope", "InferenceCudaGraphScope")),
+                          *(f"megatron.core.rerun_state_machine.{name}" for name in
+                            ("RerunDiagnostic", "RerunMode", "RerunState"))})
+NAMESPACE_RECORDS = frozenset({"argparse.Namespace", "types.SimpleNamespace",  # and dataclasses, pickled alike
+                               "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                               "megatron.core.dist_checkpointing.mapping.ShardedObject"})
 
 _DTENSOR = _record_class("torch.distributed.tensor.DTensor")
 # The plain classes FSDP1 on one rank names in _rebuild_from_type_v2 (a tensor that FSDP flagged as cloned).
@@ -262,6 +288,11 @@ PLAIN_TENSOR_TYPES = (Name("torch.Tensor"), Name("torch.nn.parameter.Parameter")
 PLAIN_TENSOR_STATE_KEYS = frozenset({"_has_been_cloned"})  # FSDP's flag attribute, a bool
 
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
+# Megatron-Core 0.15 pickles its .metadata and save plans as subclasses of torch's (with an mcore_data field):
+# read as what they subclass.
+for _megatron, _torch in (("MCoreMetadata", "metadata.Metadata"), ("MCoreSavePlan", "planner.SavePlan")):
+    ALLOWED[f"megatron.core.dist_checkpointing.strategies.torch.{_megatron}"] = \
+        ALLOWED[f"torch.distributed.checkpoint.{_torch}"]
 ALLOWED.update(
     {
         "collections.OrderedDict": collections.OrderedDict,

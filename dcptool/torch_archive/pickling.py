@@ -12,6 +12,7 @@ from typing import Any
 from dcptool import dtypes as dtype_table
 from dcptool.errors import CheckpointError, option
 from dcptool.safe_pickle import Record, SubclassRef, TensorRef
+from dcptool.safe_pickle.allowlist import ALLOWED, ENUM_RECORDS, NAMESPACE_RECORDS, Name
 from dcptool.torch_archive.reading import row_major
 
 
@@ -67,6 +68,10 @@ class Unpicklable(CheckpointError):
     class (``Record``, ``SubclassRef``), or a tensor whose storage the caller did not make a ``StorageOut``."""
 
 
+# The names of torch's dtypes and their aliases, as the restricted unpickler keeps them (``torch.float32`` -> "float32").
+TORCH_NAMES = frozenset(str(value) for key, value in ALLOWED.items() if type(value) is Name and key == f"torch.{value}")
+
+
 class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit globals without importing them
     dispatch = pickle._Pickler.dispatch.copy()
 
@@ -87,6 +92,11 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
             return (Global("torch._utils", "_rebuild_tensor_v2"), args)
         if isinstance(obj, Reduced):
             return (obj.func, obj.args, obj.state)
+        if isinstance(obj, Record) and type(obj).qualname in ENUM_RECORDS | NAMESPACE_RECORDS:
+            module, name = type(obj).qualname.rsplit(".", 1)
+            if type(obj).qualname in ENUM_RECORDS:  # an enum member is its class called with its value
+                return (Global(module, name), tuple(getattr(obj, "args", ())))
+            return (Global("copyreg", "__newobj__"), (Global(module, name),), dict(vars(obj)))
         if isinstance(obj, (TensorRef, Record, SubclassRef)):
             raise Unpicklable(f"cannot write a {type(obj).__name__} nested in a non-tensor entry into this format: "
                               f"leave that entry out with {option('exclude')}")
@@ -115,6 +125,15 @@ class _TorchPickler(pickle._Pickler):  # the pure-Python pickler lets us emit gl
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
 
     dispatch[Global] = save_global_ref
+
+    def save_torch_name(self, obj: Name) -> None:
+        """A dtype the restricted unpickler kept by its name (Megatron's ``args.params_dtype``): ``torch.<name>``."""
+        if obj not in TORCH_NAMES:
+            raise Unpicklable(f"cannot write {obj!r} nested in a non-tensor entry into this format: leave that entry "
+                              f"out with {option('exclude')}")
+        self.save_global_ref(Global("torch", str(obj)))
+
+    dispatch[Name] = save_torch_name
 
 
 def dumps(obj: Any, protocol: int = 2) -> bytes:

@@ -21,4 +21,6 @@ Modules:
   accelerate_jobs  an HF Trainer / accelerate checkpoint-N folder
   storage_jobs     torch's HF-storage and zstd DCP writers and readers
   synth_dcp        synthetic DCP checkpoints of N ranks, written by one process (no torchrun)
+  megatron         megatron-core's GPTModel saved as Megatron-LM saves it (torch_dist or per-rank torch
+                   files, run layout) and loaded back by its dist_checkpointing.load
 """
