@@ -75,6 +75,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         raise UsageError(f"{checkpoint.root}: no model weights found (set the wrapper with {option('prefix')})")
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
+    config = adapters.with_run_args(config, checkpoint.info)
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
     notes = [note] if note else []
     if mapping is not None:
@@ -98,7 +99,7 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
     parallelism Megatron names pad the vocabulary for.
     """
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    config = read_config(config_dir) if config_dir is not None else None
+    config = adapters.with_run_args(read_config(config_dir) if config_dir is not None else None, checkpoint.info)
     params = model_part(checkpoint)
     mapping, note = adapters.mapping_for(params, target, source, config, tp=vocab_tp, where=str(checkpoint.root))
     notes = [note] if note and (mapping or target) else []

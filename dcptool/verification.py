@@ -146,6 +146,7 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         return a, b, None
     config_dir = b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
     config = selection.read_config(config_dir) if config_dir is not None else None
+    config = adapters.with_run_args(adapters.with_run_args(config, a.checkpoint.info), b.checkpoint.info)
     if found_a == MEGATRON:  # Megatron's tensors are taken apart (its vocabulary padding has no counterpart)
         if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
             raise UsageError(f"{a.checkpoint.root}: a manifest in Megatron-Core names cannot check {found_b} names "

@@ -17,14 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import dcptool
+from conftest import dcptool, megatron_load
 from harness.family_models import load_hf_state, read_config, save_hf
 from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab, rope_theta
-from jobs import run_job
 
-pytest.importorskip("megatron.core", reason="needs megatron-core 0.19.2 (scripts/test.sh installs it)")
-
-MEGATRON_JOBS = "harness.megatron"
 # kind -> (the layout Megatron saves it with, the layout it loads dcptool's import with)
 LAYOUTS = {"llama": ({"tp": 2}, {"pp": 2}), "qwen2": ({"pp": 2}, {"tp": 2}),
            "qwen3": ({"tp": 2}, {"tp": 1}), "qwen3_moe": ({"ep": 2}, {"tp": 2})}
@@ -54,27 +50,25 @@ def layout_flags(layout: dict) -> tuple[int, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(megatron_runs, tmp_path_factory):
     """``runs(kind)``: (transformers folder, Megatron's own save of it, its model.json), made once."""
-    root = tmp_path_factory.mktemp("megatron-runs")
+    root = tmp_path_factory.mktemp("megatron-hf")
     made = {}
 
     def get(kind: str):
         if kind not in made:
-            hf = save_hf(kind, root / f"{kind}-hf", seed=7, **({"norm_topk_prob": True} if kind == "qwen3_moe" else {}))
+            hf = save_hf(kind, root / kind, seed=7, **({"norm_topk_prob": True} if kind == "qwen3_moe" else {}))
             config = read_config(hf)
-            options = model_options(config)
             weights = root / f"{kind}-weights.pt"
             rows = padded_vocab(config["vocab_size"], 1)  # 256 at tp 1 and 2 (multiples of 128 and 256)
             torch.save(checkpoint_keys(megatron_weights(load_hf_state(hf), config, rows), config), weights)
-            run = root / f"{kind}-run"
             saved_as, _ = LAYOUTS[kind]
             nproc, flags = layout_flags(saved_as)
-            option_flags = [f for name, value in options.items() for f in (
+            options = [f for name, value in model_options(config).items() for f in (
                 [f"--{name.replace('_', '-')}"] if value is True else [] if value is False else
                 [f"--{name.replace('_', '-')}", str(value)])]
-            run_job(nproc, "save", run, *flags, *option_flags, "--weights", weights, module=MEGATRON_JOBS, timeout=600)
-            made[kind] = (hf, run, run / "model.json")
+            run = megatron_runs(f"from-hf-{kind}", nproc, [*flags, *options, "--weights", str(weights)])
+            made[kind] = (hf, run / "iter_0000100", run / "model.json")
         return made[kind]
 
     return get
@@ -94,16 +88,16 @@ def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path
     verify and checksum --against agree across the families."""
     hf, run, _ = runs(kind)
     export = tmp_path / "export"
-    result = dcptool("export-hf", run / "iter_0000100", export, "--config-dir", hf)
+    result = dcptool("export-hf", run, export, "--config-dir", hf)
     assert f"names: megatron ({kind}), written as hf" in result.stdout + result.stderr
     source, exported = load_hf_state(hf), load_hf_state(export)
     assert source.keys() == exported.keys()
     for key in source:
         assert torch.equal(source[key], exported[key]), key
     assert torch.equal(transformers_logits(export), transformers_logits(hf))
-    assert "compared bitwise" in dcptool("verify", run / "iter_0000100", export).stdout
+    assert "compared bitwise" in dcptool("verify", run, export).stdout
     dcptool("checksum", export, "--write")
-    assert dcptool("checksum", export, "--against", run / "iter_0000100").returncode == 0
+    assert dcptool("checksum", export, "--against", run).returncode == 0
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
@@ -116,12 +110,9 @@ def test_megatron_loads_dcptools_import(kind, runs, tmp_path):
     dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", str(load_as.get("tp", 1)))
     tokens = tmp_path / "tokens.pt"
     torch.save(TOKENS, tokens)
-    nproc, flags = layout_flags(load_as)
-    out = tmp_path / "loaded.pt"
+    _, flags = layout_flags(load_as)
     with_tokens = ["--tokens", tokens] if load_as.get("pp", 1) == 1 else []
-    run_job(nproc, "load", imported, "--model", model, *flags, "--out", out, *with_tokens, module=MEGATRON_JOBS,
-            timeout=600)
-    loaded = torch.load(out, weights_only=True)
+    loaded = megatron_load(imported, model, tmp_path / "loaded.pt", *flags, *with_tokens)
     config = read_config(hf)
     expected = checkpoint_keys(megatron_weights(load_hf_state(hf), config, padded_vocab(config["vocab_size"], 1)),
                                config)

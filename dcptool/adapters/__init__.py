@@ -340,6 +340,15 @@ class MegatronMapping:
         return Mapping(self.kind, self.source, "hf", self.config).untranslatable(names) if self.source != "hf" else []
 
 
+def with_run_args(config: dict | None, info: dict) -> dict | None:
+    """``config`` completed by what a Megatron-LM run's ``args`` (``info["args"]``, its common state read as
+    data) say of the model: head counts, layers, the vocabulary before padding; the HF config wins."""
+    from_args = megatron.config_from_args(info.get("args"))
+    if not from_args:
+        return config
+    return {**from_args, **models.text_config(config)}
+
+
 def make_mapping(kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
                  tp: int = 1, where: str = "") -> Mapping | MegatronMapping:
     """The mapping between two families: ``MegatronMapping`` where one is Megatron-Core's."""
