@@ -78,6 +78,8 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     config = adapters.with_run_args(config, checkpoint.info)
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
     notes = [note] if note else []
+    if isinstance(mapping, adapters.MegatronMapping) and config_dir is None and checkpoint.info.get("args"):
+        notes.append("head counts and vocab_size from the Megatron-LM run's args (its common state)")
     if mapping is not None:
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")

@@ -121,3 +121,38 @@ def test_megatron_loads_dcptools_import(kind, runs, tmp_path):
     if with_tokens:
         got = loaded["__logits__"][..., :config["vocab_size"]]
         torch.testing.assert_close(got, transformers_logits(hf), rtol=1e-5, atol=1e-5)
+
+
+def test_run_args_optimizer_state_and_ties(megatron_runs, tmp_path):
+    """Without --config-dir, the run's args give the head counts and the vocabulary; a fully_reshardable
+    optimizer state follows its parameter into torchtitan's names and layout (slot after the name), taken
+    apart as the weight is; a tied run (no output_layer) exports no lm_head."""
+    import torch.distributed.checkpoint as dcp
+
+    run = megatron_runs("tp2") / "iter_0000100"  # Llama-like, TP 2, AdamW state in fully_reshardable form
+    export = tmp_path / "export"
+    result = dcptool("export-hf", run, export)
+    assert "head counts and vocab_size from the Megatron-LM run's args" in result.stdout + result.stderr
+    assert load_hf_state(export)["model.embed_tokens.weight"].shape[0] == 100  # the padding (to 128) dropped
+    assert "compared bitwise" in dcptool("verify", run, export).stdout
+
+    titan = tmp_path / "titan"
+    result = dcptool("convert", run, titan, "--to", "dcp", "--adapter", "torchtitan")
+    assert "dp_reshardable" not in result.stderr and "ShardedObject" in result.stdout + result.stderr
+    names = json.loads(dcptool("inspect", titan, "--json").stdout)["tensors"]
+    weight = "layers.1.attention.qkv_linear.wk.weight"
+    slots = {slot: f"optimizer.state.{weight}.{slot}" for slot in ("param", "exp_avg", "exp_avg_sq")}
+    assert set(slots.values()) <= set(names)
+    state = {key: torch.empty(names[key]["shape"]) for key in (weight, *slots.values())}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(titan), no_dist=True)
+    # harness.megatron's optimizer: param = the weight, exp_avg = 0.1 x, exp_avg_sq = its square
+    assert torch.equal(state[slots["param"]], state[weight])
+    assert torch.equal(state[slots["exp_avg"]], state[weight] * 0.1)
+    assert torch.equal(state[slots["exp_avg_sq"]], state[weight] ** 2)
+    assert "compared bitwise" in dcptool("verify", titan, run).stdout  # Llama q/k rows permuted with the args
+
+    tied = megatron_runs("legacy_moe_pp2_ep2_dist") / "iter_0000100"  # PP 2, EP 2, tied embeddings
+    export = tmp_path / "tied"
+    dcptool("export-hf", tied, export)
+    assert "lm_head.weight" not in load_hf_state(export)
+    assert "compared bitwise" in dcptool("verify", tied, export).stdout
