@@ -16,10 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import dcptool, megatron_load
 from harness.family_models import load_hf_state, read_config, save_hf
-from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab, rope_theta
+from harness.megatron_weights import (
+    checkpoint_keys,
+    megatron_weights,
+    padded_vocab,
+    rope_theta,
+)
 
 # kind -> (the layout Megatron saves it with, the layout it loads dcptool's import with)
 LAYOUTS = {"llama": ({"tp": 2}, {"pp": 2}), "qwen2": ({"pp": 2}, {"tp": 2}),
@@ -104,7 +108,7 @@ def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path
 def test_megatron_loads_dcptools_import(kind, runs, tmp_path):
     """import-hf --adapter megatron, loaded by Megatron's dist_checkpointing.load at another layout than the
     save's: the weights Megatron holds are its own save's, and its forward gives transformers' logits."""
-    hf, run, model = runs(kind)
+    hf, _, model = runs(kind)
     imported = tmp_path / "imported"
     _, load_as = LAYOUTS[kind]
     dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", str(load_as.get("tp", 1)))

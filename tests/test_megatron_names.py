@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import dcptool
 from harness.family_models import load_hf_state, read_config, save_hf
 from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab

@@ -8,7 +8,15 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from dcptool.models.kind import Divisor, MegatronName, ModelKind, PlanRule, Row, Shape, Tie
+from dcptool.models.kind import (
+    Divisor,
+    MegatronName,
+    ModelKind,
+    PlanRule,
+    Row,
+    Shape,
+    Tie,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Rows: each parameter under every family's name
