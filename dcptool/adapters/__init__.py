@@ -428,7 +428,7 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
             else:
                 key, path = ordered(new_name)
             out[key] = with_path(entry, path)
-    return StateResult(out, dropped, unmatched, made)
+    return StateResult(out, dropped, unmatched, list(dict.fromkeys(made)))  # a line per slot would repeat
 
 
 _MEGATRON_SLOT = re.compile(r"^(.*?)\.?\bstate\.(\w+)\.$")
