@@ -336,7 +336,7 @@ def left_out_by_kind(checkpoint: Checkpoint, tensors: list[OutTensor], objects: 
     found: dict[str, list[str]] = {"optimizer tensors": [], "other tensors": [], "non-tensor entries": []}
     for key, tensor in checkpoint.tensors.items():
         if id(tensor) not in carried:
-            optimizer = OPTIMIZER_ROOTS & {str(part) for part in tensor.path}
+            optimizer = OPTIMIZER_ROOTS & {str(part).split(".")[0] for part in tensor.path}  # flat keys too (Megatron)
             found["optimizer tensors" if optimizer else "other tensors"].append(key)
     found["non-tensor entries"] = [key for key, entry in checkpoint.objects.items() if id(entry) not in carried]
     return {kind: keys for kind, keys in found.items() if keys}
