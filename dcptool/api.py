@@ -297,15 +297,24 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
     """
     from dcptool import models
 
-    if adapter not in models.FAMILIES:
-        raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.FAMILIES)}")
+    if adapter not in models.NAMING_FAMILIES:
+        raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.NAMING_FAMILIES)}")
     if lora_adapter is not None and (adapter != "hf" or tp * ep * cp != 1):
         raise UsageError(f"{option('lora_adapter')} lays out a peft model of HF names for FSDP (data parallel): "
                          f"drop {option('adapter')}, {option('tp')}, {option('ep')} and {option('cp')}")
+    to, vocab_tp = "dcp", 1
+    if adapter == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
+        to, vocab_tp = _megatron_output(), tp
+        dp, tp, ep, etp, cp, dp_replicate, world_size = 1, 1, 1, 1, 1, 1, None
     return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
-                    plan=plan, to="dcp", keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
+                    plan=plan, to=to, keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
                     dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
-                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter)
+                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter, vocab_tp=vocab_tp)
+
+
+def _megatron_output() -> str:
+    """The format import-hf writes Megatron names as: Megatron-Core's torch_dist where dcptool has it."""
+    return "megatron" if "megatron" in formats.names() else "dcp"
 
 
 @_records
@@ -575,7 +584,7 @@ def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
 
 def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
              config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
-             progress, lora_adapter=None) -> ReshardReport:
+             progress, lora_adapter=None, vocab_tp: int = 1) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
 
@@ -589,7 +598,7 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
         check_destination(destination, overwrite)  # before planning, whose warnings would come first
     result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter,
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
-                                 compress=compress, forms=forms)
+                                 compress=compress, forms=forms, vocab_tp=vocab_tp)
     result.conversion.notes[:0] = notes
     try:
         return _write_or_report(result, destination, dry_run, progress, max_memory, overwrite, fsync)

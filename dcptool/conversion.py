@@ -95,8 +95,11 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         named = found.base
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
-    mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts)
+    config = adapters.with_run_args(config, checkpoint.info)
+    mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
     notes += [note] if note else []
+    if isinstance(mapping, adapters.MegatronMapping) and config_dir is None and checkpoint.info.get("args"):
+        notes.append("head counts and vocab_size from the Megatron-LM run's args (its common state)")
     if mapping is not None:
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
@@ -186,17 +189,18 @@ def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, 
 
 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
-            config_dir: str | Path | None = None) -> tuple[Checkpoint, list[str]]:
+            config_dir: str | Path | None = None, vocab_tp: int = 1) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
     layout (``models.LAYOUTS``: where its job keeps model and optimizer), and notes.
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
-    family keeps them (views of the same bytes); other entries keep their keys.
+    family keeps them (views of the same bytes); other entries keep their keys. ``vocab_tp``: the tensor
+    parallelism Megatron names pad the vocabulary for.
     """
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    config = read_config(config_dir) if config_dir is not None else None
+    config = adapters.with_run_args(read_config(config_dir) if config_dir is not None else None, checkpoint.info)
     params = model_part(checkpoint)
-    mapping, note = adapters.mapping_for(params, target, source, config)
+    mapping, note = adapters.mapping_for(params, target, source, config, tp=vocab_tp, where=str(checkpoint.root))
     notes = [note] if note and (mapping or target) else []
     layout = models.LAYOUTS.get(target) if target else None
     if mapping is None and layout is None:
@@ -433,7 +437,7 @@ def left_out_by_kind(checkpoint: Checkpoint, tensors: list[OutTensor], objects: 
     found: dict[str, list[str]] = {"optimizer tensors": [], "other tensors": [], "non-tensor entries": []}
     for key, tensor in checkpoint.tensors.items():
         if id(tensor) not in carried:
-            optimizer = OPTIMIZER_ROOTS & {str(part) for part in tensor.path}
+            optimizer = OPTIMIZER_ROOTS & {str(part).split(".")[0] for part in tensor.path}  # flat keys too (Megatron)
             found["optimizer tensors" if optimizer else "other tensors"].append(key)
     found["non-tensor entries"] = [key for key, entry in checkpoint.objects.items() if id(entry) not in carried]
     return {kind: keys for kind, keys in found.items() if keys}

@@ -50,7 +50,8 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
             inside = len(entry.path) > len(wrapper) and entry.path[: len(wrapper)] == wrapper
             key = join_path(entry.path[len(wrapper):]) if inside else None
         else:
-            key = entry.key if entry.path[0] not in NON_MODEL_ROOTS else None
+            # A flat key saved whole (Megatron-Core's "optimizer.state.exp_avg.<name>") has its root before the first dot.
+            key = entry.key if str(entry.path[0]).split(".")[0] not in NON_MODEL_ROOTS else None
         if key is not None:
             found[WRAPPER_PREFIXES.sub(r"\1", key)] = entry
     if start and entries is None and not found:

@@ -33,6 +33,7 @@ from dcptool import adapters, conversion, dtypes, formats, models, selection, tr
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
+from dcptool.models import MEGATRON
 from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import plain_data, split_object
 from dcptool.torch_archive import Unpicklable
@@ -147,12 +148,22 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         return a, b, None
     config_dir = config_dir or b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
     config = selection.read_config(config_dir) if config_dir is not None else None
-    mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config)
+    config = adapters.with_run_args(adapters.with_run_args(config, a.checkpoint.info), b.checkpoint.info)
+    if found_a == MEGATRON:  # Megatron's tensors are taken apart (its vocabulary padding has no counterpart)
+        if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
+            raise UsageError(f"{a.checkpoint.root}: a manifest in Megatron-Core names cannot check {found_b} names "
+                             f"(Megatron pads the vocabulary): write the manifest of {b.checkpoint.root} "
+                             f"(checksum --write) and check the Megatron checkpoint against it")
+        side_b, side_a, note = align_families(b, a, found_b, found_a, include, exclude)
+        return side_a, side_b, note.replace("B's", "A's", 1)
+    if found_b == MEGATRON:
+        config = _with_vocab(config, params_a)
+    mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config, where=str(b.checkpoint.root))
     result = mapping.convert(params_b)
     adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('adapter_a')} / {option('adapter_b')}")
     mapped = {name: entry for name, (entry, _) in result.entries.items()}
     # A's tensors that B's family has no place for (Qwen3-MoE's expert_bias in HF names) cannot be in B.
-    no_place = adapters.Mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
+    no_place = adapters.make_mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
     if found_a == "hf":
         no_place += models.tied_outputs(config)
     params_a = {k: v for k, v in params_a.items() if k not in no_place}
@@ -163,6 +174,16 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         note += f"; not compared, {found_b} names have no place for them: {', '.join(no_place[:4])}" + \
             (f" and {len(no_place) - 4} more" if len(no_place) > 4 else "")
     return side_a, side_b, note
+
+
+def _with_vocab(config: dict | None, other: dict) -> dict | None:
+    """The config, its vocabulary size taken from the other side's embedding where it has none: the rows
+    Megatron's padded embedding is compared on."""
+    config = models.text_config(config)
+    if isinstance(config.get("vocab_size"), int):
+        return config
+    rows = next((t.shape[0] for name, t in other.items() if models.is_input_embedding(name) and t.shape), None)
+    return config if rows is None else {**config, "vocab_size": rows}
 
 
 @dataclass

@@ -90,7 +90,7 @@ def _unit(dim: int, ndim: int) -> tuple[int, ...]:
 
 
 def renamed(tensor: TensorInfo, path: Path) -> TensorInfo:
-    """The same tensor under another name (its chunks are shared, not viewed; a computed one stays computed)."""
+    """The same tensor under another name (its chunks, and how its values are computed, are shared)."""
     return TensorInfo(path, tensor.dtype, tensor.shape, tensor.chunks, tensor.transform)
 
 

@@ -30,6 +30,10 @@ Rows (id: what runs; the peer is the route users take today for the same job):
   cp-sync              cp -r && sync: the floor of a copy that is on disk when it returns, as dcptool's
                        are unless --no-fsync (issue 12's target: copy commands within 1.25x of it)
   export-hf            dcptool export-hf SRC DST                 peer: peer-export-hf
+  export-hf-megatron   dcptool export-hf MEGATRON_SRC DST        peer: export-hf
+                       (the dense checkpoint's bytes in Megatron-Core's layout, made untimed by
+                       import-hf --adapter megatron from its HF export: stacked layers, fused
+                       qkv and gate/up taken apart as views; --model dense only)
   export-hf-moe        dcptool export-hf MOE_SRC DST             peer: export-hf
                        (Archon names, grouped experts -> HF names, one tensor per expert,
                        as views of the source's chunks; the dense export of the same size
@@ -116,7 +120,7 @@ from pathlib import Path
 from benchmark import REPO, workers
 from benchmark.measure import SAMPLE_S, remove
 from benchmark.report import chart, chart_title, machine_info, summarize, write_report
-from benchmark.rows import (GLOO_LAYOUTS, checkpoint_info, lora_output, make_rows, reader_folder, reader_rows,
+from benchmark.rows import (GLOO_LAYOUTS, checkpoint_info, lora_output, make_rows, megatron_source, reader_folder, reader_rows,
                             reader_shapes, reader_sources, run_row, save_checkpoints)
 from benchmark.scale import scale_bench
 from benchmark.shapes import Shape, choose_shape, human, inspect_shape, parse_size
@@ -255,12 +259,14 @@ def bench_size(args, target: int, work: Path, logs: Path,
     jobs += [(path, readers["verl" if layout == "optim" else layout]) for path, layout in layouts.items()]
     save_checkpoints(jobs, args.dp, args.tp, logs, layouts)
     hf = verify_export(src, shape, tag, work)
+    megatron = megatron_source(hf, shape, tag, work) \
+        if args.model == "dense" and (want is None or bool(want.search("export-hf-megatron"))) else None
     outdir = work / "out"
     remove(outdir)
     outdir.mkdir()
     moe_info = checkpoint_info(moe_src, moe_shape) if moe_src else None
     rows = [r for r in make_rows(src, hf, small, shape, outdir, len(small_shape.tensors()) if small_shape else 0,
-                                 (moe_src, moe_info) if moe_src else None)
+                                 (moe_src, moe_info) if moe_src else None, megatron)
             if r.id in ("cp", "cp-sync") or want is None or want.search(r.id)]
     sources = reader_sources(readers, tag, work, logs)
     rows += [r for r in reader_rows(sources, outdir) if r.kind == "floor" or want is None or want.search(r.id)]
@@ -280,7 +286,7 @@ def bench_size(args, target: int, work: Path, logs: Path,
                 run_row(row, rnd, args, logs, human(target))
     results = summarize(rows, size_info)
     if not args.keep:
-        for path in (src, hf) + ((moe_src,) if moe_src else ()):
+        for path in (src, hf) + ((moe_src,) if moe_src else ()) + ((megatron[0],) if megatron else ()):
             remove(path)
             remove(Path(f"{path}.done"))
         for reader in readers:  # the reader sources, and the gloo job's folders they were made from

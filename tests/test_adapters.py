@@ -427,8 +427,12 @@ def test_refusals_are_one_line(tmp_path, hf):
     no_config.mkdir()
     for file in hf("llama").glob("*.safetensors"):
         shutil.copy(file, no_config)
+    odd_heads = tmp_path / "odd_heads"  # Megatron groups q per key/value head: 4 heads in 3 groups cannot be
+    odd_heads.mkdir()
+    (odd_heads / "config.json").write_text(json.dumps({**json.loads((hf("qwen3") / "config.json").read_text()),
+                                                       "num_key_value_heads": 3}))
     for args in (["import-hf", no_config, tmp_path / "x", "--adapter", "torchtitan"],
-                 ["import-hf", hf("qwen3"), tmp_path / "y", "--adapter", "megatron"]):
+                 ["import-hf", hf("qwen3"), tmp_path / "y", "--adapter", "megatron", "--config-dir", odd_heads]):
         result = dcptool(*args, check=False)
         assert result.returncode == 2, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -3,7 +3,7 @@ two rows at a time (--jobs 2: quicker on a 2-core CI machine; the timings are no
 
 Proves that the benchmark runs end to end and that results.json holds every row (each dcptool
 command, each peer route, cp -r, export-hf of the MoE checkpoint in Archon names saved beside the
-dense one, and the readers of issue 13 on their own sources beside cp -r of each) with numeric fields.
+dense one and of the dense bytes in Megatron-Core's layout, and the readers of issue 13 on their own sources beside cp -r of each) with numeric fields.
 No timing assertions: targets live in the benchmark, not in tests.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DCPTOOL_ROWS = {"export-hf", "export-hf-moe", "convert-torch", "reshard-dp4", "reshard-tp4",
+DCPTOOL_ROWS = {"export-hf", "export-hf-moe", "export-hf-megatron", "convert-torch", "reshard-dp4", "reshard-tp4",
                 "export-hf-nofsync", "convert-torch-nofsync", "reshard-dp4-nofsync", "reshard-tp4-nofsync",
                 "verify", "checksum", "inspect", "average3"}
 PEER_ROWS = {"peer-export-hf", "peer-torch-save", "peer-reshard-dp4", "peer-reshard-tp4", "peer-verify",
@@ -52,7 +52,7 @@ def test_bench_smoke(tmp_path):
         assert row["min_s"] <= row["median_s"] <= row["max_s"]
         assert row["peak_mb"] > 0 and len(row["times_s"]) == 1
         assert row["size"] == "2MB" and row["name"] and row["command"]
-    for rid in DCPTOOL_ROWS - {"export-hf-moe", "average3"}:
+    for rid in DCPTOOL_ROWS - {"export-hf-moe", "average3", "export-hf-megatron"}:
         assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
     assert rows["average3"]["kind"] == "dcptool" and rows["average3"]["peer"] == "cp-sync"  # timed against a durable copy
     assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
@@ -101,6 +101,15 @@ def test_bench_smoke(tmp_path):
     # Archon names detected and mapped to HF's (a shared expert would have been refused), expert_bias dropped.
     log = (out / "logs" / "export-hf-moe-2MB-r0.log").read_text()
     assert "archon (qwen3_moe)" in log and "left out layers.1.moe.expert_bias" in log, log
+
+    # The Megatron row: the dense checkpoint's bytes in Megatron's layout, against the dense export.
+    megatron = rows["export-hf-megatron"]
+    assert megatron["kind"] == "dcptool" and megatron["peer"] == "export-hf"
+    assert megatron["input_tensor_bytes"] == dense["input_tensor_bytes"] and megatron["source"]["model"].startswith("megatron:")
+    assert math.isclose(megatron["ratio_to_peer"], megatron["median_s"] / dense["median_s"])
+    assert {"export-hf-megatron", "export-hf-megatron peak"} <= goals
+    log = (out / "logs" / "export-hf-megatron-2MB-r0.log").read_text()
+    assert "names: megatron (llama)" in log, log
 
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["python"] and machine["torch"]

@@ -56,6 +56,7 @@ INPUTS = {
     "dcptool convert step-1000": ["step-1000", "global_step_10/actor"],
     "dcptool export-hf checkpoints/recover_checkpoint": ["checkpoints/recover_checkpoint", "Llama-3.1-8B"],
     "dcptool import-hf Qwen3-8B": ["Qwen3-8B", "Qwen3-30B-A3B"],
+    "dcptool import-hf Qwen3-30B-A3B mcore-qwen3-moe": ["Qwen3-30B-A3B"],
     "dcptool reshard global_step_10/actor": ["global_step_10/actor"],
     "dcptool inspect archon/step-2000": ["archon/step-2000", "Qwen3-30B-A3B"],
     "PYTHONPATH=tests python -m harness.synth_dcp": [],

@@ -1,9 +1,11 @@
-"""Naming families and the adapters between them: Hugging Face, AReaL Archon and torchtitan names.
+"""Naming families and the adapters between them: Hugging Face, AReaL Archon, torchtitan and Megatron-Core names.
 
 Each model kind (``dcptool.models``) lists its parameters as rows: each under every family's name
 and how its layout differs (grouped experts, transformers v5's fused experts, Llama's
 RoPE-interleaved q/k rows). ``Mapping`` turns entries of one family into another's as views of the
-source's chunks (``dcptool.views``), so an adapter costs planning, not bytes.
+source's chunks (``dcptool.views``), so an adapter costs planning, not bytes. Megatron-Core's stacked
+and fused tensors are taken apart into HF's (``dcptool.adapters.megatron``) and, from there, go on
+to any family (``MegatronMapping``).
 
 >>> mapping = Mapping("qwen3_moe", "archon", "hf", config={})                          # doctest: +SKIP
 >>> result = mapping.convert({"layers.0.moe.experts.w1": grouped_w1})                  # doctest: +SKIP
@@ -19,9 +21,10 @@ from functools import cache
 from typing import Union
 
 from dcptool import models, views
+from dcptool.adapters import megatron
 from dcptool.core import ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, counted, option
-from dcptool.models import FAMILIES, Row, StateLayout
+from dcptool.models import FAMILIES, MEGATRON, NAMING_FAMILIES, Row, StateLayout
 from dcptool.selection import NON_MODEL_ROOTS
 
 Entry = Union[TensorInfo, ObjectInfo]
@@ -59,10 +62,12 @@ def _matches(kind: str, family: str, name: str) -> list[tuple[Row, dict, str]]:
 
 def detect_family(names) -> str | None:
     """The family whose tables name the most of ``names`` (torchtitan before 0.3 reads as archon); None if none."""
+    names = list(names)
     shapes = [_NUMBER.sub("#", name) for name in names]
     known = {family: set().union(*(_index(kind, family) for kind in models.kinds())) for family in FAMILIES}
     scores = {family: sum(shape in known[family] for shape in shapes) for family in FAMILIES}
-    best = max(FAMILIES, key=lambda f: (scores[f], f == "archon"))  # archon wins its ties with torchtitan
+    scores[MEGATRON] = sum(megatron.is_megatron([name]) for name in names)
+    best = max(NAMING_FAMILIES, key=lambda f: (scores[f], f == "archon"))  # archon wins its ties with torchtitan
     return best if scores[best] else None
 
 
@@ -77,6 +82,12 @@ def detect_kind(names, family: str, config: dict | None) -> str:
         if kind not in kinds:
             raise UsageError(f"config.json: model_type {kind!r} has no naming table (known: {', '.join(kinds)})")
         return kind
+    if family == MEGATRON:
+        names = list(names)
+        found = megatron.kind_of(names)
+        if found is None:
+            raise megatron.unknown_kind(names)
+        return found
     shapes = [_NUMBER.sub("#", name) for name in names]
     scores = {kind: sum(shape in _index(kind, family) for shape in shapes) for kind in kinds}
     return max(kinds, key=lambda kind: (scores[kind], -len(kinds[kind].rows)))
@@ -271,6 +282,81 @@ class Mapping:
             result.made.append(f"{name} from {source} (the config ties them)")
 
 
+class MegatronMapping:
+    """Entries of model ``kind`` from or to Megatron-Core's names, through HF's: Megatron's stacked and fused
+    tensors taken apart into HF's (``megatron.to_hf``), then mapped on to ``target`` like any HF names; or
+    any family's mapped to HF, then put together as Megatron keeps them (``megatron.from_hf``, the
+    vocabulary padded for ``tp``). ``where`` names the checkpoint in refusals."""
+
+    def __init__(self, kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
+                 tp: int = 1, where: str = ""):
+        for family in (source, target):
+            if family not in NAMING_FAMILIES:
+                raise UsageError(f"{option('adapter', family)}: choose one of {', '.join(NAMING_FAMILIES)}")
+        self.kind, self.source, self.target = kind, source, target
+        self.model = models.kinds()[kind]
+        if not self.model.megatron:
+            raise UsageError(f"{kind} has no Megatron-Core names in dcptool's tables")
+        self.config = models.text_config(config)
+        self.hf_experts, self.tp, self.where = hf_experts, tp, where or "the checkpoint"
+
+    def convert(self, entries: dict[str, Entry], model: bool = True) -> Result:
+        if self.source == MEGATRON:
+            hf = megatron.to_hf(self.model, entries, self.config, self.where)
+            result = Result(dropped=list(hf.dropped), unmatched=list(hf.unmatched), made=list(hf.made))
+            onward = self.target != "hf" or self.hf_experts == "fused"
+            if not onward:
+                result.entries = dict(hf.entries)
+                return result
+            after = Mapping(self.kind, "hf", self.target, self.config, self.hf_experts).convert(
+                {name: entry for name, (entry, _) in hf.entries.items()}, model)
+            result.entries = {name: (entry, hf.entries[first][1]) for name, (entry, first) in after.entries.items()}
+            result.dropped += after.dropped
+            result.unmatched += [hf.entries[name][1] for name in after.unmatched]
+            return result
+        result = Result()
+        named = entries
+        if self.source != "hf":
+            before = Mapping(self.kind, self.source, "hf", self.config).convert(entries, model)
+            result.dropped, result.unmatched, result.made = before.dropped, before.unmatched, before.made
+            firsts = {name: first for name, (_, first) in before.entries.items()}
+            named = {name: entry for name, (entry, _) in before.entries.items()}
+        else:
+            firsts = {name: name for name in entries}
+        if model:  # a tied HF model saves no lm_head; Megatron's output_layer is absent when tied too
+            for output in models.tied_outputs(self.config):
+                named.pop(output, None)
+        built = megatron.from_hf(self.model, named, self.config, self.tp, self.where)
+        result.entries = {name: (entry, firsts[first]) for name, (entry, first) in built.entries.items()}
+        result.unmatched += [firsts[name] for name in built.unmatched]
+        result.made += built.made
+        return result
+
+    def untranslatable(self, names) -> list[str]:
+        """Names of the source whose tensors the target family has no place for."""
+        if self.source == MEGATRON:
+            empty = {m.megatron for m in self.model.megatron if not m.hf}
+            return [n for n in names if (match := megatron.LAYER.match(n)) and match[2] in empty]
+        return Mapping(self.kind, self.source, "hf", self.config).untranslatable(names) if self.source != "hf" else []
+
+
+def with_run_args(config: dict | None, info: dict) -> dict | None:
+    """``config`` completed by what a Megatron-LM run's ``args`` (``info["args"]``, its common state read as
+    data) say of the model: head counts, layers, the vocabulary before padding; the HF config wins."""
+    from_args = megatron.config_from_args(info.get("args"))
+    if not from_args:
+        return config
+    return {**from_args, **models.text_config(config)}
+
+
+def make_mapping(kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
+                 tp: int = 1, where: str = "") -> Mapping | MegatronMapping:
+    """The mapping between two families: ``MegatronMapping`` where one is Megatron-Core's."""
+    if MEGATRON in (source, target):
+        return MegatronMapping(kind, source, target, config, hf_experts, tp, where)
+    return Mapping(kind, source, target, config, hf_experts)
+
+
 def _scalar(entry: Entry) -> bool:
     """Optimizer step counters and objects: one per parameter, whatever its shape."""
     return not isinstance(entry, TensorInfo) or not entry.shape
@@ -313,17 +399,54 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
                 continue
         slots.setdefault(slot, {})[name] = (key, entry)
     out, dropped, unmatched, made = dict(kept), [], [], []
+    if mapping.source == MEGATRON and mapping.target != MEGATRON:
+        own = [key for key in kept if megatron.SHARDED_OBJECT.search(key)]
+        buckets = [key for key in kept if megatron.DP_BUCKET.search(key)]
+        for key in own + buckets:
+            del out[key]
+        if own:
+            dropped.append(f"{counted(len(own), 'Megatron-Core ShardedObject')} (layers' _extra_state, RNG, common "
+                           f"state: {mapping.target} jobs have no use for them): {', '.join(own[:2])}"
+                           + (" ..." if len(own) > 2 else ""))
+        if buckets:
+            dropped.append(f"{counted(len(buckets), 'dp_reshardable optimizer bucket')} ({buckets[0]} ...): Megatron's "
+                           "distributed optimizer flattens a DDP bucket's parameters into one 1-D tensor whose order "
+                           "and padding only the model's bucketing rebuilds; save with "
+                           "--dist-ckpt-optim-fully-reshardable to carry optimizer state")
     # The weights first: the optimizer state after them takes their expert counts.
     for (prefix, suffix), named in sorted(slots.items(), key=lambda slot: bool(slot[0][1])):
         result = mapping.convert({name: entry for name, (_, entry) in named.items()}, model=not suffix)
         dropped += [f"{prefix}{line}" for line in result.dropped]
         made += [f"{prefix}{line}" for line in result.made]
         unmatched += [named[name][0] for name in result.unmatched]
+        ordered = _slot_order(mapping, prefix, suffix)
         for new_name, (entry, first) in result.entries.items():
             source_key, source_entry = named[first]
-            key = prefix + new_name + suffix
-            out[key] = with_path(entry, _path_for(source_entry.path, source_key, len(prefix), first, new_name, key))
-    return StateResult(out, dropped, unmatched, made)
+            if ordered is None:
+                key = prefix + new_name + suffix
+                path = _path_for(source_entry.path, source_key, len(prefix), first, new_name, key)
+            else:
+                key, path = ordered(new_name)
+            out[key] = with_path(entry, path)
+    return StateResult(out, dropped, unmatched, list(dict.fromkeys(made)))  # a line per slot would repeat
+
+
+_MEGATRON_SLOT = re.compile(r"^(.*?)\.?\bstate\.(\w+)\.$")
+
+
+def _slot_order(mapping, prefix: str, suffix: str):
+    """Megatron keeps a parameter's optimizer state as ``optimizer.state.<slot>.<name>``, flat; torch's optimizers
+    (every other family) as ``optimizer.state.<name>.<slot>``, nested. Between them the slot moves, and this
+    gives ``name -> (key, path)``; None where the slot stays where it is."""
+    if mapping.source == MEGATRON and mapping.target != MEGATRON and not suffix:
+        match = _MEGATRON_SLOT.match(prefix)
+        if match:
+            root = tuple(match[1].split(".")) if match[1] else ()
+            return lambda name: (join_path((*root, "state", name, match[2])), (*root, "state", name, match[2]))
+    if mapping.target == MEGATRON and mapping.source != MEGATRON and prefix.endswith("state.") \
+            and re.fullmatch(r"\.\w+", suffix):
+        return lambda name: ((key := f"{prefix}{suffix[1:]}.{name}"), (key,))
+    return None
 
 
 def _named_inside(key: str, params: dict[str, TensorInfo]) -> tuple[str | None, tuple[str, str]]:
@@ -401,7 +524,7 @@ def in_layout(entries: dict[str, Entry], model_root: tuple[str, ...] | None, opt
 
 
 def mapping_for(names, target: str | None, source: str = "auto", config: dict | None = None,
-                hf_experts: str = "per-expert") -> tuple[Mapping | None, str | None]:
+                hf_experts: str = "per-expert", tp: int = 1, where: str = "") -> tuple[Mapping | MegatronMapping | None, str | None]:
     """The mapping from the names' family to ``target`` (None: keep the source's), or None when the
     names stay as they are; and a line saying which family and kind were found."""
     names = list(names)
@@ -411,14 +534,14 @@ def mapping_for(names, target: str | None, source: str = "auto", config: dict | 
             shown = ", ".join(names[:5])
             raise UsageError(f"cannot tell which family names these weights ({shown} ...): give {option('adapter')}")
         return None, None
-    if family not in FAMILIES:
-        raise UsageError(f"{option('adapter', family)}: choose one of auto, {', '.join(FAMILIES)}")
+    if family not in NAMING_FAMILIES:
+        raise UsageError(f"{option('adapter', family)}: choose one of auto, {', '.join(NAMING_FAMILIES)}")
     target = target or family
     fused = hf_experts == "fused" and target == "hf"
     if family == target and not fused:
         return None, f"names: {family}"
     kind = detect_kind(names, family, config)
-    mapping = Mapping(kind, family, target, config, hf_experts)
+    mapping = make_mapping(kind, family, target, config, hf_experts, tp, where)
     return mapping, f"names: {family} ({kind}), written as {target}" + (" with fused experts" if fused else "")
 
 

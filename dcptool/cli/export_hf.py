@@ -25,7 +25,7 @@ def export_hf(
     include: Optional[str] = IncludeOption,
     exclude: Optional[str] = ExcludeOption,
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (the hub's default 5GB)."),
-    adapter: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3) or torchtitan (0.3 and later); the output has HF names."),
+    adapter: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3), torchtitan (0.3 and later) or megatron (Megatron-Core); the output has HF names."),
     hf_experts: Literal["per-expert", "fused"] = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Then upload the export to this Hugging Face hub model repo (created if missing)."),
     private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),

@@ -7,7 +7,7 @@ from typing import Literal
 import typer
 
 from dcptool import dtypes, formats
-from dcptool.models import FAMILIES
+from dcptool.models import NAMING_FAMILIES
 
 # An output: a local Path, or a URL kept as given (storage.output_path decides). Not annotated Path:
 # typer would make the URL "s3://b/x" the path "s3:/b/x".
@@ -17,8 +17,8 @@ OutputLocation = str
 FormatName = Literal[tuple(formats.names())]
 OutputFormat = Literal[tuple(formats.writable())]
 CastDtype = Literal[dtypes.CASTABLE]
-Family = Literal[FAMILIES]
-FamilyOrAuto = Literal[("auto", *FAMILIES)]
+Family = Literal[NAMING_FAMILIES]
+FamilyOrAuto = Literal[("auto", *NAMING_FAMILIES)]
 # reshard writes the formats laid out over ranks (a mesh, or data-parallel ranks)
 LaidOutFormat = Literal[tuple(name for name in formats.writable() if formats.get(name).layout.value != "none")]
 OptimForm = Literal["named", "flat", "orig", "fsdp2"]
@@ -37,7 +37,7 @@ NoFsyncOption = typer.Option(False, "--no-fsync", help="Rename outputs into plac
 RevisionOption = typer.Option(None, "--revision", metavar="REV", help="Branch, tag or commit of a source that is a Hugging Face hub repo (ORG/NAME; or hf://ORG/NAME@REVISION).")
 DequantizeOption = typer.Option(False, "--dequantize", help="Turn block-scaled float8 weights (X.weight + X.weight_scale_inv, block size from config.json's quantization_config) into --dtype (default bfloat16); the scales are left out.")
 CompressOption = typer.Option(None, "--compress", help="Compress DCP records as torch's zstd extension does (dcp.load reads them; needs the zstandard package).")
-TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names and in its engine's layout: hf (layout kept), archon (AReaL Archon, torchtitan before 0.3: dcp.model.*, dcp.optim.*) or torchtitan (0.3 and later: model at the top level, optimizer.*). Default: the source's.")
+TargetAdapterOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names and in its engine's layout: hf (layout kept), archon (AReaL Archon, torchtitan before 0.3: dcp.model.*, dcp.optim.*) torchtitan (0.3 and later: model at the top level, optimizer.*) or megatron (Megatron-Core: stacked layers, fused qkv and gate/up). Default: the source's.")
 JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same).")
 PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto, hf, torchtitan, fsdp, or a YAML/JSON plan file.")
 

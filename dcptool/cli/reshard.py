@@ -78,7 +78,7 @@ def import_hf(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    adapter: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts) or torchtitan (0.3 and later, keys at the top level)."),
+    adapter: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts), torchtitan (0.3 and later, keys at the top level) or megatron (Megatron-Core's names: stacked layers, fused qkv and gate/up, the vocabulary padded to a multiple of 128 x --tp)."),
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,
     dry_run: bool = DryRunOption,

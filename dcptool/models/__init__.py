@@ -26,7 +26,10 @@ from dcptool.models import common
 from dcptool.models.kind import (
     FAMILIES,
     LAYOUTS,
+    MEGATRON,
+    NAMING_FAMILIES,
     Divisor,
+    MegatronName,
     ModelKind,
     PlanRule,
     Row,
@@ -35,7 +38,7 @@ from dcptool.models.kind import (
     Tie,
 )
 
-__all__ = ["FAMILIES", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
+__all__ = ["FAMILIES", "MEGATRON", "NAMING_FAMILIES", "MegatronName", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
            "peft_trainable"]
 
@@ -144,6 +147,11 @@ def embedding_pairs(names) -> list[tuple[str, str]]:
     inputs = [name for name in names if common.INPUT_EMBEDDING.search(name)]
     outputs = [name for name in names if common.OUTPUT_EMBEDDING.search(name)]
     return [(a, b) for a in inputs for b in outputs]
+
+
+def is_input_embedding(name: str) -> bool:
+    """Whether ``name`` is a model's input embedding (``embed_tokens``, ``wte``, ``tok_embeddings``, ``word_embeddings``)."""
+    return bool(common.INPUT_EMBEDDING.search(name))
 
 
 def tied_outputs(config: dict | None, family: str = "hf") -> list[str]:

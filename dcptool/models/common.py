@@ -8,7 +8,15 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from dcptool.models.kind import Divisor, ModelKind, PlanRule, Row, Shape, Tie
+from dcptool.models.kind import (
+    Divisor,
+    MegatronName,
+    ModelKind,
+    PlanRule,
+    Row,
+    Shape,
+    Tie,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Rows: each parameter under every family's name
@@ -212,6 +220,64 @@ HEAD_NORM = re.compile(r"(self_attn|attention)\.k_norm\.weight$")
 # verl wraps each decoder layer in an FSDP unit of its own (transformer_auto_wrap_policy over the
 # model's decoder-layer class): model.layers.N.
 DECODER_LAYERS = (r"layers\.\d+",)
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core's names (megatron-core 0.19: gpt_layer_specs.py, attention.py, mlp.py, moe/). The layer
+# norms are fused into the next linear layer (``layer_norm_weight``) by the local and TE specs alike
+# (the local spec's ``sharded_state_dict_keys_map``); specs that keep them apart save ``input_layernorm``
+# and ``pre_mlp_layernorm``. Where two Megatron names hold one HF tensor, the first is what dcptool writes.
+
+# Outside the decoder layers: Megatron name -> HF name. Megatron pads the embedding's and the output's
+# rows to a multiple of make_vocab_size_divisible_by x TP.
+MEGATRON_OUTSIDE = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                    "decoder.final_layernorm.weight": "model.norm.weight",
+                    "output_layer.weight": "lm_head.weight"}
+MEGATRON_VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+MEGATRON_LAYERS = "decoder.layers."
+
+
+def megatron_attention(biases: bool = False, qk_norms: bool = False) -> list[MegatronName]:
+    """Grouped-query attention: q, k and v in one ``linear_qkv``, the input norm fused into it."""
+    qkv = ("q", "k", "v")
+    names = [MegatronName("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",)),
+             MegatronName("input_layernorm.weight", ("input_layernorm.weight",)),
+             MegatronName("self_attention.linear_qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in qkv), "qkv"),
+             MegatronName("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",))]
+    if biases:
+        names.append(MegatronName("self_attention.linear_qkv.bias", tuple(f"self_attn.{p}_proj.bias" for p in qkv),
+                                  "qkv"))
+    if qk_norms:
+        names += [MegatronName(f"self_attention.{p}_layernorm.weight", (f"self_attn.{p}_norm.weight",)) for p in "qk"]
+    return names
+
+
+def megatron_mlp_norm() -> list[MegatronName]:
+    """The norm before the MLP: fused into a dense ``linear_fc1`` (and, by the local spec, into MoE layers' too)."""
+    return [MegatronName("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",)),
+            MegatronName("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",))]
+
+
+def megatron_dense_mlp(megatron: str = "mlp", hf: str = "mlp") -> list[MegatronName]:
+    """A SwiGLU MLP: gate and up stacked in ``linear_fc1``, down in ``linear_fc2``."""
+    return [MegatronName(f"{megatron}.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"), "halves"),
+            MegatronName(f"{megatron}.linear_fc2.weight", (f"{hf}.down_proj.weight",))]
+
+
+def megatron_routed_experts(expert_bias: str | None) -> list[MegatronName]:
+    """The router and routed experts ``[E, ...]`` (SequentialMLP and grouped GEMM save them alike);
+    ``expert_bias``: the HF name of the router's load-balancing bias (None: HF has no place for it)."""
+    experts = "mlp.experts.{E}"
+    return [MegatronName("mlp.router.weight", ("mlp.gate.weight",)),
+            MegatronName("mlp.router.expert_bias", (expert_bias,) if expert_bias else ()),
+            MegatronName("mlp.experts.experts.linear_fc1.weight",
+                         (f"{experts}.gate_proj.weight", f"{experts}.up_proj.weight"), "expert_halves"),
+            MegatronName("mlp.experts.experts.linear_fc2.weight", (f"{experts}.down_proj.weight",), "experts")]
+
+
+def megatron_decoder(biases: bool = False, qk_norms: bool = False) -> tuple[MegatronName, ...]:
+    """A dense Llama-shaped decoder layer in Megatron's names."""
+    return (*megatron_attention(biases, qk_norms), *megatron_mlp_norm(), *megatron_dense_mlp())
+
 
 # ---------------------------------------------------------------------------------------------
 # Models with no kind module (no naming table, no expected weights): what dcptool still knows of them

@@ -9,7 +9,7 @@ transformers ignores them.
 from dataclasses import replace
 
 from dcptool.models import common
-from dcptool.models.kind import Divisor, ModelKind, Row
+from dcptool.models.kind import Divisor, MegatronName, ModelKind, Row
 
 # transformers v5 reads n_routed_experts as num_local_experts.
 EXPERT_FIELDS = ("n_routed_experts", "num_local_experts")
@@ -39,6 +39,25 @@ MTP = [
     Row("model.layers.{L}.embed_tokens.weight", None, None, mtp=True),
     Row("model.layers.{L}.shared_head.head.weight", None, None, mtp=True),
 ]
+
+
+# Megatron-Core's MLA (multi_latent_attention.py): the same projections, rows in HF's order (its RoPE
+# takes the interleaved rope dims apart itself). The local spec keeps q/kv norms apart, TE's fuses them
+# into the up projections. Dense first layers make the layers non-uniform: Megatron saves them per layer.
+MEGATRON = (
+    MegatronName("input_layernorm.weight", ("input_layernorm.weight",)),
+    *[MegatronName(f"self_attention.{megatron}", (f"self_attn.{hf}",)) for megatron, hf in (
+        ("linear_q_proj.weight", "q_proj.weight"), ("linear_q_down_proj.weight", "q_a_proj.weight"),
+        ("q_layernorm.weight", "q_a_layernorm.weight"), ("linear_q_up_proj.layer_norm_weight", "q_a_layernorm.weight"),
+        ("linear_q_up_proj.weight", "q_b_proj.weight"), ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+        ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.layer_norm_weight", "kv_a_layernorm.weight"),
+        ("linear_kv_up_proj.weight", "kv_b_proj.weight"), ("linear_proj.weight", "o_proj.weight"))],
+    MegatronName("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
+    MegatronName("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",)),
+    *common.megatron_dense_mlp(),
+    *common.megatron_routed_experts(expert_bias="mlp.gate.e_score_correction_bias"),
+    *common.megatron_dense_mlp("mlp.shared_experts", "mlp.shared_experts"),
+)
 
 
 def hf_weights(config: dict, fused: bool) -> dict:
@@ -88,4 +107,5 @@ KIND = ModelKind(
     divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
     fsdp_units=common.DECODER_LAYERS,
     extra_layers="num_nextn_predict_layers",
+    megatron=MEGATRON,
 )

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 FAMILIES = ("hf", "archon", "torchtitan")
+# Megatron-Core names a layer's parameters as stacked [layers, ...] tensors and fuses q/k/v and gate/up:
+# its names are no row of one tensor each, so its table is apart (``ModelKind.megatron``).
+MEGATRON = "megatron"
+NAMING_FAMILIES = (*FAMILIES, MEGATRON)
 Shape = tuple[int, ...]
 # A rule of a tensor-parallel plan as a plan file writes it: a regular expression on the parameter
 # name and its placement (``dcptool.plans`` turns these into its rules).
@@ -69,6 +73,22 @@ class Row:
 
 
 @dataclass(frozen=True)
+class MegatronName:
+    """One Megatron-Core tensor of a decoder layer (``megatron``: its name after ``decoder.layers.`` or
+    ``decoder.layers.{i}.``) and the HF tensors of that layer it holds (after ``model.layers.{i}.``).
+
+    ``how`` it holds them: ``plain`` (the one tensor), ``qkv`` (q, k and v rows grouped per query group:
+    ``[groups, (q_per_group + 2) x head_dim, ...]``), ``halves`` (gate and up stacked on dim 0, Megatron's
+    SwiGLU ``linear_fc1``), ``experts`` (``[E, ...]``, one HF tensor per expert ``{E}``) and
+    ``expert_halves`` (``[E, gate; up, ...]``).
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    how: str = "plain"
+
+
+@dataclass(frozen=True)
 class Tie:
     """An output weight that is the embedding when the config's ``flag`` is set (HF then saves no output weight)."""
 
@@ -98,7 +118,8 @@ class ModelKind:
     kind's own. ``divisors``: config counts tp / ep must divide. ``fsdp_units``: regular expressions
     for the layers FSDP wraps as units of their own (``model.layers.N``). ``extra_layers``: the
     config field counting layers after the main ones that transformers ignores (DeepSeek's
-    prediction layers).
+    prediction layers). ``megatron``: its decoder layers' tensors in Megatron-Core's names (none: no
+    Megatron table).
     """
 
     name: str
@@ -110,6 +131,7 @@ class ModelKind:
     divisors: tuple[Divisor, ...] = ()
     fsdp_units: tuple[str, ...] = ()
     extra_layers: str | None = None
+    megatron: tuple[MegatronName, ...] = ()
 
     def expert_count(self, config: dict) -> int | None:
         """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""

@@ -20,4 +20,5 @@ KIND = ModelKind(
     ties=(common.TIED_EMBEDDINGS,),
     divisors=common.HEAD_DIVISORS,
     fsdp_units=common.DECODER_LAYERS,
+    megatron=common.megatron_decoder(),
 )

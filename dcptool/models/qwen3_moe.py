@@ -35,4 +35,5 @@ KIND = ModelKind(
     expert_fields=EXPERT_FIELDS,
     divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
     fsdp_units=common.DECODER_LAYERS,
+    megatron=(*common.megatron_decoder(qk_norms=True), *common.megatron_routed_experts(expert_bias=None)),
 )

@@ -37,8 +37,9 @@ class Row:
 
 
 def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Path, small_tensors: int = 0,
-              moe: tuple[Path, dict] | None = None) -> list[Row]:
-    """Every row; ``moe``: (folder, size info) of the MoE checkpoint saved beside a dense one, for export-hf-moe."""
+              moe: tuple[Path, dict] | None = None, megatron: tuple[Path, dict] | None = None) -> list[Row]:
+    """Every row; ``moe``: (folder, size info) of the MoE checkpoint saved beside a dense one, for export-hf-moe;
+    ``megatron``: that of the dense checkpoint's bytes in Megatron-Core's layout, for export-hf-megatron."""
     py = sys.executable
     dcptool = [py, "-m", "dcptool"]
     shape_json = json.dumps(asdict(shape))
@@ -81,6 +82,11 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
     rows.append(Row("average3", "dcptool average of 3 (DCP, its HF export, DCP) -> DCP", "dcptool", "cp-sync",
                     dcptool + ["average", str(src), str(hf), str(src), str(outdir / "average3")],
                     outdir / "average3", [src, hf]))
+    if megatron is not None:
+        megatron_src, megatron_info = megatron
+        rows.append(Row("export-hf-megatron", "dcptool export-hf (Megatron-Core layout -> HF)", "dcptool", "export-hf",
+                        dcptool + ["export-hf", str(megatron_src), str(outdir / "hf-megatron"), *heads],
+                        outdir / "hf-megatron", [megatron_src], source=megatron_info))
     manifest = outdir / "manifest.json"
     rows += [
         Row("verify", "dcptool verify (DCP vs its HF export)", "dcptool", "peer-verify",
@@ -111,7 +117,7 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
                 [py, str(SCRIPT), "_peer", "inspect", str(small)], None, [small]),
         ]
     # Each dcptool row next to its peer (in the table, the chart and the order of a round).
-    order = ["cp", "cp-sync", "export-hf", "export-hf-moe", "export-hf-nofsync", "peer-export-hf", "convert-torch",
+    order = ["cp", "cp-sync", "export-hf", "export-hf-moe", "export-hf-megatron", "export-hf-nofsync", "peer-export-hf", "convert-torch",
              "convert-torch-nofsync", "peer-torch-save", "reshard-dp4", "reshard-dp4-nofsync", "peer-reshard-dp4",
              "reshard-tp4", "reshard-tp4-nofsync", "peer-reshard-tp4", "import-hf", "average3", "verify", "peer-verify", "checksum",
              "sha256sum", "inspect", "peer-inspect"]
@@ -234,6 +240,23 @@ def reader_sources(shapes: dict[str, Shape], tag: str, work: Path, logs: Path) -
 def lora_output(folder: Path) -> Path:
     """Where the LoRA source's merged export lies, whose durable copy is the LoRA row's floor."""
     return Path(f"{folder}-merged")
+
+
+def megatron_source(hf: Path, shape: Shape, tag: str, work: Path) -> tuple[Path, dict]:
+    """The dense checkpoint's bytes in Megatron-Core's layout (made once, not timed): its HF export imported
+    with ``--adapter megatron`` (layers stacked, q/k/v grouped per query group, gate and up fused, the
+    norms fused into linear_qkv / linear_fc1; the bench's vocabularies are multiples of 128: no padding rows)."""
+    folder, config = work / f"megatron-{tag}", work / f"config-{tag}"
+    if not Path(f"{folder}.done").is_file():
+        remove(folder)
+        config.mkdir(parents=True, exist_ok=True)
+        (config / "config.json").write_text(json.dumps(llama_config(shape)))
+        subprocess.run([sys.executable, "-m", "dcptool", "import-hf", str(hf), str(folder), "--adapter", "megatron",
+                        "--config-dir", str(config), "--no-fsync"], check=True, capture_output=True, cwd=REPO)
+        Path(f"{folder}.done").write_text("")
+    size = dir_bytes(folder)
+    return folder, {"size_bytes": size, "tensor_bytes": shape.nbytes(), "files": len(list(folder.iterdir())),
+                    "tensors": len(shape.tensors()), "model": f"megatron: {shape.describe()}"}
 
 
 def checkpoint_info(path: Path, shape: Shape) -> dict:

@@ -1,0 +1,162 @@
+"""Megatron-Core's own checkpoints to Hugging Face and back, against transformers and Megatron itself.
+
+A tiny transformers model of each kind (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Qwen3-MoE)
+becomes a GPTModel (local layer spec) through ``harness.megatron_weights`` (a mapping written apart from
+dcptool's tables) and is saved by megatron-core 0.19.2 itself in real gloo jobs (``harness.megatron``) at
+TP=2, PP=2 or EP=2. Oracles: the export's weights are the transformers model's, bitwise, and
+``from_pretrained`` gives its logits; dcptool's ``import-hf --adapter megatron`` of the transformers model is
+loaded by Megatron's own ``dist_checkpointing.load`` at another TP / PP / EP, and that GPTModel's forward
+gives transformers' logits. Needs megatron-core (skipped without it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import dcptool, megatron_load
+from harness.family_models import load_hf_state, read_config, save_hf
+from harness.megatron_weights import (
+    checkpoint_keys,
+    megatron_weights,
+    padded_vocab,
+    rope_theta,
+)
+
+# kind -> (the layout Megatron saves it with, the layout it loads dcptool's import with)
+LAYOUTS = {"llama": ({"tp": 2}, {"pp": 2}), "qwen2": ({"pp": 2}, {"tp": 2}),
+           "qwen3": ({"tp": 2}, {"tp": 1}), "qwen3_moe": ({"ep": 2}, {"tp": 2})}
+TOKENS = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def model_options(config: dict) -> dict:
+    """harness.megatron's model.json of an HF config (Megatron-LM's default vocabulary multiple, 128)."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    return {"num_layers": config["num_hidden_layers"], "hidden": config["hidden_size"],
+            "heads": config["num_attention_heads"], "kv_groups": config["num_key_value_heads"],
+            "ffn": config["intermediate_size"], "experts": experts, "moe_ffn": config.get("moe_intermediate_size", 32),
+            "topk": config.get("num_experts_per_tok", 2), "qk_layernorm": config["model_type"].startswith("qwen3"),
+            "qkv_bias": config["model_type"] == "qwen2", "vocab": config["vocab_size"], "divisible_by": 128,
+            "tied": bool(config.get("tie_word_embeddings")), "seq_len": config["max_position_embeddings"],
+            "rope_base": rope_theta(config), "eps": config["rms_norm_eps"]}
+
+
+def layout_flags(layout: dict) -> tuple[int, list[str]]:
+    """Processes and harness flags of a layout ({"tp": 2}: 2 ranks, --tp 2)."""
+    world = 1
+    flags = []
+    for name, size in layout.items():
+        world *= size
+        flags += [f"--{name}", str(size)]
+    return max(world, 1), flags
+
+
+@pytest.fixture(scope="module")
+def runs(megatron_runs, tmp_path_factory):
+    """``runs(kind)``: (transformers folder, Megatron's own save of it, its model.json), made once."""
+    root = tmp_path_factory.mktemp("megatron-hf")
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            hf = save_hf(kind, root / kind, seed=7, **({"norm_topk_prob": True} if kind == "qwen3_moe" else {}))
+            config = read_config(hf)
+            weights = root / f"{kind}-weights.pt"
+            rows = padded_vocab(config["vocab_size"], 1)  # 256 at tp 1 and 2 (multiples of 128 and 256)
+            torch.save(checkpoint_keys(megatron_weights(load_hf_state(hf), config, rows), config), weights)
+            saved_as, _ = LAYOUTS[kind]
+            nproc, flags = layout_flags(saved_as)
+            options = [f for name, value in model_options(config).items() for f in (
+                [f"--{name.replace('_', '-')}"] if value is True else [] if value is False else
+                [f"--{name.replace('_', '-')}", str(value)])]
+            run = megatron_runs(f"from-hf-{kind}", nproc, [*flags, *options, "--weights", str(weights)])
+            made[kind] = (hf, run / "iter_0000100", run / "model.json")
+        return made[kind]
+
+    return get
+
+
+def transformers_logits(folder: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path):
+    """export-hf of Megatron's own save (TP=2, PP=2 or EP=2): the transformers weights, bitwise; its logits;
+    verify and checksum --against agree across the families."""
+    hf, run, _ = runs(kind)
+    export = tmp_path / "export"
+    result = dcptool("export-hf", run, export, "--config-dir", hf)
+    assert f"names: megatron ({kind}), written as hf" in result.stdout + result.stderr
+    source, exported = load_hf_state(hf), load_hf_state(export)
+    assert source.keys() == exported.keys()
+    for key in source:
+        assert torch.equal(source[key], exported[key]), key
+    assert torch.equal(transformers_logits(export), transformers_logits(hf))
+    assert "compared bitwise" in dcptool("verify", run, export).stdout
+    dcptool("checksum", export, "--write")
+    assert dcptool("checksum", export, "--against", run).returncode == 0
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_megatron_loads_dcptools_import(kind, runs, tmp_path):
+    """import-hf --adapter megatron, loaded by Megatron's dist_checkpointing.load at another layout than the
+    save's: the weights Megatron holds are its own save's, and its forward gives transformers' logits."""
+    hf, _, model = runs(kind)
+    imported = tmp_path / "imported"
+    _, load_as = LAYOUTS[kind]
+    dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", str(load_as.get("tp", 1)))
+    tokens = tmp_path / "tokens.pt"
+    torch.save(TOKENS, tokens)
+    _, flags = layout_flags(load_as)
+    with_tokens = ["--tokens", tokens] if load_as.get("pp", 1) == 1 else []
+    loaded = megatron_load(imported, model, tmp_path / "loaded.pt", *flags, *with_tokens)
+    config = read_config(hf)
+    expected = checkpoint_keys(megatron_weights(load_hf_state(hf), config, padded_vocab(config["vocab_size"], 1)),
+                               config)
+    for key, tensor in expected.items():
+        assert torch.equal(loaded[key], tensor), key
+    if with_tokens:
+        got = loaded["__logits__"][..., :config["vocab_size"]]
+        torch.testing.assert_close(got, transformers_logits(hf), rtol=1e-5, atol=1e-5)
+
+
+def test_run_args_optimizer_state_and_ties(megatron_runs, tmp_path):
+    """Without --config-dir, the run's args give the head counts and the vocabulary; a fully_reshardable
+    optimizer state follows its parameter into torchtitan's names and layout (slot after the name), taken
+    apart as the weight is; a tied run (no output_layer) exports no lm_head."""
+    import torch.distributed.checkpoint as dcp
+
+    run = megatron_runs("tp2") / "iter_0000100"  # Llama-like, TP 2, AdamW state in fully_reshardable form
+    export = tmp_path / "export"
+    result = dcptool("export-hf", run, export)
+    assert "head counts and vocab_size from the Megatron-LM run's args" in result.stdout + result.stderr
+    assert load_hf_state(export)["model.embed_tokens.weight"].shape[0] == 100  # the padding (to 128) dropped
+    assert "compared bitwise" in dcptool("verify", run, export).stdout
+
+    titan = tmp_path / "titan"
+    result = dcptool("convert", run, titan, "--to", "dcp", "--adapter", "torchtitan")
+    assert "dp_reshardable" not in result.stderr and "ShardedObject" in result.stdout + result.stderr
+    names = json.loads(dcptool("inspect", titan, "--json").stdout)["tensors"]
+    weight = "layers.1.attention.qkv_linear.wk.weight"
+    slots = {slot: f"optimizer.state.{weight}.{slot}" for slot in ("param", "exp_avg", "exp_avg_sq")}
+    assert set(slots.values()) <= set(names)
+    state = {key: torch.empty(names[key]["shape"]) for key in (weight, *slots.values())}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(titan), no_dist=True)
+    # harness.megatron's optimizer: param = the weight, exp_avg = 0.1 x, exp_avg_sq = its square
+    assert torch.equal(state[slots["param"]], state[weight])
+    assert torch.equal(state[slots["exp_avg"]], state[weight] * 0.1)
+    assert torch.equal(state[slots["exp_avg_sq"]], state[weight] ** 2)
+    assert "compared bitwise" in dcptool("verify", titan, run).stdout  # Llama q/k rows permuted with the args
+
+    tied = megatron_runs("legacy_moe_pp2_ep2_dist") / "iter_0000100"  # PP 2, EP 2, tied embeddings
+    export = tmp_path / "tied"
+    dcptool("export-hf", tied, export)
+    assert "lm_head.weight" not in load_hf_state(export)
+    assert "compared bitwise" in dcptool("verify", tied, export).stdout

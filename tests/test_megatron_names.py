@@ -1,0 +1,154 @@
+"""Megatron-Core's names (the ``megatron`` naming family): stacked layers, q/k/v grouped per query group,
+gate and up fused, layer norms fused into the next linear layer, experts ``[L, E, ...]``, vocabulary padding.
+
+Oracles: ``harness.megatron_weights`` (an HF state dict as Megatron-Core's GPTModel holds it, written from
+Megatron's modules with plain torch ops, never importing dcptool), torch's own ``dcp.load`` of what
+dcptool writes, and transformers' ``from_pretrained`` logits of the export. The checkpoints saved by
+Megatron-Core itself are in tests/test_megatron_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import dcptool
+from harness.family_models import load_hf_state, read_config, save_hf
+from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab
+
+KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """``hf_models(kind)``: a random tiny transformers model of that kind, saved once."""
+    root = tmp_path_factory.mktemp("megatron-hf")
+    made = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = save_hf(kind, root / kind, seed=5, **({"norm_topk_prob": True} if kind == "qwen3_moe" else {}))
+        return made[kind]
+
+    return get
+
+
+def load_global(folder: Path, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Tensors of a DCP folder read as Megatron's tools read torch_dist: dcp.load into empty global tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: torch.empty(shape) for key, shape in shapes.items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_hf_writes_megatrons_tensors(kind, hf_models, tmp_path):
+    """Every tensor as Megatron-Core's GPTModel saves it (the independent mapping), padding rows zero."""
+    hf = hf_models(kind)
+    config = read_config(hf)
+    out = tmp_path / "mcore"
+    result = dcptool("import-hf", hf, out, "--adapter", "megatron", "--tp", "2")
+    assert f"names: hf ({kind}), written as megatron" in result.stdout + result.stderr
+    expected = checkpoint_keys(megatron_weights(load_hf_state(hf), config, padded_vocab(config["vocab_size"], 2)),
+                               config)
+    got = load_global(out, {key: tensor.shape for key, tensor in expected.items()})
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    described = json.loads(dcptool("inspect", out, "--json").stdout)
+    assert set(described["tensors"]) == set(expected)  # nothing more, nothing less
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_megatron_names_export_to_the_source_model(kind, hf_models, tmp_path):
+    """import-hf --adapter megatron, then export-hf: transformers' logits of the export are the source's;
+    verify and checksum --against agree across the families."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_models(kind)
+    mcore, export = tmp_path / "mcore", tmp_path / "export"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    result = dcptool("export-hf", mcore, export, "--config-dir", hf)
+    assert f"names: megatron ({kind}), written as hf" in result.stdout + result.stderr
+    source = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+    exported = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+    ids = torch.randint(0, read_config(hf)["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(source(ids).logits, exported(ids).logits)
+    assert load_hf_state(export).keys() == load_hf_state(hf).keys()
+    for a, b in ((mcore, export), (export, mcore), (hf, mcore)):
+        assert "compared bitwise" in dcptool("verify", a, b).stdout
+    if kind.startswith("qwen3"):  # a manifest holds no config: the head size comes from the q/k norms
+        dcptool("checksum", hf, "--write")
+        assert dcptool("checksum", hf, "--against", mcore).returncode == 0
+
+
+def test_fused_experts_and_other_families(hf_models, tmp_path):
+    """Qwen3-MoE's experts to transformers v5's fused layout and to torchtitan's grouped ones, from
+    Megatron's [L, E, ...]: the same values as the HF source (verify across families, bitwise)."""
+    hf = hf_models("qwen3_moe")
+    mcore = tmp_path / "mcore"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    fused = tmp_path / "fused"
+    dcptool("export-hf", mcore, fused, "--config-dir", hf, "--hf-experts", "fused")
+    state = load_hf_state(fused)
+    source = load_hf_state(hf)
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]
+    assert torch.equal(gate_up[3], torch.cat([source["model.layers.1.mlp.experts.3.gate_proj.weight"],
+                                              source["model.layers.1.mlp.experts.3.up_proj.weight"]]))
+    titan = tmp_path / "titan"
+    result = dcptool("convert", mcore, titan, "--to", "dcp", "--adapter", "torchtitan", "--config-dir", hf)
+    assert "written as torchtitan" in result.stderr + result.stdout
+    assert "compared bitwise" in dcptool("verify", titan, hf).stdout
+    back = tmp_path / "back"  # and from torchtitan's names to Megatron's again: the same bytes
+    dcptool("convert", titan, back, "--to", "megatron", "--adapter", "megatron", "--config-dir", hf)
+    assert "equal" in dcptool("verify", back, mcore, "--values-only").stdout
+
+
+def test_deepseek_v3_round_trip(tmp_path):
+    """DeepSeek-V3 (latent attention, a dense first layer, shared experts, the router's score bias):
+    HF -> Megatron names (per-layer keys: the layers are not uniform) -> HF, bitwise."""
+    hf = save_hf("deepseek_v3", tmp_path / "hf", seed=2)
+    mcore, export = tmp_path / "mcore", tmp_path / "export"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    keys = set(json.loads(dcptool("inspect", mcore, "--json").stdout)["tensors"])
+    assert {"decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.router.expert_bias",
+            "decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+            "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+            "decoder.layers.0.self_attention.linear_kv_down_proj.weight"} <= keys
+    dcptool("export-hf", mcore, export, "--config-dir", hf)
+    source, exported = load_hf_state(hf), load_hf_state(export)
+    assert source.keys() == exported.keys()
+    assert all(torch.equal(source[k], exported[k]) for k in source)
+
+
+def test_refusals(hf_models, tmp_path):
+    """One line and exit 2: head counts or a vocabulary that do not fit the tensors, a Megatron model
+    kind no table knows, Llama's fused qkv without head counts."""
+    hf = hf_models("qwen3")
+    mcore = tmp_path / "mcore"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    for field, value, words in (("num_key_value_heads", 1, "linear_qkv has"),
+                                ("vocab_size", 4096, "vocab_size 4096")):
+        config = tmp_path / f"config-{field}"
+        config.mkdir()
+        (config / "config.json").write_text(json.dumps({**read_config(hf), field: value}))
+        result = dcptool("export-hf", mcore, tmp_path / f"out-{field}", "--config-dir", config, check=False)
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / f"out-{field}").exists()
+
+    llama = tmp_path / "llama"
+    dcptool("import-hf", hf_models("llama"), llama, "--adapter", "megatron")
+    result = dcptool("export-hf", llama, tmp_path / "out-llama", check=False)
+    assert result.returncode == 2 and "needs the head counts" in result.stderr and "--config-dir" in result.stderr
+
+    import torch.distributed.checkpoint as dcp  # a hybrid (Mamba) model: Megatron names no table knows
+
+    unknown = tmp_path / "hybrid"
+    dcp.save({"embedding.word_embeddings.weight": torch.ones(8, 4), "decoder.layers.mixer.in_proj.weight":
+              torch.ones(2, 8, 4)}, storage_writer=dcp.FileSystemWriter(unknown), no_dist=True)
+    result = dcptool("export-hf", unknown, tmp_path / "out-hybrid", check=False)
+    assert result.returncode == 2 and "decoder.layers.mixer.in_proj.weight" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
