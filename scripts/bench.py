@@ -120,8 +120,8 @@ from pathlib import Path
 from benchmark import REPO, workers
 from benchmark.measure import SAMPLE_S, remove
 from benchmark.report import chart, chart_title, machine_info, summarize, write_report
-from benchmark.rows import (GLOO_LAYOUTS, checkpoint_info, lora_output, make_rows, megatron_source, reader_folder, reader_rows,
-                            reader_shapes, reader_sources, run_row, save_checkpoints)
+from benchmark.rows import (GLOO_LAYOUTS, checkpoint_info, lora_output, make_rows, megatron_source, reader_folder,
+                            reader_rows, reader_shapes, reader_sources, run_row, save_checkpoints)
 from benchmark.scale import scale_bench
 from benchmark.shapes import Shape, choose_shape, human, inspect_shape, parse_size
 
