@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool import models, views
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.core import Checkpoint, Computed, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.models import common
 from dcptool.models.kind import MegatronName, ModelKind
@@ -370,17 +370,18 @@ def padded_vocab(tensor: TensorInfo, tp: int) -> TensorInfo:
 
 
 @dataclass(frozen=True)
-class ZeroRows:
+class ZeroRows(Computed):
     """A tensor's rows followed by zero rows (a ``TensorInfo.transform``): Megatron's vocabulary padding."""
 
     tensor: TensorInfo
+    work_bytes = 0  # read straight into the output
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         stored = self.tensor.shape[0]
         first, count = offsets[0], sizes[0]
         inside = max(0, min(first + count, stored) - first)
         if inside:
-            checkpoint.read_region(self.tensor, offsets, (inside, *sizes[1:]), out[:inside], scratch)
+            checkpoint.read_region(self.tensor, offsets, (inside, *sizes[1:]), out[:inside], scratch, passing=True)
         out[inside:] = 0
 
 
