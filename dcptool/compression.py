@@ -512,4 +512,4 @@ def _stored(files: DecompressingFiles, tensor, chunk, label: str) -> StoredData 
                              label).stored_data()
 
 
-encodings.register(encodings.Encoding(ZSTD_ARCHIVE, locate=_locate, record=_stored))
+encodings.register(encodings.Encoding(ZSTD_ARCHIVE, locate=_locate, record=_stored, front_to_back=True))

@@ -24,12 +24,15 @@ class Encoding:
     bytes are read (a ``torch_archive.records.StoredData``, the record's structure checked as it is
     opened; ``label`` names the chunk in messages), or None. ``uniform``: records of one dtype, shape and length hold their
     elements at the same place in them, so a checkpoint opens one record of each such shape, not each.
+    ``front_to_back``: a record is read from its start (a compressed stream): reads of one record go best in
+    order, each resuming where the one before stopped (``dcptool.transfer`` runs them on one thread).
     """
 
     name: str
     locate: Callable[[Any, Any, Any], Any]
     record: Callable[[Any, Any, Any, str], Any] | None = None
     uniform: bool = False
+    front_to_back: bool = False
 
 
 _REGISTERED: dict[str, Encoding] = {}

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import numpy as np
 from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
 
-from dcptool import dtypes
+from dcptool import dtypes, encodings
 from dcptool.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
 from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
@@ -99,13 +99,14 @@ def copy_pieces(checkpoint: Checkpoint, placed: list[tuple[Piece, str, int]], ou
     buffer_bytes = max(2**15, min(max_memory // (2 * threads), 3 * largest))
     tasks = _across_files([task for piece, file, offset in placed
                            for task in plan_tasks(checkpoint, piece, file, offset, min(TASK_BYTES, buffer_bytes))])
+    jobs = _in_order(tasks)
     mover = _Mover(checkpoint, out, crc, buffer_bytes, _start_writeback() if flush else None)
     parts: dict[Piece, list[tuple[int, int, int]]] = {piece: [] for piece, _, _ in placed}
     report = on_bytes or (lambda n: None)
     collecting = gc.isenabled()
     gc.disable()  # tasks and their results hold no cycles; collections would walk the whole plan again and again
     try:
-        with _Workers(mover.run, tasks, threads) as finished:
+        with _Workers(mover.run, jobs, threads) as finished:
             for task, value in finished:
                 parts[task.piece].append((task.index, value, task.nbytes))
                 report(task.nbytes)
@@ -137,6 +138,39 @@ def computed_sources(pieces) -> list[Checkpoint]:
     return list(found.values())
 
 
+def _in_order(tasks: list[Task]) -> list[list[Task]]:
+    """The tasks as jobs a thread runs in turn. Records read front to back (zstd streams) are read in order by
+    one thread, each read resuming the stream where the one before stopped (on threads of their own, each would
+    decompress from the record's start again): the tasks that copy bytes of one such record form one job, in
+    the order of those bytes, and so do the tasks that assemble slabs of one tensor stored in such records."""
+    jobs: list[list[Task]] = []
+    ordered: dict[object, list[Task]] = {}
+    for task in tasks:
+        key = _stream_of(task)
+        if key is None:
+            jobs.append([task])
+        elif key in ordered:
+            ordered[key].append(task)
+        else:
+            ordered[key] = [task]
+            jobs.append(ordered[key])
+    for job in ordered.values():
+        job.sort(key=lambda task: task.source[1] if task.source is not None else
+                 tuple(p + r for p, r in zip(task.piece.offsets, task.region[0])))
+    return jobs
+
+
+def _stream_of(task: Task) -> object | None:
+    """What ``task`` reads front to back: its source record, or the tensor its slab is assembled from; None
+    when it reads only records that allow reads anywhere."""
+    chunks = [task.chunk] if task.source is not None else task.piece.tensor.source.chunks
+    for chunk in chunks:
+        encoding = encodings.get((chunk.view.base if chunk.view is not None else chunk).encoding)
+        if encoding is not None and encoding.front_to_back:
+            return task.source[0] if task.source is not None else id(task.piece.tensor.source)
+    return None
+
+
 def _across_files(tasks: list[Task]) -> list[Task]:
     """The tasks of each output file in their order, the files taken in turn: threads that write different
     files at once do not queue on one file's lock."""
@@ -151,7 +185,8 @@ def _across_files(tasks: list[Task]) -> list[Task]:
 
 
 class _Workers:
-    """Threads running tasks; ``with _Workers(run, tasks, n) as finished:`` iterates ``(task, result)``.
+    """Threads running jobs (lists of tasks, run in turn); ``with _Workers(run, jobs, n) as finished:``
+    iterates ``(task, result)``.
 
     Stopping is safe wherever it comes from (a task's error, raised here; the caller's, e.g. another
     rank failed; Ctrl-C, at any instant): the main thread waits only on a ``SimpleQueue``, which an
@@ -162,9 +197,9 @@ class _Workers:
     keep the process from exiting.
     """
 
-    def __init__(self, run: Callable[[Task], int], tasks: list[Task], threads: int):
-        self._run, self._count, self._wanted = run, len(tasks), max(1, min(threads, len(tasks)))
-        self._tasks = deque(tasks)
+    def __init__(self, run: Callable[[Task], int], jobs: list[list[Task]], threads: int):
+        self._run, self._count, self._wanted = run, sum(map(len, jobs)), max(1, min(threads, len(jobs)))
+        self._jobs = deque(jobs)
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -192,15 +227,18 @@ class _Workers:
     def _work(self) -> None:
         while not self._stop.is_set():
             try:
-                task = self._tasks.popleft()
+                job = self._jobs.popleft()
             except IndexError:
                 return
-            try:
-                self._results.put((task, self._run(task), None))
-            except BaseException as exc:
-                self._stop.set()
-                self._results.put((task, None, exc))
-                return
+            for task in job:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._results.put((task, self._run(task), None))
+                except BaseException as exc:
+                    self._stop.set()
+                    self._results.put((task, None, exc))
+                    return
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()

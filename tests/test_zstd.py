@@ -222,19 +222,23 @@ def test_a_damaged_zstd_record_is_refused_where_it_is_read(large, tmp_path, kind
 def test_zstd_records_are_decompressed_once_as_they_are_checked(large, tmp_path):
     """An intact zstd checkpoint checks fine; a copy decompresses each record once, checking its CRC-32 as the
     bytes pass: what it decompresses beyond what it reads unchecked is the records' trailers (their data
-    descriptors and central directories, under 1 KiB a record)."""
+    descriptors and central directories, under 1 KiB a record); a reshard that splits each record among ranks
+    and small tasks decompresses it once too (the tasks reading one record run in order)."""
     assert json.loads(dcptool("check", large, "--json").stdout)["ok"]
     done = subprocess.run([sys.executable, "-c", COUNT_DECOMPRESSED, str(large), str(tmp_path)], capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    checked_bytes, unchecked = json.loads(done.stdout.splitlines()[-1])
+    checked_bytes, unchecked, resharded = json.loads(done.stdout.splitlines()[-1])
     records = sum(1 for t in formats.open_checkpoint(large).tensors.values() for _ in t.chunks)
     assert unchecked < checked_bytes < unchecked + 1024 * records
-    for out in ("checked.pt", "unchecked.pt"):
+    # reshard --dp 4 in 64 KiB tasks: every rank's piece, on threads of their own, reads each record in order
+    assert resharded < unchecked + 1024 * records
+    for out in ("checked.pt", "unchecked.pt", "dp4"):
         dcptool("verify", tmp_path / out, f"{large}.reference.pt")
 
 
-# Counts the bytes decompressed by convert with record checks and without (--no-verify-records).
+# Counts the bytes decompressed by convert with record checks and without (--no-verify-records), and by a
+# reshard to 4 ranks in 64 KiB tasks.
 COUNT_DECOMPRESSED = """
 import json, sys
 from dcptool import compression
@@ -249,10 +253,11 @@ def counting(self, offset, buffers, whole=True):
         counted[0] += self.pos - before
 compression._Cursor.read = counting
 totals = []
-for out, flags in (("checked.pt", []), ("unchecked.pt", ["--no-verify-records"])):
+for out, flags in (("checked.pt", ["--to", "torch"]), ("unchecked.pt", ["--to", "torch", "--no-verify-records"]),
+                   ("dp4", ["--dp", "4", "--max-memory", "64KiB"])):
     counted[0] = 0
     try:
-        main(["convert", sys.argv[1], f"{sys.argv[2]}/{out}", "--to", "torch", "--no-fsync", *flags])
+        main(["reshard" if out == "dp4" else "convert", sys.argv[1], f"{sys.argv[2]}/{out}", "--no-fsync", *flags])
     except SystemExit as exit:
         assert not exit.code, exit.code
     totals.append(counted[0])
