@@ -15,6 +15,9 @@ PY="$VENV/bin/python"
 # Python >= 3.12 but ships a cp311 wheel that runs; its own dependencies are left out (CUDA, TE, apex).
 "$PY" -m pip install -q numpy 'packaging>=24.2' einops psutil triton
 "$PY" -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
+# torchtitan's own models and checkpoint code are oracles (tests/test_torchtitan_oracle.py, test_adapters.py);
+# the parts they use import tyro and spmd_types only (its datasets, wandb, tensorboard serve training).
+"$PY" -m pip install -q --no-deps "torchtitan==0.3.0" tyro docstring-parser "spmd_types==0.2.3"
 "$VENV/bin/lint-imports" --no-cache   # the layers of the package (pyproject.toml [tool.importlinter])
 export OMP_NUM_THREADS=1
 exec "$PY" -m pytest -q "$@"

@@ -11,8 +11,8 @@ with seeded random values and saved as a single-process DCP, then:
   --adapter torchtitan`` must hold exactly ``adapter.from_hf(hf_state_dict)``, read back by
   torch's own ``dcp_to_torch_save``.
 
-torchtitan (and triton, which it imports) is not a CI dependency: the module skips without it.
-Locally: ``PYTHONPATH=/path/to/torchtitan:/path/to/its/deps pytest tests/test_torchtitan_oracle.py``.
+scripts/test.sh installs torchtitan 0.3.0 (without its training dependencies); the module skips where it
+is not installed.
 """
 
 from __future__ import annotations
