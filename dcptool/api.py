@@ -304,17 +304,17 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
                          f"drop {option('adapter')}, {option('tp')}, {option('ep')} and {option('cp')}")
     to, vocab_tp = "dcp", 1
     if adapter == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
-        to, vocab_tp = _megatron_output(), tp
+        if (dp or 1) * ep * cp * dp_replicate * (world_size or 1) != 1:
+            raise UsageError(f"{option('adapter', 'megatron')} writes one Megatron-Core checkpoint that Megatron "
+                             f"reshards as it loads ({option('tp')} sizes its vocabulary padding): drop "
+                             f"{option('dp')}, {option('ep')}, {option('cp')}, {option('dp_replicate')} and "
+                             f"{option('world_size')}")
+        to, vocab_tp = "megatron", tp  # Megatron-Core's torch_dist, what its engine loads
         dp, tp, ep, etp, cp, dp_replicate, world_size = 1, 1, 1, 1, 1, 1, None
     return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
                     plan=plan, to=to, keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
                     dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
                     fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter, vocab_tp=vocab_tp)
-
-
-def _megatron_output() -> str:
-    """The format import-hf writes Megatron names as: Megatron-Core's torch_dist where dcptool has it."""
-    return "megatron" if "megatron" in formats.names() else "dcp"
 
 
 @_records

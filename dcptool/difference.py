@@ -158,11 +158,11 @@ def _add(change: Change, bits_a: np.ndarray, bits_b: np.ndarray, dtype_a: str, d
             identical = int(np.count_nonzero(block_a == block_b))
             change.identical += identical
             if identical == block_a.size:
-                a = _values(block_a, dtype_a)
+                a = dtypes.to_float64(block_a, dtype_a)
                 with np.errstate(over="ignore"):
                     change.squares_a += float(np.dot(a, a))
                 continue
-        a, b = _values(block_a, dtype_a), _values(block_b, dtype_b)
+        a, b = dtypes.to_float64(block_a, dtype_a), dtypes.to_float64(block_b, dtype_b)
         if integers:  # compared by their bits: float64 holds no int64 exactly
             moved = block_a != block_b
         else:
@@ -176,18 +176,6 @@ def _add(change: Change, bits_a: np.ndarray, bits_b: np.ndarray, dtype_a: str, d
             change.squares_change += float(np.dot(step, step))
         if step.size:
             change.max_abs = max(change.max_abs, float(step.max()))
-
-
-def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """Elements (an unsigned view) as float64 numbers."""
-    if dtype == "float64":
-        return bits.view(np.float64)
-    if dtype in dtypes.CASTABLE:
-        return dtypes.cast(bits, dtype, "float32").view(np.float32).astype(np.float64)
-    if dtype in dtypes.FLOAT8:
-        return dtypes.float8_to_float32(bits, dtype).astype(np.float64)
-    kind = dtypes.dtype(dtype).numpy
-    return (bits if kind is None else bits.view(kind)).astype(np.float64)  # no numpy type (float8_e8m0fnu): its bits
 
 
 def _count(number: int) -> str:

@@ -179,3 +179,20 @@ def _float32_to_bfloat16(values: np.ndarray, out: np.ndarray, work: np.ndarray |
         finite = np.isfinite(values.sum(dtype=np.float32))  # NaN anywhere makes the sum NaN: one pass, no array
     if not finite:
         out[np.isnan(values)] = 0xFFFF
+
+
+def to_float64(bits: np.ndarray, name: str) -> np.ndarray:
+    """Elements (raw bits, an unsigned view) of dtype ``name`` as float64 numbers: floats exactly, integers and
+    bool as their values, a type numpy lacks (``float8_e8m0fnu``) as its bits.
+
+    >>> to_float64(np.array([0x3F80, 0xC000], dtype=np.uint16), "bfloat16")   # 1.0 and -2.0
+    array([ 1., -2.])
+    """
+    if name == "float64":
+        return bits.view(np.float64)
+    if name in CASTABLE:
+        return cast(bits, name, "float32").view(np.float32).astype(np.float64)
+    if name in FLOAT8:
+        return float8_to_float32(bits, name).astype(np.float64)
+    kind = dtype(name).numpy
+    return (bits if kind is None else bits.view(kind)).astype(np.float64)

@@ -520,7 +520,7 @@ class _ValueComparison:
 
     def _outside_tolerance(self, bits_a: np.ndarray, bits_b: np.ndarray) -> np.ndarray:
         atol, rtol = self.tolerances
-        a, b = _to_float64(bits_a, self.dtype_a), _to_float64(bits_b, self.dtype_b)
+        a, b = dtypes.to_float64(bits_a, self.dtype_a), dtypes.to_float64(bits_b, self.dtype_b)
         nan_a, nan_b = np.isnan(a), np.isnan(b)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.abs(a - b)
@@ -544,12 +544,6 @@ class _ValueComparison:
         if self.tolerances is not None:
             detail += f"; max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
         return Difference(key, "value", detail, first_index=at, count=self.count)
-
-
-def _to_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "float64":
-        return bits.view(np.float64)
-    return dtypes.cast(bits, dtype, "float32").view(np.float32).astype(np.float64)
 
 
 def _show(bits: np.ndarray, dtype: str) -> str:

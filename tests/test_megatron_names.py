@@ -126,7 +126,7 @@ def test_deepseek_v3_round_trip(tmp_path):
 
 def test_refusals(hf_models, tmp_path):
     """One line and exit 2: head counts or a vocabulary that do not fit the tensors, a Megatron model
-    kind no table knows, Llama's fused qkv without head counts."""
+    kind no table knows, Llama's fused qkv without head counts, a data-parallel mesh for a Megatron import."""
     hf = hf_models("qwen3")
     mcore = tmp_path / "mcore"
     dcptool("import-hf", hf, mcore, "--adapter", "megatron")
@@ -143,6 +143,11 @@ def test_refusals(hf_models, tmp_path):
     dcptool("import-hf", hf_models("llama"), llama, "--adapter", "megatron")
     result = dcptool("export-hf", llama, tmp_path / "out-llama", check=False)
     assert result.returncode == 2 and "needs the head counts" in result.stderr and "--config-dir" in result.stderr
+
+    # Megatron reshards as it loads: a data-parallel mesh for its import is refused, not ignored
+    result = dcptool("import-hf", hf, tmp_path / "mesh", "--adapter", "megatron", "--dp", "2", check=False)
+    assert result.returncode == 2 and "--dp" in result.stderr and not (tmp_path / "mesh").exists(), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
     import torch.distributed.checkpoint as dcp  # a hybrid (Mamba) model: Megatron names no table knows
 
