@@ -272,23 +272,14 @@ def test_diff_folds_layers_as_inspect_does_and_all_expands_them(steps):
 def test_a_damaged_record_of_another_source_is_refused(steps, checkpoints, tmp_path, mesh):
     """The second source's records are checked as the computation reads them (whole, or in the column blocks
     a tp=2 output cuts: the rest read when the copy finishes), as the first's are."""
-    import shutil
-
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from test_records import damage_at, flip
+    from test_records import copy_with_damaged_data
 
     step1, step3 = steps["step1"][0], steps["step3"][0]
-    key = "dcp.model.model.layers.0.self_attn.o_proj.weight"
-    info = next(info for index, info in FileSystemReader(str(step3)).read_metadata().storage_data.items()
-                if index.fqn == key)
     damaged = tmp_path / "damaged"
-    shutil.copytree(step3, damaged)
-    record = (damaged / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
-    flip(damaged / info.relative_path, info.offset + damage_at(record, "data bytes"))
+    name = copy_with_damaged_data(step3, damaged, "dcp.model.model.layers.0.self_attn.o_proj.weight")
     out = tmp_path / "out"
     config = ["--config-dir", checkpoints("fsdp2_dp2")[1]] if mesh else []
     result = run_cli("average", step1, damaged, out, *mesh, *config, check=False)
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and "CRC-32" in lines[-1] and info.relative_path in lines[-1], result.stderr
+    assert result.returncode == 2 and "CRC-32" in lines[-1] and name in lines[-1], result.stderr
     assert not out.exists()

@@ -282,6 +282,17 @@ def test_every_adapter_merged(lora_runs, tmp_path):
             names=["2 (default, undo)"], output=tmp_path / "adapter")
 
 
+def saved_with_trained_b(model, state_file, adapter_folder) -> None:
+    """A peft model whose lora_B is not zero (as after training), saved whole with torch.save and as peft's
+    own adapter folder."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    torch.save({"model": model.state_dict()}, state_file)
+    model.save_pretrained(adapter_folder)
+
+
 def test_fan_in_fan_out(tmp_path):
     """GPT-2's Conv1D layers store [in, out] (peft's fan_in_fan_out): the delta is (B @ A).T. A peft GPT-2
     saved with torch.save, lora_B made non-zero, against peft's own merge_and_unload."""
@@ -293,12 +304,7 @@ def test_fan_in_fan_out(tmp_path):
     model = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
                                 peft.LoraConfig(r=4, lora_alpha=12, target_modules=["c_attn", "c_fc"],
                                                 fan_in_fan_out=True))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.05)
-    torch.save({"model": model.state_dict()}, tmp_path / "gpt2.pt")
-    model.save_pretrained(tmp_path / "adapter")
+    saved_with_trained_b(model, tmp_path / "gpt2.pt", tmp_path / "adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["fan_in_fan_out"]
     dcptool("export-hf", tmp_path / "gpt2.pt", tmp_path / "merged", "--lora", "merge", "--lora-config",
             tmp_path / "adapter" / "adapter_config.json")
@@ -321,12 +327,7 @@ def test_rank_and_alpha_patterns(lora_runs, tmp_path):
                 "rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 32}}
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_folder),
                                 peft.LoraConfig(**settings))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.05)
-    torch.save({"model": model.state_dict()}, tmp_path / "patterns.pt")
-    model.save_pretrained(tmp_path / "peft-adapter")
+    saved_with_trained_b(model, tmp_path / "patterns.pt", tmp_path / "peft-adapter")
     config = tmp_path / "peft-adapter" / "adapter_config.json"
     dcptool("export-hf", tmp_path / "patterns.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-config", config)
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

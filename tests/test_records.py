@@ -55,6 +55,19 @@ def flip(file: Path, at: int) -> None:
     file.write_bytes(bytes(data))
 
 
+def copy_with_damaged_data(source: Path, copy: Path, key: str) -> str:
+    """``source`` (a DCP folder) copied to ``copy`` with one data byte of ``key``'s first record flipped (torch
+    still loads it); returns the record's file name."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    info = next(info for index, info in FileSystemReader(str(source)).read_metadata().storage_data.items()
+                if index.fqn == key)
+    shutil.copytree(source, copy)
+    record = (copy / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    flip(copy / info.relative_path, info.offset + damage_at(record, "data bytes"))
+    return info.relative_path
+
+
 def refused(argv: list, out: Path, *names: str, code: int = 2) -> str:
     """The command exits ``code`` with one line naming ``names`` on stderr, and ``out`` is not written."""
     result = dcptool(*argv, check=False)
@@ -128,19 +141,12 @@ def test_a_damaged_dcp_record_is_refused_where_it_is_read(gloo_dcp, tmp_path, en
 def test_a_damaged_record_read_as_column_blocks_is_refused(checkpoints, tmp_path):
     """reshard --tp 2 of an FSDP checkpoint cuts o_proj (TP's row-wise weight) into column blocks narrower than
     its chunks: each block's rows are checksummed whole as they are read, and a damaged byte is still found."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     source, reference = checkpoints("fsdp2_dp2")
     key = "model.layers.0.self_attn.o_proj.weight"
-    info = next(info for index, info in FileSystemReader(str(source)).read_metadata().storage_data.items()
-                if index.fqn == key)
     copy = tmp_path / "damaged"
-    shutil.copytree(source, copy)
-    record = (copy / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
-    flip(copy / info.relative_path, info.offset + damage_at(record, "data bytes"))
+    name = copy_with_damaged_data(source, copy, key)
     out = tmp_path / "out"
-    line = refused(["reshard", copy, out, "--tp", "2", "--config-dir", reference, "--no-fsync"], out,
-                   info.relative_path, key)
+    line = refused(["reshard", copy, out, "--tp", "2", "--config-dir", reference, "--no-fsync"], out, name, key)
     assert "CRC-32" in line
     dcptool("reshard", source, out, "--tp", "2", "--config-dir", reference, "--no-fsync")
     assert json.loads(dcptool("check", out, "--json").stdout)["ok"]

@@ -169,21 +169,13 @@ if __name__ == "__main__":  # the job of test_failure_on_one_rank_stops_all_and_
 def test_average_checks_the_records_of_every_source_on_every_rank(checkpoints, tmp_path):
     """Each rank reads only parts of the second source's records (the dp=4 chunks of its files): the parts of
     a damaged record are checked whole when the rank's copy finishes, so the damage is found."""
-    import shutil
-
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from test_records import damage_at, flip
+    from test_records import copy_with_damaged_data
 
     source, _ = checkpoints("fsdp2_dp2_tp2")
-    info = next(info for index, info in FileSystemReader(str(source)).read_metadata().storage_data.items()
-                if index.fqn == "dcp.model.model.layers.0.self_attn.o_proj.weight")
     damaged = tmp_path / "damaged"
-    shutil.copytree(source, damaged)
-    record = (damaged / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
-    flip(damaged / info.relative_path, info.offset + damage_at(record, "data bytes"))
+    name = copy_with_damaged_data(source, damaged, "dcp.model.model.layers.0.self_attn.o_proj.weight")
     result = torchrun("average", source, damaged, tmp_path / "out", "--dp", "4", "--tp", "1")
     lines = error_lines(result)
     assert result.returncode != 0 and len(lines) == 1 and "CRC-32" in lines[0], result.stderr[-3000:]
-    assert info.relative_path in lines[0]
+    assert name in lines[0]
     assert not (tmp_path / "out").exists() and temporaries(tmp_path) == []
