@@ -33,7 +33,6 @@ from dcptool import adapters, conversion, dtypes, formats, models, selection, tr
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
-from dcptool.models import MEGATRON
 from dcptool.sizes import check_memory_budget
 from dcptool.state_dicts import plain_data, split_object
 from dcptool.torch_archive import Unpicklable
@@ -149,15 +148,14 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     config_dir = config_dir or b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
     config = selection.read_config(config_dir) if config_dir is not None else None
     config = adapters.with_run_args(adapters.with_run_args(config, a.checkpoint.info), b.checkpoint.info)
-    if found_a == MEGATRON:  # Megatron's tensors are taken apart (its vocabulary padding has no counterpart)
+    if adapters.taken_apart_to_compare(found_a):  # A's tensors hold more than B's: map A onto B's names instead
         if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
-            raise UsageError(f"{a.checkpoint.root}: a manifest in Megatron-Core names cannot check {found_b} names "
-                             f"(Megatron pads the vocabulary): write the manifest of {b.checkpoint.root} "
-                             f"(checksum --write) and check the Megatron checkpoint against it")
+            raise UsageError(f"{a.checkpoint.root}: a manifest in {found_a} names cannot check {found_b} names "
+                             f"({adapters.taken_apart_to_compare(found_a)}): write the manifest of "
+                             f"{b.checkpoint.root} (checksum --write) and check the {found_a} checkpoint against it")
         side_b, side_a, note = align_families(b, a, found_b, found_a, include, exclude)
         return side_a, side_b, note.replace("B's", "A's", 1)
-    if found_b == MEGATRON:
-        config = _with_vocab(config, params_a)
+    config = adapters.config_to_compare(config, found_b, params_a)
     mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config, where=str(b.checkpoint.root))
     result = mapping.convert(params_b)
     adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('adapter_a')} / {option('adapter_b')}")
@@ -174,16 +172,6 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         note += f"; not compared, {found_b} names have no place for them: {', '.join(no_place[:4])}" + \
             (f" and {len(no_place) - 4} more" if len(no_place) > 4 else "")
     return side_a, side_b, note
-
-
-def _with_vocab(config: dict | None, other: dict) -> dict | None:
-    """The config, its vocabulary size taken from the other side's embedding where it has none: the rows
-    Megatron's padded embedding is compared on."""
-    config = models.text_config(config)
-    if isinstance(config.get("vocab_size"), int):
-        return config
-    rows = next((t.shape[0] for name, t in other.items() if models.is_input_embedding(name) and t.shape), None)
-    return config if rows is None else {**config, "vocab_size": rows}
 
 
 @dataclass

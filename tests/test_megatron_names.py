@@ -83,6 +83,9 @@ def test_megatron_names_export_to_the_source_model(kind, hf_models, tmp_path):
     if kind.startswith("qwen3"):  # a manifest holds no config: the head size comes from the q/k norms
         dcptool("checksum", hf, "--write")
         assert dcptool("checksum", hf, "--against", mcore).returncode == 0
+        dcptool("checksum", mcore, "--write")  # the other way: Megatron's padding rows have no counterpart
+        refused = dcptool("checksum", mcore, "--against", hf, check=False)
+        assert refused.returncode == 2 and "Megatron pads the vocabulary" in refused.stderr, refused.stderr
 
 
 def test_fused_experts_and_other_families(hf_models, tmp_path):

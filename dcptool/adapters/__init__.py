@@ -349,6 +349,30 @@ def with_run_args(config: dict | None, info: dict) -> dict | None:
     return {**from_args, **models.text_config(config)}
 
 
+# Families whose tensors hold rows no other family keeps, and what they are: a comparison takes such a side
+# apart into the other's names (dropping those rows), never builds it from them.
+_MORE_THAN_OTHERS = {MEGATRON: "Megatron pads the vocabulary"}
+
+
+def taken_apart_to_compare(family: str) -> str | None:
+    """Why ``family``'s side of a comparison across families is the one mapped onto the other's names (its
+    tensors hold rows the other has no counterpart for), or None when either side may be mapped."""
+    return _MORE_THAN_OTHERS.get(family)
+
+
+def config_to_compare(config: dict | None, source: str, other: dict[str, TensorInfo]) -> dict | None:
+    """The config for mapping ``source``'s names onto ``other``'s for a comparison: Megatron's padded embedding
+    is compared on the other side's rows, so its vocabulary size comes from the other's embedding where the
+    config has none."""
+    if source != MEGATRON:
+        return config
+    config = models.text_config(config)
+    if isinstance(config.get("vocab_size"), int):
+        return config
+    rows = next((t.shape[0] for name, t in other.items() if models.is_input_embedding(name) and t.shape), None)
+    return config if rows is None else {**config, "vocab_size": rows}
+
+
 def make_mapping(kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
                  tp: int = 1, where: str = "") -> Mapping | MegatronMapping:
     """The mapping between two families: ``MegatronMapping`` where one is Megatron-Core's."""
