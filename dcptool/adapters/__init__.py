@@ -329,6 +329,7 @@ class MegatronMapping:
         built = megatron.from_hf(self.model, named, self.config, self.tp, self.where)
         result.entries = {name: (entry, firsts[first]) for name, (entry, first) in built.entries.items()}
         result.unmatched += [firsts[name] for name in built.unmatched]
+        result.dropped += built.dropped
         result.made += built.made
         return result
 
