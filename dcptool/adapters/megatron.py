@@ -107,11 +107,11 @@ def config_from_args(args: dict | None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Megatron -> HF
 
-def to_hf(kind: ModelKind, entries: dict, config: dict, where: str) -> Mapped:
+def to_hf(kind: ModelKind, entries: dict, config: dict, where: str, mtp_copies: bool = True) -> Mapped:
     """``entries`` (Megatron names) as HF-named views: per layer, per expert, q/k/v and gate/up apart,
     the vocabulary padding dropped (``config``'s ``vocab_size``); prediction layers numbered after the main
-    ones, with the copies of the embedding and head HF's prediction layers hold. ``where`` names the
-    checkpoint in refusals."""
+    ones, with (``mtp_copies``: for HF's own files) the copies of the embedding and head HF's prediction
+    layers hold. ``where`` names the checkpoint in refusals."""
     table = {m.megatron: m for m in kind.megatron}
     heads = _heads(kind, entries, config, where)
     result = Mapped()
@@ -136,7 +136,7 @@ def to_hf(kind: ModelKind, entries: dict, config: dict, where: str) -> Mapped:
             for hf, part in _parts(spec, tensor, heads, name):
                 target = f"model.layers.{layer}.{hf}"
                 result.entries[target] = (_named(part, target), name)
-    for layer in sorted(predictions):
+    for layer in sorted(predictions) if mtp_copies else ():
         _shared_copies(kind, layer, result)
     return result
 
