@@ -3,8 +3,9 @@
 Megatron stacks each decoder layer's tensor over the layers (``decoder.layers.X`` of shape ``[L, ...]``;
 ``decoder.layers.{i}.X`` where the layers are not uniform), fuses q, k and v per query group
 (``linear_qkv``), gate and up (``linear_fc1``) and the layer norms into the linear layer after them,
-keeps routed experts as ``[E, ...]`` and pads the vocabulary rows. The kind's table
-(``ModelKind.megatron``) says which Megatron tensor holds which HF tensors and how; this module takes
+keeps routed experts as ``[E, ...]``, pads the vocabulary rows and keeps multi-token-prediction layers
+apart (``mtp.layers.{n}``; HF numbers them after the main layers). The kind's table
+(``ModelKind.megatron``, ``ModelKind.megatron_mtp``) says which Megatron tensor holds which HF tensors and how; this module takes
 them apart (``to_hf``) and puts them together (``from_hf``). ``dcptool.adapters.MegatronMapping``
 joins them with the other families.
 

@@ -2,8 +2,8 @@
 
 HF's ``e_score_correction_bias`` is torchtitan's ``expert_bias``. Its RoPE is interleaved on both
 sides (HF's ``rope_interleave``), so nothing is permuted. The multi-token-prediction layers (HF's
-layer 61 of the 671B model) are torchtitan 0.3's ``mtp_layers``; Archon names have none, and
-transformers ignores them.
+layer 61 of the 671B model) are torchtitan 0.3's ``mtp_layers`` and Megatron-Core's ``mtp.layers``;
+Archon names have none, and transformers ignores them.
 """
 
 from dataclasses import replace
