@@ -4,10 +4,10 @@ Megatron stacks each decoder layer's tensor over the layers (``decoder.layers.X`
 ``decoder.layers.{i}.X`` where the layers are not uniform), fuses q, k and v per query group
 (``linear_qkv``), gate and up (``linear_fc1``) and the layer norms into the linear layer after them,
 keeps routed experts as ``[E, ...]``, pads the vocabulary rows and keeps multi-token-prediction layers
-apart (``mtp.layers.{n}``; HF numbers them after the main layers). The kind's table
-(``ModelKind.megatron``, ``ModelKind.megatron_mtp``) says which Megatron tensor holds which HF tensors and how; this module takes
-them apart (``to_hf``) and puts them together (``from_hf``). ``dcptool.adapters.MegatronMapping``
-joins them with the other families.
+apart (``mtp.layers.{n}``; HF numbers them after the main layers). The kind's tables
+(``ModelKind.megatron``, ``ModelKind.megatron_mtp``) say which Megatron tensor holds which HF tensors and
+how; this module takes them apart (``to_hf``) and puts them together (``from_hf``).
+``dcptool.adapters.MegatronMapping`` joins them with the other families.
 
 >>> kind = models.kinds()["qwen3"]                                               # doctest: +SKIP
 >>> hf = to_hf(kind, {"decoder.layers.self_attention.linear_qkv.weight": qkv}, config)  # doctest: +SKIP
