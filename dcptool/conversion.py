@@ -104,7 +104,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
         named = {name: entry for name, (entry, _) in result.entries.items()}
-        notes += [f"left out {line}" for line in result.dropped]
+        notes += [f"left out {line}" for line in result.dropped] + [f"made {line}" for line in result.made]
     if found is not None and found.targets:
         if lora.mode == "adapter":
             return _adapter_entries(checkpoint, found, lora, mapping, notes)

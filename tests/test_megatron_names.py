@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import dcptool
 from harness.family_models import load_hf_state, read_config, save_hf
+from harness.megatron_deepseek import save_hf_with_mtp
 from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab
 
 KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -111,16 +112,21 @@ def test_fused_experts_and_other_families(hf_models, tmp_path):
 
 
 def test_deepseek_v3_round_trip(tmp_path):
-    """DeepSeek-V3 (latent attention, a dense first layer, shared experts, the router's score bias):
-    HF -> Megatron names (per-layer keys: the layers are not uniform) -> HF, bitwise."""
-    hf = save_hf("deepseek_v3", tmp_path / "hf", seed=2)
+    """DeepSeek-V3 (latent attention, a dense first layer, shared experts, the router's score bias, a
+    multi-token-prediction layer): HF -> Megatron names (per-layer keys: the layers are not uniform;
+    ``mtp.layers.0``) -> HF, bitwise; the prediction layer's copies of the embedding and head are Megatron's
+    shared ones. Megatron's own save of it: tests/test_megatron_deepseek.py."""
+    hf = save_hf_with_mtp(tmp_path / "hf", seed=2, num_nextn_predict_layers=1)
     mcore, export = tmp_path / "mcore", tmp_path / "export"
     dcptool("import-hf", hf, mcore, "--adapter", "megatron")
     keys = set(json.loads(dcptool("inspect", mcore, "--json").stdout)["tensors"])
     assert {"decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.router.expert_bias",
             "decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
             "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
-            "decoder.layers.0.self_attention.linear_kv_down_proj.weight"} <= keys
+            "decoder.layers.0.self_attention.linear_kv_down_proj.weight", "mtp.layers.0.eh_proj.weight",
+            "mtp.layers.0.final_layernorm.weight",
+            "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"} <= keys
+    assert not any(key.startswith("decoder.layers.2.") for key in keys)
     dcptool("export-hf", mcore, export, "--config-dir", hf)
     source, exported = load_hf_state(hf), load_hf_state(export)
     assert source.keys() == exported.keys()

@@ -302,7 +302,8 @@ class MegatronMapping:
 
     def convert(self, entries: dict[str, Entry], model: bool = True) -> Result:
         if self.source == MEGATRON:
-            hf = megatron.to_hf(self.model, entries, self.config, self.where)
+            # HF's prediction layers repeat the embedding and head: other families keep them once
+            hf = megatron.to_hf(self.model, entries, self.config, self.where, mtp_copies=self.target == "hf")
             result = Result(dropped=list(hf.dropped), unmatched=list(hf.unmatched), made=list(hf.made))
             onward = self.target != "hf" or self.hf_experts == "fused"
             if not onward:
@@ -329,6 +330,7 @@ class MegatronMapping:
         built = megatron.from_hf(self.model, named, self.config, self.tp, self.where)
         result.entries = {name: (entry, firsts[first]) for name, (entry, first) in built.entries.items()}
         result.unmatched += [firsts[name] for name in built.unmatched]
+        result.dropped += built.dropped
         result.made += built.made
         return result
 

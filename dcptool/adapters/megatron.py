@@ -3,10 +3,11 @@
 Megatron stacks each decoder layer's tensor over the layers (``decoder.layers.X`` of shape ``[L, ...]``;
 ``decoder.layers.{i}.X`` where the layers are not uniform), fuses q, k and v per query group
 (``linear_qkv``), gate and up (``linear_fc1``) and the layer norms into the linear layer after them,
-keeps routed experts as ``[E, ...]`` and pads the vocabulary rows. The kind's table
-(``ModelKind.megatron``) says which Megatron tensor holds which HF tensors and how; this module takes
-them apart (``to_hf``) and puts them together (``from_hf``). ``dcptool.adapters.MegatronMapping``
-joins them with the other families.
+keeps routed experts as ``[E, ...]``, pads the vocabulary rows and keeps multi-token-prediction layers
+apart (``mtp.layers.{n}``; HF numbers them after the main layers). The kind's tables
+(``ModelKind.megatron``, ``ModelKind.megatron_mtp``) say which Megatron tensor holds which HF tensors and
+how; this module takes them apart (``to_hf``) and puts them together (``from_hf``).
+``dcptool.adapters.MegatronMapping`` joins them with the other families.
 
 >>> kind = models.kinds()["qwen3"]                                               # doctest: +SKIP
 >>> hf = to_hf(kind, {"decoder.layers.self_attention.linear_qkv.weight": qkv}, config)  # doctest: +SKIP
@@ -31,6 +32,10 @@ from dcptool.models.kind import MegatronName, ModelKind
 VOCAB_MULTIPLE = 128
 
 LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
+# A multi-token-prediction layer (multi_token_prediction.py): its decoder layer under ``transformer_layer.``,
+# its own tensors (enorm, hnorm, eh_proj, final_layernorm) beside it; always per layer.
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+MTP_DECODER = "transformer_layer."
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A ShardedObject's key (mapping.py unique_key): the layers' _extra_state, RNG and rerun state, the common
 # state. Megatron's own: another family's engine has no use for them.
@@ -103,12 +108,15 @@ def config_from_args(args: dict | None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Megatron -> HF
 
-def to_hf(kind: ModelKind, entries: dict, config: dict, where: str) -> Mapped:
+def to_hf(kind: ModelKind, entries: dict, config: dict, where: str, mtp_copies: bool = True) -> Mapped:
     """``entries`` (Megatron names) as HF-named views: per layer, per expert, q/k/v and gate/up apart,
-    the vocabulary padding dropped (``config``'s ``vocab_size``). ``where`` names the checkpoint in refusals."""
+    the vocabulary padding dropped (``config``'s ``vocab_size``); prediction layers numbered after the main
+    ones, with (``mtp_copies``: for HF's own files) the copies of the embedding and head HF's prediction
+    layers hold. ``where`` names the checkpoint in refusals."""
     table = {m.megatron: m for m in kind.megatron}
     heads = _heads(kind, entries, config, where)
     result = Mapped()
+    predictions: set[int] = set()
     for name, entry in entries.items():
         if name in common.MEGATRON_OUTSIDE:
             target = common.MEGATRON_OUTSIDE[name]
@@ -116,25 +124,65 @@ def to_hf(kind: ModelKind, entries: dict, config: dict, where: str) -> Mapped:
                 entry = _without_padding(entry, config, where, result)
             result.entries[target] = (_named(entry, target), name)
             continue
-        match = LAYER.match(name)
-        spec = table.get(match[2]) if match else None
+        spec, layers = _spec_and_layers(kind, table, name, entry, entries, config, where)
         if spec is None:
             result.unmatched.append(name)
             continue
         if not spec.hf:
             result.dropped.append(f"{name} (HF names have no such tensor)")
             continue
-        if match[1] is not None:
-            layers = [(int(match[1]), entry)]
-        elif _scalar(entry):
-            layers = [(layer, entry) for layer in range(_layer_count(entries, config, where))]
-        else:
-            layers = [(layer, views.select(entry, 0, layer, entry.path)) for layer in range(entry.shape[0])]
+        if MTP_LAYER.match(name):
+            predictions.add(layers[0][0])
         for layer, tensor in layers:
             for hf, part in _parts(spec, tensor, heads, name):
                 target = f"model.layers.{layer}.{hf}"
                 result.entries[target] = (_named(part, target), name)
+    for layer in sorted(predictions) if mtp_copies else ():
+        _shared_copies(kind, layer, result)
     return result
+
+
+def _spec_and_layers(kind: ModelKind, table: dict, name: str, entry, entries: dict, config: dict, where: str):
+    """The table row of a Megatron name and ``(HF layer number, tensor)`` of each layer it holds; (None, [])
+    when no row names it."""
+    match = LAYER.match(name)
+    if match:
+        spec = table.get(match[2])
+        if spec is None:
+            return None, []
+        if match[1] is not None:
+            return spec, [(int(match[1]), entry)]
+        if _scalar(entry):
+            return spec, [(layer, entry) for layer in range(_layer_count(entries, config, where))]
+        return spec, [(layer, views.select(entry, 0, layer, entry.path)) for layer in range(entry.shape[0])]
+    match = MTP_LAYER.match(name)
+    if match is None or kind.megatron_mtp is None:
+        return None, []
+    inner = match[2]
+    own = {m.megatron: m for m in kind.megatron_mtp.own}
+    spec = table.get(inner.removeprefix(MTP_DECODER)) if inner.startswith(MTP_DECODER) else own.get(inner)
+    return spec, [(_main_layers(entries, config, where) + int(match[1]), entry)]
+
+
+def _shared_copies(kind: ModelKind, layer: int, result: Mapped) -> None:
+    """HF's prediction layer ``layer``'s copies of the main embedding and head (Megatron shares them)."""
+    for inner, mains in kind.megatron_mtp.shared:
+        main = next((m for m in mains if m in result.entries), None)
+        if main is None:
+            continue
+        target = f"model.layers.{layer}.{inner}"
+        entry, source = result.entries[main]
+        result.entries[target] = (_named(entry, target), source)
+        result.made.append(f"{target} from {source} (Megatron's prediction layers share it with the main model)")
+
+
+def _main_layers(entries: dict, config: dict, where: str) -> int:
+    """The main decoder layers, after which HF numbers the prediction layers: those the names hold, else
+    the config's ``num_hidden_layers``."""
+    numbers = [int(match[1]) for n in entries if (match := LAYER.match(n)) and match[1] is not None]
+    if numbers:
+        return max(numbers) + 1
+    return _layer_count(entries, config, where)
 
 
 def _parts(spec: MegatronName, tensor, heads: Heads | None, name: str):
@@ -264,6 +312,7 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, tp: int, where: str) -
             continue
         layers.setdefault(int(match[1]), {})[match[2]] = (entry, name)
     heads = _hf_heads(config, where) if any("self_attn.k_proj.weight" in inner for inner in layers.values()) else None
+    _predictions_from_hf(kind, layers, config, heads, result)
     built = {layer: _layer_from_hf(kind, inner, heads, result) for layer, inner in sorted(layers.items())}
     names = [set(tensors) for tensors in built.values()]
     uniform = bool(names) and all(n == names[0] for n in names) and sorted(built) == list(range(len(built)))
@@ -280,6 +329,34 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, tp: int, where: str) -
                 target = f"{common.MEGATRON_LAYERS}{layer}.{megatron}"
                 result.entries[target] = (_named(tensor, target), first)
     return result
+
+
+def _predictions_from_hf(kind: ModelKind, layers: dict, config: dict, heads: Heads | None, result: Mapped) -> None:
+    """The prediction layers of ``layers`` (HF's layers after the config's ``num_hidden_layers``, taken out of
+    ``layers``) as ``mtp.layers.{n}``."""
+    main = config.get("num_hidden_layers")
+    if kind.megatron_mtp is None or not isinstance(main, int):
+        return
+    for layer in [layer for layer in layers if layer >= main]:
+        _prediction_from_hf(kind, f"mtp.layers.{layer - main}.", layers.pop(layer), heads, result)
+
+
+def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads | None, result: Mapped) -> None:
+    """One prediction layer as ``prefix`` (``mtp.layers.{n}.``): its decoder layer under ``transformer_layer.``,
+    its own tensors beside; HF's copies of the embedding and head are not written (Megatron's prediction
+    layers share the main ones)."""
+    for spec in kind.megatron_mtp.own:
+        if spec.hf[0] in inner:
+            tensor, name = inner.pop(spec.hf[0])
+            result.entries[prefix + spec.megatron] = (_named(tensor, prefix + spec.megatron), name)
+    for shared, mains in kind.megatron_mtp.shared:
+        if shared in inner:
+            _, name = inner.pop(shared)
+            result.dropped.append(f"{name} (Megatron's prediction layers use the main {mains[0]}; this copy is "
+                                  f"not written)")
+    for megatron, (tensor, first) in _layer_from_hf(kind, inner, heads, result).items():
+        target = prefix + MTP_DECODER + megatron
+        result.entries[target] = (_named(tensor, target), first)
 
 
 def _layer_from_hf(kind: ModelKind, inner: dict, heads: Heads | None, result: Mapped) -> dict:

@@ -2,14 +2,14 @@
 
 HF's ``e_score_correction_bias`` is torchtitan's ``expert_bias``. Its RoPE is interleaved on both
 sides (HF's ``rope_interleave``), so nothing is permuted. The multi-token-prediction layers (HF's
-layer 61 of the 671B model) are torchtitan 0.3's ``mtp_layers``; Archon names have none, and
-transformers ignores them.
+layer 61 of the 671B model) are torchtitan 0.3's ``mtp_layers`` and Megatron-Core's ``mtp.layers``;
+Archon names have none, and transformers ignores them.
 """
 
 from dataclasses import replace
 
 from dcptool.models import common
-from dcptool.models.kind import Divisor, MegatronName, ModelKind, Row
+from dcptool.models.kind import Divisor, MegatronMTP, MegatronName, ModelKind, Row
 
 # transformers v5 reads n_routed_experts as num_local_experts.
 EXPERT_FIELDS = ("n_routed_experts", "num_local_experts")
@@ -43,7 +43,9 @@ MTP = [
 
 # Megatron-Core's MLA (multi_latent_attention.py): the same projections, rows in HF's order (its RoPE
 # takes the interleaved rope dims apart itself). The local spec keeps q/kv norms apart, TE's fuses them
-# into the up projections. Dense first layers make the layers non-uniform: Megatron saves them per layer.
+# into the up projections; the local MLA spec keeps input_layernorm and pre_mlp_layernorm apart too.
+# Dense first layers make the layers non-uniform: Megatron saves them per layer. Checked against
+# megatron-core 0.19.2's own save (tests/test_megatron_deepseek.py).
 MEGATRON = (
     MegatronName("input_layernorm.weight", ("input_layernorm.weight",)),
     *[MegatronName(f"self_attention.{megatron}", (f"self_attn.{hf}",)) for megatron, hf in (
@@ -57,6 +59,18 @@ MEGATRON = (
     *common.megatron_dense_mlp(),
     *common.megatron_routed_experts(expert_bias="mlp.gate.e_score_correction_bias"),
     *common.megatron_dense_mlp("mlp.shared_experts", "mlp.shared_experts"),
+)
+
+
+# Megatron-Core's multi-token prediction (multi_token_prediction.py): mtp.layers.{n}.transformer_layer.X
+# (the decoder layer, named as above) and these of its own; it feeds [enorm(embedding); hnorm(hidden)] to
+# eh_proj, as DeepSeek's released MTP module does. HF's layer repeats the embedding and the head, which
+# Megatron's prediction layers share with the main model.
+MEGATRON_MTP = MegatronMTP(
+    own=tuple(MegatronName(f"{megatron}.weight", (f"{hf}.weight",)) for megatron, hf in (
+        ("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_layernorm", "shared_head.norm"))),
+    shared=(("embed_tokens.weight", ("model.embed_tokens.weight",)),
+            ("shared_head.head.weight", ("lm_head.weight", "model.embed_tokens.weight"))),
 )
 
 
@@ -108,4 +122,5 @@ KIND = ModelKind(
     fsdp_units=common.DECODER_LAYERS,
     extra_layers="num_nextn_predict_layers",
     megatron=MEGATRON,
+    megatron_mtp=MEGATRON_MTP,
 )

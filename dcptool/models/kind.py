@@ -89,6 +89,18 @@ class MegatronName:
 
 
 @dataclass(frozen=True)
+class MegatronMTP:
+    """Megatron-Core's multi-token-prediction layer ``mtp.layers.{n}``: a decoder layer
+    (``transformer_layer.X``, named as in ``ModelKind.megatron``) plus its ``own`` tensors (``enorm.weight``
+    ...), which HF numbers after the main layers (``model.layers.{L+n}``). ``shared``: (HF name in the layer,
+    the main HF names it repeats, first found) of the copies HF's layer holds of tensors Megatron shares
+    with the main model (the embedding and the output layer)."""
+
+    own: tuple[MegatronName, ...]
+    shared: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
 class Tie:
     """An output weight that is the embedding when the config's ``flag`` is set (HF then saves no output weight)."""
 
@@ -119,7 +131,7 @@ class ModelKind:
     for the layers FSDP wraps as units of their own (``model.layers.N``). ``extra_layers``: the
     config field counting layers after the main ones that transformers ignores (DeepSeek's
     prediction layers). ``megatron``: its decoder layers' tensors in Megatron-Core's names (none: no
-    Megatron table).
+    Megatron table); ``megatron_mtp``: its prediction layers' in Megatron-Core's (none: not mapped).
     """
 
     name: str
@@ -132,6 +144,7 @@ class ModelKind:
     fsdp_units: tuple[str, ...] = ()
     extra_layers: str | None = None
     megatron: tuple[MegatronName, ...] = ()
+    megatron_mtp: MegatronMTP | None = None
 
     def expert_count(self, config: dict) -> int | None:
         """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""

@@ -47,7 +47,7 @@ MODEL_DEFAULTS = {
     "tp": 1, "pp": 1, "ep": 1, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
     "experts": 0, "moe_ffn": 32, "topk": 2, "grouped_gemm": False, "qk_layernorm": False, "qkv_bias": False,
     "vocab": 100, "divisible_by": 16, "padded_vocab": 0, "tied": False, "seq_len": 64, "rope_base": 10000.0,
-    "eps": 1e-6,
+    "eps": 1e-6, "deepseek_config": "", "mtp_layers": 0,
 }
 ITERATION = 100
 
@@ -108,9 +108,18 @@ def chunk_key(number: int, chunks: list) -> str:
 
 def build(model: dict) -> list:
     """The GPTModel chunks of ``model`` on this rank (one per virtual stage of its pipeline stage), float32,
-    initialized from a fixed seed."""
+    initialized from a fixed seed. ``deepseek_config`` (an HF DeepSeek-V3 config.json): that model
+    (harness.megatron_deepseek: latent attention, MoE, ``mtp_layers`` prediction layers) instead."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
+
+    if model["deepseek_config"]:
+        from harness.megatron_deepseek import gpt_model
+
+        torch.manual_seed(1234 + parallel_state.get_pipeline_model_parallel_rank())
+        return [gpt_model(json.loads(Path(model["deepseek_config"]).read_text()), padded_vocab(model),
+                          model["mtp_layers"], tensor_model_parallel_size=model["tp"],
+                          pipeline_model_parallel_size=model["pp"], expert_model_parallel_size=model["ep"])]
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -1,0 +1,111 @@
+"""DeepSeek-V3 in Megatron-Core's names, against a checkpoint megatron-core 0.19.2 saves itself.
+
+A tiny transformers DeepSeek-V3 (latent attention with q and kv low rank, a dense first layer, routed experts
+with a sigmoid router, its score bias and scaling, a shared expert) with one multi-token-prediction layer
+(random, in DeepSeek's released names: transformers builds none) becomes Megatron's GPTModel
+(``MLATransformerConfig``, the local specs of ``get_gpt_decoder_block_spec`` and ``get_gpt_mtp_block_spec``)
+through ``harness.megatron_deepseek`` (a mapping written apart from dcptool's tables), and is saved by Megatron
+itself at EP=2 in one gloo job. Oracles: the weights Megatron saves are the mapping's (so the mapping names
+every tensor Megatron saves); dcptool's export of the save is the transformers folder, bitwise, and
+``from_pretrained`` gives its logits; dcptool's import is loaded by Megatron's own ``dist_checkpointing.load``
+at TP=2 in one job, holding the same weights, with the ``_extra_state`` objects Megatron's own save has, and
+Megatron's forward of it gives transformers' logits (this also checks the mapping: MLA's rope rows, the
+router's bias and scaling). transformers runs no prediction layer, so the MTP layer is checked by names,
+shapes and values only. Needs megatron-core (skipped without it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import dcptool, megatron_load
+from harness.family_models import load_hf_state, read_config
+from harness.megatron_deepseek import checkpoint_weights, save_hf_with_mtp
+from harness.megatron_weights import padded_vocab
+from harness.runtime import reference_dir
+
+TOKENS = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+MTP_LAYERS = 1
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(megatron_runs, tmp_path_factory):
+    """(transformers folder, Megatron's own EP=2 save of it with one prediction layer, its model.json)."""
+    root = tmp_path_factory.mktemp("megatron-deepseek")
+    hf = save_hf_with_mtp(root / "hf", seed=7, num_nextn_predict_layers=MTP_LAYERS)
+    config = read_config(hf)
+    weights = root / "weights.pt"
+    torch.save(checkpoint_weights(load_hf_state(hf), config, padded_vocab(config["vocab_size"], 1), MTP_LAYERS),
+               weights)
+    options = ["--deepseek-config", hf / "config.json", "--mtp-layers", MTP_LAYERS, "--ep", 2,
+               "--num-layers", config["num_hidden_layers"], "--hidden", config["hidden_size"],
+               "--heads", config["num_attention_heads"], "--kv-groups", config["num_attention_heads"],
+               "--experts", config["n_routed_experts"], "--vocab", config["vocab_size"], "--divisible-by", 128,
+               "--weights", weights]
+    run = megatron_runs("deepseek-v3-ep2", 2, [str(option) for option in options])
+    return hf, run, weights
+
+
+def expected(hf) -> dict[str, torch.Tensor]:
+    config = read_config(hf)
+    return checkpoint_weights(load_hf_state(hf), config, padded_vocab(config["vocab_size"], 1), MTP_LAYERS)
+
+
+def transformers_logits(folder) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def extra_states(folder) -> set[str]:
+    return {key for key in json.loads(dcptool("inspect", folder, "--json").stdout)["objects"]
+            if "._extra_state/" in key}
+
+
+def test_export_of_megatrons_deepseek_save(deepseek_run, tmp_path):
+    """Megatron saves what the harness's mapping says (per-layer keys, MLA, shared experts, expert bias, mtp);
+    export-hf of it is the transformers folder bitwise, prediction layer included (its embedding and head
+    copies from Megatron's shared ones), and gives its logits; verify agrees across the families."""
+    hf, run, _ = deepseek_run
+    saved = torch.load(reference_dir(run) / "full.pt", weights_only=True)
+    mapped = expected(hf)
+    assert saved.keys() == mapped.keys()
+    for key in mapped:
+        assert torch.equal(saved[key], mapped[key]), key
+
+    export = tmp_path / "export"
+    result = dcptool("export-hf", run / "iter_0000100", export, "--config-dir", hf)
+    out = result.stdout + result.stderr
+    assert "names: megatron (deepseek_v3), written as hf" in out
+    assert "model.layers.2.shared_head.head.weight from output_layer.weight" in out
+    source, exported = load_hf_state(hf), load_hf_state(export)
+    assert source.keys() == exported.keys()
+    for key in source:
+        assert torch.equal(source[key], exported[key]), key
+    assert torch.equal(transformers_logits(export), transformers_logits(hf))
+    assert "compared bitwise" in dcptool("verify", run / "iter_0000100", export).stdout
+
+
+def test_megatron_loads_dcptools_deepseek_import(deepseek_run, tmp_path):
+    """import-hf --adapter megatron of the transformers folder (prediction layer included; HF's copies of the
+    embedding and head noted as left out), loaded by Megatron's dist_checkpointing.load at TP=2: the weights
+    of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward."""
+    hf, run, _ = deepseek_run
+    imported = tmp_path / "imported"
+    result = dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", "2")
+    out = result.stdout + result.stderr
+    assert "left out model.layers.2.embed_tokens.weight (Megatron's prediction layers use the main" in out
+    assert extra_states(imported) == extra_states(run / "iter_0000100")
+    tokens = tmp_path / "tokens.pt"
+    torch.save(TOKENS, tokens)
+    loaded = megatron_load(imported, run / "model.json", tmp_path / "loaded.pt", "--tp", 2, "--tokens", tokens)
+    mapped = expected(hf)
+    assert loaded.keys() - {"__logits__"} == mapped.keys()
+    for key, tensor in mapped.items():
+        assert torch.equal(loaded[key], tensor), key
+    vocab = read_config(hf)["vocab_size"]
+    torch.testing.assert_close(loaded["__logits__"][..., :vocab], transformers_logits(hf), rtol=1e-5, atol=1e-5)
