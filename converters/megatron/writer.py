@@ -6,6 +6,7 @@ lacks (the common state, each stacked linear's ``_extra_state`` per layer: ``[No
 from __future__ import annotations
 
 import json
+import re
 
 from dcptool.converters.dcp import Writer as DcpWriter
 from dcptool.converters.megatron.names import BACKEND, COMMON_STATE, CONFIG, EXTRA_STATE, LAYERS, shard_key
@@ -17,6 +18,9 @@ NEW_COMMON_STATE = {"checkpoint_version": 3.0}
 COMMON_ENTRIES = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
                   "num_floating_point_operations_so_far", "content_metadata")
 STACKED_EXPERTS = ".experts.experts."  # SequentialMLP / grouped GEMM experts: [L, E, ...], an object per (layer, expert)
+# A layer saved on its own (non-uniform decoder layers; multi-token-prediction layers): no layer axis, an object
+# per expert, or one of shape (1,).
+PER_LAYER = re.compile(r"^(?:decoder|mtp)\.layers\.\d+\.")
 
 
 class Writer(DcpWriter):
@@ -57,9 +61,14 @@ def expected_objects(tensors) -> list[str]:
     keys = []
     for key, shape in tensors:
         module, _, last = key.rpartition(".")
-        if not (key.startswith(LAYERS) and last == "weight" and module.rsplit(".", 1)[-1].startswith("linear_")):
+        linear = module.rsplit(".", 1)[-1].startswith("linear_") or module.endswith(".eh_proj")
+        if not ((key.startswith(LAYERS) or PER_LAYER.match(key)) and last == "weight" and linear):
             continue
-        stacked = tuple(shape[:2] if STACKED_EXPERTS in module else shape[:1])
+        experts = STACKED_EXPERTS in module
+        if PER_LAYER.match(key):
+            stacked = tuple(shape[:1]) if experts else (1,)
+        else:
+            stacked = tuple(shape[:2] if experts else shape[:1])
         keys += [shard_key(module + EXTRA_STATE, at, stacked) for at in _indices(stacked)]
     return keys
 
