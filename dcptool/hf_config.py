@@ -32,20 +32,24 @@ RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype: str | None) -> dict | None:
-    """The config.json an export of ``tensors`` writes, checked against them, its ``dtype`` and ``torch_dtype``
-    set to ``dtype`` (or the tensors' floating-point dtype); None without ``config_dir``.
+def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype: str | None,
+                  made: dict | None = None) -> dict | None:
+    """The config.json an export of ``tensors`` writes (``config_dir``'s, else ``made``: one made from a
+    Megatron-LM run's args), checked against them, its ``dtype`` and ``torch_dtype`` set to ``dtype`` (or the
+    tensors' floating-point dtype); None without either.
 
     A config that does not fit is a usage error naming the config file and the first misfit.
     """
-    if config_dir is None:
+    if config_dir is None and made is None:
         return None
     from dcptool.selection import read_config
 
-    config = read_config(config_dir)
+    config = read_config(config_dir) if config_dir is not None else made
     problem = misfit(config, {t.key: t.shape for t in tensors})
     if problem:
-        raise UsageError(f"{CheckpointFiles(config_dir).path('config.json')} does not fit the tensors: {problem}")
+        where = CheckpointFiles(config_dir).path('config.json') if config_dir is not None else \
+            "the config.json made from the run's args"
+        raise UsageError(f"{where} does not fit the tensors: {problem}")
     floating = [t.dtype for t in tensors if t.dtype in dtypes.CASTABLE]
     written = dtype or max(set(floating), key=floating.count, default=None)
     return config | {"dtype": written, "torch_dtype": written} if written else config
