@@ -440,13 +440,15 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
 
 
 def _megatron_common(mapping: MegatronMapping, weights: dict[str, Entry], out: dict[str, Entry]) -> list[str]:
-    """Megatron-LM's ``args`` and ``iteration`` (0) for a checkpoint made from another family, as its own HF
-    conversion writes them (``out`` gets them; the Megatron format puts them in the common state); a line."""
+    """Megatron-LM's ``iteration`` (0) and, for the kinds they describe, its ``args`` for a checkpoint made from
+    another family, as its own HF conversion writes them (``out`` gets them; the Megatron format puts them in the
+    common state); a line on what was made."""
+    out["iteration"] = ObjectInfo(("iteration",), value=0)
     args = megatron.run_args(mapping.model, mapping.config, weights, mapping.output)
     if args is None:
-        return []
+        return [f"iteration 0; no args: dcptool writes them for {', '.join(megatron.ARCHITECTURES)} given the "
+                "model's config.json"]
     out["args"] = ObjectInfo(("args",), value=record("argparse.Namespace", args))
-    out["iteration"] = ObjectInfo(("iteration",), value=0)
     return [(f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "
              f"{args['padded_vocab_size']}, make_vocab_size_divisible_by {args['make_vocab_size_divisible_by']}), "
              "iteration 0")]
