@@ -128,6 +128,45 @@ def test_megatron_names_export_to_the_source_model(kind, hf_models, tmp_path):
         assert dcptool("checksum", hf, "--against", mcore).returncode == 0
 
 
+def test_config_from_args_only_for_a_model_it_describes(hf_models, tmp_path):
+    """dcptool's import re-saved as legacy per-rank files with its args: exported without --config-dir to the
+    source's logits; with args that describe another model (LayerNorm, interleaved RoPE) no config.json is made,
+    in a line saying which."""
+    from argparse import Namespace
+
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_models("qwen3")
+    mcore = tmp_path / "mcore"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    shapes = {key: tuple(info["shape"]) for key, info in json.loads(dcptool("inspect", mcore, "--json").stdout)
+              ["tensors"].items()}
+    model = {}  # the local layer spec's per-layer names, as a legacy file holds them
+    for key, tensor in load_global(mcore, shapes).items():
+        if key.startswith("decoder.layers."):
+            model.update({key.replace("layers.", f"layers.{i}.", 1): layer for i, layer in enumerate(tensor)})
+        else:
+            model[key] = tensor
+    args = vars(common_state(mcore)["args"])
+    for field, value in ((None, None), ("normalization", "LayerNorm"), ("rotary_interleaved", True)):
+        folder = tmp_path / f"legacy-{field}" / "iter_0000000"
+        (folder / "mp_rank_00").mkdir(parents=True)
+        torch.save({"model": model, "args": Namespace(**{**args, **({field: value} if field else {})}),
+                    "iteration": 0, "checkpoint_version": 3.0}, folder / "mp_rank_00" / "model_optim_rng.pt")
+        export = tmp_path / f"export-{field}"
+        result = dcptool("export-hf", folder, export)
+        if field is None:
+            assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+            source = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+            exported = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+            ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                assert torch.equal(source(ids).logits, exported(ids).logits)
+        else:
+            assert f"no config.json made from the run's args: args {field} describe a model" in result.stderr
+            assert not (export / "config.json").exists()
+
+
 def test_fused_experts_and_other_families(hf_models, tmp_path):
     """Qwen3-MoE's experts to transformers v5's fused layout and to torchtitan's grouped ones, from
     Megatron's [L, E, ...]: the same values as the HF source (verify across families, bitwise)."""

@@ -112,17 +112,22 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 _SAME = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
          "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
          "kv_channels": "head_dim", "max_position_embeddings": "max_position_embeddings",
-         "norm_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+         "norm_epsilon": "rms_norm_eps", "vocab_size": "vocab_size", "rotary_base": "rope_theta"}
 _SAME_MOE = {"num_experts": "num_experts", "moe_router_topk": "num_experts_per_tok",
              "moe_ffn_hidden_size": "moe_intermediate_size"}
-# What args must say for config.json to describe the run's model: field -> (the value needed, Megatron-LM's
-# default, which a field absent from args has).
-_MODEL_ARGS = {"swiglu": (True, False), "normalization": ("RMSNorm", "LayerNorm"),
-               "position_embedding_type": ("rope", "learned_absolute"), "add_bias_linear": (False, True),
-               "rotary_percent": (1.0, 1.0), "rotary_interleaved": (False, False), "use_rope_scaling": (False, False),
-               "apply_layernorm_1p": (False, False), "multi_latent_attention": (False, False),
-               "moe_router_score_function": ("softmax", "softmax"), "moe_router_topk_scaling_factor": (None, None),
-               "moe_shared_expert_intermediate_size": (None, None)}
+# Megatron-LM's defaults (arguments.py) of the fields read here: what a field absent from args means.
+_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "swiglu": False, "normalization": "LayerNorm",
+             "position_embedding_type": "learned_absolute", "add_bias_linear": True, "rotary_percent": 1.0,
+             "rotary_interleaved": False, "use_rope_scaling": False, "apply_layernorm_1p": False,
+             "multi_latent_attention": False, "moe_layer_freq": 1, "moe_router_score_function": "softmax",
+             "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
+             "untie_embeddings_and_output_weights": False, "moe_router_pre_softmax": False}
+# What args must say for config.json to describe the run's model: field -> the value needed.
+_MODEL_ARGS = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "add_bias_linear": False,
+               "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False,
+               "apply_layernorm_1p": False, "multi_latent_attention": False, "moe_layer_freq": 1,
+               "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+               "moe_shared_expert_intermediate_size": None}
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,14 @@ def run_args(kind: ModelKind, config: dict, built: dict, output: MegatronOutput)
     """The ``args`` Megatron-LM's own HF conversion (tools/checkpoint ``loader_*hf*`` and ``saver_mcore``) writes
     for the model of ``config`` whose tensors in Megatron's names are ``built``: the fields dcptool can state
     exactly (the layout written is one rank's: TP for the vocabulary padding, PP and EP 1); None for a kind
-    args do not describe or a config without the fields. Megatron-LM's ``check_checkpoint_args`` compares
-    some on load, so a field is written right or not at all (the RoPE base of scaled RoPE is not)."""
+    args do not describe, a config without the fields, scaled RoPE or another activation than SiLU.
+    Megatron-LM's ``check_checkpoint_args`` compares some on load, so a field is written right or not at all."""
     config = models.text_config(config)
     embedding = built.get("embedding.word_embeddings.weight")
-    if kind.name not in ARCHITECTURES or not isinstance(embedding, TensorInfo):
-        return None
+    base = rope_base(config)
+    if (kind.name not in ARCHITECTURES or not isinstance(embedding, TensorInfo) or base is None
+            or not float(base).is_integer() or config.get("hidden_act", "silu") != "silu"):
+        return None  # (--rotary-base is an int; scaled RoPE is more fields than args state exactly)
     try:
         heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
         args = {"num_layers": int(config["num_hidden_layers"]), "hidden_size": hidden,
@@ -180,9 +187,7 @@ def run_args(kind: ModelKind, config: dict, built: dict, output: MegatronOutput)
                 untie_embeddings_and_output_weights="output_layer.weight" in built,
                 position_embedding_type="rope", tokenizer_type="HuggingFaceTokenizer", ckpt_format="torch_dist",
                 params_dtype=Name(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16")
-    base = rope_base(config)
-    if base is not None and float(base).is_integer():  # --rotary-base is an int
-        args["rotary_base"] = int(base)
+    args["rotary_base"] = int(base)
     experts = kind.expert_count(config)
     if experts:
         args.update(num_experts=experts, moe_router_topk=config.get("num_experts_per_tok"),
@@ -197,29 +202,27 @@ def hf_config_from_args(kind: str, args: dict | None) -> tuple[dict | None, str]
     default), for the kinds args describe whole; else None. And a line saying which, or why not."""
     if kind not in ARCHITECTURES:
         return None, f"no config.json made from the run's args: dcptool makes one for {', '.join(ARCHITECTURES)}"
-    if not isinstance(args, dict):
-        return None, "no config.json made: the checkpoint has no Megatron-LM args"
-    differ = [name for name, (needed, default) in _MODEL_ARGS.items() if args.get(name, default) != needed]
+    args = {**_DEFAULTS, **(args or {})}
+    differ = [name for name, needed in _MODEL_ARGS.items() if args[name] != needed]
     if bool(args.get("num_experts")) != (kind == "qwen3_moe"):
         differ.append("num_experts")
     fields = {**_SAME, **(_SAME_MOE if kind == "qwen3_moe" else {})}
     if not args.get("group_query_attention"):  # Megatron-LM's num_query_groups counts only with it
         fields.pop("num_query_groups")
-    missing = [name for name in (*fields, "rotary_base") if type(args.get(name)) not in (int, float)]
+    missing = [name for name in fields if type(args.get(name)) not in (int, float)]
     if differ or missing:
-        what = f"args {', '.join(differ)} describe a model config.json of {kind} does not" if differ else \
-            f"args lack {', '.join(missing)}"
+        what = (f"args {', '.join(differ)} describe a model that config.json of {kind} does not" if differ else
+                f"args lack {', '.join(missing)}")
         return None, f"no config.json made from the run's args: {what}"
-    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind, "num_key_value_heads": args["num_attention_heads"],
-              **{hf: args[name] for name, hf in fields.items()}, "hidden_act": "silu", "rope_theta": args["rotary_base"],
-              "tie_word_embeddings": args.get("untie_embeddings_and_output_weights") is False}
+    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
+              "num_key_value_heads": args["num_attention_heads"], **{hf: args[name] for name, hf in fields.items()},
+              "hidden_act": "silu", "tie_word_embeddings": not args["untie_embeddings_and_output_weights"]}
     if kind != "qwen2":  # Qwen2 always has q/k/v biases; the others have none with these args
         config["attention_bias"] = False
     if kind == "llama":
         config["mlp_bias"] = False
-    if kind == "qwen3_moe":
-        config.update(norm_topk_prob=not args.get("moe_router_pre_softmax", False), decoder_sparse_step=1,
-                      mlp_only_layers=[])
+    if kind == "qwen3_moe":  # every layer routed (moe_layer_freq 1)
+        config.update(norm_topk_prob=not args["moe_router_pre_softmax"], decoder_sparse_step=1, mlp_only_layers=[])
     return config, (f"config.json made from the Megatron-LM run's args (no tokenizer files: give the model's config "
                     f"folder with {option('config_dir')} for them)")
 
