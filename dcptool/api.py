@@ -308,6 +308,9 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
     if make_vocab_size_divisible_by is not None and adapter != models.MEGATRON:
         raise UsageError(f"{option('make_vocab_size_divisible_by')} pads Megatron-Core's vocabulary: it goes with "
                          f"{option('adapter', 'megatron')}")
+    if make_vocab_size_divisible_by is not None and make_vocab_size_divisible_by < 1:
+        raise UsageError(f"{option('make_vocab_size_divisible_by', make_vocab_size_divisible_by)}: the vocabulary is "
+                         "padded to a multiple of a positive number")
     to, megatron_output = "dcp", None
     if adapter == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
         if (dp or 1) * ep * cp * dp_replicate * (world_size or 1) != 1:

@@ -234,6 +234,10 @@ def test_refusals(hf_models, tmp_path):
     assert result.returncode == 2 and "--make-vocab-size-divisible-by" in result.stderr and "--adapter megatron" in \
         result.stderr and not (tmp_path / "titan").exists(), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    result = dcptool("import-hf", hf, tmp_path / "zero", "--adapter", "megatron", "--make-vocab-size-divisible-by",
+                     "0", check=False)
+    assert result.returncode == 2 and "--make-vocab-size-divisible-by 0" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "zero").exists()
 
     # Megatron reshards as it loads: a data-parallel mesh for its import is refused, not ignored
     result = dcptool("import-hf", hf, tmp_path / "mesh", "--adapter", "megatron", "--dp", "2", check=False)
