@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcptool import dtypes, models
-from dcptool.errors import UsageError
+from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles
 
 if TYPE_CHECKING:
@@ -46,10 +46,11 @@ def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype
 
     config = read_config(config_dir) if config_dir is not None else made
     problem = misfit(config, {t.key: t.shape for t in tensors})
+    if problem and config_dir is None:
+        raise UsageError(f"the config.json made from the Megatron-LM run's args does not fit the tensors: {problem}; "
+                         f"give the model's config folder with {option('config_dir')}")
     if problem:
-        where = CheckpointFiles(config_dir).path('config.json') if config_dir is not None else \
-            "the config.json made from the run's args"
-        raise UsageError(f"{where} does not fit the tensors: {problem}")
+        raise UsageError(f"{CheckpointFiles(config_dir).path('config.json')} does not fit the tensors: {problem}")
     floating = [t.dtype for t in tensors if t.dtype in dtypes.CASTABLE]
     written = dtype or max(set(floating), key=floating.count, default=None)
     return config | {"dtype": written, "torch_dtype": written} if written else config
