@@ -16,7 +16,12 @@ import pytest
 import torch
 from conftest import dcptool
 from harness.family_models import load_hf_state, read_config, save_hf
-from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab, rope_theta
+from harness.megatron_weights import (
+    checkpoint_keys,
+    megatron_weights,
+    padded_vocab,
+    rope_theta,
+)
 
 KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -66,7 +71,9 @@ def common_state(folder: Path) -> dict:
     with ``argparse.Namespace`` allowed (as megatron-core's safe_globals allows it)."""
     import argparse
 
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
 
     with torch.serialization.safe_globals([argparse.Namespace]):
         return _load_state_dict_from_keys({"common_state/shard_0_1"}, checkpoint_id=str(folder))["common_state/shard_0_1"][0]

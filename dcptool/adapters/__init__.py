@@ -446,8 +446,8 @@ def _megatron_common(mapping: MegatronMapping, weights: dict[str, Entry], out: d
     out["iteration"] = ObjectInfo(("iteration",), value=0)
     args = megatron.run_args(mapping.model, mapping.config, weights, mapping.output)
     if args is None:
-        return [f"iteration 0; no args: dcptool writes them for {', '.join(megatron.ARCHITECTURES)} given the "
-                "model's config.json"]
+        return [(f"iteration 0; no args: dcptool writes them for {', '.join(megatron.ARCHITECTURES)} given the "
+                 "model's config.json")]
     out["args"] = ObjectInfo(("args",), value=record("argparse.Namespace", args))
     return [(f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "
              f"{args['padded_vocab_size']}, make_vocab_size_divisible_by {args['make_vocab_size_divisible_by']}), "
