@@ -226,7 +226,7 @@ class Writer(SafetensorsFiles):
                  config: dict | None = None, adapter_config: dict | None = None):
         self.folder, self.config_dir = folder, config_dir
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")  # the hub's split gets bytes
-        self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is
+        self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is, if any
         # A PEFT adapter folder instead (export-hf --lora adapter): one adapter_model.safetensors, and this as
         # adapter_config.json (peft loads no shards).
         self.adapter_config = adapter_config
@@ -255,6 +255,8 @@ class Writer(SafetensorsFiles):
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         if self.config_dir:
             copy_config(self.config_dir, self.folder, self.config)
+        elif self.config is not None:  # made without a config folder (from a Megatron-LM run's args)
+            (self.folder / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
         return [o.key for o in objects]
 
 

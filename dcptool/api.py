@@ -276,14 +276,17 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
 
 def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,
               etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None,
-              plan: str = "auto", adapter: str = "hf", config_dir: str | Path | None = None,
-              revision: str | None = None, dtype: str | None = None, dequantize: bool = False,
+              plan: str = "auto", adapter: str = "hf", make_vocab_size_divisible_by: int | None = None,
+              config_dir: str | Path | None = None, revision: str | None = None, dtype: str | None = None,
+              dequantize: bool = False,
               lora_adapter: str | Path | None = None,
               max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
               dry_run: bool = False, progress: Progress | None = None) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
     out for the mesh, under the names of the job that loads it (``adapter``: hf, archon, torchtitan). ``lora_adapter``:
     a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads (``get_model_state_dict``).
+    ``adapter="megatron"`` writes Megatron-Core's torch_dist with Megatron-LM's ``args``, the vocabulary padded to a
+    multiple of ``make_vocab_size_divisible_by`` (Megatron-LM's default, 128) x ``tp``.
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.
@@ -295,26 +298,35 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
         >>> dcptool.import_hf(folder, f"{folder}-dcp", dp=2).mesh.world
         2
     """
-    from dcptool import models
+    from dcptool import adapters, models
 
     if adapter not in models.NAMING_FAMILIES:
         raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.NAMING_FAMILIES)}")
     if lora_adapter is not None and (adapter != "hf" or tp * ep * cp != 1):
         raise UsageError(f"{option('lora_adapter')} lays out a peft model of HF names for FSDP (data parallel): "
                          f"drop {option('adapter')}, {option('tp')}, {option('ep')} and {option('cp')}")
-    to, vocab_tp = "dcp", 1
+    if make_vocab_size_divisible_by is not None and adapter != models.MEGATRON:
+        raise UsageError(f"{option('make_vocab_size_divisible_by')} pads Megatron-Core's vocabulary: it goes with "
+                         f"{option('adapter', 'megatron')}")
+    if make_vocab_size_divisible_by is not None and make_vocab_size_divisible_by < 1:
+        raise UsageError(f"{option('make_vocab_size_divisible_by', make_vocab_size_divisible_by)}: the vocabulary is "
+                         "padded to a multiple of a positive number")
+    to, megatron_output = "dcp", None
     if adapter == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
         if (dp or 1) * ep * cp * dp_replicate * (world_size or 1) != 1:
             raise UsageError(f"{option('adapter', 'megatron')} writes one Megatron-Core checkpoint that Megatron "
                              f"reshards as it loads ({option('tp')} sizes its vocabulary padding): drop "
                              f"{option('dp')}, {option('ep')}, {option('cp')}, {option('dp_replicate')} and "
                              f"{option('world_size')}")
-        to, vocab_tp = "megatron", tp  # Megatron-Core's torch_dist, what its engine loads
+        to = "megatron"  # Megatron-Core's torch_dist, what its engine loads
+        megatron_output = adapters.megatron.MegatronOutput(tp, make_vocab_size_divisible_by or adapters.megatron.VOCAB_MULTIPLE,
+                                                  dtype)
         dp, tp, ep, etp, cp, dp_replicate, world_size = 1, 1, 1, 1, 1, 1, None
     return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
                     plan=plan, to=to, keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
                     dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
-                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter, vocab_tp=vocab_tp)
+                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter,
+                    megatron_output=megatron_output)
 
 
 @_records
@@ -584,7 +596,7 @@ def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
 
 def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
              config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
-             progress, lora_adapter=None, vocab_tp: int = 1) -> ReshardReport:
+             progress, lora_adapter=None, megatron_output=None) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
 
@@ -598,7 +610,7 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
         check_destination(destination, overwrite)  # before planning, whose warnings would come first
     result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter,
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
-                                 compress=compress, forms=forms, vocab_tp=vocab_tp)
+                                 compress=compress, forms=forms, megatron_output=megatron_output)
     result.conversion.notes[:0] = notes
     try:
         return _write_or_report(result, destination, dry_run, progress, max_memory, overwrite, fsync)

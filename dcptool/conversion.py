@@ -64,7 +64,8 @@ class Report:
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
                       dtype: str | None = None, include: str | None = None, exclude: str | None = None,
                       adapter: str = "auto", hf_experts: str = "per-expert", lora: LoraRequest | None = None):
-    """The model weights to export under their HF names, the config folder to copy (or None), and notes.
+    """The model weights to export under their HF names, the config folder to copy (or None), notes, and the
+    config.json made from a Megatron-LM run's args when no config folder is given (or None).
 
     ``adapter`` is the family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
     Archon and torchtitan names become HF's. ``include`` / ``exclude`` match the names as saved.
@@ -98,8 +99,11 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     config = adapters.with_run_args(config, checkpoint.info)
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
     notes += [note] if note else []
+    made_config = None
     if isinstance(mapping, adapters.MegatronMapping) and config_dir is None and checkpoint.info.get("args"):
         notes.append("head counts and vocab_size from the Megatron-LM run's args (its common state)")
+        made_config, line = adapters.megatron.hf_config_from_args(mapping.kind, checkpoint.info["args"])
+        notes.append(line)
     if mapping is not None:
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
@@ -107,12 +111,12 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
         notes += [f"left out {line}" for line in result.dropped] + [f"made {line}" for line in result.made]
     if found is not None and found.targets:
         if lora.mode == "adapter":
-            return _adapter_entries(checkpoint, found, lora, mapping, notes)
+            return (*_adapter_entries(checkpoint, found, lora, mapping, notes), None)
         notes += _merge(checkpoint, found, lora, mapping, named, dtype, config)
     for output in models.tied_outputs(config):  # transformers recreates a tied output from the embedding
         if named.pop(output, None) is not None:
             notes.append(f"left out {output}: the config ties it to the embedding")
-    return out_tensors(named, dtype, keep_paths=False), config_dir, notes
+    return out_tensors(named, dtype, keep_paths=False), config_dir, notes, made_config
 
 
 @dataclass
@@ -189,18 +193,20 @@ def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, 
 
 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
-            config_dir: str | Path | None = None, vocab_tp: int = 1) -> tuple[Checkpoint, list[str]]:
+            config_dir: str | Path | None = None,
+            megatron_output: adapters.megatron.MegatronOutput | None = None) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
     layout (``models.LAYOUTS``: where its job keeps model and optimizer), and notes.
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
-    family keeps them (views of the same bytes); other entries keep their keys. ``vocab_tp``: the tensor
-    parallelism Megatron names pad the vocabulary for.
+    family keeps them (views of the same bytes); other entries keep their keys. ``megatron_output``: what
+    Megatron names are written for (their vocabulary padding, the dtype their ``args`` state).
     """
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = adapters.with_run_args(read_config(config_dir) if config_dir is not None else None, checkpoint.info)
     params = model_part(checkpoint)
-    mapping, note = adapters.mapping_for(params, target, source, config, tp=vocab_tp, where=str(checkpoint.root))
+    mapping, note = adapters.mapping_for(params, target, source, config, megatron_output=megatron_output,
+                                        where=str(checkpoint.root))
     notes = [note] if note and (mapping or target) else []
     layout = models.LAYOUTS.get(target) if target else None
     if mapping is None and layout is None:
@@ -407,13 +413,13 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     """
     from dcptool import hf_config
 
-    tensors, config_dir, notes = hf_export_entries(checkpoint, config_dir, prefix, dtype, include, exclude,
-                                                   adapter, hf_experts, lora)
+    tensors, config_dir, notes, made_config = hf_export_entries(checkpoint, config_dir, prefix, dtype, include,
+                                                                exclude, adapter, hf_experts, lora)
     if lora is not None and lora.adapter_config is not None:
         why = "an adapter folder holds the adapter's weights only"
         return Conversion(checkpoint, "hf", tensors, [], {"adapter_config": lora.adapter_config}, notes, why)
-    config = hf_config.export_config(config_dir, tensors, dtype)
-    if config_dir is None:
+    config = hf_config.export_config(config_dir, tensors, dtype, made_config)
+    if config is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
                      f"give the model's config folder with {option('config_dir')}")
     options = {"max_shard_size": max_shard_size, "config_dir": config_dir, "config": config}

@@ -122,13 +122,13 @@ def read_dcp(path: Path, scratch: Path) -> dict:
 # Megatron-LM runs saved by megatron-core itself (tests/harness/megatron.py): name -> (ranks, save options).
 MEGATRON_RUNS = {
     "tp2": (2, ["--tp", "2", "--optimizer"]),
-    "moe_ep2": (2, ["--ep", "2", "--experts", "4", "--qk-layernorm"]),
-    # legacy per-rank files, and the same model (same seed and layout) saved as torch_dist
-    "legacy_tp2_pp2": (4, ["--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4"]),
-    "legacy_tp2_pp2_dist": (4, ["--tp", "2", "--pp", "2", "--num-layers", "4"]),
-    "legacy_moe_pp2_ep2": (4, ["--format", "torch", "--pp", "2", "--ep", "2", "--experts", "4", "--num-layers", "4",
-                               "--tied"]),
-    "legacy_moe_pp2_ep2_dist": (4, ["--pp", "2", "--ep", "2", "--experts", "4", "--num-layers", "4", "--tied"]),
+    # legacy per-rank files, and the same model (same seed and layout) saved as torch_dist: TP and PP with tied
+    # embeddings (the last stage's copy of the output layer); a Qwen3-MoE-like model at TP 2 x EP 2 (experts split
+    # along TP too: expert tensor parallelism is TP by default)
+    "legacy_tp2_pp2": (4, ["--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4", "--tied"]),
+    "legacy_tp2_pp2_dist": (4, ["--tp", "2", "--pp", "2", "--num-layers", "4", "--tied"]),
+    "legacy_moe_tp2_ep2": (4, ["--format", "torch", "--tp", "2", "--ep", "2", "--experts", "4", "--qk-layernorm"]),
+    "legacy_moe_tp2_ep2_dist": (4, ["--tp", "2", "--ep", "2", "--experts", "4", "--qk-layernorm"]),
     "legacy_pp2_vpp2": (2, ["--format", "torch", "--pp", "2", "--vpp", "2", "--num-layers", "4"]),
     "legacy_pp2_vpp2_dist": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4"]),
 }

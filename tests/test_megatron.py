@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import dcptool, megatron_load, read_tensor
+from harness.family_models import load_hf_state, read_config
+from harness.megatron_weights import checkpoint_keys, megatron_weights
 from harness.runtime import reference_dir
 
 from dcptool import formats
@@ -34,7 +36,7 @@ def read_all(path: Path) -> dict:
     return {key: read_tensor(checkpoint, key) for key in checkpoint.tensors}
 
 
-@pytest.mark.parametrize("name", ["tp2", "legacy_tp2_pp2_dist", "moe_ep2"])  # TP; TP and PP; EP
+@pytest.mark.parametrize("name", ["tp2", "legacy_tp2_pp2_dist", "legacy_moe_tp2_ep2_dist"])  # TP; TP and PP; TP x EP
 def test_torch_dist_read_as_torch_and_megatron_read_it(megatron_runs, name):
     run = megatron_runs(name)
     full = whole_weights(run)
@@ -51,10 +53,10 @@ def test_torch_dist_read_as_torch_and_megatron_read_it(megatron_runs, name):
 
 
 def test_inspect_shows_the_run(megatron_runs):
-    run = megatron_runs("moe_ep2")
+    run = megatron_runs("legacy_moe_tp2_ep2_dist")
     text = dcptool("inspect", run / "iter_0000100").stdout
     assert "(megatron)" in text.splitlines()[0]
-    for line in ("iteration: 100", "tensor_parallel: 1", "pipeline_parallel: 1", "expert_parallel: 2", "layers: 2",
+    for line in ("iteration: 100", "tensor_parallel: 2", "pipeline_parallel: 1", "expert_parallel: 2", "layers: 2",
                  "sharded_backend: torch_dist"):
         assert line in text.splitlines(), line
     assert "4 experts" in text and "q/k layernorm" in text and "rng_state/shard_0.0_1.*" in text
@@ -78,11 +80,11 @@ def test_run_folder_lists_its_iterations_newest_first(megatron_runs, tmp_path):
     assert "(newest first): iter_0000200, iter_0000100" in result.stderr
 
 
-@pytest.mark.parametrize("legacy", ["legacy_tp2_pp2", "legacy_moe_pp2_ep2", "legacy_pp2_vpp2"])
+@pytest.mark.parametrize("legacy", ["legacy_tp2_pp2", "legacy_moe_tp2_ep2", "legacy_pp2_vpp2"])
 def test_legacy_files_read_as_torch_dist_of_the_same_model(megatron_runs, legacy):
     """The per-rank files join into the tensors a torch_dist save of the same model (same seed, same layout) holds:
-    TP pieces by each parameter's parallel dim (SwiGLU halves included), stages by their layer offsets, experts by
-    their EP rank; the tied output layer of the last stage left to the embedding."""
+    TP pieces by each parameter's parallel dim (SwiGLU halves included, the experts' too), stages by their layer
+    offsets, experts by their EP rank; the tied output layer of the last stage left to the embedding."""
     files, dist = megatron_runs(legacy), megatron_runs(f"{legacy}_dist")
     read = read_all(files / "iter_0000100")
     by_torch = torch_dcp_load(dist / "iter_0000100", whole_weights(dist))
@@ -92,6 +94,31 @@ def test_legacy_files_read_as_torch_dist_of_the_same_model(megatron_runs, legacy
     text = dcptool("inspect", files / "iter_0000100").stdout
     assert "saved_as: legacy per-rank files (--ckpt-format torch)" in text and "left_out: rng_state" in text
     assert ("virtual_pipeline: 2" in text.splitlines()) == ("vpp" in legacy)  # model0, model1 of each stage
+
+
+@pytest.mark.parametrize("name", ["legacy_moe_tp2_ep2", "legacy_moe_tp2_ep2_dist"])
+def test_moe_at_tp2_ep2_exports_the_saved_model(megatron_runs, tmp_path, name):
+    """A Qwen3-MoE-like run at TP 2 x EP 2 (experts split along TP too), legacy files and torch_dist: export-hf
+    without --config-dir (config.json made from the run's args) loads in transformers with every weight in its
+    place, and its weights, put back as Megatron holds them by the tests' own mapping, are the run's."""
+    from transformers import AutoModelForCausalLM
+
+    run = megatron_runs(name)
+    export = tmp_path / "export"
+    result = dcptool("export-hf", run / "iter_0000100", export)
+    assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+    config = read_config(export)
+    assert config["model_type"] == "qwen3_moe" and config["vocab_size"] == 100
+    _, loading = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not any(loading.values()), loading  # nothing missing, unexpected or mismatched
+    full = whole_weights(run)
+    back = checkpoint_keys(megatron_weights(load_hf_state(export), config, full["embedding.word_embeddings.weight"]
+                                            .shape[0]), config)
+    assert back.keys() == full.keys()
+    vocabulary = ("embedding.word_embeddings.weight", "output_layer.weight")
+    for key, value in full.items():  # Megatron's padding rows hold its random init: the vocabulary's rows compare
+        rows = 100 if key in vocabulary else value.shape[0]
+        assert torch.equal(back[key][:rows], value[:rows]), key
 
 
 def test_zarr_is_refused_saying_how_to_convert_it(tmp_path):
@@ -110,7 +137,7 @@ def test_zarr_is_refused_saying_how_to_convert_it(tmp_path):
     ("tp2", ("convert",), ("--pp", 2)),  # TP 2 -> one writer rank -> Megatron at PP 2
     ("tp2", ("reshard", "--dp", 2), ("--tp", 2)),  # every tensor cut in two along dim 0 -> Megatron at TP 2
     ("legacy_tp2_pp2", ("convert",), ("--tp", 2)),  # legacy files -> torch_dist -> Megatron at TP 2, PP 1
-    ("moe_ep2", ("convert",), ("--ep", 1)),  # experts of EP 2 -> Megatron with every expert on one rank
+    ("legacy_moe_tp2_ep2_dist", ("convert",), ("--ep", 1)),  # TP 2 x EP 2 -> Megatron with every expert on one rank
 ])
 def test_written_megatron_loads_in_megatron_at_another_layout(megatron_runs, tmp_path, name, write, load):
     run = megatron_runs(name)
@@ -125,7 +152,7 @@ def test_written_megatron_loads_in_megatron_at_another_layout(megatron_runs, tmp
         assert torch.equal(value, full[key]), key
     written = formats.open_checkpoint(out)
     common = written.object_archive(written.objects["common_state/shard_0_1"]).load()[0]
-    assert common["iteration"] == 100 and written.info["tensor_parallel"] == (1 if name == "moe_ep2" else 2)
+    assert common["iteration"] == 100 and written.info["tensor_parallel"] == 2
 
 
 def test_common_and_rerun_state_written_back_as_megatron_saved_them(megatron_runs, tmp_path):

@@ -3,10 +3,11 @@
 A tiny transformers model of each kind (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms, Qwen3-MoE)
 becomes a GPTModel (local layer spec) through ``harness.megatron_weights`` (a mapping written apart from
 dcptool's tables) and is saved by megatron-core 0.19.2 itself in real gloo jobs (``harness.megatron``) at
-TP=2, PP=2 or EP=2. Oracles: the export's weights are the transformers model's, bitwise, and
-``from_pretrained`` gives its logits; dcptool's ``import-hf --adapter megatron`` of the transformers model is
-loaded by Megatron's own ``dist_checkpointing.load`` at another TP / PP / EP, and that GPTModel's forward
-gives transformers' logits. Needs megatron-core (skipped without it).
+TP=2, PP=2 or TP=2 x EP=2. Oracles: the export's weights are the transformers model's, bitwise, and
+``from_pretrained`` gives its logits, with the model's config.json and with the one made from the run's args;
+dcptool's ``import-hf --adapter megatron`` of the transformers model is loaded by Megatron's own
+``dist_checkpointing.load`` at another TP / PP / EP, that GPTModel's forward gives transformers' logits, and the
+args the import wrote are those of Megatron's own save. Needs megatron-core (skipped without it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from harness.megatron_weights import (
 
 # kind -> (the layout Megatron saves it with, the layout it loads dcptool's import with)
 LAYOUTS = {"llama": ({"tp": 2}, {"pp": 2}), "qwen2": ({"pp": 2}, {"tp": 2}),
-           "qwen3": ({"tp": 2}, {"tp": 1}), "qwen3_moe": ({"ep": 2}, {"tp": 2})}
+           "qwen3": ({"tp": 2}, {"tp": 1}), "qwen3_moe": ({"tp": 2, "ep": 2}, {"tp": 2})}
 TOKENS = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
@@ -78,6 +79,13 @@ def runs(megatron_runs, tmp_path_factory):
     return get
 
 
+def common_state(folder: Path) -> dict:
+    """The common state of a torch_dist folder as Megatron reads it (``dist_checkpointing.load_common_state_dict``)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(folder)
+
+
 def transformers_logits(folder: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -88,8 +96,9 @@ def transformers_logits(folder: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path):
-    """export-hf of Megatron's own save (TP=2, PP=2 or EP=2): the transformers weights, bitwise; its logits;
-    verify and checksum --against agree across the families."""
+    """export-hf of Megatron's own save (TP=2, PP=2 or TP=2 x EP=2): the transformers weights, bitwise; its logits,
+    also without --config-dir (config.json made from the run's args); verify and checksum --against agree across
+    the families."""
     hf, run, _ = runs(kind)
     export = tmp_path / "export"
     result = dcptool("export-hf", run, export, "--config-dir", hf)
@@ -99,6 +108,10 @@ def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path
     for key in source:
         assert torch.equal(source[key], exported[key]), key
     assert torch.equal(transformers_logits(export), transformers_logits(hf))
+    from_args = tmp_path / "from-args"
+    result = dcptool("export-hf", run, from_args)
+    assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+    assert torch.equal(transformers_logits(from_args), transformers_logits(hf))
     assert "compared bitwise" in dcptool("verify", run, export).stdout
     dcptool("checksum", export, "--write")
     assert dcptool("checksum", export, "--against", run).returncode == 0
@@ -107,11 +120,17 @@ def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_megatron_loads_dcptools_import(kind, runs, tmp_path):
     """import-hf --adapter megatron, loaded by Megatron's dist_checkpointing.load at another layout than the
-    save's: the weights Megatron holds are its own save's, and its forward gives transformers' logits."""
-    hf, _, model = runs(kind)
+    save's: the weights Megatron holds are its own save's, and its forward gives transformers' logits. The args
+    the import wrote are those of Megatron's own save of the model (but for its parallel layout)."""
+    hf, run, model = runs(kind)
     imported = tmp_path / "imported"
     _, load_as = LAYOUTS[kind]
     dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", str(load_as.get("tp", 1)))
+    written, saved = (vars(common_state(folder)["args"]) for folder in (imported, run))
+    both = {name for name in written.keys() & saved.keys() if not name.endswith("parallel_size")}
+    assert {"num_layers", "num_query_groups", "kv_channels", "padded_vocab_size", "rotary_base", "params_dtype",
+            "qk_layernorm", "add_qkv_bias", "untie_embeddings_and_output_weights", "norm_epsilon"} <= both
+    assert {name: written[name] for name in both} == {name: saved[name] for name in both}
     tokens = tmp_path / "tokens.pt"
     torch.save(TOKENS, tokens)
     _, flags = layout_flags(load_as)
@@ -155,7 +174,7 @@ def test_run_args_optimizer_state_and_ties(megatron_runs, tmp_path):
     assert torch.equal(state[slots["exp_avg_sq"]], state[weight] ** 2)
     assert "compared bitwise" in dcptool("verify", titan, run).stdout  # Llama q/k rows permuted with the args
 
-    tied = megatron_runs("legacy_moe_pp2_ep2_dist") / "iter_0000100"  # PP 2, EP 2, tied embeddings
+    tied = megatron_runs("legacy_tp2_pp2_dist") / "iter_0000100"  # TP 2, PP 2, tied embeddings
     export = tmp_path / "tied"
     dcptool("export-hf", tied, export)
     assert "lm_head.weight" not in load_hf_state(export)

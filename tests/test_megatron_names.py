@@ -17,7 +17,7 @@ import torch
 from conftest import dcptool
 from harness.family_models import load_hf_state, read_config, save_hf
 from harness.megatron_deepseek import save_hf_with_mtp
-from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab
+from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab, rope_theta
 
 KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -62,17 +62,62 @@ def test_import_hf_writes_megatrons_tensors(kind, hf_models, tmp_path):
     assert set(described["tensors"]) == set(expected)  # nothing more, nothing less
 
 
+def common_state(folder: Path) -> dict:
+    """The common state of a torch_dist folder as Megatron's loader gets it: torch's DCP reader, weights_only
+    with ``argparse.Namespace`` allowed (as megatron-core's safe_globals allows it)."""
+    import argparse
+
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return _load_state_dict_from_keys({"common_state/shard_0_1"}, checkpoint_id=str(folder))["common_state/shard_0_1"][0]
+
+
+def test_import_writes_megatron_lms_args(hf_models, tmp_path):
+    """import-hf --adapter megatron writes Megatron-LM's args (arguments.py's names) from config.json, the
+    vocabulary padded to a multiple of --make-vocab-size-divisible-by x --tp as Megatron-LM pads it, and
+    iteration 0; the dtype written is params_dtype."""
+    hf = hf_models("qwen3_moe")
+    config = read_config(hf)
+    out = tmp_path / "mcore"
+    dcptool("import-hf", hf, out, "--adapter", "megatron", "--tp", "2", "--make-vocab-size-divisible-by", "48",
+            "--dtype", "bfloat16")
+    rows = -(-config["vocab_size"] // (48 * 2)) * 48 * 2  # Megatron-LM's _vocab_size_with_padding
+    state = common_state(out)
+    assert state["iteration"] == 0 and state["checkpoint_version"] == 3.0
+    args = vars(state["args"])
+    expected = {"num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+                "ffn_hidden_size": config["intermediate_size"], "num_attention_heads": config["num_attention_heads"],
+                "num_query_groups": config["num_key_value_heads"], "group_query_attention": True,
+                "kv_channels": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                "max_position_embeddings": config["max_position_embeddings"], "norm_epsilon": config["rms_norm_eps"],
+                "vocab_size": config["vocab_size"], "padded_vocab_size": rows, "make_vocab_size_divisible_by": 48,
+                "tensor_model_parallel_size": 2, "num_experts": config.get("num_experts") or config["num_local_experts"],
+                "moe_router_topk": config["num_experts_per_tok"], "moe_ffn_hidden_size": config["moe_intermediate_size"],
+                "moe_router_pre_softmax": False, "qk_layernorm": True, "add_qkv_bias": False, "swiglu": True,
+                "untie_embeddings_and_output_weights": True, "normalization": "RMSNorm",
+                "position_embedding_type": "rope", "rotary_base": int(rope_theta(config)),
+                "params_dtype": torch.bfloat16, "bf16": True, "tokenizer_type": "HuggingFaceTokenizer"}
+    assert {name: args.get(name) for name in expected} == expected
+    shapes = json.loads(dcptool("inspect", out, "--json").stdout)["tensors"]
+    assert shapes["embedding.word_embeddings.weight"]["shape"][0] == rows
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_megatron_names_export_to_the_source_model(kind, hf_models, tmp_path):
-    """import-hf --adapter megatron, then export-hf: transformers' logits of the export are the source's;
-    verify and checksum --against agree across the families."""
+    """import-hf --adapter megatron, then export-hf without --config-dir (config.json made from the args the
+    import wrote): transformers' logits of the export are the source's; verify and checksum --against agree
+    across the families."""
     from transformers import AutoModelForCausalLM
 
     hf = hf_models(kind)
     mcore, export = tmp_path / "mcore", tmp_path / "export"
     dcptool("import-hf", hf, mcore, "--adapter", "megatron")
-    result = dcptool("export-hf", mcore, export, "--config-dir", hf)
+    result = dcptool("export-hf", mcore, export)
     assert f"names: megatron ({kind}), written as hf" in result.stdout + result.stderr
+    assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
     source = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
     exported = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
     ids = torch.randint(0, read_config(hf)["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
@@ -87,6 +132,45 @@ def test_megatron_names_export_to_the_source_model(kind, hf_models, tmp_path):
         dcptool("checksum", mcore, "--write")  # the other way: Megatron's padding rows have no counterpart
         refused = dcptool("checksum", mcore, "--against", hf, check=False)
         assert refused.returncode == 2 and "Megatron pads the vocabulary" in refused.stderr, refused.stderr
+
+
+def test_config_from_args_only_for_a_model_it_describes(hf_models, tmp_path):
+    """dcptool's import re-saved as legacy per-rank files with its args: exported without --config-dir to the
+    source's logits; with args that describe another model (LayerNorm, interleaved RoPE) no config.json is made,
+    in a line saying which."""
+    from argparse import Namespace
+
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_models("qwen3")
+    mcore = tmp_path / "mcore"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    shapes = {key: tuple(info["shape"]) for key, info in json.loads(dcptool("inspect", mcore, "--json").stdout)
+              ["tensors"].items()}
+    model = {}  # the local layer spec's per-layer names, as a legacy file holds them
+    for key, tensor in load_global(mcore, shapes).items():
+        if key.startswith("decoder.layers."):
+            model.update({key.replace("layers.", f"layers.{i}.", 1): layer for i, layer in enumerate(tensor)})
+        else:
+            model[key] = tensor
+    args = vars(common_state(mcore)["args"])
+    for field, value in ((None, None), ("normalization", "LayerNorm"), ("rotary_interleaved", True)):
+        folder = tmp_path / f"legacy-{field}" / "iter_0000000"
+        (folder / "mp_rank_00").mkdir(parents=True)
+        torch.save({"model": model, "args": Namespace(**{**args, **({field: value} if field else {})}),
+                    "iteration": 0, "checkpoint_version": 3.0}, folder / "mp_rank_00" / "model_optim_rng.pt")
+        export = tmp_path / f"export-{field}"
+        result = dcptool("export-hf", folder, export)
+        if field is None:
+            assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+            source = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
+            exported = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+            ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                assert torch.equal(source(ids).logits, exported(ids).logits)
+        else:
+            assert f"no config.json made from the run's args: args {field} describe a model" in result.stderr
+            assert not (export / "config.json").exists()
 
 
 def test_fused_experts_and_other_families(hf_models, tmp_path):
@@ -148,10 +232,23 @@ def test_refusals(hf_models, tmp_path):
         assert result.returncode == 2 and words in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / f"out-{field}").exists()
 
-    llama = tmp_path / "llama"
-    dcptool("import-hf", hf_models("llama"), llama, "--adapter", "megatron")
+    llama = tmp_path / "llama"  # Llama's fused qkv without head counts: a plain DCP of dcptool's import (no args)
+    dcptool("import-hf", hf_models("llama"), tmp_path / "llama-mcore", "--adapter", "megatron")
+    dcptool("convert", tmp_path / "llama-mcore", llama, "--to", "dcp")
     result = dcptool("export-hf", llama, tmp_path / "out-llama", check=False)
     assert result.returncode == 2 and "needs the head counts" in result.stderr and "--config-dir" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    # --make-vocab-size-divisible-by pads Megatron-Core's vocabulary: refused with another adapter
+    result = dcptool("import-hf", hf, tmp_path / "titan", "--adapter", "torchtitan", "--make-vocab-size-divisible-by",
+                     "64", check=False)
+    assert result.returncode == 2 and "--make-vocab-size-divisible-by" in result.stderr and "--adapter megatron" in \
+        result.stderr and not (tmp_path / "titan").exists(), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = dcptool("import-hf", hf, tmp_path / "zero", "--adapter", "megatron", "--make-vocab-size-divisible-by",
+                     "0", check=False)
+    assert result.returncode == 2 and "--make-vocab-size-divisible-by 0" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "zero").exists()
 
     # Megatron reshards as it loads: a data-parallel mesh for its import is refused, not ignored
     result = dcptool("import-hf", hf, tmp_path / "mesh", "--adapter", "megatron", "--dp", "2", check=False)

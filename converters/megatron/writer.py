@@ -12,7 +12,7 @@ from dcptool.converters.dcp import Writer as DcpWriter
 from dcptool.converters.megatron.names import BACKEND, COMMON_STATE, CONFIG, EXTRA_STATE, LAYERS, shard_key
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor
 
-# The common state of a checkpoint dcptool made from another format: what Megatron-LM's loader reads first.
+# What the common state holds when the source says nothing of it: what Megatron-LM's loader reads first.
 NEW_COMMON_STATE = {"checkpoint_version": 3.0}
 # What Megatron-LM's generate_state_dict puts in the common state (a legacy file holds them at its top level).
 COMMON_ENTRIES = ("args", "checkpoint_version", "iteration", "opt_param_scheduler",
@@ -35,13 +35,14 @@ class Writer(DcpWriter):
 
 def megatron_objects(tensors: list[OutTensor], objects: list[OutObject], checkpoint: Checkpoint) -> list[OutObject]:
     """``objects`` as Megatron's load asks for them: Megatron-LM's common entries gathered into the common state
-    (a legacy checkpoint keeps ``args``, ``iteration`` ... at the top level), one made when there is none, and
+    (a legacy checkpoint keeps ``args``, ``iteration`` ... at the top level, as does an import made from an HF
+    config), ``checkpoint_version`` 3.0 when none says it, and
     the ``_extra_state`` objects of the stacked linear layers that lack them (``expected_objects``)."""
     have = {obj.key for obj in objects}
     out = list(objects)
     if not has_common_state(have):
         common = [obj for obj in objects if obj.key in COMMON_ENTRIES]
-        state = {obj.key: obj.value() for obj in common} or dict(NEW_COMMON_STATE)
+        state = {**NEW_COMMON_STATE, **{obj.key: obj.value() for obj in common}}
         out = [obj for obj in objects if obj not in common]
         source = ObjectInfo((COMMON_STATE,), value=[state])  # a ShardedObject is saved as a one-element list
         out.append(OutObject(COMMON_STATE, (COMMON_STATE,), source, checkpoint, merged=[obj.source for obj in common]))

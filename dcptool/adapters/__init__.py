@@ -25,6 +25,7 @@ from dcptool.adapters import megatron
 from dcptool.core import ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, counted, option
 from dcptool.models import FAMILIES, MEGATRON, NAMING_FAMILIES, Row, StateLayout
+from dcptool.safe_pickle import record
 from dcptool.selection import NON_MODEL_ROOTS
 
 Entry = Union[TensorInfo, ObjectInfo]
@@ -286,10 +287,10 @@ class MegatronMapping:
     """Entries of model ``kind`` from or to Megatron-Core's names, through HF's: Megatron's stacked and fused
     tensors taken apart into HF's (``megatron.to_hf``), then mapped on to ``target`` like any HF names; or
     any family's mapped to HF, then put together as Megatron keeps them (``megatron.from_hf``, the
-    vocabulary padded for ``tp``). ``where`` names the checkpoint in refusals."""
+    vocabulary padded as ``output`` says). ``where`` names the checkpoint in refusals."""
 
     def __init__(self, kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
-                 tp: int = 1, where: str = ""):
+                 output: megatron.MegatronOutput | None = None, where: str = ""):
         for family in (source, target):
             if family not in NAMING_FAMILIES:
                 raise UsageError(f"{option('adapter', family)}: choose one of {', '.join(NAMING_FAMILIES)}")
@@ -298,7 +299,8 @@ class MegatronMapping:
         if not self.model.megatron:
             raise UsageError(f"{kind} has no Megatron-Core names in dcptool's tables")
         self.config = models.text_config(config)
-        self.hf_experts, self.tp, self.where = hf_experts, tp, where or "the checkpoint"
+        self.hf_experts, self.where = hf_experts, where or "the checkpoint"
+        self.output = output or megatron.MegatronOutput()
 
     def convert(self, entries: dict[str, Entry], model: bool = True) -> Result:
         if self.source == MEGATRON:
@@ -327,7 +329,7 @@ class MegatronMapping:
         if model:  # a tied HF model saves no lm_head; Megatron's output_layer is absent when tied too
             for output in models.tied_outputs(self.config):
                 named.pop(output, None)
-        built = megatron.from_hf(self.model, named, self.config, self.tp, self.where)
+        built = megatron.from_hf(self.model, named, self.config, self.output, self.where)
         result.entries = {name: (entry, firsts[first]) for name, (entry, first) in built.entries.items()}
         result.unmatched += [firsts[name] for name in built.unmatched]
         result.dropped += built.dropped
@@ -376,10 +378,11 @@ def config_to_compare(config: dict | None, source: str, other: dict[str, TensorI
 
 
 def make_mapping(kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
-                 tp: int = 1, where: str = "") -> Mapping | MegatronMapping:
+                 megatron_output: megatron.MegatronOutput | None = None,
+                 where: str = "") -> Mapping | MegatronMapping:
     """The mapping between two families: ``MegatronMapping`` where one is Megatron-Core's."""
     if MEGATRON in (source, target):
-        return MegatronMapping(kind, source, target, config, hf_experts, tp, where)
+        return MegatronMapping(kind, source, target, config, hf_experts, megatron_output, where)
     return Mapping(kind, source, target, config, hf_experts)
 
 
@@ -425,6 +428,7 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
                 continue
         slots.setdefault(slot, {})[name] = (key, entry)
     out, dropped, unmatched, made = dict(kept), [], [], []
+    weights: dict[str, Entry] = {}  # the model's, in the target's names
     if mapping.source == MEGATRON and mapping.target != MEGATRON:
         own = [key for key in kept if megatron.SHARDED_OBJECT.search(key)]
         buckets = [key for key in kept if megatron.DP_BUCKET.search(key)]
@@ -454,7 +458,26 @@ def convert_state(mapping: Mapping, entries: dict[str, Entry], params: dict[str,
             else:
                 key, path = ordered(new_name)
             out[key] = with_path(entry, path)
+            if not suffix:
+                weights[new_name] = entry
+    if mapping.target == MEGATRON and mapping.source != MEGATRON and "args" not in out:
+        made += _megatron_common(mapping, weights, out)
     return StateResult(out, dropped, unmatched, list(dict.fromkeys(made)))  # a line per slot would repeat
+
+
+def _megatron_common(mapping: MegatronMapping, weights: dict[str, Entry], out: dict[str, Entry]) -> list[str]:
+    """Megatron-LM's ``iteration`` (0) and, for the kinds they describe, its ``args`` for a checkpoint made from
+    another family, as its own HF conversion writes them (``out`` gets them; the Megatron format puts them in the
+    common state); a line on what was made."""
+    out["iteration"] = ObjectInfo(("iteration",), value=0)
+    args = megatron.run_args(mapping.model, mapping.config, weights, mapping.output)
+    if args is None:
+        return [(f"iteration 0; no args: dcptool writes them for {', '.join(megatron.ARCHITECTURES)} given the "
+                 "model's config.json")]
+    out["args"] = ObjectInfo(("args",), value=record("argparse.Namespace", args))
+    return [(f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "
+             f"{args['padded_vocab_size']}, make_vocab_size_divisible_by {args['make_vocab_size_divisible_by']}), "
+             "iteration 0")]
 
 
 _MEGATRON_SLOT = re.compile(r"^(.*?)\.?\bstate\.(\w+)\.$")
@@ -550,7 +573,8 @@ def in_layout(entries: dict[str, Entry], model_root: tuple[str, ...] | None, opt
 
 
 def mapping_for(names, target: str | None, source: str = "auto", config: dict | None = None,
-                hf_experts: str = "per-expert", tp: int = 1, where: str = "") -> tuple[Mapping | MegatronMapping | None, str | None]:
+                hf_experts: str = "per-expert", megatron_output: megatron.MegatronOutput | None = None,
+                where: str = "") -> tuple[Mapping | MegatronMapping | None, str | None]:
     """The mapping from the names' family to ``target`` (None: keep the source's), or None when the
     names stay as they are; and a line saying which family and kind were found."""
     names = list(names)
@@ -567,7 +591,7 @@ def mapping_for(names, target: str | None, source: str = "auto", config: dict | 
     if family == target and not fused:
         return None, f"names: {family}"
     kind = detect_kind(names, family, config)
-    mapping = make_mapping(kind, family, target, config, hf_experts, tp, where)
+    mapping = make_mapping(kind, family, target, config, hf_experts, megatron_output, where)
     return mapping, f"names: {family} ({kind}), written as {target}" + (" with fused experts" if fused else "")
 
 

@@ -27,6 +27,7 @@ from dcptool.core import Checkpoint, Computed, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.models import common
 from dcptool.models.kind import MegatronName, ModelKind
+from dcptool.safe_pickle.allowlist import Name
 
 # Megatron-LM's default make_vocab_size_divisible_by: the vocabulary is padded to a multiple of it x TP.
 VOCAB_MULTIPLE = 128
@@ -103,6 +104,132 @@ def config_from_args(args: dict | None) -> dict:
     if type(groups) is int and groups > 0:
         config["num_key_value_heads"] = groups
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's args <-> a Hugging Face config.json, for the kinds whose whole model both describe.
+
+# The kinds args describe whole (a SwiGLU decoder, RMSNorm, RoPE; experts routed by softmax), and the class
+# transformers builds of each.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# args field -> config.json field, the same value in both (loader_llama_mistral.py, loader_hf_moe.py).
+_SAME = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
+         "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
+         "kv_channels": "head_dim", "max_position_embeddings": "max_position_embeddings",
+         "norm_epsilon": "rms_norm_eps", "vocab_size": "vocab_size", "rotary_base": "rope_theta"}
+_SAME_MOE = {"num_experts": "num_experts", "moe_router_topk": "num_experts_per_tok",
+             "moe_ffn_hidden_size": "moe_intermediate_size"}
+# Megatron-LM's defaults (arguments.py) of the fields read here: what a field absent from args means.
+_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "swiglu": False, "normalization": "LayerNorm",
+             "position_embedding_type": "learned_absolute", "add_bias_linear": True, "rotary_percent": 1.0,
+             "rotary_interleaved": False, "use_rope_scaling": False, "apply_layernorm_1p": False,
+             "multi_latent_attention": False, "moe_layer_freq": 1, "moe_router_score_function": "softmax",
+             "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
+             "untie_embeddings_and_output_weights": False, "moe_router_pre_softmax": False}
+# What args must say for config.json to describe the run's model: field -> the value needed.
+_MODEL_ARGS = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "add_bias_linear": False,
+               "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False,
+               "apply_layernorm_1p": False, "multi_latent_attention": False, "moe_layer_freq": 1,
+               "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+               "moe_shared_expert_intermediate_size": None}
+
+
+@dataclass(frozen=True)
+class MegatronOutput:
+    """What a Megatron-Core checkpoint dcptool writes is made for: the tensor parallelism and multiple
+    (Megatron-LM's ``--make-vocab-size-divisible-by``) its vocabulary is padded for, and the dtype its
+    weights are written in (None: the source's)."""
+
+    tp: int = 1
+    divisible_by: int = VOCAB_MULTIPLE
+    dtype: str | None = None
+
+    @property
+    def multiple(self) -> int:
+        return self.divisible_by * self.tp
+
+
+def rope_base(config: dict) -> float | None:
+    """The RoPE base of a config without rope scaling (transformers 5 keeps it in ``rope_parameters``, 4 at the
+    top level); None for scaled RoPE, which args cannot state."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) != "default":
+        return None
+    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    return base if isinstance(base, (int, float)) and base > 0 else None
+
+
+def run_args(kind: ModelKind, config: dict, built: dict, output: MegatronOutput) -> dict | None:
+    """The ``args`` Megatron-LM's own HF conversion (tools/checkpoint ``loader_*hf*`` and ``saver_mcore``) writes
+    for the model of ``config`` whose tensors in Megatron's names are ``built``: the fields dcptool can state
+    exactly (the layout written is one rank's: TP for the vocabulary padding, PP and EP 1); None for a kind
+    args do not describe, a config without the fields, scaled RoPE or another activation than SiLU.
+    Megatron-LM's ``check_checkpoint_args`` compares some on load, so a field is written right or not at all."""
+    config = models.text_config(config)
+    embedding = built.get("embedding.word_embeddings.weight")
+    base = rope_base(config)
+    if (kind.name not in ARCHITECTURES or not isinstance(embedding, TensorInfo) or base is None
+            or not float(base).is_integer() or config.get("hidden_act", "silu") != "silu"):
+        return None  # (--rotary-base is an int; scaled RoPE is more fields than args state exactly)
+    try:
+        heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+        args = {"num_layers": int(config["num_hidden_layers"]), "hidden_size": hidden,
+                "ffn_hidden_size": int(config["intermediate_size"]), "num_attention_heads": heads,
+                "group_query_attention": True, "num_query_groups": int(config.get("num_key_value_heads") or heads),
+                "kv_channels": int(config.get("head_dim") or hidden // heads),
+                "max_position_embeddings": int(config["max_position_embeddings"]),
+                "norm_epsilon": float(config["rms_norm_eps"]), "vocab_size": int(config["vocab_size"])}
+    except (KeyError, TypeError, ValueError):
+        return None
+    names = {LAYER.match(name)[2] for name in built if LAYER.match(name)}
+    dtype = output.dtype or embedding.dtype
+    args.update(padded_vocab_size=embedding.shape[0], make_vocab_size_divisible_by=output.divisible_by,
+                tensor_model_parallel_size=output.tp, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                add_qkv_bias="self_attention.linear_qkv.bias" in names,
+                qk_layernorm="self_attention.q_layernorm.weight" in names,
+                untie_embeddings_and_output_weights="output_layer.weight" in built,
+                position_embedding_type="rope", tokenizer_type="HuggingFaceTokenizer", ckpt_format="torch_dist",
+                params_dtype=Name(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    args["rotary_base"] = int(base)
+    experts = kind.expert_count(config)
+    if experts:
+        args.update(num_experts=experts, moe_router_topk=config.get("num_experts_per_tok"),
+                    moe_ffn_hidden_size=config.get("moe_intermediate_size"),
+                    # HF's top-k of every expert's softmax, renormalised = Megatron's softmax of the top-k logits
+                    moe_router_pre_softmax=not config.get("norm_topk_prob", False))
+    return {name: value for name, value in args.items() if value is not None}
+
+
+def hf_config_from_args(kind: str, args: dict | None) -> tuple[dict | None, str]:
+    """The config.json of a Megatron-LM run's model from its ``args`` (read as data; a field absent is Megatron-LM's
+    default), for the kinds args describe whole; else None. And a line saying which, or why not."""
+    if kind not in ARCHITECTURES:
+        return None, f"no config.json made from the run's args: dcptool makes one for {', '.join(ARCHITECTURES)}"
+    args = {**_DEFAULTS, **(args or {})}
+    differ = [name for name, needed in _MODEL_ARGS.items() if args[name] != needed]
+    if bool(args.get("num_experts")) != (kind == "qwen3_moe"):
+        differ.append("num_experts")
+    fields = {**_SAME, **(_SAME_MOE if kind == "qwen3_moe" else {})}
+    if not args.get("group_query_attention"):  # Megatron-LM's num_query_groups counts only with it
+        fields.pop("num_query_groups")
+    missing = [name for name in fields if type(args.get(name)) not in (int, float)]
+    if differ or missing:
+        what = (f"args {', '.join(differ)} describe a model that config.json of {kind} does not" if differ else
+                f"args lack {', '.join(missing)}")
+        return None, f"no config.json made from the run's args: {what}"
+    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
+              "num_key_value_heads": args["num_attention_heads"], **{hf: args[name] for name, hf in fields.items()},
+              "hidden_act": "silu", "tie_word_embeddings": not args["untie_embeddings_and_output_weights"]}
+    if kind != "qwen2":  # Qwen2 always has q/k/v biases; the others have none with these args
+        config["attention_bias"] = False
+    if kind == "llama":
+        config["mlp_bias"] = False
+    if kind == "qwen3_moe":  # every layer routed (moe_layer_freq 1)
+        config.update(norm_topk_prob=not args["moe_router_pre_softmax"], decoder_sparse_step=1, mlp_only_layers=[])
+    return config, (f"config.json made from the Megatron-LM run's args (no tokenizer files: give the model's config "
+                    f"folder with {option('config_dir')} for them)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,23 +415,22 @@ def _layer_count(entries: dict, config: dict, where: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # HF -> Megatron
 
-def from_hf(kind: ModelKind, entries: dict, config: dict, tp: int, where: str) -> Mapped:
+def from_hf(kind: ModelKind, entries: dict, config: dict, output: MegatronOutput, where: str) -> Mapped:
     """HF-named ``entries`` (per expert or transformers v5's fused experts) in Megatron's names: layers
     stacked (per layer where the layers are not uniform), q/k/v grouped into ``linear_qkv``, gate and up
     into ``linear_fc1``, experts into ``[E, ...]``, the vocabulary padded with zero rows to a multiple of
-    128 x ``tp`` (Megatron-LM's make_vocab_size_divisible_by)."""
+    ``output``'s make_vocab_size_divisible_by x tp, as Megatron-LM pads it."""
     result = Mapped()
     hf_outside = {hf: megatron for megatron, hf in common.MEGATRON_OUTSIDE.items()}
     layers: dict[int, dict[str, TensorInfo]] = {}
     for name, entry in entries.items():
         if name in hf_outside:
-            target = hf_outside[name]
-            if target in common.MEGATRON_VOCAB_ROWS and not _scalar(entry):
-                entry = padded_vocab(entry, tp)
+            if hf_outside[name] in common.MEGATRON_VOCAB_ROWS and not _scalar(entry):
+                entry = padded_vocab(entry, output.multiple)
                 if entry.transform is not None:
-                    result.made.append(f"{target}: {entry.shape[0]} rows, the vocabulary padded with zeros to a "
-                                       f"multiple of {VOCAB_MULTIPLE} x tp {tp}")
-            result.entries[target] = (_named(entry, target), name)
+                    result.made.append(f"{hf_outside[name]}: {entry.shape[0]} rows, the vocabulary padded with zeros "
+                                       f"to a multiple of {output.divisible_by} x tp {output.tp}")
+            result.entries[hf_outside[name]] = (_named(entry, hf_outside[name]), name)
             continue
         match = _HF_LAYER.match(name)
         if match is None:
@@ -319,15 +445,15 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, tp: int, where: str) -
     if uniform:
         for megatron in built[0]:
             per_layer = [built[layer][megatron] for layer in sorted(built)]
-            target = common.MEGATRON_LAYERS + megatron
+            stacked_name = common.MEGATRON_LAYERS + megatron
             tensors = [tensor for tensor, _ in per_layer]
-            stacked = tensors[0] if _scalar(tensors[0]) else views.stack(tensors, (target,))
-            result.entries[target] = (_named(stacked, target), per_layer[0][1])
+            stacked = tensors[0] if _scalar(tensors[0]) else views.stack(tensors, (stacked_name,))
+            result.entries[stacked_name] = (_named(stacked, stacked_name), per_layer[0][1])
     else:
         for layer, tensors in built.items():
             for megatron, (tensor, first) in tensors.items():
-                target = f"{common.MEGATRON_LAYERS}{layer}.{megatron}"
-                result.entries[target] = (_named(tensor, target), first)
+                per_layer_name = f"{common.MEGATRON_LAYERS}{layer}.{megatron}"
+                result.entries[per_layer_name] = (_named(tensor, per_layer_name), first)
     return result
 
 
@@ -436,9 +562,8 @@ def _hf_heads(config: dict, where: str) -> Heads:
     return Heads(heads, groups, dim)
 
 
-def padded_vocab(tensor: TensorInfo, tp: int) -> TensorInfo:
-    """The embedding (or output) with Megatron's vocabulary padding: zero rows up to a multiple of 128 x ``tp``."""
-    multiple = VOCAB_MULTIPLE * tp
+def padded_vocab(tensor: TensorInfo, multiple: int) -> TensorInfo:
+    """The embedding (or output) with Megatron's vocabulary padding: zero rows up to a multiple of ``multiple``."""
     rows = -(-tensor.shape[0] // multiple) * multiple
     if rows == tensor.shape[0]:
         return tensor

@@ -78,7 +78,8 @@ def import_hf(
     dp_replicate: int = DpReplicateOption,
     world_size: Optional[int] = WorldSizeOption,
     plan: str = PlanOption,
-    adapter: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts), torchtitan (0.3 and later, keys at the top level) or megatron (Megatron-Core's names: stacked layers, fused qkv and gate/up, the vocabulary padded to a multiple of 128 x --tp)."),
+    adapter: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts), torchtitan (0.3 and later, keys at the top level) or megatron (Megatron-Core's torch_dist: stacked layers, fused qkv and gate/up, the vocabulary padded for --tp as Megatron-LM pads it, Megatron-LM's args in the common state)."),
+    make_vocab_size_divisible_by: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by", metavar="N", rich_help_panel="Megatron-Core (--adapter megatron)", help="With --adapter megatron: pad the vocabulary to a multiple of N x --tp, as Megatron-LM's option of that name does (default 128); written into args."),
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,
     dry_run: bool = DryRunOption,
@@ -97,13 +98,15 @@ def import_hf(
       [cyan]dcptool import-hf Qwen3-8B qwen3-dcp[/cyan]
       [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-archon --adapter archon --dp 8 --ep 8[/cyan]
       [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
+      [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-mcore --adapter megatron --tp 2 --make-vocab-size-divisible-by 64[/cyan]
       [cyan]dcptool import-hf Qwen/Qwen3-8B qwen3-dcp --revision main[/cyan]   (a hub repo, through the hub cache)
       [cyan]dcptool import-hf Qwen3-8B lora-resume --lora-adapter my-adapter --dp 8[/cyan]   (resume a LoRA run)
     """
     from dcptool import api
 
     report = api.import_hf(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
-                           world_size=world_size, plan=plan, adapter=adapter, config_dir=config_dir, revision=revision,
+                           world_size=world_size, plan=plan, adapter=adapter,
+                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, config_dir=config_dir, revision=revision,
                            dtype=dtype, dequantize=dequantize, lora_adapter=lora_adapter, max_memory=max_memory,
                            overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run, progress=render.progress)
     _show(report, False)

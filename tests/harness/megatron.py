@@ -132,7 +132,9 @@ def build(model: dict) -> list:
         add_bias_linear=False, add_qkv_bias=model["qkv_bias"], qk_layernorm=model["qk_layernorm"],
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
         virtual_pipeline_model_parallel_size=virtual(model),
-        expert_model_parallel_size=model["ep"],  # MoE with TP > 1 needs sequence parallel: not with torch norms
+        # MoE with TP > 1 asks for sequence parallel, but megatron-core 0.19.2 only warns (model_parallel_config.py):
+        # saving, loading and the forward work without it; the experts' TP is TP (expert_tensor_parallel_size)
+        expert_model_parallel_size=model["ep"],
         num_moe_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if moe else None,
         moe_router_topk=model["topk"], moe_grouped_gemm=model["grouped_gemm"], moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
@@ -168,7 +170,8 @@ def run_args(model: dict, checkpoint_format: str):
         num_attention_heads=model["heads"], group_query_attention=model["kv_groups"] != model["heads"],
         num_query_groups=model["kv_groups"], kv_channels=model["hidden"] // model["heads"],
         num_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if model["experts"] else None,
-        moe_router_topk=model["topk"], moe_grouped_gemm=model["grouped_gemm"], qk_layernorm=model["qk_layernorm"],
+        moe_router_topk=model["topk"], moe_router_pre_softmax=False, moe_grouped_gemm=model["grouped_gemm"],
+        qk_layernorm=model["qk_layernorm"],
         add_qkv_bias=model["qkv_bias"], add_bias_linear=False, swiglu=True, normalization="RMSNorm",
         norm_epsilon=model["eps"], position_embedding_type="rope", rotary_base=model["rope_base"],
         max_position_embeddings=model["seq_len"], seq_length=model["seq_len"],
