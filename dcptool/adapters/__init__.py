@@ -472,7 +472,7 @@ def _megatron_common(mapping: MegatronMapping, weights: dict[str, Entry], out: d
     out["iteration"] = ObjectInfo(("iteration",), value=0)
     args = megatron.run_args(mapping.model, mapping.config, weights, mapping.output)
     if args is None:
-        return [(f"iteration 0; no args: dcptool writes them for {', '.join(megatron.ARCHITECTURES)} given the "
+        return [(f"iteration 0; no args: dcptool writes them for {', '.join(megatron.args_kinds())} given the "
                  "model's config.json")]
     out["args"] = ObjectInfo(("args",), value=record("argparse.Namespace", args))
     return [(f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "

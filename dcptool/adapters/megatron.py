@@ -109,17 +109,13 @@ def config_from_args(args: dict | None) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Megatron-LM's args <-> a Hugging Face config.json, for the kinds whose whole model both describe.
 
-# The kinds args describe whole (a SwiGLU decoder, RMSNorm, RoPE; experts routed by softmax), and the class
-# transformers builds of each.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 # args field -> config.json field, the same value in both (loader_llama_mistral.py, loader_hf_moe.py).
 _SAME = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
          "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
          "kv_channels": "head_dim", "max_position_embeddings": "max_position_embeddings",
          "norm_epsilon": "rms_norm_eps", "vocab_size": "vocab_size", "rotary_base": "rope_theta"}
-_SAME_MOE = {"num_experts": "num_experts", "moe_router_topk": "num_experts_per_tok",
-             "moe_ffn_hidden_size": "moe_intermediate_size"}
+# (num_experts: under the kind's own expert field)
+_SAME_MOE = {"moe_router_topk": "num_experts_per_tok", "moe_ffn_hidden_size": "moe_intermediate_size"}
 # Megatron-LM's defaults (arguments.py) of the fields read here: what a field absent from args means.
 _DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "swiglu": False, "normalization": "LayerNorm",
              "position_embedding_type": "learned_absolute", "add_bias_linear": True, "rotary_percent": 1.0,
@@ -169,7 +165,7 @@ def run_args(kind: ModelKind, config: dict, built: dict, output: MegatronOutput)
     config = models.text_config(config)
     embedding = built.get("embedding.word_embeddings.weight")
     base = rope_base(config)
-    if (kind.name not in ARCHITECTURES or not isinstance(embedding, TensorInfo) or base is None
+    if (kind.args_config is None or not isinstance(embedding, TensorInfo) or base is None
             or not float(base).is_integer() or config.get("hidden_act", "silu") != "silu"):
         return None  # (--rotary-base is an int; scaled RoPE is more fields than args state exactly)
     try:
@@ -202,16 +198,22 @@ def run_args(kind: ModelKind, config: dict, built: dict, output: MegatronOutput)
     return {name: value for name, value in args.items() if value is not None}
 
 
+def args_kinds() -> list[str]:
+    """The model kinds Megatron-LM's args and an HF config.json are made from each other for."""
+    return [name for name, kind in models.kinds().items() if kind.args_config is not None]
+
+
 def hf_config_from_args(kind: str, args: dict | None) -> tuple[dict | None, str]:
     """The config.json of a Megatron-LM run's model from its ``args`` (read as data; a field absent is Megatron-LM's
     default), for the kinds args describe whole; else None. And a line saying which, or why not."""
-    if kind not in ARCHITECTURES:
-        return None, f"no config.json made from the run's args: dcptool makes one for {', '.join(ARCHITECTURES)}"
+    model = models.kinds()[kind]
+    if model.args_config is None:
+        return None, f"no config.json made from the run's args: dcptool makes one for {', '.join(args_kinds())}"
     args = {**_DEFAULTS, **(args or {})}
     differ = [name for name, needed in _MODEL_ARGS.items() if args[name] != needed]
-    if bool(args.get("num_experts")) != (kind == "qwen3_moe"):
+    if bool(args.get("num_experts")) != bool(model.expert_fields):
         differ.append("num_experts")
-    fields = {**_SAME, **(_SAME_MOE if kind == "qwen3_moe" else {})}
+    fields = {**_SAME, **({"num_experts": model.expert_fields[0], **_SAME_MOE} if model.expert_fields else {})}
     if not args.get("group_query_attention"):  # Megatron-LM's num_query_groups counts only with it
         fields.pop("num_query_groups")
     missing = [name for name in fields if type(args.get(name)) not in (int, float)]
@@ -219,15 +221,11 @@ def hf_config_from_args(kind: str, args: dict | None) -> tuple[dict | None, str]
         what = (f"args {', '.join(differ)} describe a model that config.json of {kind} does not" if differ else
                 f"args lack {', '.join(missing)}")
         return None, f"no config.json made from the run's args: {what}"
-    config = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
-              "num_key_value_heads": args["num_attention_heads"], **{hf: args[name] for name, hf in fields.items()},
-              "hidden_act": "silu", "tie_word_embeddings": not args["untie_embeddings_and_output_weights"]}
-    if kind != "qwen2":  # Qwen2 always has q/k/v biases; the others have none with these args
-        config["attention_bias"] = False
-    if kind == "llama":
-        config["mlp_bias"] = False
-    if kind == "qwen3_moe":  # every layer routed (moe_layer_freq 1)
-        config.update(norm_topk_prob=not args["moe_router_pre_softmax"], decoder_sparse_step=1, mlp_only_layers=[])
+    config = {"model_type": kind, "num_key_value_heads": args["num_attention_heads"],
+              **{hf: args[name] for name, hf in fields.items()}, "hidden_act": "silu",
+              "tie_word_embeddings": not args["untie_embeddings_and_output_weights"], **model.args_config}
+    if model.expert_fields:  # HF's renormalised top-k of every expert's softmax = Megatron's softmax of the top-k
+        config["norm_topk_prob"] = not args["moe_router_pre_softmax"]
     return config, (f"config.json made from the Megatron-LM run's args (no tokenizer files: give the model's config "
                     f"folder with {option('config_dir')} for them)")
 

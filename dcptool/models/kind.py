@@ -132,6 +132,9 @@ class ModelKind:
     config field counting layers after the main ones that transformers ignores (DeepSeek's
     prediction layers). ``megatron``: its decoder layers' tensors in Megatron-Core's names (none: no
     Megatron table); ``megatron_mtp``: its prediction layers' in Megatron-Core's (none: not mapped).
+    ``args_config``: the fields of its HF config.json that Megatron-LM's ``args`` do not say (its class,
+    biases it never has), for a kind whose whole model ``args`` describe (a SwiGLU decoder with RMSNorm and
+    RoPE, experts routed by softmax); None: args and config.json are not made from each other.
     """
 
     name: str
@@ -145,6 +148,7 @@ class ModelKind:
     extra_layers: str | None = None
     megatron: tuple[MegatronName, ...] = ()
     megatron_mtp: MegatronMTP | None = None
+    args_config: dict | None = None
 
     def expert_count(self, config: dict) -> int | None:
         """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""

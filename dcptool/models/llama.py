@@ -21,4 +21,5 @@ KIND = ModelKind(
     divisors=common.HEAD_DIVISORS,
     fsdp_units=common.DECODER_LAYERS,
     megatron=common.megatron_decoder(),
+    args_config={"architectures": ["LlamaForCausalLM"], "attention_bias": False, "mlp_bias": False},
 )

@@ -20,4 +20,5 @@ KIND = ModelKind(
     divisors=common.HEAD_DIVISORS,
     fsdp_units=common.DECODER_LAYERS,
     megatron=common.megatron_decoder(biases=True),
+    args_config={"architectures": ["Qwen2ForCausalLM"]},  # q/k/v biases always
 )

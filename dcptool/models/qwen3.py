@@ -21,4 +21,5 @@ KIND = ModelKind(
     divisors=common.HEAD_DIVISORS,
     fsdp_units=common.DECODER_LAYERS,
     megatron=common.megatron_decoder(qk_norms=True),
+    args_config={"architectures": ["Qwen3ForCausalLM"], "attention_bias": False},
 )

@@ -36,4 +36,6 @@ KIND = ModelKind(
     divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
     fsdp_units=common.DECODER_LAYERS,
     megatron=(*common.megatron_decoder(qk_norms=True), *common.megatron_routed_experts(expert_bias=None)),
+    args_config={"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
+                 "decoder_sparse_step": 1, "mlp_only_layers": []},  # every layer routed (moe_layer_freq 1)
 )
