@@ -269,18 +269,53 @@ def test_check_names_what_megatron_load_would_miss(tmp_path):
     assert "fine" in dcptool("check", tmp_path / "fixed").stdout
 
 
-def test_legacy_grouped_gemm_experts_are_refused(tmp_path):
-    """Transformer Engine's GroupedMLP keeps each rank's experts as ``linear_fc1.weight{e}``: not read, in one line
-    (rather than a model with experts missing)."""
+def as_grouped_gemm(state: dict) -> dict:
+    """A legacy rank file's state with SequentialMLP's experts renamed as Transformer Engine's GroupedMLP keeps them
+    (its GroupedLinear registers local expert j's weight as ``weight{j}``, with one ``_extra_state`` byte tensor of
+    FP8 scaling state per module)."""
+    model = {}
+    for key, value in state["model"].items():
+        head, found, rest = key.partition(".mlp.experts.local_experts.")
+        if not found:
+            model[key] = value
+            continue
+        expert, _, name = rest.partition(".")  # linear_fc1.weight
+        if name.endswith("._extra_state"):
+            model[f"{head}.mlp.experts.{name}"] = torch.zeros(8, dtype=torch.uint8)
+        else:
+            model[f"{head}.mlp.experts.{name}{expert}"] = value
+    return {**state, "model": model}
+
+
+def test_legacy_grouped_gemm_experts_read_as_sequential_ones(megatron_runs, tmp_path):
+    """Legacy files of Transformer Engine's GroupedMLP experts (``linear_fc1.weight{j}``, made here from the real TP 2
+    x EP 2 save's SequentialMLP files by that renaming) read as the same tensors; TE's _extra_state tensors are
+    left out with a line."""
+    run = megatron_runs("legacy_moe_tp2_ep2") / "iter_0000100"
+    grouped = tmp_path / "iter_0000100"
+    shutil.copytree(run, grouped)
+    for file in grouped.glob("mp_rank_*/model_optim_rng.pt"):
+        torch.save(as_grouped_gemm(torch.load(file, weights_only=False)), file)
+    assert any(".mlp.experts.linear_fc1.weight1" in key for key in torch.load(file, weights_only=False)["model"])
+    expected, read = read_all(run), read_all(grouped)
+    assert read.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(read[key], value), key
+    assert "_extra_state tensors: Transformer Engine's FP8 scaling state" in dcptool("inspect", grouped).stdout
+
+
+def test_legacy_experts_of_another_layout_are_refused(tmp_path):
+    """Experts kept neither as SequentialMLP's nor as GroupedMLP's per-expert weights (TE's single grouped
+    parameter): refused in one line, rather than a model with experts missing."""
     from argparse import Namespace
 
     args = Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                      num_layers=1, num_experts=2)
-    model = {"decoder.layers.0.mlp.experts.linear_fc1.weight0": torch.ones(4, 2),
+    model = {"decoder.layers.0.mlp.experts.linear_fc1.weight": torch.ones(8, 2),
              "decoder.layers.0.mlp.router.weight": torch.ones(2, 2)}
     (tmp_path / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     torch.save({"model": model, "args": args, "iteration": 1}, tmp_path / "iter_0000001" / "mp_rank_00" /
                "model_optim_rng.pt")
     result = dcptool("inspect", tmp_path / "iter_0000001", check=False)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "linear_fc1.weight0: grouped-GEMM experts of legacy files" in result.stderr
+    assert "linear_fc1.weight: experts of legacy files kept neither as SequentialMLP's" in result.stderr

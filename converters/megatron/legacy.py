@@ -5,7 +5,8 @@ state dict, "args": Namespace, "iteration": N, "checkpoint_version": 3.0, ...}``
 Read as the tensors a ``torch_dist`` save of the same model holds, so both read alike: per-layer local names
 ``decoder.layers.{local}.X`` renumbered by the stage's layer offset and stacked into ``decoder.layers.X``
 ``[L, ...]``; SequentialMLP's ``local_experts.{j}`` placed by the expert rank into ``mlp.experts.experts.X``
-``[L, E, ...]``; tensor-parallel pieces joined along each parameter's parallel dim (column-parallel: dim 0,
+``[L, E, ...]`` (Transformer Engine's GroupedMLP keeps them as ``linear_fc1.weight{j}``: the same);
+tensor-parallel pieces joined along each parameter's parallel dim (column-parallel: dim 0,
 SwiGLU's ``linear_fc1`` as ``[gate; up]`` of every rank's halves; row-parallel: dim 1; the rest replicated);
 the local spec's ``input_layernorm`` / ``pre_mlp_layernorm`` under the fused names torch_dist saves. Every
 piece is a chunk of elements in place in its rank's file: nothing is copied to read it.
@@ -14,10 +15,17 @@ piece is a chunk of elements in place in its rank's file: nothing is copied to r
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from dcptool.converters.megatron.common import run_info
-from dcptool.converters.megatron.names import LAYERS, LEGACY_FILE, LEGACY_RANK, LOCAL_SPEC_NAMES, NAME
+from dcptool.converters.megatron.names import (
+    LAYERS,
+    LEGACY_FILE,
+    LEGACY_RANK,
+    LOCAL_SPEC_NAMES,
+    NAME,
+)
 from dcptool.core import Checkpoint, Chunk, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError, printable
 from dcptool.safe_pickle import Record, TensorRef
@@ -33,6 +41,10 @@ COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qk
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
 GATED = ("linear_fc1.weight", "linear_fc1.bias")  # SwiGLU: each rank holds [gate_r; up_r]
 LOCAL_EXPERTS = "mlp.experts.local_experts."
+# Transformer Engine's GroupedMLP (--moe-grouped-gemm): local expert j's linear_fc1.weight is linear_fc1.weight{j}.
+GROUPED_EXPERTS = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+# Transformer Engine keeps its FP8 scaling state as a byte tensor per module: no weight, rebuilt by its load.
+EXTRA_STATE = "._extra_state"
 STACKED_EXPERTS = "mlp.experts.experts."
 
 
@@ -98,6 +110,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
                               f"PP {run.pp}, EP {run.ep})")
     pieces: dict[str, list[tuple[tuple, Chunk, str]]] = {}
     dtypes: dict[str, str] = {}
+    extra_states = 0
     for rank in ranks:
         archive = archives[rank.file]
         state = root if rank.file == first else _state(archive)
@@ -105,6 +118,9 @@ def read(files: CheckpointFiles) -> Checkpoint:
             for local, value in model.items():
                 if not isinstance(value, TensorRef):
                     continue  # _extra_state: None with the local spec
+                if local.endswith(EXTRA_STATE):
+                    extra_states += 1
+                    continue
                 if value.subclass:
                     raise CheckpointError(f"{files.path(rank.file)}: {printable(local)} is a "
                                           f"{printable(value.subclass)}, not a plain tensor")
@@ -121,9 +137,11 @@ def read(files: CheckpointFiles) -> Checkpoint:
     objects = {key: ObjectInfo((key,), value=value) for key, value in root.items()
                if not key.startswith("model") and not _holds_tensor(value)}
     unread = [key for key, value in root.items() if not key.startswith("model") and _holds_tensor(value)]
+    left_out = [f"{', '.join(unread)}: per-rank state (RNG, optimizer) of the legacy files"] if unread else []
+    if extra_states:
+        left_out.append(f"{extra_states} _extra_state tensors: Transformer Engine's FP8 scaling state, no weights")
     info = {"saved_as": "legacy per-rank files (--ckpt-format torch)", "world_size": len(ranks),
-            **run_info(root, where),
-            "left_out": f"{', '.join(unread)}: per-rank state (RNG, optimizer) of the legacy files" if unread else None}
+            **run_info(root, where), "left_out": "; ".join(left_out) or None}
     checkpoint = Checkpoint(NAME, files.location, files, dict(sorted(tensors.items())), objects, info)
     checkpoint.validate()
     return checkpoint
@@ -201,10 +219,13 @@ def _place(local: str, rank: Rank, chunk_number: int, run: Run) -> tuple[str, tu
     for saved, fused in LOCAL_SPEC_NAMES.items():
         if rest.startswith(saved):
             rest = fused + rest[len(saved):]
-    if rest.startswith("mlp.experts.") and not rest.startswith(LOCAL_EXPERTS):
-        raise CheckpointError(f"{printable(local)}: grouped-GEMM experts of legacy files (Transformer Engine's "
-                              "GroupedMLP) are not read; save the run as torch_dist (--ckpt-format torch_dist) "
-                              "or with SequentialMLP experts")
+    grouped = GROUPED_EXPERTS.match(rest)
+    if grouped:
+        rest = f"{LOCAL_EXPERTS}{grouped[3]}.{grouped[1]}.{grouped[2]}"
+    elif rest.startswith("mlp.experts.") and not rest.startswith(LOCAL_EXPERTS):
+        raise CheckpointError(f"{printable(local)}: experts of legacy files kept neither as SequentialMLP's "
+                              "local_experts.{j} nor as Transformer Engine's GroupedMLP linear_fc1.weight{j}; "
+                              "save the run as torch_dist (--ckpt-format torch_dist)")
     if rest.startswith(LOCAL_EXPERTS):
         expert, _, name = rest[len(LOCAL_EXPERTS):].partition(".")
         per_rank = run.experts // run.ep
