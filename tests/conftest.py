@@ -43,7 +43,8 @@ def dcptool(*args, check=True):
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Lazily made DCP checkpoints, keyed by name; each is (path, reference folder)."""
+    """Lazily made DCP checkpoints, keyed by name; each is (path, reference folder). The first request of one
+    makes every one of its number of ranks, as the steps of one job (torch starts once for all)."""
     root = tmp_path_factory.mktemp("ckpt")
     made = {}
     specs = {
@@ -51,19 +52,60 @@ def checkpoints(tmp_path_factory):
         "fsdp2_dp2": (2, ["--dp", "2", "--layout", "torchtitan"]),
         # AReaL layout {"dcp": {"model", "optim"}} with FSDP2 + TP (colwise weights get _StridedShard)
         "fsdp2_dp2_tp2": (4, ["--dp", "2", "--tp", "2", "--layout", "areal"]),
+        # a small MoE (torchtitan names) with FSDP2 + EP, its experts split by ep=2 over dp=4
+        "moe_dp4_ep2": (4, ["--model", "moe", "--dp", "4", "--ep", "2", "--layout", "torchtitan"]),
+        # 4 KV heads and a vocabulary of 256: splits over tp=4 (README recipes)
+        "wide_dp2_tp2": (4, ["--dp", "2", "--tp", "2", "--model-config", '{"num_key_value_heads": 4, "vocab_size": 256}']),
+        # the model of fsdp2_dp2 trained further, on other meshes and layouts (tests/test_arith.py, README recipes)
+        "step2": (2, ["--dp", "1", "--tp", "2", "--steps", "2"]),
+        "step3": (2, ["--dp", "2", "--steps", "3", "--layout", "areal"]),
+        "dp2_step2": (2, ["--dp", "2", "--steps", "2"]),
+        "tp2_step3": (2, ["--dp", "1", "--tp", "2", "--steps", "3"]),
+        # layers enough to fold (diff folds runs of 3 or more as inspect does)
+        "deep1": (2, ["--dp", "2", "--model-config", '{"num_hidden_layers": 3}']),
+        "deep2": (2, ["--dp", "2", "--model-config", '{"num_hidden_layers": 3}', "--steps", "2"]),
+        # ~90 MB of float32 weights (plus twice that in Adam state): several times a memory budget (test_memory.py)
+        "big": (2, ["--dp", "2", "--model-config", json.dumps(
+            {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "intermediate_size": 1536, "vocab_size": 8000, "tie_word_embeddings": False})]),
     }
 
     def get(name):
         if name not in made:
             from jobs import run_job
 
-            nproc, args = specs[name]
-            out = root / name
-            run_job(nproc, "save-dcp", out, *args)
-            made[name] = (out, Path(f"{out}.reference"))
+            ranks = specs[name][0]
+            steps = []
+            for other, (nproc, args) in specs.items():
+                if nproc == ranks:
+                    steps += (["--then"] if steps else []) + ["save-dcp", root / other, *args]
+                    made[other] = (root / other, root / f"{other}.reference")
+            run_job(ranks, *steps)
         return made[name]
 
     return get
+
+
+# verl's folders of 2 ranks (harness.verl_jobs): kind -> the save job's command line.
+VERL_SAVES = {
+    "verl": ("save", "--dtensor", "--flat-params"),  # stock verl: use_orig_params=False, a device mesh
+    "fsdp1": ("save",),  # use_orig_params=True, no device mesh
+    "fsdp2": ("save-fsdp2",),
+}
+
+
+@pytest.fixture(scope="session")
+def verl_saves(tmp_path_factory):
+    """One folder of each kind of VERL_SAVES, saved by one real 2-rank job: ``root/<kind>/actor``, and
+    ``root/<kind>/actor.full.pt`` beside it (the state gathered in full, for a reference run)."""
+    from jobs import VERL_JOBS, run_job
+
+    root = tmp_path_factory.mktemp("verl")
+    steps = []
+    for kind, (job, *flags) in VERL_SAVES.items():
+        steps += (["--then"] if steps else []) + [job, root / kind / "actor", *flags]
+    run_job(2, *steps, module=VERL_JOBS)
+    return root
 
 
 @pytest.fixture(scope="session")

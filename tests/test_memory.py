@@ -1,14 +1,10 @@
 """Peak memory of a conversion stays within the --max-memory budget on a model several times larger."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-# ~90 MB of float32 weights (plus twice that in Adam state), saved by a real FSDP2 job.
-BIG = json.dumps({"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-                  "intermediate_size": 1536, "vocab_size": 8000, "tie_word_embeddings": False})
 BUDGET_MB = 16
 
 
@@ -22,12 +18,9 @@ def peak_rss_mb(*args) -> float:
 
 
 @pytest.fixture(scope="module")
-def big_checkpoint(tmp_path_factory):
-    from jobs import run_job
-
-    out = tmp_path_factory.mktemp("big") / "ckpt"
-    run_job(2, "save-dcp", out, "--dp", "2", "--model-config", BIG)
-    return out
+def big_checkpoint(checkpoints):
+    """~90 MB of float32 weights (plus twice that in Adam state), saved by a real FSDP2 job (conftest)."""
+    return checkpoints("big")[0]
 
 
 @pytest.fixture(scope="module")
