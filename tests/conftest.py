@@ -108,15 +108,45 @@ def verl_saves(tmp_path_factory):
     return root
 
 
+# Checkpoints of torch's other storage layers (harness.storage_jobs): name -> the save's command line.
+STORAGE_SAVES = {
+    "sharded-only": ["save-hf"],  # HuggingFaceStorageWriter, each rank's shard files
+    "consolidated": ["save-hf", "--consolidate"],  # and consolidated into HF safetensors
+    "zstd": ["save-zstd"],  # FileSystemWriter with the ZStandard extension
+    "zstd-large": ["save-zstd", "--large"],  # and a tensor whose records decompress to 128 KiB
+}
+
+
+@pytest.fixture(scope="session")
+def storage_saves(tmp_path_factory):
+    """``get(name)``: the checkpoint of STORAGE_SAVES ``name``, with ``PATH.reference.pt`` beside it (the full
+    state dict). The first call saves every one, as the steps of one 2-rank job (torch starts once for all)."""
+    from jobs import STORAGE_JOBS, run_steps
+
+    root = tmp_path_factory.mktemp("storage")
+    steps = {}
+
+    def get(name):
+        if not steps:
+            steps.update(run_steps(2, {other: [command, root / other, *options]
+                                       for other, (command, *options) in STORAGE_SAVES.items()}, module=STORAGE_JOBS))
+        assert steps[name].returncode == 0, steps[name].stdout
+        return root / name
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def lora_runs(tmp_path_factory):
     """LoRA checkpoints of a peft-wrapped Llama (and Qwen3-MoE) trained with FSDP2 on 2 gloo ranks
     (harness.lora_jobs), one job for all variants: ``root/<variant>`` and ``root/<variant>.reference``; and
-    ``root/lora-fsdp1``: the "lora" variant trained under FSDP1 and saved as verl's files."""
+    ``root/lora-fsdp1``: the "lora" variant trained under FSDP1 and saved as verl's files. ``root/big`` (no
+    reference) is several times a memory budget (tests/test_memory.py)."""
     from jobs import LORA_JOBS, run_job
 
     root = tmp_path_factory.mktemp("lora")
-    run_job(2, "save-lora", root, "--fsdp1", "lora", module=LORA_JOBS)
+    run_job(2, "save-lora", root, "--variants", "lora,rslora_tied,dora,qwen3_moe,big", "--fsdp1", "lora",
+            module=LORA_JOBS)
     return root
 
 

@@ -46,14 +46,10 @@ def test_average_peak_memory_within_budget(big_checkpoint, baseline_mb, tmp_path
     assert peak - baseline_mb < BUDGET_MB + 24, (peak, baseline_mb)
 
 
-def test_lora_merge_within_budget(tmp_path_factory, tmp_path):
+def test_lora_merge_within_budget(lora_runs, tmp_path):
     """export-hf --lora merge computes every merged weight in float32 blocks no larger than the scratch buffer:
     within the budget too (a LoRA run's checkpoint saved by a real FSDP2 job, harness.lora_jobs)."""
-    from jobs import LORA_JOBS, run_job
-
-    root = tmp_path_factory.mktemp("big-lora")
-    run_job(2, "save-lora", root, "--variants", "big", module=LORA_JOBS)
-    checkpoint = root / "big"
+    checkpoint = lora_runs / "big"
     baseline = peak_rss_mb("inspect", checkpoint, "--json")
     # float32 weights merged and rounded to bfloat16: the most temporaries per element
     peak = peak_rss_mb("export-hf", checkpoint, tmp_path / "out", "--lora", "merge", "--lora-alpha", "32",
