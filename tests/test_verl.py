@@ -25,7 +25,7 @@ import torch
 
 from conftest import dcptool
 from harness import verl_jobs  # the reference run: plain torch in this process
-from jobs import VERL_JOBS, run_steps
+from jobs import VERL_JOBS, run_job, run_steps
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def saved(verl_saves):
 class Resumed:
     """A folder dcptool wrote for verl, and what a real job that resumed from it reported."""
 
-    written: subprocess.CompletedProcess  # the dcptool command that wrote ``out``
+    written: subprocess.CompletedProcess | None  # the dcptool command that wrote ``out``
     out: Path
     world_size: int
     flags: tuple[str, ...] | None  # how the job builds FSDP1 (None: as the folder's own forms say)
@@ -64,6 +64,14 @@ def resume_job(case: Resumed) -> list[str]:
         flags = tuple(flag for flag, wanted in (("--dtensor", info["model_values"] == "dtensor"),
                                                 ("--orig-params", info["optimizer_form"] == "orig")) if wanted)
     return [job, str(case.out), str(case.result()), *flags]
+
+
+def resumed_losses(folder: Path, world_size: int, *flags: str) -> dict:
+    """The losses of a step after resuming from ``folder`` in a job of its own, FSDP1 built as ``flags`` say (none:
+    as resume_job finds from the folder's forms). Used by tests/test_pickles.py."""
+    case = Resumed(None, folder, world_size, flags or None)
+    run_job(world_size, *resume_job(case), module=VERL_JOBS)
+    return json.loads(case.result().read_text())
 
 
 # What a DCP source holds beside verl's state (test_dcp_source_written_for_stock_verl_resumes).
