@@ -55,7 +55,8 @@ def checkpoints(tmp_path_factory):
         # a small MoE (torchtitan names) with FSDP2 + EP, its experts split by ep=2 over dp=4
         "moe_dp4_ep2": (4, ["--model", "moe", "--dp", "4", "--ep", "2", "--layout", "torchtitan"]),
         # 4 KV heads and a vocabulary of 256: splits over tp=4 (README recipes)
-        "wide_dp2_tp2": (4, ["--dp", "2", "--tp", "2", "--model-config", '{"num_key_value_heads": 4, "vocab_size": 256}']),
+        "wide_dp2_tp2": (4, ["--dp", "2", "--tp", "2",
+                             "--model-config", '{"num_key_value_heads": 4, "vocab_size": 256}']),
         # the model of fsdp2_dp2 trained further, on other meshes and layouts (tests/test_arith.py, README recipes)
         "step2": (2, ["--dp", "1", "--tp", "2", "--steps", "2"]),
         "step3": (2, ["--dp", "2", "--steps", "3", "--layout", "areal"]),
@@ -72,15 +73,12 @@ def checkpoints(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            from jobs import run_job
+            from jobs import joined, run_job
 
             ranks = specs[name][0]
-            steps = []
-            for other, (nproc, args) in specs.items():
-                if nproc == ranks:
-                    steps += (["--then"] if steps else []) + ["save-dcp", root / other, *args]
-                    made[other] = (root / other, root / f"{other}.reference")
-            run_job(ranks, *steps)
+            alike = [other for other, (nproc, _) in specs.items() if nproc == ranks]
+            run_job(ranks, *joined([["save-dcp", root / other, *specs[other][1]] for other in alike]))
+            made.update({other: (root / other, root / f"{other}.reference") for other in alike})
         return made[name]
 
     return get
@@ -98,13 +96,11 @@ VERL_SAVES = {
 def verl_saves(tmp_path_factory):
     """One folder of each kind of VERL_SAVES, saved by one real 2-rank job: ``root/<kind>/actor``, and
     ``root/<kind>/actor.full.pt`` beside it (the state gathered in full, for a reference run)."""
-    from jobs import VERL_JOBS, run_job
+    from jobs import VERL_JOBS, joined, run_job
 
     root = tmp_path_factory.mktemp("verl")
-    steps = []
-    for kind, (job, *flags) in VERL_SAVES.items():
-        steps += (["--then"] if steps else []) + [job, root / kind / "actor", *flags]
-    run_job(2, *steps, module=VERL_JOBS)
+    run_job(2, *joined([[job, root / kind / "actor", *flags] for kind, (job, *flags) in VERL_SAVES.items()]),
+            module=VERL_JOBS)
     return root
 
 
