@@ -9,6 +9,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ def run_steps(argv: list[str], parse: Callable[[list[str]], Callable[[], int | N
     before any runs). Each step is told apart in the output by ``== step N begins`` and ``== step N exit
     STATUS`` lines (tests/jobs.py run_steps). Returns 0 if every step passed, else the first failing status."""
     cuts = [-1] + [i for i, arg in enumerate(argv) if arg == THEN] + [len(argv)]
-    steps = [parse(argv[start + 1:end]) for start, end in zip(cuts, cuts[1:])]
+    steps = [parse(argv[start + 1:end]) for start, end in pairwise(cuts)]
     init_distributed()
     status = 0
     try:
