@@ -43,7 +43,8 @@ def dcptool(*args, check=True):
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Lazily made DCP checkpoints, keyed by name; each is (path, reference folder)."""
+    """Lazily made DCP checkpoints, keyed by name; each is (path, reference folder). The first request of one
+    makes every one of its number of ranks, as the steps of one job (torch starts once for all)."""
     root = tmp_path_factory.mktemp("ckpt")
     made = {}
     specs = {
@@ -51,17 +52,82 @@ def checkpoints(tmp_path_factory):
         "fsdp2_dp2": (2, ["--dp", "2", "--layout", "torchtitan"]),
         # AReaL layout {"dcp": {"model", "optim"}} with FSDP2 + TP (colwise weights get _StridedShard)
         "fsdp2_dp2_tp2": (4, ["--dp", "2", "--tp", "2", "--layout", "areal"]),
+        # a small MoE (torchtitan names) with FSDP2 + EP, its experts split by ep=2 over dp=4
+        "moe_dp4_ep2": (4, ["--model", "moe", "--dp", "4", "--ep", "2", "--layout", "torchtitan"]),
+        # 4 KV heads and a vocabulary of 256: splits over tp=4 (README recipes)
+        "wide_dp2_tp2": (4, ["--dp", "2", "--tp", "2",
+                             "--model-config", '{"num_key_value_heads": 4, "vocab_size": 256}']),
+        # the model of fsdp2_dp2 trained further, on other meshes and layouts (tests/test_arith.py, README recipes)
+        "step2": (2, ["--dp", "1", "--tp", "2", "--steps", "2"]),
+        "step3": (2, ["--dp", "2", "--steps", "3", "--layout", "areal"]),
+        "dp2_step2": (2, ["--dp", "2", "--steps", "2"]),
+        "tp2_step3": (2, ["--dp", "1", "--tp", "2", "--steps", "3"]),
+        # layers enough to fold (diff folds runs of 3 or more as inspect does)
+        "deep1": (2, ["--dp", "2", "--model-config", '{"num_hidden_layers": 3}']),
+        "deep2": (2, ["--dp", "2", "--model-config", '{"num_hidden_layers": 3}', "--steps", "2"]),
+        # ~90 MB of float32 weights (plus twice that in Adam state): several times a memory budget (test_memory.py)
+        "big": (2, ["--dp", "2", "--model-config", json.dumps(
+            {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "intermediate_size": 1536, "vocab_size": 8000, "tie_word_embeddings": False})]),
     }
 
     def get(name):
         if name not in made:
-            from jobs import run_job
+            from jobs import joined, run_job
 
-            nproc, args = specs[name]
-            out = root / name
-            run_job(nproc, "save-dcp", out, *args)
-            made[name] = (out, Path(f"{out}.reference"))
+            ranks = specs[name][0]
+            alike = [other for other, (nproc, _) in specs.items() if nproc == ranks]
+            run_job(ranks, *joined([["save-dcp", root / other, *specs[other][1]] for other in alike]))
+            made.update({other: (root / other, root / f"{other}.reference") for other in alike})
         return made[name]
+
+    return get
+
+
+# verl's folders of 2 ranks (harness.verl_jobs): kind -> the save job's command line.
+VERL_SAVES = {
+    "verl": ("save", "--dtensor", "--flat-params"),  # stock verl: use_orig_params=False, a device mesh
+    "fsdp1": ("save",),  # use_orig_params=True, no device mesh
+    "fsdp2": ("save-fsdp2",),
+}
+
+
+@pytest.fixture(scope="session")
+def verl_saves(tmp_path_factory):
+    """One folder of each kind of VERL_SAVES, saved by one real 2-rank job: ``root/<kind>/actor``, and
+    ``root/<kind>/actor.full.pt`` beside it (the state gathered in full, for a reference run)."""
+    from jobs import VERL_JOBS, joined, run_job
+
+    root = tmp_path_factory.mktemp("verl")
+    run_job(2, *joined([[job, root / kind / "actor", *flags] for kind, (job, *flags) in VERL_SAVES.items()]),
+            module=VERL_JOBS)
+    return root
+
+
+# Checkpoints of torch's other storage layers (harness.storage_jobs): name -> the save's command line.
+STORAGE_SAVES = {
+    "sharded-only": ["save-hf"],  # HuggingFaceStorageWriter, each rank's shard files
+    "consolidated": ["save-hf", "--consolidate"],  # and consolidated into HF safetensors
+    "zstd": ["save-zstd"],  # FileSystemWriter with the ZStandard extension
+    "zstd-large": ["save-zstd", "--large"],  # and a tensor whose records decompress to 128 KiB
+}
+
+
+@pytest.fixture(scope="session")
+def storage_saves(tmp_path_factory):
+    """``get(name)``: the checkpoint of STORAGE_SAVES ``name``, with ``PATH.reference.pt`` beside it (the full
+    state dict). The first call saves every one, as the steps of one 2-rank job (torch starts once for all)."""
+    from jobs import STORAGE_JOBS, run_steps
+
+    root = tmp_path_factory.mktemp("storage")
+    steps = {}
+
+    def get(name):
+        if not steps:
+            steps.update(run_steps(2, {other: [command, root / other, *options]
+                                       for other, (command, *options) in STORAGE_SAVES.items()}, module=STORAGE_JOBS))
+        assert steps[name].returncode == 0, steps[name].stdout
+        return root / name
 
     return get
 
@@ -70,11 +136,13 @@ def checkpoints(tmp_path_factory):
 def lora_runs(tmp_path_factory):
     """LoRA checkpoints of a peft-wrapped Llama (and Qwen3-MoE) trained with FSDP2 on 2 gloo ranks
     (harness.lora_jobs), one job for all variants: ``root/<variant>`` and ``root/<variant>.reference``; and
-    ``root/lora-fsdp1``: the "lora" variant trained under FSDP1 and saved as verl's files."""
+    ``root/lora-fsdp1``: the "lora" variant trained under FSDP1 and saved as verl's files. ``root/big`` (no
+    reference) is several times a memory budget (tests/test_memory.py)."""
     from jobs import LORA_JOBS, run_job
 
     root = tmp_path_factory.mktemp("lora")
-    run_job(2, "save-lora", root, "--fsdp1", "lora", module=LORA_JOBS)
+    run_job(2, "save-lora", root, "--variants", "lora,rslora_tied,dora,qwen3_moe,big", "--fsdp1", "lora",
+            module=LORA_JOBS)
     return root
 
 

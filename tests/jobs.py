@@ -54,18 +54,25 @@ def run_job(nproc: int, *args: str, timeout: float = 300, check: bool = True,
     return proc
 
 
-def run_steps(nproc: int, steps: dict[str, list], timeout: float = 300) -> dict[str, subprocess.CompletedProcess]:
-    """Run harness.gloo_jobs command lines one after the other in one job of ``nproc`` ranks (joined by its
-    ``--then``): torch starts once for all of them, each still checks on its own.
+def joined(argvs: list[list]) -> list[str]:
+    """Command lines of a harness module joined by its ``--then``: the steps of one job (torch starts once)."""
+    job_args = []
+    for argv in argvs:
+        job_args += (["--then"] if job_args else []) + [str(arg) for arg in argv]
+    return job_args
+
+
+def run_steps(nproc: int, steps: dict[str, list], timeout: float = 300,
+              module: str = GLOO_JOBS) -> dict[str, subprocess.CompletedProcess]:
+    """Run command lines of ``module`` (harness.gloo_jobs, family_jobs, verl_jobs or storage_jobs) one after the
+    other in one job of ``nproc`` ranks (``joined``): torch starts once for all of them, each still checks on
+    its own.
 
     Returns, by the names of ``steps``, a CompletedProcess with the step's exit status and its part of the
     output; for a step that never finished (an earlier one stopped the job) the status is None and the
     output the job's last lines.
     """
-    job_args = []
-    for argv in steps.values():
-        job_args += (["--then"] if job_args else []) + [str(arg) for arg in argv]
-    job = run_job(nproc, *job_args, timeout=timeout, check=False)
+    job = run_job(nproc, *joined(list(steps.values())), timeout=timeout, check=False, module=module)
     outputs: dict[int, list[str]] = {}
     codes: dict[int, int] = {}
     current = None

@@ -11,10 +11,14 @@ finding a family or kind name in dcptool's output never matches a path.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
+import subprocess
+from dataclasses import dataclass
 from itertools import count
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +41,7 @@ from harness.family_models import (
     save_hf,
     write_hf,
 )
-from jobs import FAMILY_JOBS, run_job
+from jobs import FAMILY_JOBS, run_steps
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -54,10 +58,6 @@ SAVED = [("qwen3_moe", "archon"), ("deepseek_v3", "archon"), ("llama", "torchtit
 
 def kind_of(name: str) -> str:
     return MODELS[name][0]
-
-
-def family_job(*args, check: bool = True):
-    return run_job(2, *args, module=FAMILY_JOBS, check=check)
 
 
 def lazily(make):
@@ -81,16 +81,22 @@ def hf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory, hf):
-    """save-family checkpoint of (model, family) on MESH[model]; OUT.reference/ lies beside it."""
-    root, n = tmp_path_factory.mktemp("saved"), count()
+    """save-family checkpoint of (model, family) on MESH[model]; OUT.reference/ lies beside it. At the first call
+    every pair of SAVED is saved, as the steps of one job (torch starts once for all)."""
+    root = tmp_path_factory.mktemp("saved")
+    folders = {f"{name}-{family}": root / f"s{n}" for n, (name, family) in enumerate(SAVED)}
+    steps = {}
 
-    def make(name, family):
-        out = root / f"s{next(n)}"
-        family_job("save-family", out, "--kind", kind_of(name), "--family", family,
-                   "--hf", hf(name), *MESH[name])
-        return out
+    def get(name, family):
+        if not steps:
+            steps.update(run_steps(2, {key: ["save-family", folders[key], "--kind", kind_of(name), "--family", family,
+                                             "--hf", hf(name), *MESH[name]]
+                                       for key, (name, family) in zip(folders, SAVED)}, module=FAMILY_JOBS))
+        step = steps[f"{name}-{family}"]
+        assert step.returncode == 0, step.stdout
+        return folders[f"{name}-{family}"]
 
-    return lazily(make)
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -222,6 +228,68 @@ def test_llama_permutation_matches_rope():
 # ---------------------------------------------------------------------------
 
 
+IMPORTED = [("qwen3_moe", "archon"), ("llama", "torchtitan")]  # import-hf on MESH, loaded by a job
+CONVERTED = [("qwen3_moe", "archon", "torchtitan"), ("llama", "torchtitan", "archon")]  # convert --adapter target
+
+
+@dataclass
+class Loaded:
+    """A checkpoint (a job's, or written by the dcptool command ``made``) and the load-family step that read it."""
+
+    made: subprocess.CompletedProcess | None
+    ckpt: Path
+    load: subprocess.CompletedProcess | None = None  # None when dcptool failed
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory, hf, saved, trained_hf) -> dict[str, Loaded]:
+    """Every load-family run of this file, by case, as the steps of one job (torch starts once for all): the
+    checkpoints are written by dcptool first (neutral names: l0, l1, ...), each step loads one."""
+    root, n = tmp_path_factory.mktemp("loads"), count()
+    cases: dict[str, Loaded] = {}
+    steps: dict[str, list] = {}
+
+    def case(key: str, made, ckpt: Path, name: str, family: str, *expect) -> None:
+        cases[key] = Loaded(made, ckpt)
+        if made is None or made.returncode == 0:
+            steps[key] = ["load-family", ckpt, "--kind", kind_of(name), "--family", family, *expect, *MESH[name]]
+
+    def optimizer_file(name: str, family: str, target: str) -> Path:
+        out = root / f"o{next(n)}.pt"
+        torch.save(expected_optimizer(saved(name, family), name, family, target, hf), out)
+        return out
+
+    moe = saved("qwen3_moe", "archon")
+    case("trained", None, moe, "qwen3_moe", "archon", "--expect", trained_hf("qwen3_moe", "archon"))
+    case("before-step", None, moe, "qwen3_moe", "archon", "--expect", hf("qwen3_moe"))
+    for name, family in IMPORTED:
+        out = root / f"l{next(n)}"
+        made = dcptool("import-hf", hf(name), out, "--adapter", family, *MESH[name], check=False)
+        case(f"import-{name}-{family}", made, out, name, family, "--expect", hf(name))
+    for name, family, target in CONVERTED:
+        out = root / f"l{next(n)}"
+        made = dcptool("convert", saved(name, family), out, "--to", "dcp", "--adapter", target, check=False)
+        case(f"convert-{name}-{family}-{target}", made, out, name, target, "--expect", trained_hf(name, family),
+             "--expect-optim", optimizer_file(name, family, target))
+    if importlib.util.find_spec("torchtitan") is not None:  # last: a step that cannot import it stops the job
+        name, family = "qwen3_moe", "archon"
+        out = root / f"l{next(n)}"
+        made = dcptool("convert", saved(name, family), out, "--to", "dcp", "--adapter", "torchtitan", check=False)
+        case("torchtitan-code", made, out, name, "torchtitan", "--torchtitan-code", "--expect",
+             trained_hf(name, family), "--expect-optim", optimizer_file(name, family, "torchtitan"))
+    for key, step in run_steps(2, steps, module=FAMILY_JOBS).items():
+        cases[key].load = step
+    return cases
+
+
+def loaded(loads: dict[str, Loaded], key: str) -> Loaded:
+    """Case ``key`` of ``loads``, once dcptool wrote its checkpoint and the job's step passed."""
+    case = loads[key]
+    assert case.made is None or case.made.returncode == 0, case.made.stderr
+    assert case.load.returncode == 0 and "OK: " in case.load.stdout, case.load.stdout
+    return case
+
+
 def test_save_family_archon_layout(saved):
     ckpt = saved("qwen3_moe", "archon")
     layout = chunk_layout(ckpt)
@@ -247,13 +315,11 @@ def test_save_family_torchtitan_layout(saved):
     assert not any(k.startswith(("model.", "optim.")) for k in md)
 
 
-def test_load_family_checks_every_shard(saved, trained_hf, hf):
+def test_load_family_checks_every_shard(loads):
     """load-family passes on the weights the checkpoint holds and fails on others (the pre-step ones)."""
-    ckpt = saved("qwen3_moe", "archon")
-    args = ["load-family", ckpt, "--kind", "qwen3_moe", "--family", "archon", *MESH["qwen3_moe"]]
-    assert "OK: " in family_job(*args, "--expect", trained_hf("qwen3_moe", "archon")).stdout
-    before_step = family_job(*args, "--expect", hf("qwen3_moe"), check=False)
-    assert before_step.returncode == 1 and "MISMATCH" in before_step.stdout
+    loaded(loads, "trained")
+    before_step = loads["before-step"].load
+    assert before_step.returncode == 1 and "MISMATCH" in before_step.stdout, before_step.stdout
 
 
 # ---------------------------------------------------------------------------
@@ -301,14 +367,11 @@ def test_import_then_export_is_bitwise(tmp_path, hf, name, family):
     assert_same(load_hf_state(tmp_path / "b"), state)
 
 
-@pytest.mark.parametrize("name,family", [("qwen3_moe", "archon"), ("llama", "torchtitan")])
-def test_import_hf_on_a_mesh_loads_in_a_real_job(tmp_path, hf, saved, name, family):
+@pytest.mark.parametrize("name,family", IMPORTED)
+def test_import_hf_on_a_mesh_loads_in_a_real_job(loads, saved, name, family):
     """import-hf --dp/--ep lays the family's checkpoint out as the job on that mesh saves it, and dcp.load
     on that mesh gives every rank the oracle's values."""
-    out = tmp_path / "imported"
-    dcptool("import-hf", hf(name), out, "--adapter", family, *MESH[name])
-    family_job("load-family", out, "--kind", kind_of(name), "--family", family, "--expect", hf(name),
-               *MESH[name])
+    out = loaded(loads, f"import-{name}-{family}").ckpt
     imported, by_job = chunk_layout(out), chunk_layout(saved(name, family))
     assert imported.keys() <= by_job.keys()
     assert {k: by_job[k] for k in imported} == imported
@@ -331,37 +394,27 @@ def expected_optimizer(source, name: str, family: str, target: str, hf) -> dict:
     return expected
 
 
-@pytest.mark.parametrize("name,family,target", [("qwen3_moe", "archon", "torchtitan"),
-                                                ("llama", "torchtitan", "archon")])
-def test_convert_writes_the_layout_the_target_engine_resumes(tmp_path, saved, trained_hf, hf, name, family, target):
+@pytest.mark.parametrize("name,family,target", CONVERTED)
+def test_convert_writes_the_layout_the_target_engine_resumes(loads, name, family, target):
     """convert --adapter puts model and optimizer where the target engine keeps them (torchtitan: model at the
     top level, ``optimizer.*``; Archon: AReaL's ``{"dcp": {"model", "optim"}}``), and a real job resumes model
-    and AdamW state from it as that engine does (dcp.load, then set_model/optimizer_state_dict, strict)."""
-    out = tmp_path / "converted"
-    result = dcptool("convert", saved(name, family), out, "--to", "dcp", "--adapter", target)
+    and AdamW state from it as that engine does (dcp.load, then set_model/optimizer_state_dict, strict; the
+    optimizer state against expected_optimizer)."""
+    case = loaded(loads, f"convert-{name}-{family}-{target}")
+    result, out = case.made, case.ckpt
     keys = chunk_layout(out).keys()
     model = [k for k in keys if ".state." not in k]
     assert model and all(k.startswith(MODEL_PREFIX[target]) and not k.startswith(("model.", "optim.")) for k in model)
     assert any(k.startswith(OPTIMIZER_PREFIX[target] + "state.") for k in keys)
     if target == "torchtitan":  # what torchtitan's resume also loads is named, with how to start without it
         assert "torchtitan also loads lr_scheduler, dataloader, train_state" in result.stderr, result.stderr
-    expect_optim = tmp_path / "optimizer.pt"
-    torch.save(expected_optimizer(saved(name, family), name, family, target, hf), expect_optim)
-    family_job("load-family", out, "--kind", kind_of(name), "--family", target, "--expect", trained_hf(name, family),
-               "--expect-optim", expect_optim, *MESH[name])
 
 
-def test_torchtitan_resumes_an_archon_run_with_its_own_checkpoint_code(tmp_path, saved, trained_hf, hf):
-    """The converted Archon run, resumed by torchtitan 0.3's own ModelWrapper and flat optimizer state dict
-    (skipped where torchtitan is not installed; it imports without triton)."""
+def test_torchtitan_resumes_an_archon_run_with_its_own_checkpoint_code(loads):
+    """The converted Archon run (convert --adapter torchtitan), resumed by torchtitan 0.3's own ModelWrapper and
+    flat optimizer state dict (skipped where torchtitan is not installed; it imports without triton)."""
     pytest.importorskip("torchtitan.components.checkpoint")
-    name, family = "qwen3_moe", "archon"
-    out = tmp_path / "converted"
-    dcptool("convert", saved(name, family), out, "--to", "dcp", "--adapter", "torchtitan")
-    expect_optim = tmp_path / "optimizer.pt"
-    torch.save(expected_optimizer(saved(name, family), name, family, "torchtitan", hf), expect_optim)
-    family_job("load-family", out, "--kind", kind_of(name), "--family", "torchtitan", "--torchtitan-code",
-               "--expect", trained_hf(name, family), "--expect-optim", expect_optim, *MESH[name])
+    loaded(loads, "torchtitan-code")
 
 
 def test_every_command_writes_one_layout_per_family(tmp_path, hf):

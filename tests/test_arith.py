@@ -15,7 +15,6 @@ import safetensors.numpy
 import torch
 from conftest import dcptool as run_cli
 from conftest import load_reference, read_dcp
-from jobs import run_job
 from safetensors.torch import load_file
 
 import dcptool
@@ -27,25 +26,25 @@ U = 2.0 ** -24  # float32's unit roundoff
 @pytest.fixture(scope="module")
 def steps(checkpoints, tmp_path_factory):
     """{name: (path, full state dict under torchtitan names)} for step1 (DCP dp=2), step2 (DCP tp=2), step3.pt
-    (torch.save of an AReaL-layout DCP of dp=2) and step3 (that DCP)."""
-    root = tmp_path_factory.mktemp("steps")
-    deep = '{"num_hidden_layers": 3}'  # layers enough to fold (diff folds runs of 3 or more as inspect does)
-    run_job(2, "save-dcp", root / "step2", "--dp", "1", "--tp", "2", "--steps", "2", "--then",
-            "save-dcp", root / "step3", "--dp", "2", "--steps", "3", "--layout", "areal", "--then",
-            "save-dcp", root / "deep1", "--dp", "2", "--model-config", deep, "--then",
-            "save-dcp", root / "deep2", "--dp", "2", "--model-config", deep, "--steps", "2")
-    run_cli("convert", root / "step3", root / "step3.pt", "--to", "torch")
+    (torch.save of an AReaL-layout DCP of dp=2) and step3 (that DCP); deep1 and deep2: 3 layers, 1 and 2 steps.
+    The session's checkpoints (conftest), saved by one job."""
     step1, reference1 = checkpoints("fsdp2_dp2")
+    step2, step3, deep1, deep2 = (checkpoints(name)[0] for name in ("step2", "step3", "deep1", "deep2"))
+    step3_pt = tmp_path_factory.mktemp("steps") / "step3.pt"
+    run_cli("convert", step3, step3_pt, "--to", "torch")
 
     def titan(full: dict) -> dict:  # AReaL's dcp.model.X / dcp.optim.Y as torchtitan's X / optimizer.Y
         return {re.sub(r"^dcp\.optim\.", "optimizer.", re.sub(r"^dcp\.model\.", "", k)): v for k, v in full.items()}
 
+    def reference(path):
+        return load_reference(path.with_name(f"{path.name}.reference"))
+
     return {"step1": (step1, load_reference(reference1)),
-            "step2": (root / "step2", load_reference(root / "step2.reference")),
-            "step3.pt": (root / "step3.pt", titan(load_reference(root / "step3.reference"))),
-            "step3": (root / "step3", titan(load_reference(root / "step3.reference"))),
-            "deep1": (root / "deep1", load_reference(root / "deep1.reference")),
-            "deep2": (root / "deep2", load_reference(root / "deep2.reference"))}
+            "step2": (step2, reference(step2)),
+            "step3.pt": (step3_pt, titan(reference(step3))),
+            "step3": (step3, titan(reference(step3))),
+            "deep1": (deep1, reference(deep1)),
+            "deep2": (deep2, reference(deep2))}
 
 
 def model_keys(full: dict) -> list[str]:

@@ -1,8 +1,7 @@
 """Smoke tests for tests/harness/gloo_jobs.py: real gloo jobs, no mocks.
 
-Besides the MoE save, the jobs run as the steps of two torchrun launches, one of 2 ranks and one of 4
-(``run_steps`` of tests/jobs.py): torch starts three times in all rather than once per job, and each
-test checks its own step.
+The jobs run as the steps of two torchrun launches, one of 2 ranks and one of 4 (``run_steps`` of
+tests/jobs.py): torch starts twice in all rather than once per job, and each test checks its own step.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from conftest import placements
-from jobs import run_job, run_steps
+from jobs import run_steps
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +31,16 @@ def dcp_dp2_tp2(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def moe_dp2_ep2(tmp_path_factory):
-    """The tiny MoE on FSDP2 dp=2 with the experts split by ep=2 (torchtitan layout)."""
-    out = tmp_path_factory.mktemp("dcp") / "moe_dp2ep2"
-    proc = run_job(2, "save-dcp", out, "--model", "moe", "--dp", "2", "--ep", "2")
+def moe_dp2_ep2(two_ranks):
+    """The tiny MoE on FSDP2 dp=2 with the experts split by ep=2 (torchtitan layout): a step of the 2-rank job."""
+    root, steps = two_ranks
+    save = steps["save-moe"]
+    assert save.returncode == 0, save.stdout
     # EP puts 2 experts on each rank; FSDP2 then shards dim 0 again over the
     # 1-rank efsdp mesh, which torch records as a _StridedShard.
     assert ("placements layers.1.moe.experts.w1: (_StridedShard(dim=0, sf=2), Shard(dim=0)) "
-            "on mesh ('efsdp', 'ep') (1, 2)") in proc.stdout
-    return out
+            "on mesh ('efsdp', 'ep') (1, 2)") in save.stdout
+    return root / "moe_dp2ep2"
 
 
 def reference(out):
@@ -73,9 +73,11 @@ FSDP1_VALUES = ["sharded_tensor", "dtensor"]
 
 @pytest.fixture(scope="module")
 def two_ranks(dcp_dp2, tmp_path_factory):
-    """The 2-rank steps: FSDP1 saves and loads of both kinds of values, and a load that must fail."""
+    """The 2-rank steps: the MoE's save (moe_dp2_ep2), FSDP1 saves and loads of both kinds of values, and a
+    load that must fail."""
     root = tmp_path_factory.mktemp("two-ranks")
-    steps = {f"save-fsdp1-{values}": ["save-fsdp1", root / f"fsdp1_{values}", "--world-size", "2",
+    steps = {"save-moe": ["save-dcp", root / "moe_dp2ep2", "--model", "moe", "--dp", "2", "--ep", "2"]}
+    steps |= {f"save-fsdp1-{values}": ["save-fsdp1", root / f"fsdp1_{values}", "--world-size", "2",
                                       "--values", values] for values in FSDP1_VALUES}
     steps |= {f"load-fsdp1-{values}": ["load-fsdp1", root / f"fsdp1_{values}", "--world-size", "2",
                                        "--expect", reference(root / f"fsdp1_{values}") / "full.pt"]

@@ -11,30 +11,22 @@ from jobs import STORAGE_JOBS, run_job
 from dcptool import formats
 
 
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf_dcp")
-    run_job(2, "save-hf", root / "sharded-only", module=STORAGE_JOBS)
-    run_job(2, "save-hf", root / "consolidated", "--consolidate", module=STORAGE_JOBS)
-    return root
-
-
 def reference(path):
     return torch.load(f"{path}.reference.pt", weights_only=True)
 
 
-def test_sharded_save_is_read_bitwise(saves):
-    checkpoint = formats.open_checkpoint(saves / "sharded-only")
+def test_sharded_save_is_read_bitwise(storage_saves):
+    checkpoint = formats.open_checkpoint(storage_saves("sharded-only"))
     assert checkpoint.format == "hf-dcp"
-    expected = reference(saves / "sharded-only")
+    expected = reference(storage_saves("sharded-only"))
     assert set(checkpoint.tensors) == set(expected)
     assert len(checkpoint.tensors["embed.weight"].chunks) == 2  # 7 rows: 4 + 3 on two ranks
     for key, tensor in expected.items():
         assert torch.equal(read_tensor(checkpoint, key), tensor), key
 
 
-def test_consolidated_folder_is_hf_and_its_sharded_folder_hf_dcp(saves, tmp_path):
-    folder = saves / "consolidated"
+def test_consolidated_folder_is_hf_and_its_sharded_folder_hf_dcp(storage_saves, tmp_path):
+    folder = storage_saves("consolidated")
     assert formats.detect(folder) == "hf" and formats.detect(folder / "sharded") == "hf-dcp"
     expected = reference(folder)
     # a consolidation that never ran leaves only sharded/: the folder is read from there
@@ -46,9 +38,9 @@ def test_consolidated_folder_is_hf_and_its_sharded_folder_hf_dcp(saves, tmp_path
 
 
 @pytest.mark.parametrize("command", [["convert", "--to", "hf-dcp"], ["reshard", "--to", "hf-dcp", "--dp", "2"]])
-def test_hf_dcp_output_loads_with_torch_reader(saves, tmp_path, command):
+def test_hf_dcp_output_loads_with_torch_reader(storage_saves, tmp_path, command):
     """convert writes every chunk into one rank's file; reshard lays them out as a job on dp=2 saves them."""
-    source = saves / "sharded-only"
+    source = storage_saves("sharded-only")
     dcptool(command[0], source, tmp_path / "out", *command[1:])
     if command[0] == "reshard":
         assert len(list((tmp_path / "out").glob("shard-*.safetensors"))) == 2  # one file per rank

@@ -1,14 +1,10 @@
 """Peak memory of a conversion stays within the --max-memory budget on a model several times larger."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-# ~90 MB of float32 weights (plus twice that in Adam state), saved by a real FSDP2 job.
-BIG = json.dumps({"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-                  "intermediate_size": 1536, "vocab_size": 8000, "tie_word_embeddings": False})
 BUDGET_MB = 16
 
 
@@ -22,12 +18,9 @@ def peak_rss_mb(*args) -> float:
 
 
 @pytest.fixture(scope="module")
-def big_checkpoint(tmp_path_factory):
-    from jobs import run_job
-
-    out = tmp_path_factory.mktemp("big") / "ckpt"
-    run_job(2, "save-dcp", out, "--dp", "2", "--model-config", BIG)
-    return out
+def big_checkpoint(checkpoints):
+    """~90 MB of float32 weights (plus twice that in Adam state), saved by a real FSDP2 job (conftest)."""
+    return checkpoints("big")[0]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +46,10 @@ def test_average_peak_memory_within_budget(big_checkpoint, baseline_mb, tmp_path
     assert peak - baseline_mb < BUDGET_MB + 24, (peak, baseline_mb)
 
 
-def test_lora_merge_within_budget(tmp_path_factory, tmp_path):
+def test_lora_merge_within_budget(lora_runs, tmp_path):
     """export-hf --lora merge computes every merged weight in float32 blocks no larger than the scratch buffer:
     within the budget too (a LoRA run's checkpoint saved by a real FSDP2 job, harness.lora_jobs)."""
-    from jobs import LORA_JOBS, run_job
-
-    root = tmp_path_factory.mktemp("big-lora")
-    run_job(2, "save-lora", root, "--variants", "big", module=LORA_JOBS)
-    checkpoint = root / "big"
+    checkpoint = lora_runs / "big"
     baseline = peak_rss_mb("inspect", checkpoint, "--json")
     # float32 weights merged and rounded to bfloat16: the most temporaries per element
     peak = peak_rss_mb("export-hf", checkpoint, tmp_path / "out", "--lora", "merge", "--lora-alpha", "32",

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import FAMILY_JOBS, MEGATRON_JOBS, VERL_JOBS, run_job
+from jobs import FAMILY_JOBS, run_job
 
 from conftest import ROOT, dcptool
 from harness.family_models import save_hf
@@ -104,7 +104,7 @@ def inputs_of(lines: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory, checkpoints, lora_runs):
+def made(tmp_path_factory, checkpoints, lora_runs, verl_saves, request):
     """``made(path)``: the README path ``path`` made once (a folder or file under a shared root)."""
     root = tmp_path_factory.mktemp("readme-inputs")
     done: dict[str, Path] = {}
@@ -124,35 +124,32 @@ def made(tmp_path_factory, checkpoints, lora_runs):
         return lambda out: shutil.copytree(source, out)
 
     def megatron_legacy(out: Path) -> None:  # Megatron-LM's per-rank files of TP 2 x PP 2 (megatron-core 0.19.2)
-        run_job(4, "save", root / "megatron-run", "--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4",
-                module=MEGATRON_JOBS)
-        shutil.copytree(root / "megatron-run" / "iter_0000100", out)
+        run = request.getfixturevalue("megatron_runs")("legacy_tp2_pp2")  # the session's: skips without megatron-core
+        shutil.copytree(run / "iter_0000100", out)
 
     def torch_save(out: Path) -> None:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         dcp_to_torch_save(get("step-1000"), out)
 
-    # Every model with 4 KV heads and a vocabulary of 256 where a recipe splits it over tp=4.
-    wide = '{"num_key_value_heads": 4, "vocab_size": 256}'
     makers = {
         "Qwen3-8B": lambda out: hf_folder(out, "qwen3"),
         "Qwen3-30B-A3B": lambda out: hf_folder(out, "qwen3_moe", num_experts=8),
         "outputs/checkpoint/step-2000": lambda out: family(out, "qwen3", "torchtitan", "Qwen3-8B", "--dp", "2"),
         "archon/step-2000": lambda out: family(out, "qwen3_moe", "archon", "Qwen3-30B-A3B", "--dp", "2", "--ep", "2"),
-        "step-2000": lambda out: run_job(4, "save-dcp", out, "--dp", "2", "--tp", "2", "--model-config", wide),
-        "base-model": lambda out: shutil.copytree(f"{get('step-2000')}.reference", out),
+        "step-2000": copy(checkpoints("wide_dp2_tp2")[0]),  # 4 KV heads, vocabulary 256: a recipe splits it over tp=4
+        "base-model": copy(checkpoints("wide_dp2_tp2")[1]),  # step-2000's reference: config.json and full.pt
         "step-1000": copy(checkpoints("fsdp2_dp2")[0]),
         # the same model after more steps, saved on other meshes (average and diff recipes)
-        "step-800": lambda out: run_job(2, "save-dcp", out, "--dp", "2", "--steps", "2"),
-        "step-900": lambda out: run_job(2, "save-dcp", out, "--dp", "1", "--tp", "2", "--steps", "3"),
+        "step-800": copy(checkpoints("dp2_step2")[0]),
+        "step-900": copy(checkpoints("tp2_step3")[0]),
         "run/step-100": copy(checkpoints("fsdp2_dp2")[0]),
         "step-1000.pt": torch_save,
         "hf-out": export,
         "hf-bf16": lambda out: export(out, "--dtype", "bfloat16"),
         "checkpoints/recover_checkpoint": copy(checkpoints("fsdp2_dp2_tp2")[0]),
         "Llama-3.1-8B": copy(checkpoints("fsdp2_dp2_tp2")[1]),
-        "global_step_10/actor": lambda out: run_job(2, "save", out, "--dtensor", "--flat-params", module=VERL_JOBS),
+        "global_step_10/actor": copy(verl_saves / "verl" / "actor"),  # stock verl: flat parameters, DTensor values
         "llama-hf": lambda out: hf_folder(out, "llama"),
         "titan/step-10": lambda out: family(out, "llama", "torchtitan", "llama-hf", "--dp", "2"),
         "lora/step-300": copy(lora_runs / "lora"),

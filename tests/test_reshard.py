@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from conftest import dcptool, load_reference, read_tensor
 from dcptool import formats
-from jobs import run_job, run_steps
+from jobs import run_steps
 
-MOE_SOURCE = {"dp": 4, "ep": 2}  # differs from every target below
+MOE_SOURCE = {"dp": 4, "ep": 2}  # the mesh of the session's moe_dp4_ep2 (conftest); differs from every target below
 
 MOE_TARGETS = {
     "dp4": {"dp": 4},
@@ -50,11 +50,9 @@ def data_files(path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def moe_source(tmp_path_factory):
-    """A small MoE model (torchtitan names) saved by a real FSDP2 + EP job with its AdamW state."""
-    out = tmp_path_factory.mktemp("moe") / "src"
-    run_job(world(MOE_SOURCE), "save-dcp", out, "--model", "moe", "--layout", "torchtitan", *flags(MOE_SOURCE))
-    return out, out.with_name("src.reference")
+def moe_source(checkpoints):
+    """A small MoE model (torchtitan names) saved by a real FSDP2 + EP job (dp=4, ep=2) with its AdamW state."""
+    return checkpoints("moe_dp4_ep2")
 
 
 @dataclass

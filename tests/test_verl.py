@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,45 +25,101 @@ import torch
 
 from conftest import dcptool
 from harness import verl_jobs  # the reference run: plain torch in this process
-from jobs import VERL_JOBS, run_job
-
-SAVE_JOBS = {
-    "verl": ("save", "--dtensor", "--flat-params"),  # stock verl: use_orig_params=False, a device mesh
-    "fsdp1": ("save",),  # use_orig_params=True, no device mesh
-    "fsdp2": ("save-fsdp2",),
-}
+from jobs import VERL_JOBS, run_job, run_steps
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """``saved(kind)``: a W=2 verl folder saved by a real job (a kind of ``SAVE_JOBS``), made once."""
-    root = tmp_path_factory.mktemp("verl")
-    made = {}
-
-    def get(kind: str) -> Path:
-        if kind not in made:
-            out = root / kind / "actor"
-            job, *flags = SAVE_JOBS[kind]
-            run_job(2, job, out, *flags, module=VERL_JOBS)
-            made[kind] = out
-        return made[kind]
-
-    return get
+def saved(verl_saves):
+    """``saved(kind)``: the session's W=2 verl folder of that kind (conftest.VERL_SAVES), saved by a real job."""
+    return lambda kind: verl_saves / kind / "actor"
 
 
-def resumed_losses(folder: Path, world_size: int, *flags: str) -> dict:
-    """The losses of a step after resuming from ``folder`` with verl's own calls (``resume-verl``), FSDP1
-    built as ``flags`` say. Without flags, as the folder's own forms say (dcptool inspect): the ``named``
-    form through FSDP.optim_state_dict_to_load (``resume``), an FSDP2 folder under FSDP2 (``resume-fsdp2``)."""
-    job = "resume-verl"
-    if not flags:
-        info = json.loads(dcptool("inspect", folder, "--json").stdout)["info"]
+@dataclass
+class Resumed:
+    """A folder dcptool wrote for verl, and what a real job that resumed from it reported."""
+
+    written: subprocess.CompletedProcess | None  # the dcptool command that wrote ``out``
+    out: Path
+    world_size: int
+    flags: tuple[str, ...] | None  # how the job builds FSDP1 (None: as the folder's own forms say)
+    resume: subprocess.CompletedProcess | None = None  # the job's step that resumed it; None when dcptool failed
+
+    def result(self) -> Path:
+        return self.out.parent / f"{self.out.name}.result.json"
+
+    def losses(self) -> dict:
+        """The losses (before and after) and the learning rate of the step the job took after resuming."""
+        assert self.resume.returncode == 0, self.resume.stdout
+        return json.loads(self.result().read_text())
+
+
+def resume_job(case: Resumed) -> list[str]:
+    """The command line that resumes ``case`` with verl's own calls (``resume-verl``), FSDP1 built as its flags
+    say. Without flags, as the folder's own forms say (dcptool inspect): the ``named`` form through
+    FSDP.optim_state_dict_to_load (``resume``), an FSDP2 folder under FSDP2 (``resume-fsdp2``)."""
+    job, flags = "resume-verl", case.flags
+    if flags is None:
+        info = json.loads(dcptool("inspect", case.out, "--json").stdout)["info"]
         job = {"named": "resume", "fsdp2": "resume-fsdp2"}.get(info["optimizer_form"], job)
         flags = tuple(flag for flag, wanted in (("--dtensor", info["model_values"] == "dtensor"),
                                                 ("--orig-params", info["optimizer_form"] == "orig")) if wanted)
-    result = folder.parent / f"{folder.name}.result.json"
-    run_job(world_size, job, folder, result, *flags, module=VERL_JOBS)
-    return json.loads(result.read_text())
+    return [job, str(case.out), str(case.result()), *flags]
+
+
+def resumed_losses(folder: Path, world_size: int, *flags: str) -> dict:
+    """The losses of a step after resuming from ``folder`` in a job of its own, FSDP1 built as ``flags`` say (none:
+    as resume_job finds from the folder's forms). Used by tests/test_pickles.py."""
+    case = Resumed(None, folder, world_size, flags or None)
+    run_job(world_size, *resume_job(case), module=VERL_JOBS)
+    return json.loads(case.result().read_text())
+
+
+# What a DCP source holds beside verl's state (test_dcp_source_written_for_stock_verl_resumes).
+UNHELD = {"train_state": {"step": 7, "tokens_seen": torch.tensor(4096), "note": "hello"},
+          "dataloader": {"dp_rank_0": b"position 100", "dp_rank_1": b"position 101"}}
+
+
+def titan_like_dcp(actor: Path, work: Path) -> Path:
+    """``actor``'s state with UNHELD beside it, saved by torch's own DCP writer."""
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    work.mkdir()
+    dcptool("convert", actor, work / "full.pt", "--to", "torch")
+    state = torch.load(work / "full.pt", weights_only=True)
+    torch.save({**state, **UNHELD}, work / "titan-like.pt")
+    torch_save_to_dcp(work / "titan-like.pt", work / "dcp")
+    return work / "dcp"
+
+
+RESUMED_AT = [(4, "reshard"), (1, "convert")]  # each source laid out for W=4 by reshard, for W=1 by convert
+
+
+@pytest.fixture(scope="module")
+def resumes(saved, tmp_path_factory) -> dict[str, Resumed]:
+    """Every folder of this file that a job resumes, by case: written by dcptool, then resumed as the steps of
+    one job per world size (harness.verl_jobs ``--then``), so that torch starts three times, not once per case."""
+    root = tmp_path_factory.mktemp("resumes")
+    cases: dict[str, Resumed] = {}
+
+    def case(name: str, source: Path, world_size: int, command: str, *options: str, flags=None) -> None:
+        size = ["--dp", str(world_size)] if command == "reshard" else ["--world-size", str(world_size)]
+        written = dcptool(command, source, root / name, "--to", "fsdp1", *size, *options, check=False)
+        cases[name] = Resumed(written, root / name, world_size, flags)
+
+    for world_size, command in RESUMED_AT:
+        case(f"verl-w{world_size}", saved("verl"), world_size, command, flags=("--dtensor",))
+        case(f"fsdp1-w{world_size}", saved("fsdp1"), world_size, command, flags=("--orig-params",))
+        case(f"fsdp2-w{world_size}", saved("fsdp2"), world_size, command)
+    case("fsdp2-named-w1", saved("fsdp2"), 1, "convert", "--optim-form", "named")
+    case("dcp-w2", titan_like_dcp(saved("fsdp1"), root / "dcp-source"), 2, "convert", "--optim-form", "flat",
+         "--model-values", "dtensor:cpu", flags=("--dtensor",))
+
+    ready = {name: c for name, c in cases.items() if c.written.returncode == 0}
+    for world_size in sorted({c.world_size for c in ready.values()}):
+        at = {name: resume_job(c) for name, c in ready.items() if c.world_size == world_size}
+        for name, step in run_steps(world_size, at, module=VERL_JOBS).items():
+            ready[name].resume = step
+    return cases
 
 
 def assert_same_step(got: dict, expected: dict) -> None:
@@ -74,12 +132,25 @@ def assert_same_step(got: dict, expected: dict) -> None:
 def write_for(actor: Path, out: Path, world_size: int, command: str, *options: str, fsdp_version: int = 1):
     size = ["--dp", str(world_size)] if command == "reshard" else ["--world-size", str(world_size)]
     result = dcptool(command, actor, out, "--to", "fsdp1", *size, *options)
+    assert_written(out, world_size, fsdp_version)
+    return result
+
+
+def assert_written(out: Path, world_size: int, fsdp_version: int = 1) -> None:
+    """verl's files of every rank, and its fsdp_config.json."""
     assert json.loads((out / "fsdp_config.json").read_text()) == {"FSDP_version": fsdp_version,
                                                                    "world_size": world_size}
     for kind in ("model", "optim", "extra_state"):
         assert sorted(p.name for p in out.glob(f"{kind}_world_size_*")) == \
             sorted(f"{kind}_world_size_{world_size}_rank_{r}.pt" for r in range(world_size))
-    return result
+
+
+def written(resumes: dict[str, Resumed], name: str, fsdp_version: int = 1) -> Resumed:
+    """Case ``name`` of ``resumes``, once dcptool wrote it (write_for's checks)."""
+    case = resumes[name]
+    assert case.written.returncode == 0, case.written.stderr
+    assert_written(case.out, case.world_size, fsdp_version)
+    return case
 
 
 def assert_only_rng_dropped(actor: Path, out: Path) -> None:
@@ -89,19 +160,18 @@ def assert_only_rng_dropped(actor: Path, out: Path) -> None:
     assert "extra_state.rank_1.rng.cpu: tensor only in A" in compared.stdout
 
 
-@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
-def test_stock_verl_folder_resumes_with_verls_own_calls(saved, tmp_path, world_size, command):
+@pytest.mark.parametrize("world_size,command", RESUMED_AT)
+def test_stock_verl_folder_resumes_with_verls_own_calls(saved, resumes, world_size, command):
     """use_orig_params=False and a device mesh: the flat-parameter optimizer state and DTensor values, kept."""
     actor = saved("verl")
     info = json.loads(dcptool("inspect", actor, "--json").stdout)["info"]
     assert (info["optimizer_form"], info["model_values"]) == ("flat", "dtensor")
     assert info["mesh"] == {"device_type": "cpu", "dim_names": ["fsdp"]} and not info["not_read"]
-    out = tmp_path / f"w{world_size}"
-    result = write_for(actor, out, world_size, command)
-    said = result.stdout + result.stderr
+    case = written(resumes, f"verl-w{world_size}")
+    said = case.written.stdout + case.written.stderr
     assert "use_orig_params=False" in said and "DTensor on a 1-D cpu mesh" in said
-    assert_only_rng_dropped(actor, out)
-    got = resumed_losses(out, world_size, "--dtensor")
+    assert_only_rng_dropped(actor, case.out)
+    got = case.losses()
     assert got["extra_keys"] == ["lr_scheduler"]
     assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
 
@@ -157,42 +227,38 @@ def test_written_verl_files_are_what_torch_saves(saved, tmp_path, kind, fsdp_ver
                     assert type(mine) is type(value) and torch.equal(mine, value), what
 
 
-@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
-def test_orig_params_folder_resumes_at_another_world_size(saved, tmp_path, world_size, command):
+@pytest.mark.parametrize("world_size,command", RESUMED_AT)
+def test_orig_params_folder_resumes_at_another_world_size(saved, resumes, world_size, command):
     """use_orig_params=True without a device mesh: each rank's 1-D pieces of each parameter, ShardedTensor values."""
     actor = saved("fsdp1")
-    out = tmp_path / f"w{world_size}"
-    result = write_for(actor, out, world_size, command)
+    case = written(resumes, f"fsdp1-w{world_size}")
+    result, out = case.written, case.out
     assert "extra_state.rank_0.rng.cpu" in result.stdout and "--keep-rank-state keeps it" in result.stdout
     # The W=2 ranks' pieces fit only float32's 16-byte alignment (4 elements): the output keeps it.
     assert "aligned to 4 elements as in the source" in result.stderr, result.stderr
     assert (out / "huggingface" / "config.json").read_bytes() == (actor / "huggingface" / "config.json").read_bytes()
     assert_only_rng_dropped(actor, out)
-    got = resumed_losses(out, world_size, "--orig-params")
+    got = case.losses()
     assert got["extra_keys"] == ["lr_scheduler"]  # the RNG state of the W=2 ranks was dropped
     assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
 
 
-def test_dcp_source_written_for_stock_verl_resumes(saved, tmp_path):
-    """A DCP checkpoint (named optimizer state) written with --optim-form flat --model-values dtensor:cpu;
-    its torchtitan-style train_state and per-rank dataloader state, which verl has no place for, ride in
-    the extra-state files (dcptool_carried) without disturbing verl's resume, and come back."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+def test_dcp_source_written_for_stock_verl_resumes(saved, resumes, tmp_path):
+    """A DCP checkpoint (named optimizer state, written by torch's own DCP writer: titan_like_dcp) written with
+    --optim-form flat --model-values dtensor:cpu; its torchtitan-style train_state and per-rank dataloader state,
+    which verl has no place for, ride in the extra-state files (dcptool_carried) without disturbing verl's
+    resume, and come back."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     actor = saved("fsdp1")
-    dcptool("convert", actor, tmp_path / "full.pt", "--to", "torch")
-    state = torch.load(tmp_path / "full.pt", weights_only=True)
-    unheld = {"train_state": {"step": 7, "tokens_seen": torch.tensor(4096), "note": "hello"},
-              "dataloader": {"dp_rank_0": b"position 100", "dp_rank_1": b"position 101"}}
-    torch.save({**state, **unheld}, tmp_path / "titan-like.pt")
-    torch_save_to_dcp(tmp_path / "titan-like.pt", tmp_path / "dcp")  # torch's own DCP writer
-    out = tmp_path / "verl"
-    write_for(tmp_path / "dcp", out, 2, "convert", "--optim-form", "flat", "--model-values", "dtensor:cpu")
+    unheld = UNHELD
+    case = written(resumes, "dcp-w2")
+    out = case.out
     for rank, own in enumerate(({"train_state": unheld["train_state"], "dataloader": {"dp_rank_0": b"position 100"}},
                                 {"dataloader": {"dp_rank_1": b"position 101"}})):
         carried = torch.load(out / f"extra_state_world_size_2_rank_{rank}.pt", weights_only=True)["dcptool_carried"]
         assert carried.keys() == own.keys() and carried["dataloader"] == own["dataloader"]
-    got = resumed_losses(out, 2, "--dtensor")
+    got = case.losses()
     assert got["extra_keys"] == ["dcptool_carried", "lr_scheduler"]
     assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
     dcptool("convert", out, tmp_path / "back", "--to", "dcp")
@@ -203,30 +269,29 @@ def test_dcp_source_written_for_stock_verl_resumes(saved, tmp_path):
     assert back["train_state"]["step"] == 7 and torch.equal(back["train_state"]["tokens_seen"], torch.tensor(4096))
 
 
-def test_fsdp2_dtensor_folder_resumes_under_fsdp1(saved, tmp_path):
+def test_fsdp2_dtensor_folder_resumes_under_fsdp1(saved, resumes):
     """verl's FSDP2 files (DTensor values, optimizer keyed by parameter position), resumed on one rank."""
     actor = saved("fsdp2")
     info = json.loads(dcptool("inspect", actor, "--json").stdout)
     assert "DTensor" in info["info"]["values"] and "optimizer.state.head.weight.exp_avg" in info["tensors"]
-    out = tmp_path / "w1"
-    dcptool("convert", actor, out, "--to", "fsdp1", "--world-size", "1", "--optim-form", "named")
-    assert_same_step(resumed_losses(out, 1), verl_jobs.reference(actor.parent / "actor.full.pt"))
+    case = resumes["fsdp2-named-w1"]  # convert --to fsdp1 --world-size 1 --optim-form named
+    assert case.written.returncode == 0, case.written.stderr
+    assert_same_step(case.losses(), verl_jobs.reference(actor.parent / "actor.full.pt"))
 
 
-@pytest.mark.parametrize("world_size,command", [(4, "reshard"), (1, "convert")])
-def test_fsdp2_folder_resumes_under_fsdp2_at_another_world_size(saved, tmp_path, world_size, command):
+@pytest.mark.parametrize("world_size,command", RESUMED_AT)
+def test_fsdp2_folder_resumes_under_fsdp2_at_another_world_size(saved, resumes, world_size, command):
     """An FSDP2 folder stays one by default: DTensor values and moments on verl's mesh (on one rank too),
     loaded by an FSDP2 job with verl's plain model.load_state_dict and optimizer.load_state_dict."""
     actor = saved("fsdp2")
     info = json.loads(dcptool("inspect", actor, "--json").stdout)["info"]
     assert (info["optimizer_form"], info["model_values"]) == ("fsdp2", "dtensor") and not info["not_read"]
     assert info["mesh"] == {"device_type": "cpu", "dim_names": ["fsdp"]}
-    out = tmp_path / f"w{world_size}"
-    result = write_for(actor, out, world_size, command, fsdp_version=2)
-    said = result.stdout + result.stderr
+    case = written(resumes, f"fsdp2-w{world_size}", fsdp_version=2)
+    said = case.written.stdout + case.written.stderr
     assert "optimizer.state_dict() of FSDP2" in said and "DTensor on a 1-D cpu mesh" in said
-    assert_only_rng_dropped(actor, out)
-    got = resumed_losses(out, world_size)
+    assert_only_rng_dropped(actor, case.out)
+    got = case.losses()
     assert got["extra_keys"] == ["lr_scheduler"]
     assert_same_step(got, verl_jobs.reference(actor.parent / "actor.full.pt"))
 

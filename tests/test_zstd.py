@@ -29,10 +29,9 @@ zstandard = pytest.importorskip("zstandard",
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("zstd") / "ckpt"
-    run_job(2, "save-zstd", path, module=STORAGE_JOBS)
-    return path
+def saved(storage_saves):
+    """A real job's zstd DCP (conftest.STORAGE_SAVES)."""
+    return storage_saves("zstd")
 
 
 def test_zstd_save_is_read_bitwise(saved, tmp_path):
@@ -165,11 +164,9 @@ def test_a_record_is_decompressed_once_when_read_in_order(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def large(tmp_path_factory):
+def large(storage_saves):
     """A real job's zstd DCP with a tensor whose records decompress to 128 KiB (more than a record's head)."""
-    path = tmp_path_factory.mktemp("zstd-large") / "ckpt"
-    run_job(2, "save-zstd", path, "--large", module=STORAGE_JOBS)
-    return path
+    return storage_saves("zstd-large")
 
 
 def damaged_copy(source, copy, key: str, kind: str) -> str:

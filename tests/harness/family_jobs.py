@@ -28,6 +28,9 @@ Subcommands:
                        them with set_model_state_dict / set_optimizer_state_dict (strict) and
                        compares the optimizer state with FILE too.
 
+Several command lines joined by ``--then`` run one after the other in one job (as in harness.gloo_jobs:
+torch starts once; each step builds its own module and mesh; ``== step N ...`` lines tell them apart).
+
 The module tree has parameters only (and expert_bias buffers): it never runs
 forward, so what decides the checkpoint is its names, shapes and sharding.
 Exit status 0 means success; 1 means a comparison failed.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 from harness import family_models
 from harness.models import LOADER_SEED, LR, MODEL_SEED, make_optimizer, synthetic_step
 from harness.parallel import Parallel, placements_of
-from harness.runtime import Timer, exit_now, init_distributed, log, rank, reference_dir
+from harness.runtime import Timer, exit_now, log, rank, reference_dir, run_steps
 from harness.states import (
     LR_SCHEDULER_STATE,
     TRAIN_STATE,
@@ -349,12 +353,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    init_distributed()
-    try:
-        return args.func(args)
-    finally:
-        dist.destroy_process_group()
+    """Run the steps of the command line (joined by --then) in one job; 0 if every step passed."""
+    def parse(step_argv: list[str]):
+        args = parse_args(step_argv)
+        return lambda: args.func(args)
+
+    return run_steps(sys.argv[1:] if argv is None else argv, parse)
 
 
 if __name__ == "__main__":

@@ -41,14 +41,10 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: one thread per rank
 
-import torch.distributed as dist  # noqa: E402
-
 from harness.dcp_jobs import cmd_load_dcp, cmd_save_dcp  # noqa: E402
 from harness.fsdp1_jobs import cmd_load_fsdp1, cmd_save_fsdp1  # noqa: E402
 from harness.models import DTYPES, MODELS  # noqa: E402
-from harness.runtime import exit_now, init_distributed, log  # noqa: E402
-
-THEN = "--then"  # separates the command lines of the steps of one job
+from harness.runtime import exit_now, run_steps  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,23 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the steps of the command line (joined by --then) in one job; 0 if every step passed."""
-    argv = sys.argv[1:] if argv is None else argv
-    cuts = [-1] + [i for i, arg in enumerate(argv) if arg == THEN] + [len(argv)]
-    steps = [parse_args(argv[start + 1:end]) for start, end in zip(cuts, cuts[1:])]  # every one before any runs
-    init_distributed()
-    status = 0
-    try:
-        for number, args in enumerate(steps):
-            # The barriers keep what every rank prints for a step between its two lines.
-            dist.barrier()
-            log(f"== step {number} begins")
-            step_status = args.func(args)
-            dist.barrier()
-            log(f"== step {number} exit {step_status}")
-            status = status or step_status
-    finally:
-        dist.destroy_process_group()
-    return status
+    def parse(step_argv: list[str]):
+        args = parse_args(step_argv)
+        return lambda: args.func(args)
+
+    return run_steps(sys.argv[1:] if argv is None else argv, parse)
 
 
 if __name__ == "__main__":

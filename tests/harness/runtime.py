@@ -8,6 +8,8 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -55,6 +57,32 @@ def init_distributed() -> None:
     torch.set_num_threads(1)
     quiet_known_warnings()
     dist.init_process_group(backend="gloo")
+
+
+THEN = "--then"  # separates the command lines of the steps of one job
+
+
+def run_steps(argv: list[str], parse: Callable[[list[str]], Callable[[], int | None]]) -> int:
+    """Run the command lines of ``argv`` joined by ``--then`` one after the other in this job, so that torch
+    starts once for all of them; ``parse`` makes one command line the call that runs it (every one is parsed
+    before any runs). Each step is told apart in the output by ``== step N begins`` and ``== step N exit
+    STATUS`` lines (tests/jobs.py run_steps). Returns 0 if every step passed, else the first failing status."""
+    cuts = [-1] + [i for i, arg in enumerate(argv) if arg == THEN] + [len(argv)]
+    steps = [parse(argv[start + 1:end]) for start, end in pairwise(cuts)]
+    init_distributed()
+    status = 0
+    try:
+        for number, step in enumerate(steps):
+            # The barriers keep what every rank prints for a step between its two lines.
+            dist.barrier()
+            log(f"== step {number} begins")
+            step_status = step() or 0
+            dist.barrier()
+            log(f"== step {number} exit {step_status}")
+            status = status or step_status
+    finally:
+        dist.destroy_process_group()
+    return status
 
 
 def exit_now(status: int) -> None:

@@ -8,12 +8,14 @@ HuggingFaceStorageWriter / Reader (HF-storage DCP) and FileSystemWriter with the
     load-hf DIR REFERENCE         dcp.load(HuggingFaceStorageReader(DIR)) into FSDP2; every shard checked
     load-zstd DIR REFERENCE       dcp.load (torch's default reader, which undoes the zstd transform); checked
 
-Saves write ``REFERENCE = OUT.reference.pt``: the full state dict, from rank 0.
+Saves write ``REFERENCE = OUT.reference.pt``: the full state dict, from rank 0. Command lines joined by
+``--then`` run one after the other in one job (torch starts once; tests/jobs.py run_steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from harness.runtime import exit_now
+from harness.runtime import exit_now, run_steps
 
 
 class Net(torch.nn.Module):
@@ -89,27 +91,25 @@ def load(args) -> int:
     return 0
 
 
-def main() -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("command", choices=["save-hf", "save-zstd", "load-hf", "load-zstd"])
     parser.add_argument("path")
     parser.add_argument("reference", nargs="?")
     parser.add_argument("--consolidate", action="store_true")
     parser.add_argument("--large", action="store_true")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    try:
-        if args.command.startswith("save"):
-            save(args)
-            code = 0
-        else:
-            code = load(args)
-        # Every rank waits for the others (rank 0 may still be consolidating) before the group goes:
-        # a rank tearing gloo down while another still uses it can abort ("terminate called ...").
-        dist.barrier()
-        return code
-    finally:
-        dist.destroy_process_group()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the steps of the command line (joined by --then) in one job; 0 if every step passed. After each step
+    every rank waits for the others (rank 0 may still be consolidating) before the next or the group's end: a
+    rank tearing gloo down while another still uses it can abort ("terminate called ...")."""
+    def parse(step_argv: list[str]):
+        args = parse_args(step_argv)
+        return lambda: save(args) if args.command.startswith("save") else load(args)
+
+    return run_steps(sys.argv[1:] if argv is None else argv, parse)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ they are; the scheduler from the extra state. ``resume`` instead puts the optimi
 ``FSDP.optim_state_dict_to_load`` (the ``named`` form, on FSDP1 without a mesh, use_orig_params).
 ``save-fsdp2`` and ``resume-fsdp2`` are verl's FSDP2 save and load (``fully_shard`` on verl's mesh).
 All resumes take one training step and write its losses (before and after the step) to RESULT.json.
+Command lines joined by ``--then`` run one after the other in one job (torch starts once); each builds its own
+model from its own seed, as it would in a job of its own::
+
+    JOB 2 -m harness.verl_jobs save A --dtensor --flat-params --then save B --then save-fsdp2 C
 ``reference(full.pt)`` is the same step, in one process without FSDP, from the full state.
 """
 
@@ -41,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from harness.runtime import exit_now
+from harness.runtime import exit_now, run_steps
 
 BATCH = torch.arange(4 * 6).reshape(4, 6) % 11  # the global batch: every world size dividing 4 sees the same rows
 
@@ -287,28 +291,21 @@ def reference(full: Path) -> dict:
     return {"losses": [before, after], "lr": scheduler.get_last_lr()}
 
 
-def main(argv: list[str]) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    try:
-        values = "dtensor" if "--dtensor" in argv else "sharded_tensor"
-        if argv[0] == "save":
-            job_save(Path(argv[1]), values, "--by-name" in argv, orig_params="--flat-params" not in argv)
-        elif argv[0] == "save-fsdp2":
-            job_save_fsdp2(Path(argv[1]))
-        elif argv[0] == "resume-verl":
-            job_resume_verl(Path(argv[1]), Path(argv[2]), values, orig_params="--orig-params" in argv)
-        elif argv[0] == "resume":
-            job_resume(Path(argv[1]), Path(argv[2]))
-        elif argv[0] == "resume-fsdp2":
-            job_resume_fsdp2(Path(argv[1]), Path(argv[2]))
-        else:
-            raise SystemExit(f"unknown job {argv[0]!r}: save, save-fsdp2, resume-verl, resume or resume-fsdp2")
-    finally:
-        dist.destroy_process_group()
+def parse(argv: list[str]):
+    """One step's command line, as the call that runs it."""
+    values = "dtensor" if "--dtensor" in argv else "sharded_tensor"
+    jobs = {
+        "save": lambda: job_save(Path(argv[1]), values, "--by-name" in argv, orig_params="--flat-params" not in argv),
+        "save-fsdp2": lambda: job_save_fsdp2(Path(argv[1])),
+        "resume-verl": lambda: job_resume_verl(Path(argv[1]), Path(argv[2]), values,
+                                               orig_params="--orig-params" in argv),
+        "resume": lambda: job_resume(Path(argv[1]), Path(argv[2])),
+        "resume-fsdp2": lambda: job_resume_fsdp2(Path(argv[1]), Path(argv[2])),
+    }
+    if not argv or argv[0] not in jobs:
+        raise SystemExit(f"unknown job {' '.join(argv)!r}: {', '.join(jobs)}")
+    return jobs[argv[0]]
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    exit_now(0)  # gloo's threads can abort the interpreter's teardown
+    exit_now(run_steps(sys.argv[1:], parse))  # exit_now: gloo's threads can abort the interpreter's teardown
