@@ -228,8 +228,10 @@ def test_zstd_records_are_decompressed_once_as_they_are_checked(large, tmp_path)
     checked_bytes, unchecked, resharded = json.loads(done.stdout.splitlines()[-1])
     records = sum(1 for t in formats.open_checkpoint(large).tensors.values() for _ in t.chunks)
     assert unchecked < checked_bytes < unchecked + 1024 * records
-    # reshard --dp 4 in 64 KiB tasks: every rank's piece, on threads of their own, reads each record in order
-    assert resharded < unchecked + 1024 * records
+    # reshard --dp 4 in 64 KiB tasks: every rank's piece, on threads of their own, reads each record in order. A
+    # record decompressed again from its start up to a task's offset would cost at least a task (64 KiB); which
+    # thread keeps a record's few hundred bytes of trailer depends on scheduling, so those are not counted exactly.
+    assert resharded < checked_bytes + 32 * 1024
     for out in ("checked.pt", "unchecked.pt", "dp4"):
         dcptool("verify", tmp_path / out, f"{large}.reference.pt")
 
