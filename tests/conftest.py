@@ -192,13 +192,14 @@ MEGATRON_RUNS = {
     "tp2": (2, ["--tp", "2", "--optimizer"]),
     # legacy per-rank files, and the same model (same seed and layout) saved as torch_dist: TP and PP with tied
     # embeddings (the last stage's copy of the output layer); a Qwen3-MoE-like model at TP 2 x EP 2 (experts split
-    # along TP too: expert tensor parallelism is TP by default)
+    # along TP too: expert tensor parallelism is TP by default); MoE layers over 2 pipeline stages of 2 virtual
+    # stages each (the experts' layers renumbered by their stage's offset)
     "legacy_tp2_pp2": (4, ["--format", "torch", "--tp", "2", "--pp", "2", "--num-layers", "4", "--tied"]),
     "legacy_tp2_pp2_dist": (4, ["--tp", "2", "--pp", "2", "--num-layers", "4", "--tied"]),
     "legacy_moe_tp2_ep2": (4, ["--format", "torch", "--tp", "2", "--ep", "2", "--experts", "4", "--qk-layernorm"]),
     "legacy_moe_tp2_ep2_dist": (4, ["--tp", "2", "--ep", "2", "--experts", "4", "--qk-layernorm"]),
-    "legacy_pp2_vpp2": (2, ["--format", "torch", "--pp", "2", "--vpp", "2", "--num-layers", "4"]),
-    "legacy_pp2_vpp2_dist": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4"]),
+    "legacy_pp2_vpp2": (2, ["--format", "torch", "--pp", "2", "--vpp", "2", "--num-layers", "4", "--experts", "4"]),
+    "legacy_pp2_vpp2_dist": (2, ["--pp", "2", "--vpp", "2", "--num-layers", "4", "--experts", "4"]),
 }
 
 
