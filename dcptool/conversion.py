@@ -99,11 +99,8 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     config = adapters.with_run_args(config, checkpoint.info)
     mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
     notes += [note] if note else []
-    made_config = None
-    if isinstance(mapping, adapters.MegatronMapping) and config_dir is None and checkpoint.info.get("args"):
-        notes.append("head counts and vocab_size from the Megatron-LM run's args (its common state)")
-        made_config, line = adapters.megatron.hf_config_from_args(mapping.kind, checkpoint.info["args"])
-        notes.append(line)
+    made_config, lines = adapters.config_from_run(mapping, checkpoint.info) if config_dir is None else (None, [])
+    notes += lines
     if mapping is not None:
         result = mapping.convert(named)
         adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")

@@ -377,6 +377,15 @@ def config_to_compare(config: dict | None, source: str, other: dict[str, TensorI
     return config if rows is None else {**config, "vocab_size": rows}
 
 
+def config_from_run(mapping: Mapping | MegatronMapping | None, info: dict) -> tuple[dict | None, list[str]]:
+    """An HF config.json for an export made from what a checkpoint says of its training run (a Megatron-LM run's
+    ``args``, read as data into ``info``), with the lines that say so; (None, []) where it says nothing."""
+    if not isinstance(mapping, MegatronMapping) or mapping.source != MEGATRON or not info.get("args"):
+        return None, []
+    config, line = megatron.hf_config_from_args(mapping.kind, info["args"])
+    return config, ["head counts and vocab_size from the Megatron-LM run's args (its common state)", line]
+
+
 def make_mapping(kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert",
                  megatron_output: megatron.MegatronOutput | None = None,
                  where: str = "") -> Mapping | MegatronMapping:
