@@ -120,6 +120,9 @@ class Mapping:
             raise UsageError(f"{option('hf_experts', hf_experts)}: choose {' or '.join(HF_EXPERTS)}")
         self.kind, self.source, self.target = kind, source, target
         self.model = models.kinds()[kind]
+        for family in (source, target):
+            if not any(row.name(family) for row in self.model.rows):
+                raise UsageError(f"{kind} has no {family} names in dcptool's tables ({family} has no such model)")
         self.config = models.text_config(config)
         self.fused = hf_experts == "fused" and target == "hf"
         # Experts per (row, layer), from the weights: per-expert optimizer counters follow them.
