@@ -228,6 +228,7 @@ def test_qwen2_moe_round_trip(hf_models, tmp_path):
     dcptool("import-hf", hf, mcore, "--adapter", "megatron", "--tp", "2")
     shapes = json.loads(dcptool("inspect", mcore, "--json").stdout)["tensors"]
     config = read_config(hf)
+    assert "names: megatron (qwen2_moe)" in dcptool("inspect", mcore).stdout  # told from the names alone
     assert shapes["decoder.layers.mlp.shared_experts.gate_weight"]["shape"] == [2, 1, config["hidden_size"]]
     assert shapes["decoder.layers.mlp.shared_experts.linear_fc1.weight"]["shape"] == [
         2, 2 * config["shared_expert_intermediate_size"], config["hidden_size"]]

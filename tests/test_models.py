@@ -56,15 +56,13 @@ def test_every_kind_is_one_module():
         assert {"hf", "torchtitan"} <= set(kind.tp_rules), kind.name
 
 
-@pytest.mark.parametrize("family", models.FAMILIES)
-@pytest.mark.parametrize("kind", sorted(models.kinds()))
+@pytest.mark.parametrize("kind, family", [(kind, family) for kind in sorted(models.kinds()) for family in models.FAMILIES
+                                          if any(row.name(family) for row in models.kinds()[kind].rows)])
 def test_kind_detected_from_its_names(kind, family):
-    """Without a config, a checkpoint's names tell its kind: the smallest table that names them all."""
-    rows = models.kinds()[kind].rows
-    if not any(row.name(family) for row in rows):
-        pytest.skip(f"{kind} has no {family} names")
+    """Without a config, a checkpoint's names tell its kind: the smallest table that names them all (in the
+    families that have the kind: Qwen2-MoE has HF names only)."""
     names = []
-    for row in rows:
+    for row in models.kinds()[kind].rows:
         name = row.name(family)
         if name and not row.mtp and not name.endswith(("inv_freq", "freqs_cis")):
             names.append(name.replace("{L}", "1").replace("{E}", "0"))
