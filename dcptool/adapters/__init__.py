@@ -120,6 +120,12 @@ class Mapping:
             raise UsageError(f"{option('hf_experts', hf_experts)}: choose {' or '.join(HF_EXPERTS)}")
         self.kind, self.source, self.target = kind, source, target
         self.model = models.kinds()[kind]
+        named = [family for family in FAMILIES if any(row.name(family) for row in self.model.rows)]
+        for family in (source, target):
+            if family not in named:
+                known = ", ".join(named + ([MEGATRON] if self.model.megatron else []))
+                raise UsageError(f"{kind} has no {family} names in dcptool's tables ({family} has no such model); "
+                                 f"its names: {known} ({option('adapter')})")
         self.config = models.text_config(config)
         self.fused = hf_experts == "fused" and target == "hf"
         # Experts per (row, layer), from the weights: per-expert optimizer counters follow them.

@@ -56,6 +56,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     }),
 }
 
+# Kinds with no Archon or torchtitan model (HF and Megatron names only): kept out of MODELS, which the
+# family tests run through.
+HF_ONLY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_moe": ("qwen2_moe", {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1,
+                                "mlp_only_layers": []}),
+}
+
 # ---------------------------------------------------------------------------
 # Name tables: HF name (under model.layers.{i}. for layers) -> family name
 # ---------------------------------------------------------------------------
@@ -279,7 +287,7 @@ def hf_config(name: str, **overrides):
     """The transformers config of a model name in MODELS (eager attention, float32), fields overridden."""
     from transformers import AutoConfig
 
-    kind, fields = MODELS[name]
+    kind, fields = (MODELS | HF_ONLY_MODELS)[name]
     return AutoConfig.for_model(kind, **(fields | overrides), attn_implementation="eager")
 
 

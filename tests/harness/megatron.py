@@ -47,7 +47,7 @@ MODEL_DEFAULTS = {
     "tp": 1, "pp": 1, "ep": 1, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
     "experts": 0, "moe_ffn": 32, "topk": 2, "grouped_gemm": False, "qk_layernorm": False, "qkv_bias": False,
     "vocab": 100, "divisible_by": 16, "padded_vocab": 0, "tied": False, "seq_len": 64, "rope_base": 10000.0,
-    "eps": 1e-6, "deepseek_config": "", "mtp_layers": 0,
+    "eps": 1e-6, "deepseek_config": "", "mtp_layers": 0, "pre_softmax": False, "shared_ffn": 0, "shared_gate": False,
 }
 ITERATION = 100
 
@@ -137,6 +137,9 @@ def build(model: dict) -> list:
         expert_model_parallel_size=model["ep"],
         num_moe_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if moe else None,
         moe_router_topk=model["topk"], moe_grouped_gemm=model["grouped_gemm"], moe_token_dispatcher_type="allgather",
+        moe_router_pre_softmax=model["pre_softmax"],
+        # Qwen2-MoE's shared expert, scaled by a sigmoid gate (moe/shared_experts.py)
+        moe_shared_expert_intermediate_size=model["shared_ffn"] or None, moe_shared_expert_gate=model["shared_gate"],
         moe_aux_loss_coeff=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0)
@@ -170,7 +173,8 @@ def run_args(model: dict, checkpoint_format: str):
         num_attention_heads=model["heads"], group_query_attention=model["kv_groups"] != model["heads"],
         num_query_groups=model["kv_groups"], kv_channels=model["hidden"] // model["heads"],
         num_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if model["experts"] else None,
-        moe_router_topk=model["topk"], moe_router_pre_softmax=False, moe_grouped_gemm=model["grouped_gemm"],
+        moe_router_topk=model["topk"], moe_router_pre_softmax=model["pre_softmax"], moe_grouped_gemm=model["grouped_gemm"],
+        moe_shared_expert_intermediate_size=model["shared_ffn"] or None, moe_shared_expert_gate=model["shared_gate"],
         qk_layernorm=model["qk_layernorm"],
         add_qkv_bias=model["qkv_bias"], add_bias_linear=False, swiglu=True, normalization="RMSNorm",
         norm_epsilon=model["eps"], position_embedding_type="rope", rotary_base=model["rope_base"],

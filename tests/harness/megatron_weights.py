@@ -40,7 +40,7 @@ def rope_theta(config: dict) -> float:
 
 
 def transformer_config(config: dict, **parallel) -> Any:
-    """Megatron's TransformerConfig of an HF config (Llama, Qwen2, Qwen3, Qwen3-MoE); ``parallel``:
+    """Megatron's TransformerConfig of an HF config (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE); ``parallel``:
     tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size."""
     from megatron.core.transformer import TransformerConfig
 
@@ -50,7 +50,7 @@ def transformer_config(config: dict, **parallel) -> Any:
         num_attention_heads=config["num_attention_heads"], num_query_groups=config["num_key_value_heads"],
         kv_channels=_head_dim(config), ffn_hidden_size=config["intermediate_size"],
         normalization="RMSNorm", layernorm_epsilon=config["rms_norm_eps"], gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=kind == "qwen2",
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True)),
         qk_layernorm=kind in ("qwen3", "qwen3_moe"), use_cpu_initialization=True, params_dtype=torch.float32,
         attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False, **parallel)
@@ -62,6 +62,9 @@ def transformer_config(config: dict, **parallel) -> Any:
                       # HF: softmax over every expert, top-k, renormalised (norm_topk_prob) = Megatron's
                       # softmax over the top-k logits.
                       moe_router_pre_softmax=not config.get("norm_topk_prob", False))
+    if config.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert, scaled by a sigmoid gate
+        fields.update(moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
+                      moe_shared_expert_gate=True)
     return TransformerConfig(**fields)
 
 
@@ -117,6 +120,12 @@ def megatron_weights(hf: dict[str, torch.Tensor], config: dict, vocab_rows: int)
                 local = f"{dst}mlp.experts.local_experts.{expert}."
                 out[local + "linear_fc1.weight"] = torch.cat([hf[one + "gate_proj.weight"], hf[one + "up_proj.weight"]])
                 out[local + "linear_fc2.weight"] = hf[one + "down_proj.weight"]
+            shared = mlp + "shared_expert."
+            if shared + "gate_proj.weight" in hf:  # shared_experts.py's SharedExpertMLP and its gate_weight [1, hidden]
+                out[dst + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([hf[shared + "gate_proj.weight"],
+                                                                               hf[shared + "up_proj.weight"]])
+                out[dst + "mlp.shared_experts.linear_fc2.weight"] = hf[shared + "down_proj.weight"]
+                out[dst + "mlp.shared_experts.gate_weight"] = hf[mlp + "shared_expert_gate.weight"]
         else:
             out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
             out[dst + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
