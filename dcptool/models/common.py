@@ -221,6 +221,16 @@ HEAD_NORM = re.compile(r"(self_attn|attention)\.k_norm\.weight$")
 # model's decoder-layer class): model.layers.N.
 DECODER_LAYERS = (r"layers\.\d+",)
 
+
+def moe_kind_fields(expert_fields: tuple[str, ...]) -> dict:
+    """The ``ModelKind`` fields every MoE kind shares: the dense TP rules plus the routed experts', tied
+    embeddings allowed, routed experts counted under ``expert_fields`` (which ep must divide, as tp the heads),
+    FSDP per decoder layer."""
+    return {"tp_rules": tp_rules(DENSE_TP, ROUTED_EXPERTS_TP), "ties": (TIED_EMBEDDINGS,),
+            "expert_fields": expert_fields, "divisors": (*HEAD_DIVISORS, Divisor("ep", expert_fields, "experts")),
+            "fsdp_units": DECODER_LAYERS}
+
+
 # ---------------------------------------------------------------------------------------------
 # Megatron-Core's names (megatron-core 0.19: gpt_layer_specs.py, attention.py, mlp.py, moe/). The layer
 # norms are fused into the next linear layer (``layer_norm_weight``) by the local and TE specs alike

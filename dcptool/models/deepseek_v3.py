@@ -9,7 +9,7 @@ Archon names have none, and transformers ignores them.
 from dataclasses import replace
 
 from dcptool.models import common
-from dcptool.models.kind import Divisor, MegatronMTP, MegatronName, ModelKind, Row
+from dcptool.models.kind import MegatronMTP, MegatronName, ModelKind, Row
 
 # transformers v5 reads n_routed_experts as num_local_experts.
 EXPERT_FIELDS = ("n_routed_experts", "num_local_experts")
@@ -115,11 +115,7 @@ KIND = ModelKind(
     name="deepseek_v3",
     rows=(common.EMBEDDINGS, common.FINAL_NORM, common.LM_HEAD, *common.RECOMPUTED, *LAYER, *MTP),
     hf_weights=hf_weights,
-    tp_rules=common.tp_rules(common.DENSE_TP, common.ROUTED_EXPERTS_TP),
-    ties=(common.TIED_EMBEDDINGS,),
-    expert_fields=EXPERT_FIELDS,
-    divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
-    fsdp_units=common.DECODER_LAYERS,
+    **common.moe_kind_fields(EXPERT_FIELDS),
     extra_layers="num_nextn_predict_layers",
     megatron=MEGATRON,
     megatron_mtp=MEGATRON_MTP,

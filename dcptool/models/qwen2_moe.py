@@ -9,7 +9,7 @@ from those families is refused. Megatron-Core holds it as a GPT model with ``add
 from dataclasses import replace
 
 from dcptool.models import common
-from dcptool.models.kind import Divisor, MegatronName, ModelKind, Row
+from dcptool.models.kind import MegatronName, ModelKind, Row
 
 # transformers v5 writes num_local_experts.
 EXPERT_FIELDS = ("num_experts", "num_local_experts")
@@ -42,11 +42,7 @@ KIND = ModelKind(
     name="qwen2_moe",
     rows=tuple(replace(row, archon=None, torchtitan=None) for row in HF_ROWS if row.hf),
     hf_weights=hf_weights,
-    tp_rules=common.tp_rules(common.DENSE_TP, common.ROUTED_EXPERTS_TP),
-    ties=(common.TIED_EMBEDDINGS,),
-    expert_fields=EXPERT_FIELDS,
-    divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
-    fsdp_units=common.DECODER_LAYERS,
+    **common.moe_kind_fields(EXPERT_FIELDS),
     # Megatron-Core's SharedExpertMLP (moe/shared_experts.py): gate and up in linear_fc1, and the gate
     # as the parameter gate_weight [1, hidden].
     megatron=(*common.megatron_decoder(biases=True), *common.megatron_routed_experts(expert_bias=None),

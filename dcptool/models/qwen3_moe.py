@@ -5,7 +5,7 @@ for: it is dropped on export with a note.
 """
 
 from dcptool.models import common
-from dcptool.models.kind import Divisor, ModelKind, Row
+from dcptool.models.kind import ModelKind, Row
 
 # transformers v5 writes num_local_experts.
 EXPERT_FIELDS = ("num_experts", "num_local_experts")
@@ -30,11 +30,7 @@ KIND = ModelKind(
     rows=(*common.dense_decoder_rows(qk_norms=True), *common.routed_expert_rows(),
           Row(None, "layers.{L}.moe.expert_bias", "layers.{L}.moe.expert_bias_E")),
     hf_weights=hf_weights,
-    tp_rules=common.tp_rules(common.DENSE_TP, common.ROUTED_EXPERTS_TP),
-    ties=(common.TIED_EMBEDDINGS,),
-    expert_fields=EXPERT_FIELDS,
-    divisors=(*common.HEAD_DIVISORS, Divisor("ep", EXPERT_FIELDS, "experts")),
-    fsdp_units=common.DECODER_LAYERS,
+    **common.moe_kind_fields(EXPERT_FIELDS),
     megatron=(*common.megatron_decoder(qk_norms=True), *common.megatron_routed_experts(expert_bias=None)),
     args_config={"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
                  "decoder_sparse_step": 1, "mlp_only_layers": []},  # every layer routed (moe_layer_freq 1)
