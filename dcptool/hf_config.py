@@ -34,8 +34,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype: str | None,
                   made: dict | None = None) -> dict | None:
-    """The config.json an export of ``tensors`` writes (``config_dir``'s, else ``made``: one made from a
-    Megatron-LM run's args), checked against them, its ``dtype`` and ``torch_dtype`` set to ``dtype`` (or the
+    """The config.json an export of ``tensors`` writes (``config_dir``'s, else ``made``: one made from what
+    the checkpoint says of its training run, ``adapters.config_from_run``), checked against them, its ``dtype`` and ``torch_dtype`` set to ``dtype`` (or the
     tensors' floating-point dtype); None without either.
 
     A config that does not fit is a usage error naming the config file and the first misfit.
@@ -47,8 +47,8 @@ def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype
     config = read_config(config_dir) if config_dir is not None else made
     problem = misfit(config, {t.key: t.shape for t in tensors})
     if problem and config_dir is None:
-        raise UsageError(f"the config.json made from the Megatron-LM run's args does not fit the tensors: {problem}; "
-                         f"give the model's config folder with {option('config_dir')}")
+        raise UsageError(f"the config.json made from what the checkpoint says of its run does not fit the tensors: "
+                         f"{problem}; give the model's config folder with {option('config_dir')}")
     if problem:
         raise UsageError(f"{CheckpointFiles(config_dir).path('config.json')} does not fit the tensors: {problem}")
     floating = [t.dtype for t in tensors if t.dtype in dtypes.CASTABLE]
