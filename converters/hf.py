@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -18,7 +19,7 @@ from dcptool import dtypes
 from dcptool.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
                             shape_problem, utf8_problem, option)
-from dcptool.format_interface import Format
+from dcptool.format_interface import Format, FormatOptions
 from dcptool.sizes import parse_size
 from dcptool.storage import CheckpointFiles, OutputFiles
 
@@ -26,6 +27,7 @@ NAME = "hf"
 INDEX = "model.safetensors.index.json"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # a PEFT adapter folder
 MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
+MAX_SHARD_SIZE = "5GB"  # the largest safetensors file by default: the hub's
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the __metadata__ entry of torch's HF-storage DCP files
 # Files that make an export usable by transformers, copied from --config-dir.
 CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -222,7 +224,7 @@ class SafetensorsFiles:
 class Writer(SafetensorsFiles):
     """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order)."""
 
-    def __init__(self, folder: Path, max_shard_size: int | str = "5GB", config_dir: str | Path | None = None,
+    def __init__(self, folder: Path, max_shard_size: int | str = MAX_SHARD_SIZE, config_dir: str | Path | None = None,
                  config: dict | None = None, adapter_config: dict | None = None):
         self.folder, self.config_dir = folder, config_dir
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")  # the hub's split gets bytes
@@ -279,12 +281,26 @@ def _whole(tensor):
     return Piece(tensor, tuple(0 for _ in tensor.shape), tuple(tensor.shape))
 
 
+@dataclass(frozen=True, kw_only=True)
+class HfOptions(FormatOptions):
+    """The hf output's own options: ``--max-shard-size``.
+
+    Args:
+        max_shard_size: the largest safetensors file (bytes, or text such as ``"5GB"``; by default the hub's).
+    """
+
+    max_shard_size: int | str = MAX_SHARD_SIZE
+
+    def check(self) -> None:
+        parse_size(self.max_shard_size, "max_shard_size")
+
+
 class HuggingFace(Format):
     """A Hugging Face model folder: safetensors files, their index, and the config and tokenizer files."""
 
     name = NAME
     completes = (INDEX,)  # without the index a sharded folder is incomplete
-    options = ("max_shard_size",)
+    options = HfOptions
 
     detect = staticmethod(detect)
     read = staticmethod(read)

@@ -89,7 +89,7 @@ def _sharding_info(where, metadata: dict[str, str], tensors: dict[str, TensorInf
     text = metadata.get(hf.DCP_SHARDING_INFO)
     if text is None:
         raise CheckpointError(f"{where}: no {hf.DCP_SHARDING_INFO} in __metadata__ (not a file of torch's "
-                              f"HuggingFaceStorageWriter; read a folder of plain safetensors with {option('source_format', 'hf')})")
+                              f"HuggingFaceStorageWriter; read a folder of plain safetensors with {option('format', 'hf')})")
     info = parse_json(text.encode(), f"{where}: __metadata__[{hf.DCP_SHARDING_INFO}]")
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: {hf.DCP_SHARDING_INFO} is {json_kind(info)}, not an object")

@@ -53,7 +53,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
         if isinstance(value, TensorRef):
             if value.subclass:
                 raise CheckpointError(f"{path}: {printable(key)} is a {printable(value.subclass)}; "
-                                      f"per-rank files are read with {option('source_format', 'fsdp1')}")
+                                      f"per-rank files are read with {option('format', 'fsdp1')}")
             tensors[key] = archive_tensor(archive, value, nested)
         else:
             objects[key] = ObjectInfo(nested, value=value)

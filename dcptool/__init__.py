@@ -1,14 +1,17 @@
 """dcptool: inspect, convert, reshard and verify PyTorch distributed checkpoints (DCP, FSDP1, torch.save,
 Hugging Face safetensors) offline and streaming, without torch.
 
-The Python entry points are those of ``dcptool.api`` (see there), loaded on first use so that
-``import dcptool`` and the command line start fast; nothing imports torch unless asked to.
+The Python entry points are those of ``dcptool.api`` (see there): the commands as functions and the option
+objects they take (``dcptool.options``), loaded on first use so that ``import dcptool`` and the command line
+start fast; nothing imports torch unless asked to.
 
 >>> import dcptool
 >>> ckpt = dcptool.open("checkpoints/step-1000")                        # doctest: +SKIP
 >>> ckpt["model.norm.weight"], ckpt.read("model.norm.weight")[:4]      # doctest: +SKIP
 (TensorSpec(dtype='float32', shape=(4096,), nbytes=16384, chunks=2), array([1., 1., 1., 1.], dtype=float32))
 >>> dcptool.export_hf("checkpoints/step-1000", "hf-1000", config_dir="base-model")   # doctest: +SKIP
+>>> dcptool.reshard("step-1000", "step-1000-tp4", mesh=dcptool.MeshOptions(tp=4),      # doctest: +SKIP
+...                 writing=dcptool.Writing(overwrite=True))
 """
 
 from __future__ import annotations
@@ -59,14 +62,17 @@ from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolErr
                             UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
-    from dcptool.api import (Reader, Region, TensorSpec, average, check, checksum, convert, diff, export_hf,  # noqa: A004
-                             import_hf, inspect, open, reshard, tensor_layout, verify)
+    from dcptool.api import (HubPush, LoadOn, Lora, MeshOptions, Reader, Reading, Region, Selection, Side,  # noqa: A004
+                             TensorSpec, Tolerance, Writing, average, check, checksum, convert, diff, export_hf,
+                             format_options, import_hf, inspect, open, reshard, tensor_layout, verify)
 
 # The library code behind the commands lives in modules named apart from them (dcptool.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
-           "reshard", "verify", "checksum", "check", "average", "diff", "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError",
-           "UnsafePickleError", "UsageError", "OutputExistsError", "MismatchError"]
+           "reshard", "verify", "checksum", "check", "average", "diff", "format_options", "Reading", "Writing",
+           "Selection", "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn", "api", "DcptoolError",
+           "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError", "OutputExistsError",
+           "MismatchError"]
 
 
 def __getattr__(name: str):

@@ -1,47 +1,57 @@
 """dcptool as a Python library: open a checkpoint and read its tensors, or run a command as a function.
 
 This module is the one orchestrator of the commands: each function does what the ``dcptool``
-command of the same name does, with every option it has (``--from`` is ``source_format``,
-``--revision`` of a hub source ``revision``), and returns the report that the command prints
-instead of printing it; the command line only parses options, calls these and renders. Bad input
-raises the exceptions of ``dcptool.errors``: ``CheckpointError`` for a checkpoint that cannot be
-read, ``UsageError`` for options that cannot work together (the command exits 2 for both). A check
-that finds a difference is not an error here: look at ``report.equal`` (verify) or ``result.ok``
-(checksum, ``verify(load_on=...)``). Sizes (``max_memory``, ``max_shard_size``) are bytes or text
-such as ``"256MiB"`` or ``"5GB"``. ``dry_run=True`` plans and reports, and writes nothing. Every record
-read (``torch.save`` archives: DCP chunks and objects, ``torch.save`` and FSDP1 files) is checked as torch
-would check it, and its CRC-32s as its bytes pass: a damaged one raises ``CheckpointError``;
-``verify_records=False`` (``--no-verify-records``) skips that, for a caller who accepts the risk.
-``progress`` is a callable ``progress(total_bytes, label)`` returning a context manager that
-yields ``advance(n)`` (the command line passes its progress bar).
+command of the same name does and returns the report that the command prints instead of printing
+it; the command line only parses options, builds the objects below from them, calls these and renders.
+
+Options come as objects (``dcptool.options``, all re-exported by ``dcptool``): ``Reading`` for how the
+sources are read (``--from``, ``--revision``: always the source's hub revision, ``--no-verify-records``,
+``--dequantize``, ``--max-memory``, the progress bar), ``Writing`` for how an output is written
+(``--overwrite``, ``--no-fsync``, ``--dry-run``), ``Selection`` (``--include``, ``--exclude``, ``--prefix``),
+``MeshOptions`` for the mesh of a reshard (``--dp``, ``--tp``, ... ``--plan``), and the options of one output
+format, built by name (``format_options("fsdp1", optim_form="flat")``: fsdp1's ``--world-size``,
+``--keep-rank-state``, ``--optim-form``, ``--model-values``, dcp's ``--compress``, hf's ``--max-shard-size``).
+``family`` is a naming family of tensor names (hf, archon, torchtitan, megatron; the flag ``--adapter``).
+Sizes are bytes or text such as ``"256MiB"`` or ``"5GB"``.
+
+Bad input raises the exceptions of ``dcptool.errors``: ``CheckpointError`` for a checkpoint that cannot be
+read, ``UsageError`` for options that cannot work together (the command exits 2 for both); a message names
+an option as the caller passed it (``mesh.tp=3``, ``reading.max_memory='12XB'``; on the command line ``--tp
+3``). An option a command does not take (``reading.dequantize`` of ``verify``) is refused. A check that finds
+a difference is not an error here: look at ``report.equal`` (verify) or ``result.ok`` (checksum,
+``verify(load_on=...)``). Every record read (``torch.save`` archives: DCP chunks and objects, ``torch.save``
+and FSDP1 files) is checked as torch would check it, and its CRC-32s as its bytes pass: a damaged one raises
+``CheckpointError``; ``Reading(verify_records=False)`` skips that, for a caller who accepts the risk.
 
 Nothing here imports torch unless asked to (``read(..., as_torch=True)``, ``verify(load_on=...)``).
 
 >>> import tempfile, numpy as np, safetensors.numpy, dcptool
 >>> folder = tempfile.mkdtemp()
 >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
->>> dcptool.reshard(folder, f"{folder}-dp2", dp=2, dry_run=True).planned_files
+>>> dcptool.reshard(folder, f"{folder}-dp2", mesh=dcptool.MeshOptions(dp=2),
+...                 writing=dcptool.Writing(dry_run=True)).planned_files
 {'__0_0.distcp': 24, '__1_0.distcp': 24}
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping
+import re
 from contextlib import contextmanager
+from inspect import signature
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from dcptool import formats, hub
+from dcptool import errors, formats, hub
 from dcptool.conversion import Conversion, Report
 from dcptool.core import Checkpoint
 from dcptool.errors import UsageError, option
-from dcptool.format_interface import OutputRequest
-from dcptool.mesh import parse_mesh
+from dcptool.format_interface import FormatOptions, OutputRequest
+from dcptool.options import (LORA_MODES, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading, Selection,
+                             Side, Tolerance, Writing)
 from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
-from dcptool.sizes import parse_size
 from dcptool.storage import check_apart, check_destination, is_remote, output_path
-from dcptool.transfer import DEFAULT_MAX_MEMORY
 
 if TYPE_CHECKING:
     from dcptool.checksums import Result
@@ -54,32 +64,75 @@ if TYPE_CHECKING:
     from dcptool.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
-           "verify", "checksum", "check", "average", "diff"]
-
-Size = Union[int, str]
-Progress = Callable[[Union[int, None], str], ContextManager[Callable[[int], None]]]
+           "verify", "checksum", "check", "average", "diff", "format_options", "Reading", "Writing", "Selection",
+           "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
 
 
-def _records(command: Callable) -> Callable:
-    """The command's ``verify_records`` keyword: False (``--no-verify-records``) reads the checkpoints it opens
-    without checking their records (zip structure, CRC-32s), for a caller who accepts the risk."""
+def _command(command: Callable) -> Callable:
+    """An API command: while it runs, messages name its options as its caller passes them (an option object's
+    field by the keyword the object came as: ``mesh.tp=3``; ``errors.option``), and the checkpoints it opens
+    check their records unless ``reading.verify_records`` is False."""
     @functools.wraps(command)
     def run(*args, **kwargs):
-        with formats.records_checked(kwargs.get("verify_records", True)):
+        reading = kwargs.get("reading") or Reading()
+        with errors.options_as_keywords(_keywords(command)), formats.records_checked(reading.verify_records):
             return command(*args, **kwargs)
     return run
 
 
-@_records
-def inspect(path: str | Path, *, source_format: str | None = None, revision: str | None = None,
-            include: str | None = None, stats: bool = False, threads: int = 0, max_memory: Size = DEFAULT_MAX_MEMORY,
-            progress: Progress | None = None,
-            verify_records: bool = True) -> Inspection:
+@functools.cache
+def _keywords(command: Callable) -> dict[str, str]:
+    """The message key of each field of ``command``'s option objects -> that field as its caller names it
+    (``tp`` -> ``mesh.tp``). A key that is also one of the command's own keywords stays that keyword, and the
+    first object to take a key keeps it (a reshard's ``world_size`` is its mesh's)."""
+    parameters = signature(command).parameters
+    found: dict[str, str] = {}
+    for name, parameter in parameters.items():
+        for kind in _option_classes(str(parameter.annotation)):
+            for key, field in kind.keys(name).items():
+                if key not in parameters:
+                    found.setdefault(key, field)
+    return found
+
+
+def _option_classes(annotation: str) -> list[type[Options]]:
+    """The option classes an annotation names (``MeshOptions | None``); ``FormatOptions`` stands for every format's."""
+    named = [globals()[word] for word in re.findall(r"\w+", annotation)
+             if isinstance(globals().get(word), type) and issubclass(globals()[word], Options)]
+    if FormatOptions in named:
+        named = [f.options for f in formats.all_formats().values() if f.options is not None]
+    return named
+
+
+def _refuse(given: Options, command: str, *names: str) -> None:
+    """Refuse the fields ``names`` of an option object when set: ``command`` does not take them."""
+    for name, value in given.given().items():
+        if name in names:
+            raise UsageError(f"{option(type(given).KEYS.get(name, name), value)}: {command} does not take it")
+
+
+def format_options(format: str, **values) -> FormatOptions | None:  # noqa: A002 - a format's name, as everywhere
+    """The options of output format ``format`` beyond the generic ones, as ``convert``, ``reshard`` and
+    ``export_hf`` take them (``format_options=``): fsdp1's ``world_size``, ``keep_rank_state``, ``optim_form``,
+    ``model_values``; dcp's ``compress``; hf's ``max_shard_size``. An option the format does not take is refused,
+    naming the formats that take it; a format that takes none gives None.
+
+    Example:
+        >>> import dcptool
+        >>> dcptool.format_options("fsdp1", world_size=2, optim_form="flat")
+        Fsdp1Options(world_size=2, keep_rank_state=False, optim_form='flat', model_values=None)
+    """
+    return formats.options(format, **values)
+
+
+@_command
+def inspect(path: str | Path, *, selection: Selection = Selection(), stats: bool = False, threads: int = 0,
+            reading: Reading = Reading()) -> Inspection:
     """``dcptool inspect``: a checkpoint's tensors, entries, data files, parameter counts, naming family and
     model kind, and the mesh it was saved on; with ``stats``, every tensor's values read and summarized.
 
     Args:
-        include: only keys matching this regular expression.
+        selection: ``include``: only keys matching this regular expression.
         stats: read every tensor (min, max, mean, std, L2 norm, zeros, NaN, Inf, suspicious findings).
         threads: reading threads for ``stats`` (0: the CPUs, at most 4).
 
@@ -97,18 +150,22 @@ def inspect(path: str | Path, *, source_format: str | None = None, revision: str
     from dcptool import inspection
     from dcptool import stats as statistics
 
-    path, = hub.with_revision(path, revision=revision)
-    checkpoint = formats.open_checkpoint(path, source_format)
+    _refuse(reading, "inspect", "dequantize")
+    _refuse(selection, "inspect", "exclude", "prefix")
+    path, = hub.with_revision(path, revision=reading.revision)
+    checkpoint = formats.open_checkpoint(path, reading.format)
+    include = selection.include
     total = sum(t.nbytes for t in statistics.included(checkpoint.tensors, include).values()) if stats else 0
-    with _progress(progress if stats else None, total, "reading") as advance:
+    with _progress(reading.progress if stats else None, total, "reading") as advance:
         return inspection.inspect_checkpoint(checkpoint, include, with_stats=stats, threads=threads or None,
-                                             max_memory=parse_size(max_memory, "max_memory"), progress=advance)
+                                             max_memory=reading.budget(), progress=advance)
 
 
-def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: str = "auto", svg: str | Path | None = None,
-           source_format: str | None = None, revision: str | None = None) -> Layout:
+@_command
+def tensor_layout(path: str | Path, key: str, *, mesh: MeshOptions | None = None, svg: str | Path | None = None,
+                  reading: Reading = Reading()) -> Layout:
     """``dcptool inspect --layout KEY``: which rank holds which block of tensor ``key``, as saved, or with
-    ``mesh`` (``"dp=2,tp=4"``) as ``reshard`` would lay it out under ``plan``; ``svg`` also draws it there.
+    ``mesh`` as ``reshard`` would lay it out (by the mesh's plan); ``svg`` also draws it there.
 
     Returns:
         ``layout.Layout``; ``.to_json()`` is what ``inspect --layout KEY --json`` prints.
@@ -117,43 +174,40 @@ def tensor_layout(path: str | Path, key: str, *, mesh: str | None = None, plan: 
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> [block["holders"] for block in dcptool.tensor_layout(folder, "w", mesh="dp=2").to_json()["blocks"]]
+        >>> picture = dcptool.tensor_layout(folder, "w", mesh=dcptool.MeshOptions(dp=2))
+        >>> [block["holders"] for block in picture.to_json()["blocks"]]
         [[0], [1]]
     """
     from dcptool import layout as layouts
 
-    path, = hub.with_revision(path, revision=revision)
-    checkpoint = formats.open_checkpoint(path, source_format)
-    picture = layouts.planned_layout(checkpoint, key, mesh, plan) if mesh else layouts.saved_layout(checkpoint, key)
+    _refuse(reading, "tensor_layout", "dequantize")
+    path, = hub.with_revision(path, revision=reading.revision)
+    checkpoint = formats.open_checkpoint(path, reading.format)
+    picture = layouts.planned_layout(checkpoint, key, mesh) if mesh else layouts.saved_layout(checkpoint, key)
     if svg:
         check_apart(checkpoint.files.location, svg)
         layouts.write_svg(picture, Path(svg))
     return picture
 
 
-@_records
-def convert(source: str | Path, destination: str | Path, to: str, *, source_format: str | None = None,
-            revision: str | None = None, dtype: str | None = None, include: str | None = None,
-            exclude: str | None = None, world_size: int | None = None, max_shard_size: Size | None = None,
-            adapter: str | None = None, config_dir: str | Path | None = None, keep_rank_state: bool = False,
-            optim_form: str | None = None, model_values: str | None = None, dequantize: bool = False,
-            compress: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False,
-            fsync: bool = True, dry_run: bool = False, progress: Progress | None = None,
-            verify_records: bool = True) -> Report:
-    """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, hf-dcp, fsdp1), every key as
-    saved (or what the format holds), renamed to ``adapter``'s family if given.
+@_command
+def convert(source: str | Path, destination: str | Path, to: str, *, family: str | None = None,
+            config_dir: str | Path | None = None, dtype: str | None = None, selection: Selection = Selection(),
+            format_options: FormatOptions | None = None, reading: Reading = Reading(),
+            writing: Writing = Writing()) -> Report:
+    """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, hf-dcp, fsdp1, megatron), every
+    key as saved (or what the format holds), renamed to naming family ``family``'s names if given.
 
     Args:
         source: a checkpoint of any format dcptool reads (a path, a URL or a hub repo id).
         destination: the output (a folder or a file, by format), which appears atomically.
-        to: the output format. Options a format does not take are refused: ``compress`` goes with dcp,
-            ``max_shard_size`` with hf, ``world_size``, ``keep_rank_state``, ``optim_form`` and
-            ``model_values`` with fsdp1.
-        dequantize: block-scaled float8 weights become ``dtype`` (default bfloat16) weights.
+        to: the output format; ``format_options`` its own options (``format_options("fsdp1", world_size=8)``).
+        config_dir: the model's config folder (head counts, experts, tied embeddings), for ``family``.
+        reading: ``dequantize`` turns block-scaled float8 weights into ``dtype`` (default bfloat16) weights.
 
     Returns:
-        ``Report``: ``left_out`` lists what the format cannot hold, ``notes`` what an adapter renamed or
-        left out, ``dropped`` what planning did not choose.
+        ``Report``: ``left_out`` lists what the format cannot hold, ``notes`` what renaming did or left out,
+        ``dropped`` what planning did not choose.
 
     Example:
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
@@ -165,38 +219,31 @@ def convert(source: str | Path, destination: str | Path, to: str, *, source_form
     """
     from dcptool import conversion
 
-    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
-    shard_size = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
-    request = OutputRequest(dtype=dtype, include=include, exclude=exclude, world_size=world_size, compress=compress,
-                            max_shard_size=shard_size, keep_rank_state=keep_rank_state,
-                            forms=_forms(optim_form, model_values))
-    planned = conversion.plan_convert(checkpoint, to, request, adapter=adapter, config_dir=config_dir)
+    _refuse(selection, "convert", "prefix")
+    checkpoint, notes = _source(source, reading, config_dir, dtype)
+    request = OutputRequest(dtype=dtype, include=selection.include, exclude=selection.exclude,
+                            format_options=format_options)
+    planned = conversion.plan_convert(checkpoint, to, request, family=family, config_dir=config_dir)
     planned.notes += notes
-    return _run(planned, destination, dry_run, progress, max_memory, overwrite, fsync)
+    return _run(planned, destination, reading, writing)
 
 
-@_records
+@_command
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
-              prefix: str | None = None, source_format: str | None = None, revision: str | None = None,
-              dtype: str | None = None, include: str | None = None, exclude: str | None = None,
-              max_shard_size: Size = "5GB", adapter: str = "auto", hf_experts: str = "per-expert",
-              lora: str | None = None, lora_config: str | Path | None = None, lora_alpha: float | None = None,
-              dequantize: bool = False, push_to_hub: str | None = None, private: bool = False,
-              hub_branch: str | None = None, commit_message: str | None = None,
-              max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
-              dry_run: bool = False, progress: Progress | None = None,
-              verify_records: bool = True) -> Report:
+              family: str = "auto", hf_experts: str = "per-expert", dtype: str | None = None,
+              selection: Selection = Selection(), format_options: FormatOptions | None = None,
+              lora: Lora | None = None, push: HubPush | None = None, reading: Reading = Reading(),
+              writing: Writing = Writing()) -> Report:
     """``dcptool export-hf``: the model weights as Hugging Face safetensors under HF names, with
     ``config_dir``'s config and tokenizer files.
 
     Args:
-        adapter: the family of the checkpoint's names (auto, hf, archon, torchtitan).
-        lora: a peft (LoRA) model's checkpoint: ``"merge"`` merges every adapter into the base weights,
-            ``"adapter"`` writes a PEFT adapter folder; ``lora_config`` (an ``adapter_config.json``, default one
-            beside the checkpoint) and ``lora_alpha`` give lora_alpha and the other settings.
-        push_to_hub: then upload the export to this hub repo (``ORG/NAME``), with ``private``,
-            ``hub_branch`` and ``commit_message`` as the command's ``--private``, ``--revision``,
-            ``--commit-message``.
+        family: the naming family of the checkpoint's names (auto, hf, archon, torchtitan, megatron).
+        hf_experts: MoE experts as ``"per-expert"`` tensors or ``"fused"`` (transformers v5's).
+        selection: ``prefix``: the wrapper of the model's keys (found by itself when None).
+        format_options: hf's (``format_options("hf", max_shard_size="2GB")``).
+        lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
+        push: then upload the export to a hub repo (``HubPush("ORG/NAME", branch="step-1000")``).
 
     Returns:
         ``Report``; after a push, ``report.pushed_to`` is the repo's URL.
@@ -211,48 +258,41 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     """
     from dcptool import conversion
 
-    if push_to_hub:  # before the export: a push that cannot start should not cost one
-        hub.check_repo_id(push_to_hub)
+    if push is not None:  # before the export: a push that cannot start should not cost one
+        hub.check_repo_id(push.repo)
         if is_remote(destination):
             raise UsageError(f"{destination}: {option('push_to_hub')} uploads a local export folder: give a local output folder")
         hub.check_can_push()
-    elif private or hub_branch or commit_message:
-        raise UsageError(f"{option('private')}, {option('hub_branch')} and {option('commit_message')} go with "
-                         f"{option('push_to_hub')}")
-    if lora not in (None, "merge", "adapter"):
-        raise UsageError(f"{option('lora', lora)}: choose merge or adapter")
-    if lora is None and (lora_config is not None or lora_alpha is not None):
-        raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
-    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
-    planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=prefix, dtype=dtype,
-                                        include=include, exclude=exclude, adapter=adapter, hf_experts=hf_experts,
-                                        max_shard_size=parse_size(max_shard_size, "max_shard_size"),
-                                        lora=conversion.LoraRequest(lora, lora_config, lora_alpha) if lora else None)
-    if dequantize:  # a quantization_config left in would make transformers quantize the weights again
+    if lora is not None and lora.mode not in LORA_MODES:
+        raise UsageError(f"{option('lora', lora.mode)}: choose {' or '.join(LORA_MODES)}")
+    checkpoint, notes = _source(source, reading, config_dir, dtype)
+    planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=selection.prefix, dtype=dtype,
+                                        include=selection.include, exclude=selection.exclude, family=family,
+                                        hf_experts=hf_experts, format_options=format_options,
+                                        lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None)
+    if reading.dequantize:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool import quant
 
         planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
     planned.notes += notes
-    report = _run(planned, destination, dry_run, progress, max_memory, overwrite, fsync)
-    if push_to_hub and not dry_run:
-        report.pushed_to = hub.push(destination, push_to_hub, private=private, revision=hub_branch,
-                                    commit_message=commit_message)
+    report = _run(planned, destination, reading, writing)
+    if push is not None and not writing.dry_run:
+        report.pushed_to = hub.push(output_path(destination), push)
     return report
 
 
-@_records
-def reshard(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,
-            etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
-            to: str = "dcp", keep_rank_state: bool = False, adapter: str | None = None,
-            config_dir: str | Path | None = None, source_format: str | None = None, revision: str | None = None,
-            dtype: str | None = None, optim_form: str | None = None, model_values: str | None = None,
-            dequantize: bool = False, compress: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
-            overwrite: bool = False, fsync: bool = True, dry_run: bool = False,
-            progress: Progress | None = None,
-            verify_records: bool = True) -> ReshardReport:
-    """``dcptool reshard``: lay ``source`` out for a mesh as a job on it saves it: ``to="dcp"`` chunk for
-    chunk as ``dcp.save`` writes it; ``to="fsdp1"`` per-rank FSDP1 files (data parallel only), in the
-    forms ``optim_form`` and ``model_values`` choose.
+@_command
+def reshard(source: str | Path, destination: str | Path, *, mesh: MeshOptions = MeshOptions(), to: str = "dcp",
+            family: str | None = None, config_dir: str | Path | None = None, dtype: str | None = None,
+            keep_rank_state: bool = False, format_options: FormatOptions | None = None,
+            reading: Reading = Reading(), writing: Writing = Writing()) -> ReshardReport:
+    """``dcptool reshard``: lay ``source`` out for ``mesh`` as a job on it saves it: ``to="dcp"`` chunk for
+    chunk as ``dcp.save`` writes it; ``to="fsdp1"`` per-rank FSDP1 files (data parallel only), in the forms
+    its ``format_options`` choose (their ``world_size`` and ``keep_rank_state`` are the reshard's own).
+
+    Args:
+        keep_rank_state: keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of
+            dropping them.
 
     Returns:
         ``ReshardReport``: ``mesh``, ``plan``, ``warnings`` (what was dropped or kept); with ``dry_run``
@@ -263,30 +303,30 @@ def reshard(source: str | Path, destination: str | Path, *, dp: int | None = Non
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> report = dcptool.reshard(folder, f"{folder}-dp2", dp=2)
+        >>> report = dcptool.reshard(folder, f"{folder}-dp2", mesh=dcptool.MeshOptions(dp=2))
         >>> report.mesh.describe(), sorted(p.name for p in Path(f"{folder}-dp2").iterdir())
         ('2 ranks: dp=2', ['.metadata', '__0_0.distcp', '__1_0.distcp'])
     """
-    return _reshard(source, destination, source_format, revision,
-                    _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size), plan=plan, to=to,
-                    keep_rank_state=keep_rank_state, adapter=adapter, config_dir=config_dir,
-                    dtype=dtype, dequantize=dequantize, compress=compress, forms=_forms(optim_form, model_values),
-                    max_memory=max_memory, overwrite=overwrite, fsync=fsync, dry_run=dry_run, progress=progress)
+    if getattr(format_options, "world_size", None):
+        raise UsageError(f"format_options.world_size={format_options.world_size!r}: a reshard writes the ranks of "
+                         f"its mesh ({option('world_size')})")
+    if getattr(format_options, "keep_rank_state", False):
+        raise UsageError(f"format_options.keep_rank_state=True: a reshard takes {option('keep_rank_state')} itself")
+    return _reshard(source, destination, mesh, to=to, family=family, config_dir=config_dir, dtype=dtype,
+                    keep_rank_state=keep_rank_state, format_options=format_options, reading=reading, writing=writing)
 
 
-def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = None, tp: int = 1, ep: int = 1,
-              etp: int | str = 1, cp: int = 1, dp_replicate: int = 1, world_size: int | None = None,
-              plan: str = "auto", adapter: str = "hf", make_vocab_size_divisible_by: int | None = None,
-              config_dir: str | Path | None = None, revision: str | None = None, dtype: str | None = None,
-              dequantize: bool = False,
-              lora_adapter: str | Path | None = None,
-              max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, fsync: bool = True,
-              dry_run: bool = False, progress: Progress | None = None) -> ReshardReport:
+@_command
+def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions = MeshOptions(), family: str = "hf",
+              make_vocab_size_divisible_by: int | None = None, config_dir: str | Path | None = None,
+              dtype: str | None = None, lora_folder: str | Path | None = None, reading: Reading = Reading(),
+              writing: Writing = Writing()) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
-    out for the mesh, under the names of the job that loads it (``adapter``: hf, archon, torchtitan). ``lora_adapter``:
-    a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads (``get_model_state_dict``).
-    ``adapter="megatron"`` writes Megatron-Core's torch_dist with Megatron-LM's ``args``, the vocabulary padded to a
-    multiple of ``make_vocab_size_divisible_by`` (Megatron-LM's default, 128) x ``tp``.
+    out for ``mesh``, under the names of the job that loads it (naming family ``family``: hf, archon, torchtitan).
+    ``lora_folder``: a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads
+    (``get_model_state_dict``). ``family="megatron"`` writes Megatron-Core's torch_dist with Megatron-LM's
+    ``args``, the vocabulary padded to a multiple of ``make_vocab_size_divisible_by`` (Megatron-LM's default,
+    128) x ``mesh.tp``.
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.
@@ -295,65 +335,58 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
         >>> import tempfile, numpy as np, safetensors.numpy, dcptool
         >>> folder = tempfile.mkdtemp()
         >>> safetensors.numpy.save_file({"w": np.ones((4, 3), np.float32)}, f"{folder}/model.safetensors")
-        >>> dcptool.import_hf(folder, f"{folder}-dcp", dp=2).mesh.world
+        >>> dcptool.import_hf(folder, f"{folder}-dcp", mesh=dcptool.MeshOptions(dp=2)).mesh.world
         2
     """
     from dcptool import adapters, models
 
-    if adapter not in models.NAMING_FAMILIES:
-        raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.NAMING_FAMILIES)}")
-    if lora_adapter is not None and (adapter != "hf" or tp * ep * cp != 1):
-        raise UsageError(f"{option('lora_adapter')} lays out a peft model of HF names for FSDP (data parallel): "
-                         f"drop {option('adapter')}, {option('tp')}, {option('ep')} and {option('cp')}")
-    if make_vocab_size_divisible_by is not None and adapter != models.MEGATRON:
+    _refuse(reading, "import_hf", "format")  # it reads Hugging Face folders
+    if family not in models.NAMING_FAMILIES:
+        raise UsageError(f"{option('family', family)}: choose one of {', '.join(models.NAMING_FAMILIES)}")
+    if lora_folder is not None and (family != "hf" or mesh.tp * mesh.ep * mesh.cp != 1):
+        raise UsageError(f"{option('lora_folder')} lays out a peft model of HF names for FSDP (data parallel): "
+                         f"drop {option('family')}, {option('tp')}, {option('ep')} and {option('cp')}")
+    if make_vocab_size_divisible_by is not None and family != models.MEGATRON:
         raise UsageError(f"{option('make_vocab_size_divisible_by')} pads Megatron-Core's vocabulary: it goes with "
-                         f"{option('adapter', 'megatron')}")
+                         f"{option('family', 'megatron')}")
     if make_vocab_size_divisible_by is not None and make_vocab_size_divisible_by < 1:
         raise UsageError(f"{option('make_vocab_size_divisible_by', make_vocab_size_divisible_by)}: the vocabulary is "
                          "padded to a multiple of a positive number")
     to, megatron_output = "dcp", None
-    if adapter == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
-        if (dp or 1) * ep * cp * dp_replicate * (world_size or 1) != 1:
-            raise UsageError(f"{option('adapter', 'megatron')} writes one Megatron-Core checkpoint that Megatron "
+    if family == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
+        if (mesh.dp or 1) * mesh.ep * mesh.cp * mesh.dp_replicate * (mesh.world_size or 1) != 1:
+            raise UsageError(f"{option('family', 'megatron')} writes one Megatron-Core checkpoint that Megatron "
                              f"reshards as it loads ({option('tp')} sizes its vocabulary padding): drop "
                              f"{option('dp')}, {option('ep')}, {option('cp')}, {option('dp_replicate')} and "
                              f"{option('world_size')}")
         to = "megatron"  # Megatron-Core's torch_dist, what its engine loads
-        megatron_output = adapters.megatron.MegatronOutput(tp, make_vocab_size_divisible_by or adapters.megatron.VOCAB_MULTIPLE,
+        megatron_output = adapters.megatron.MegatronOutput(mesh.tp, make_vocab_size_divisible_by or adapters.megatron.VOCAB_MULTIPLE,
                                                   dtype)
-        dp, tp, ep, etp, cp, dp_replicate, world_size = 1, 1, 1, 1, 1, 1, None
-    return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
-                    plan=plan, to=to, keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
-                    dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
-                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter,
-                    megatron_output=megatron_output)
+        mesh = MeshOptions(plan=mesh.plan)
+    return _reshard(source, destination, mesh, to=to, family=family, config_dir=config_dir, dtype=dtype,
+                    keep_rank_state=False, format_options=None, reading=dataclasses.replace(reading, format="hf"),
+                    writing=writing, lora_folder=lora_folder, megatron_output=megatron_output)
 
 
-@_records
-def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None = None, atol: float | None = None,
-           rtol: float | None = None, dtype_as: str | None = None, values_only: bool = False,
-           include: str | None = None, exclude: str | None = None,
-           prefix_a: str | None = None, prefix_b: str | None = None, from_a: str | None = None,
-           from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto",
-           load_on: str | Mapping[str, int] | None = None, nproc: int | None = None, backend: str = "auto",
-           plan: str = "auto", timeout: float = 600.0, max_memory: Size = DEFAULT_MAX_MEMORY,
-           revision: str | None = None, progress: Progress | None = None,
-           verify_records: bool = True) -> VerifyReport | LoadReport:
+@_command
+def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None = None,
+           tolerance: Tolerance = Tolerance(), selection: Selection = Selection(), side_a: Side = Side(),
+           side_b: Side = Side(), load_on: LoadOn | None = None, reading: Reading = Reading()) -> VerifyReport | LoadReport:
     """``dcptool verify``: compare ``a`` with ``b`` (any formats, layouts and naming families), or with its
-    own round trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``.
+    own round trip through format ``roundtrip``; bitwise unless ``tolerance`` says otherwise.
 
     A training state against a model-only checkpoint (its HF export) compares the model parts and
     lists the rest in ``.left_out``; two checkpoints whose layouts differ (model at ``model.`` in one,
     at the top level in the other) compare entry for entry and are unequal (``.layout`` says how)
-    unless ``values_only``.
+    unless ``tolerance.values_only``.
 
     Args:
-        dtype_as: ``"b"``: compare after casting A's floating-point tensors to B's dtypes (as torch's
-            ``.to(dtype)`` rounds), bitwise unless tolerances; ``"a"``: B's to A's.
-        prefix_a, prefix_b: compare only keys under this wrapper (``"dcp.model"``; ``"auto"``: the model part).
-        adapter_a, adapter_b: the naming family of each side's weights (``"auto"``: detected).
-        load_on: instead, load ``a`` with torch's ``dcp.load`` in a real job on this mesh (``"dp=2,tp=2"``;
-            needs torch), with ``nproc`` processes on ``backend``.
+        tolerance: ``atol``/``rtol``; ``dtype_as="b"``: compare after casting A's floating-point tensors to B's
+            dtypes (as torch's ``.to(dtype)`` rounds), ``"a"``: B's to A's; ``values_only``.
+        side_a, side_b: each side's ``prefix`` (compare only keys under this wrapper, ``"dcp.model"``;
+            ``"auto"``: the model part), ``format`` and naming ``family`` (``"auto"``: detected).
+        load_on: instead, load ``a`` with torch's ``dcp.load`` in a real job on a mesh (``LoadOn("dp=2,tp=2")``;
+            needs torch).
 
     Returns:
         ``verification.Report``: ``.equal`` says whether they match, ``.differences`` how not; with
@@ -373,38 +406,36 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     """
     from dcptool import loadcheck, verification
 
-    a, b = hub.with_revision(a, b, revision=revision)
-    verification.check_arguments(b, roundtrip, load_on, prefix_a, prefix_b, from_b)
-    verification.check_dtype_as(dtype_as)
-    memory = parse_size(max_memory, "max_memory")
+    _refuse(reading, "verify", "format", "dequantize")  # each side's format is its Side's
+    _refuse(selection, "verify", "prefix")
+    a, b = hub.with_revision(a, b, revision=reading.revision)
+    verification.check_arguments(b, roundtrip, load_on, side_a.prefix, side_b.prefix, side_b.format)
+    verification.check_dtype_as(tolerance.dtype_as)
+    memory = reading.budget()
+    include, exclude = selection.include, selection.exclude
     if load_on:
-        mesh = parse_mesh(load_on, "load_on") if isinstance(load_on, str) else dict(load_on)
-        return loadcheck.run(a, mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
-                             exclude=exclude)
+        load_on.sizes()  # a mesh that is not sizes is refused before anything starts
+        return loadcheck.run(a, load_on, include=include, exclude=exclude)
+    compared = {"atol": tolerance.atol, "rtol": tolerance.rtol, "dtype_as": tolerance.dtype_as, "max_memory": memory}
     if roundtrip:
-        with _progress(progress, None, f"round trip via {roundtrip}") as advance:
-            return verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
-                                          max_memory=memory, atol=atol, rtol=rtol, dtype_as=dtype_as,
-                                          progress=advance)
-    pairing = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a, prefix_b=prefix_b,
-                                 include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b)
+        with _progress(reading.progress, None, f"round trip via {roundtrip}") as advance:
+            return verification.roundtrip(a, roundtrip, source_format=side_a.format, include=include, exclude=exclude,
+                                          progress=advance, **compared)
+    pairing = _pair(a, b, selection, side_a, side_b)
     total = sum(t.nbytes for k, t in pairing.a.tensors.items() if k in pairing.b.tensors)
-    with _progress(progress, total, "comparing") as advance:
-        report = verification.compare_sides(pairing.a, pairing.b, atol=atol, rtol=rtol, dtype_as=dtype_as,
-                                            max_memory=memory, progress=advance)
-    report.note, report.layout, report.values_only = pairing.note, pairing.layout, values_only
+    with _progress(reading.progress, total, "comparing") as advance:
+        report = verification.compare_sides(pairing.a, pairing.b, progress=advance, **compared)
+    report.note, report.layout, report.values_only = pairing.note, pairing.layout, tolerance.values_only
     if pairing.left_out:
         report.left_out, report.left_out_why = pairing.left_out, pairing.left_out_why
     return report
 
 
-@_records
+@_command
 def checksum(path: str | Path, *, write: bool = False, check: bool = False, against: str | Path | None = None,
              manifest: str | Path | None = None, scan_nonfinite: bool = False, prefix: str | None = None,
-             against_prefix: str | None = None, source_format: str | None = None, threads: int = 0,
-             max_memory: Size = DEFAULT_MAX_MEMORY, overwrite: bool = False, revision: str | None = None,
-             progress: Progress | None = None,
-             verify_records: bool = True) -> Result:
+             against_prefix: str | None = None, threads: int = 0, overwrite: bool = False,
+             reading: Reading = Reading()) -> Result:
     """``dcptool checksum``: ``write`` an integrity manifest (a BLAKE3 hash per file and per tensor),
     ``check`` the checkpoint against it, or check another checkpoint ``against`` it by tensor hashes.
 
@@ -412,6 +443,8 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
         manifest: where the manifest is (default: inside the checkpoint; needed for hub repos).
         scan_nonfinite: with ``write``, also count NaN and Inf values of every floating-point tensor.
         prefix, against_prefix: compare only keys under these wrappers.
+        threads: hashing threads (0: the CPUs, at most 16).
+        overwrite: with ``write``, replace an existing manifest.
 
     Returns:
         ``checksums.Result``: ``.ok`` says whether everything matches, ``.problems`` what does not.
@@ -427,22 +460,22 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
     """
     from dcptool import checksums
 
-    path, against = hub.with_revision(path, against, revision=revision)
+    _refuse(reading, "checksum", "dequantize")
+    path, against = hub.with_revision(path, against, revision=reading.revision)
     if hub.parse(path):  # the hub cache is huggingface_hub's: no manifest is written into it or read from it
         if manifest is None:
             raise UsageError(f"{path}: a hub repo holds no dcptool manifest: give {option('manifest')}")
         if check:
             path = hub.local_path(path)
-    with _progress(progress, None, "hashing") as advance:
+    with _progress(reading.progress, None, "hashing") as advance:
         return checksums.run(path, write=write, check=check, against=against, manifest=manifest,
-                             source_format=source_format, scan_nonfinite=scan_nonfinite, prefix=prefix,
-                             against_prefix=against_prefix, overwrite=overwrite,
-                             max_memory=parse_size(max_memory, "max_memory"), threads=threads or None,
-                             progress=advance)
+                             source_format=reading.format, scan_nonfinite=scan_nonfinite, prefix=prefix,
+                             against_prefix=against_prefix, overwrite=overwrite, max_memory=reading.budget(),
+                             threads=threads or None, progress=advance)
 
 
-def check(path: str | Path, *, source_format: str | None = None, revision: str | None = None,
-          progress: Progress | None = None) -> CheckReport:
+@_command
+def check(path: str | Path, *, reading: Reading = Reading()) -> CheckReport:
     """``dcptool check``: everything torch or an engine would trip on in one checkpoint, found without loading
     it and without a manifest: every record's zip structure and CRC-32s, the metadata against the files and
     the records, the chunk cover, index files against their shards, non-tensor entries through the
@@ -461,21 +494,19 @@ def check(path: str | Path, *, source_format: str | None = None, revision: str |
     """
     from dcptool import integrity
 
-    path, = hub.with_revision(path, revision=revision)
-    with formats.records_checked(True), _progress(progress, None, "checking") as advance:
-        return integrity.check_path(path, source_format, progress=advance)
+    _refuse(reading, "check", "dequantize", "verify_records")  # checking the records is what it does
+    path, = hub.with_revision(path, revision=reading.revision)
+    with _progress(reading.progress, None, "checking") as advance:
+        return integrity.check_path(path, reading.format, progress=advance)
 
 
-@_records
+@_command
 def average(sources: list[str | Path], destination: str | Path, *, weights: str | list[float] | None = None,
-            to: str | None = None, dp: int | None = None, tp: int = 1, ep: int = 1, etp: int | str = 1, cp: int = 1,
-            dp_replicate: int = 1, world_size: int | None = None, plan: str = "auto",
-            config_dir: str | Path | None = None, include_optimizer: bool = False, revision: str | None = None, max_memory: Size = DEFAULT_MAX_MEMORY,
-            overwrite: bool = False, fsync: bool = True, dry_run: bool = False, progress: Progress | None = None,
-            verify_records: bool = True) -> Report:
+            to: str | None = None, mesh: MeshOptions | None = None, config_dir: str | Path | None = None,
+            include_optimizer: bool = False, reading: Reading = Reading(), writing: Writing = Writing()) -> Report:
     """``dcptool average``: the weighted mean of checkpoints of one model (any formats, naming families and
     meshes; each paired with the first as ``verify`` pairs them), written as the first is laid out, or as
-    format ``to`` on the mesh of ``dp``, ``tp``, ... (as ``reshard`` takes them, ``plan`` and ``config_dir`` too).
+    format ``to`` on ``mesh`` (as ``reshard`` lays it out, with ``config_dir`` too).
 
     Each floating-point tensor is ``w0*x0 + w1*x1 + ...`` in float32 (each product and sum rounded to float32,
     in the order of ``sources``), rounded to the first's dtype as torch's ``.to(dtype)``; other dtypes must be
@@ -500,37 +531,33 @@ def average(sources: list[str | Path], destination: str | Path, *, weights: str 
     """
     from dcptool import averaging
 
+    _refuse(reading, "average", "format", "dequantize")
     destination = output_path(destination)
-    paths = hub.with_revision(*sources, revision=revision)
+    paths = hub.with_revision(*sources, revision=reading.revision)
     checkpoints = []
     try:
         for path in paths:
             checkpoints.append(formats.open_checkpoint(path))
             check_apart(checkpoints[-1].files.location, destination)
-        if not dry_run:
-            check_destination(destination, overwrite)
-        mesh = {"dp": dp, "tp": tp, "ep": ep, "etp": etp, "cp": cp, "dp_replicate": dp_replicate, "world_size": world_size}
-        given = any(value not in (None, 1, "1") for value in mesh.values())
-        planned = averaging.plan_average(checkpoints, weights, to=to, include_optimizer=include_optimizer, plan=plan,
-                                         mesh_options=_mesh(**mesh) if given else None, config_dir=config_dir)
-        averaging.check_equal(planned, parse_size(max_memory, "max_memory"))
+        if not writing.dry_run:
+            check_destination(destination, writing.overwrite)
+        planned = averaging.plan_average(checkpoints, weights, to=to, include_optimizer=include_optimizer, mesh=mesh,
+                                         config_dir=config_dir)
+        averaging.check_equal(planned, reading.budget())
         if planned.reshard is not None:
-            return _write_or_report(planned.reshard, destination, dry_run, progress, max_memory, overwrite, fsync)
-        return _run(planned.conversion, destination, dry_run, progress, max_memory, overwrite, fsync)
+            return _write_or_report(planned.reshard, destination, reading, writing)
+        return _run(planned.conversion, destination, reading, writing)
     finally:
         for checkpoint in checkpoints:
             checkpoint.files.close()
 
 
-@_records
-def diff(a: str | Path, b: str | Path, *, include: str | None = None, exclude: str | None = None,
-         prefix_a: str | None = None, prefix_b: str | None = None, from_a: str | None = None,
-         from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto", revision: str | None = None,
-         max_memory: Size = DEFAULT_MAX_MEMORY, progress: Progress | None = None,
-         verify_records: bool = True) -> DiffReport:
+@_command
+def diff(a: str | Path, b: str | Path, *, selection: Selection = Selection(), side_a: Side = Side(),
+         side_b: Side = Side(), reading: Reading = Reading()) -> DiffReport:
     """``dcptool diff``: what changed from ``a`` to ``b`` (any formats, layouts and naming families, paired as
-    ``verify`` pairs them), per tensor and in total: elements changed, bit-identical, the largest absolute
-    change and the relative L2 change ``||b - a|| / ||a||``.
+    ``verify`` pairs them, with each side's options as verify takes them), per tensor and in total: elements
+    changed, bit-identical, the largest absolute change and the relative L2 change ``||b - a|| / ||a||``.
 
     Returns:
         ``difference.Report``: ``.summary()`` (its first line), ``.changes`` per tensor, ``.grouped()`` (layers
@@ -544,16 +571,16 @@ def diff(a: str | Path, b: str | Path, *, include: str | None = None, exclude: s
         >>> dcptool.diff(a, b).summary()
         '75.0% of 4 parameters bit-identical; 1 of 1 tensor changed'
     """
-    from dcptool import difference, verification
+    from dcptool import difference
 
-    a, b = hub.with_revision(a, b, revision=revision)
-    pairing = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a, prefix_b=prefix_b,
-                                 include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b)
+    _refuse(reading, "diff", "format", "dequantize")  # each side's format is its Side's
+    _refuse(selection, "diff", "prefix")
+    a, b = hub.with_revision(a, b, revision=reading.revision)
+    pairing = _pair(a, b, selection, side_a, side_b)
     try:
         total = sum(t.nbytes for k, t in pairing.a.tensors.items() if k in pairing.b.tensors)
-        with _progress(progress, total, "comparing") as advance:
-            report = difference.diff_sides(pairing.a, pairing.b, max_memory=parse_size(max_memory, "max_memory"),
-                                           progress=advance)
+        with _progress(reading.progress, total, "comparing") as advance:
+            report = difference.diff_sides(pairing.a, pairing.b, max_memory=reading.budget(), progress=advance)
     finally:
         pairing.a.checkpoint.files.close()
         pairing.b.checkpoint.files.close()
@@ -561,91 +588,87 @@ def diff(a: str | Path, b: str | Path, *, include: str | None = None, exclude: s
     return report
 
 
-def _source(source, source_format, revision, dequantize: bool, config_dir, dtype) -> tuple[Checkpoint, list[str]]:
-    """The source checkpoint (a hub repo at ``revision``), its block-scaled float8 weights dequantized
+def _pair(a, b, selection: Selection, side_a: Side, side_b: Side):
+    """verify's and diff's two sides, named alike (``verification.sides``)."""
+    from dcptool import verification
+
+    return verification.sides(a, b, format_a=side_a.format, format_b=side_b.format, prefix_a=side_a.prefix,
+                              prefix_b=side_b.prefix, include=selection.include, exclude=selection.exclude,
+                              family_a=side_a.family, family_b=side_b.family)
+
+
+def _source(source, reading: Reading, config_dir, dtype) -> tuple[Checkpoint, list[str]]:
+    """The source checkpoint (a hub repo at ``reading.revision``), its block-scaled float8 weights dequantized
     to ``dtype`` where asked (``dcptool.quant``), and notes on that."""
-    source, = hub.with_revision(source, revision=revision)
-    checkpoint = formats.open_checkpoint(source, source_format)
-    if not dequantize:
+    source, = hub.with_revision(source, revision=reading.revision)
+    checkpoint = formats.open_checkpoint(source, reading.format)
+    if not reading.dequantize:
         return checkpoint, []
     from dcptool import quant
 
     return quant.dequantized(checkpoint, config_dir, dtype)
 
 
-def _with_lora_adapter(checkpoint: Checkpoint, adapter_dir, config_dir) -> tuple[Checkpoint, list[str]]:
+def _with_lora_folder(checkpoint: Checkpoint, lora_folder, config_dir) -> tuple[Checkpoint, list[str]]:
     """import-hf's base model with a PEFT adapter folder on it, under a peft model's names (``dcptool.lora``)."""
     from dcptool import lora
     from dcptool.selection import config_folder, read_config
 
     folder = config_dir or config_folder(checkpoint)
-    return lora.with_adapter(checkpoint, formats.open_checkpoint(adapter_dir, "hf"),
+    return lora.with_adapter(checkpoint, formats.open_checkpoint(lora_folder, "hf"),
                              read_config(folder) if folder else None)
 
 
-def _forms(optim_form: str | None, model_values: str | None) -> dict[str, str]:
-    """The fsdp1 output forms given (``OutputRequest.forms``)."""
-    return {name: value for name, value in (("optim_form", optim_form), ("model_values", model_values)) if value}
-
-
-def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
-    from dcptool import resharding
-
-    return resharding.mesh_options(dp, tp, ep, etp, cp, dp_replicate, world_size)
-
-
-def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
-             config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
-             progress, lora_adapter=None, megatron_output=None) -> ReshardReport:
+def _reshard(source, destination, mesh: MeshOptions, *, to, family, config_dir, dtype, keep_rank_state,
+             format_options, reading: Reading, writing: Writing, lora_folder=None,
+             megatron_output=None) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
 
     destination = output_path(destination)
-    checkpoint, notes = _source(source, source_format, revision, dequantize, config_dir, dtype)
-    if lora_adapter is not None:
-        checkpoint, more = _with_lora_adapter(checkpoint, lora_adapter, config_dir)
+    checkpoint, notes = _source(source, reading, config_dir, dtype)
+    if lora_folder is not None:
+        checkpoint, more = _with_lora_folder(checkpoint, lora_folder, config_dir)
         notes += more
     check_apart(checkpoint.files.location, destination)
-    if not dry_run:
-        check_destination(destination, overwrite)  # before planning, whose warnings would come first
-    result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter,
-                                 config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
-                                 compress=compress, forms=forms, megatron_output=megatron_output)
+    if not writing.dry_run:
+        check_destination(destination, writing.overwrite)  # before planning, whose warnings would come first
+    result = resharding.plan_for(checkpoint, mesh, to=to, family=family, config_dir=config_dir,
+                                 keep_rank_state=keep_rank_state, dtype=dtype, format_options=format_options,
+                                 megatron_output=megatron_output)
     result.conversion.notes[:0] = notes
     try:
-        return _write_or_report(result, destination, dry_run, progress, max_memory, overwrite, fsync)
+        return _write_or_report(result, destination, reading, writing)
     finally:
         checkpoint.files.close()
 
 
-def _write_or_report(result: ReshardPlan, destination, dry_run: bool, progress: Progress | None, max_memory,
-                     overwrite, fsync) -> ReshardReport:
+def _write_or_report(result: ReshardPlan, destination, reading: Reading, writing: Writing) -> ReshardReport:
     """A planned reshard written with a progress bar, or its plan reported (``dry_run``)."""
     from dcptool import resharding
 
-    if dry_run:
+    if writing.dry_run:
         report = result.conversion.dry_run(destination)
         return resharding.ReshardReport(**vars(report), mesh=result.mesh, plan=result.plan.name if result.plan else "",
                                         warnings=result.warnings, problems=result.problems, summary=result.summary(report.planned_files),
                                         description=result.describe())
     resharding.raise_problems(result)
-    with _progress(progress, result.conversion.total_bytes, _writing_label(destination)) as advance:
-        report = resharding.write_plan(result, destination, **_writing(max_memory, overwrite, fsync), progress=advance)
+    with _progress(reading.progress, result.conversion.total_bytes, _writing_label(destination)) as advance:
+        report = resharding.write_plan(result, destination, **_writing(reading, writing), progress=advance)
     report.description = result.describe()
     return report
 
 
-def _run(planned: Conversion, destination, dry_run: bool, progress: Progress | None, max_memory, overwrite,
-         fsync) -> Report:
+def _run(planned: Conversion, destination, reading: Reading, writing: Writing) -> Report:
     """Write a planned conversion with a progress bar, or report it without writing; the source's files are
     closed after."""
     destination = output_path(destination)
     try:
         check_apart(planned.checkpoint.files.location, destination)
-        if dry_run:
+        if writing.dry_run:
             return planned.dry_run(destination)
-        with _progress(progress, planned.total_bytes, _writing_label(destination)) as advance:
-            return planned.write(destination, **_writing(max_memory, overwrite, fsync), progress=advance)
+        with _progress(reading.progress, planned.total_bytes, _writing_label(destination)) as advance:
+            return planned.write(destination, **_writing(reading, writing), progress=advance)
     finally:
         planned.checkpoint.files.close()
 
@@ -664,6 +687,6 @@ def _writing_label(destination) -> str:
     return f"writing {Path(str(destination)).name}"
 
 
-def _writing(max_memory: Size, overwrite: bool, fsync: bool) -> dict[str, Any]:
+def _writing(reading: Reading, writing: Writing) -> dict[str, Any]:
     """The options of ``conversion.write_checkpoint`` that every writing command takes."""
-    return {"max_memory": parse_size(max_memory, "max_memory"), "overwrite": overwrite, "fsync": fsync}
+    return {"max_memory": reading.budget(), "overwrite": writing.overwrite, "fsync": writing.fsync}

@@ -29,6 +29,7 @@ from dcptool.conversion import Conversion, plan_convert
 from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
+from dcptool.options import MeshOptions
 
 # Tensors of these dtypes are averaged; any other must be equal in every source.
 AVERAGED = ("float64", *dtypes.CASTABLE)
@@ -94,12 +95,12 @@ class Planned:
     averaged: int = 0
 
 
-def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = None, mesh_options: dict | None = None,
-                 plan: str = "auto", config_dir=None, include_optimizer: bool = False) -> Planned:
+def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = None, mesh: MeshOptions | None = None,
+                 config_dir=None, include_optimizer: bool = False) -> Planned:
     """What ``dcptool average`` writes: the first checkpoint's entries, each floating-point tensor the mean of
-    its pairs in all (``WeightedMean``), laid out as the first is, or as format ``to`` and ``mesh_options``
-    (those of ``resharding.mesh_options``, with ``plan`` and ``config_dir`` as reshard takes them; None: the
-    first's own chunks) lay it out. ``config_dir``'s config.json also maps names across naming families."""
+    its pairs in all (``WeightedMean``), laid out as the first is, or as format ``to`` and ``mesh`` lay it out
+    (with ``config_dir`` as reshard takes them; None: the first's own chunks). ``config_dir``'s config.json also
+    maps names across naming families."""
     if len(checkpoints) < 2:
         raise UsageError("give at least two checkpoints to average, then the output")
     first = checkpoints[0]
@@ -157,19 +158,19 @@ def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = Non
                     f"{counted(len(planned.equal), 'tensor')} of other dtypes equal in all, copied")
     notes += pairing_notes
     source = dataclasses.replace(first, tensors=tensors, objects=objects)
-    _plan_output(planned, source, to, mesh_options, plan, config_dir, notes)
+    _plan_output(planned, source, to, mesh, config_dir, notes)
     return planned
 
 
-def _plan_output(planned: Planned, source: Checkpoint, to: str | None, mesh_options: dict | None, plan: str,
-                 config_dir, notes: list[str]) -> None:
+def _plan_output(planned: Planned, source: Checkpoint, to: str | None, mesh: MeshOptions | None, config_dir,
+                 notes: list[str]) -> None:
     """The write of the average: as ``to`` and a mesh lay it out, else as the first source is laid out."""
     fmt = formats.get(to or source.format)
     if not fmt.writable:
         raise UsageError(f"{source.root}: the average is written as the first checkpoint's format, {fmt.name}, which "
                          f"dcptool does not write: choose one with {option('to')}")
-    if mesh_options is not None:
-        planned.reshard = resharding.plan_for(source, mesh_options, plan, to=fmt.name, config_dir=config_dir)
+    if mesh is not None:
+        planned.reshard = resharding.plan_for(source, mesh, to=fmt.name, config_dir=config_dir)
         planned.reshard.conversion.notes[:0] = notes
         planned.conversion = planned.reshard.conversion
         return

@@ -29,10 +29,10 @@ from typing import Any, Callable
 import blake3
 import numpy as np
 
-from dcptool import dtypes, formats, transfer
+from dcptool import dtypes, formats
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, option
-from dcptool.sizes import check_memory_budget
+from dcptool.sizes import DEFAULT_MAX_MEMORY, check_memory_budget
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
 from dcptool.verification import BLOCK, RegionReader, align_families, buffer_size, select_side
 
@@ -250,7 +250,7 @@ def _first_nonfinite(dtype: str) -> int:
 
 def write_manifest(path: str | Path, manifest: str | Path | None = None, *, source_format: str | None = None,
                    scan_nonfinite: bool = False, overwrite: bool = False,
-                   max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
+                   max_memory: int = DEFAULT_MAX_MEMORY, threads: int | None = None,
                    progress: Callable[[int], None] | None = None) -> Result:
     """Hash every file and tensor of the checkpoint at ``path`` and write the manifest, atomically.
 
@@ -291,7 +291,7 @@ def write_manifest(path: str | Path, manifest: str | Path | None = None, *, sour
 def run(path: str | Path, *, write: bool = False, check: bool = False, against: str | Path | None = None,
         manifest: str | Path | None = None, source_format: str | None = None, scan_nonfinite: bool = False,
         prefix: str | None = None, against_prefix: str | None = None, overwrite: bool = False,
-        max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
+        max_memory: int = DEFAULT_MAX_MEMORY, threads: int | None = None,
         progress: Callable[[int], None] | None = None) -> Result:
     """``dcptool checksum``: one of ``write_manifest`` (``write``), ``check_manifest`` (``check``) and
     ``check_against`` (``against``), refusing options that do not go with the one chosen."""
@@ -343,7 +343,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def check_manifest(path: str | Path, manifest: str | Path | None = None, *, source_format: str | None = None,
-                   scan_nonfinite: bool = False, max_memory: int = transfer.DEFAULT_MAX_MEMORY,
+                   scan_nonfinite: bool = False, max_memory: int = DEFAULT_MAX_MEMORY,
                    threads: int | None = None, progress: Callable[[int], None] | None = None) -> Result:
     """Check the checkpoint at ``path`` against its manifest: every file, then the tensors a change touches.
 
@@ -447,7 +447,7 @@ def _compare_digests(recorded: dict[str, dict], digests: dict[str, TensorDigest]
 
 def check_against(path: str | Path, other: str | Path, manifest: str | Path | None = None, *,
                   other_format: str | None = None, prefix: str | None = None, other_prefix: str | None = None,
-                  max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
+                  max_memory: int = DEFAULT_MAX_MEMORY, threads: int | None = None,
                   progress: Callable[[int], None] | None = None) -> Result:
     """Check another checkpoint (any format or layout) against the manifest of ``path``, by tensor hashes only.
 

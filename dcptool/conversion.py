@@ -30,7 +30,8 @@ from dcptool.selection import (OPTIMIZER_ROOTS, model_part, model_wrapper, optim
                                read_config, select)
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError, option
-from dcptool.format_interface import Format, Output, OutputRequest
+from dcptool.format_interface import Format, FormatOptions, Output, OutputRequest
+from dcptool.sizes import DEFAULT_MAX_MEMORY
 from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
 
 
@@ -63,11 +64,11 @@ class Report:
 
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
                       dtype: str | None = None, include: str | None = None, exclude: str | None = None,
-                      adapter: str = "auto", hf_experts: str = "per-expert", lora: LoraRequest | None = None):
+                      family: str = "auto", hf_experts: str = "per-expert", lora: LoraRequest | None = None):
     """The model weights to export under their HF names, the config folder to copy (or None), notes, and the
     config.json made from a Megatron-LM run's args when no config folder is given (or None).
 
-    ``adapter`` is the family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
+    ``family`` is the naming family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
     Archon and torchtitan names become HF's. ``include`` / ``exclude`` match the names as saved.
     Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
     ``huggingface/``) is used; a config that ties the output to the embedding drops the output weight, which
@@ -97,7 +98,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     config = read_config(config_dir) if config_dir is not None else None
     config = adapters.with_run_args(config, checkpoint.info)
-    mapping, note = adapters.mapping_for(named, "hf", adapter, config, hf_experts, where=str(checkpoint.root))
+    mapping, note = adapters.mapping_for(named, "hf", family, config, hf_experts, where=str(checkpoint.root))
     notes += [note] if note else []
     made_config, lines = adapters.config_from_run(mapping, checkpoint.info) if config_dir is None else (None, [])
     notes += lines
@@ -118,7 +119,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
 
 @dataclass
 class LoraRequest:
-    """export-hf's ``--lora`` (merge or adapter) and where alpha comes from (``--lora-config``, ``--lora-alpha``)."""
+    """export-hf's ``options.Lora`` (merge or adapter, and where alpha comes from), and what planning made of it."""
 
     mode: str
     config: str | Path | None = None
@@ -211,7 +212,7 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
     entries = {**checkpoint.tensors, **checkpoint.objects}
     if mapping is not None:
         state = adapters.convert_state(mapping, entries, params)
-        adapters.refuse_unmatched(state.unmatched, mapping, f"check {option('adapter')} and {option('config_dir')}")
+        adapters.refuse_unmatched(state.unmatched, mapping, f"check {option('family')} and {option('config_dir')}")
         entries = state.entries
         notes += [f"left out {line}" for line in state.dropped] + [f"made {line}" for line in state.made]
     if layout is not None:
@@ -232,7 +233,7 @@ def write_checkpoint(
     objects: list[OutObject],
     *,
     overwrite: bool = False,
-    max_memory: int = transfer.DEFAULT_MAX_MEMORY,
+    max_memory: int = DEFAULT_MAX_MEMORY,
     fsync: bool = True,
     progress: Callable[[int], None] | None = None,
     writer_options: dict | None = None,
@@ -387,31 +388,32 @@ class Conversion:
 
 
 def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None = None, *,
-                 adapter: str | None = None, config_dir: str | Path | None = None) -> Conversion:
+                 family: str | None = None, config_dir: str | Path | None = None) -> Conversion:
     """What ``dcptool convert`` writes: what format ``to`` holds of the checkpoint (every key as saved unless
-    the format says otherwise), under ``adapter``'s names; ``request`` carries the output's options.
+    the format says otherwise), under the names of naming family ``family``; ``request`` carries the output's options.
     """
     fmt = formats.get(to)
     request = request or OutputRequest()
     refuse_read_only(fmt)
-    formats.check_request(fmt, request)
-    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir)
+    formats.check_options(fmt, request.format_options)
+    checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir)
     return Conversion.of(checkpoint, to, fmt.plan_output(checkpoint, request), notes)
 
 
 def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
                    dtype: str | None = None, include: str | None = None, exclude: str | None = None,
-                   adapter: str = "auto", hf_experts: str = "per-expert",
-                   max_shard_size: int | str = "5GB", lora: LoraRequest | None = None) -> Conversion:
+                   family: str = "auto", hf_experts: str = "per-expert",
+                   format_options: FormatOptions | None = None, lora: LoraRequest | None = None) -> Conversion:
     """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files;
-    with ``lora.mode == "adapter"``, a PEFT adapter folder instead.
+    with ``lora.mode == "adapter"``, a PEFT adapter folder instead. ``format_options``: the hf format's.
 
     A config.json the weights do not fit is refused here, before anything is written (``dcptool.hf_config``).
     """
     from dcptool import hf_config
 
+    formats.check_options(formats.get("hf"), format_options)
     tensors, config_dir, notes, made_config = hf_export_entries(checkpoint, config_dir, prefix, dtype, include,
-                                                                exclude, adapter, hf_experts, lora)
+                                                                exclude, family, hf_experts, lora)
     if lora is not None and lora.adapter_config is not None:
         why = "an adapter folder holds the adapter's weights only"
         return Conversion(checkpoint, "hf", tensors, [], {"adapter_config": lora.adapter_config}, notes, why)
@@ -419,7 +421,8 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     if config is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
                      f"give the model's config folder with {option('config_dir')}")
-    options = {"max_shard_size": max_shard_size, "config_dir": config_dir, "config": config}
+    options = {**(format_options.writer_options() if format_options else {}), "config_dir": config_dir,
+               "config": config}
     selected = f", as selected by {option('include')}/{option('exclude')}" if include or exclude else ""
     why = "export-hf writes model weights only" + selected
     return Conversion(checkpoint, "hf", tensors, [], options, notes, why)

@@ -17,9 +17,10 @@ that fits it, so that code knowing nothing of dcptool catches it as it would Pyt
 (None otherwise); the message says the same in words. The CLI exits with ``exit_code``: 1 for
 ``MismatchError``, 2 for the others.
 
-A message that names an option names it as the caller gave it: the keyword argument of the Python
-API (``pass overwrite=True to replace it``), or the command line's flag (``pass --overwrite``) while
-the command line runs a command (``option``, ``options_as_flags``).
+A message names an option as the caller gave it (``option``): a Python caller by the keyword argument or
+the field of the option object it passed (``pass writing.overwrite=True to replace it``: ``dcptool.options``),
+the command line's user by its flag (``pass --overwrite``). Messages name options by a key (``overwrite``,
+``tp``); the command being run says how its caller spells each (``options_as_keywords``, ``options_as_flags``).
 
 >>> import dcptool
 >>> try:
@@ -66,7 +67,7 @@ class UnsafePickleError(CheckpointError):
 
 
 class UsageError(DcptoolError, ValueError):
-    """Arguments that cannot work together, e.g. ``--svg`` without ``--layout``."""
+    """Options that cannot work together, e.g. ``svg`` without a tensor to draw."""
 
 
 class OutputExistsError(UsageError, FileExistsError):
@@ -79,38 +80,62 @@ class MismatchError(DcptoolError):
     exit_code = 1
 
 
-# Options named in messages: as keyword arguments unless the command line gave its flags.
+# Options named in messages: by a key, shown as the flag while the command line runs a command, else as the
+# Python caller passed it while an API command runs, else as the key itself.
 _NO_VALUE = object()
-_flags: dict[str, str] = {}  # keyword -> flag, while the command line runs a command
+_flags: dict[str, str] = {}  # key -> flag, while the command line runs a command
+_keywords: dict[str, str] = {}  # key -> the API's keyword or field of an option object, while an API command runs
 
 
 def option(name: str, value=_NO_VALUE) -> str:
-    """The option ``name`` (a keyword argument of the API), with ``value`` if given, as a message names it:
-    ``name=value`` in Python, the flag while the command line runs (``options_as_flags``).
+    """The option of key ``name``, with ``value`` if given, as a message names it: the flag while the command
+    line runs (``options_as_flags``), else the API's keyword or option field (``options_as_keywords``), as
+    ``keyword=value``. A flag ``--no-X`` stands for the value False.
 
     >>> option("max_memory", "12XB"), option("overwrite", True), option("include")
     ("max_memory='12XB'", 'overwrite=True', 'include')
-    >>> with options_as_flags({"max_memory": "--max-memory", "overwrite": "--overwrite", "include": "--include"}):
-    ...     option("max_memory", "12XB"), option("overwrite", True), option("include", "^model")
-    ('--max-memory 12XB', '--overwrite', "--include '^model'")
+    >>> with options_as_keywords({"max_memory": "reading.max_memory", "tp": "mesh.tp"}):
+    ...     option("max_memory", "12XB"), option("tp", 3), option("tp")
+    ("reading.max_memory='12XB'", 'mesh.tp=3', 'mesh.tp')
+    >>> with options_as_flags({"max_memory": "--max-memory", "overwrite": "--overwrite", "include": "--include",
+    ...                        "fsync": "--no-fsync"}):
+    ...     option("max_memory", "12XB"), option("overwrite", True), option("include", "^model"), option("fsync", False)
+    ('--max-memory 12XB', '--overwrite', "--include '^model'", '--no-fsync')
     """
     flag = _flags.get(name)
     if flag is None:
-        return name if value is _NO_VALUE else f"{name}={value!r}"
-    return flag if value is _NO_VALUE or value is True else f"{flag} {shlex.quote(str(value))}"
+        shown = _keywords.get(name, name)
+        return shown if value is _NO_VALUE else f"{shown}={value!r}"
+    if value is _NO_VALUE or value is True or (value is False and flag.startswith("--no-")):
+        return flag
+    return f"{flag} {shlex.quote(str(value))}"
 
 
 @contextmanager
 def options_as_flags(flags: Mapping[str, str]) -> Iterator[None]:
-    """Messages made meanwhile name options by these flags (keyword -> flag), as the command line takes them."""
-    previous = dict(_flags)
-    _flags.clear()
-    _flags.update(flags)
+    """Messages made meanwhile name options by these flags (key -> flag), as the command line takes them."""
+    with _naming(_flags, flags):
+        yield
+
+
+@contextmanager
+def options_as_keywords(keywords: Mapping[str, str]) -> Iterator[None]:
+    """Messages made meanwhile name options as a Python caller passes them (key -> keyword or option field,
+    ``tp`` -> ``mesh.tp``), unless the command line runs the command (its flags win)."""
+    with _naming(_keywords, keywords):
+        yield
+
+
+@contextmanager
+def _naming(table: dict[str, str], names: Mapping[str, str]) -> Iterator[None]:
+    previous = dict(table)
+    table.clear()
+    table.update(names)
     try:
         yield
     finally:
-        _flags.clear()
-        _flags.update(previous)
+        table.clear()
+        table.update(previous)
 
 
 # Checks of what a file says, shared by the readers: every name and size read from a file goes

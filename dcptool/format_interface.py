@@ -2,19 +2,21 @@
 
 A format module defines ``FORMAT``, an instance of a ``Format`` subclass; ``dcptool.formats`` finds
 them by listing the package. Readers produce the format-neutral ``core.Checkpoint``; writers consume
-``Output`` (tensors and objects as they go out) through the ``Writer`` protocol.
+``Output`` (tensors and objects as they go out) through the ``Writer`` protocol. A format's own options
+are a ``FormatOptions`` dataclass it declares.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
 from dcptool.core import Checkpoint, OutObject, OutTensor, Piece
 from dcptool.errors import UsageError, option
+from dcptool.options import Options
 from dcptool.selection import out_tensors, select
 from dcptool.storage import CheckpointFiles, OutputFiles
 
@@ -27,15 +29,27 @@ class Layout(enum.Enum):
     DATA_PARALLEL = "data-parallel"  # one file per data-parallel rank (FSDP1's per-rank files)
 
 
+class FormatOptions(Options):
+    """Base of a format's own options: each format that takes any declares a frozen dataclass of them in its
+    module (``Format.options``), built by name through ``dcptool.format_options("fsdp1", optim_form="flat")``
+    (``formats.options``), which refuses what the format does not take.
+    """
+
+    def check(self) -> None:
+        """Refuse values the format cannot take (a compression it does not have); by default none."""
+
+    def writer_options(self) -> dict[str, Any]:
+        """The options given, as its writer's keyword arguments."""
+        return self.given()
+
+
 @dataclass
 class OutputRequest:
-    """What a command asks of an output, whatever its format; a format takes the options it declares.
+    """What a command asks of an output, whatever its format.
 
-    ``world_size``: ranks of a per-rank output; ``layout``: the chunks of each output tensor per rank,
-    as ``reshard`` planned them (``(offsets, sizes, rank)`` per chunk); ``compress``: a compression
-    the format declares; ``max_shard_size``: the largest output file; ``keep_rank_state``: keep state
-    of single ranks of the source job; ``forms``: options of one format (fsdp1's ``optim_form``,
-    ``model_values``), each named by the format's ``options``.
+    ``world_size``: ranks of a per-rank output, and ``layout``: the chunks of each output tensor per rank, as
+    ``reshard`` planned them (``(offsets, sizes, rank)`` per chunk); ``keep_rank_state``: keep state of single
+    ranks of the source job; ``format_options``: the options of the output's own format (its ``options``).
     """
 
     dtype: str | None = None
@@ -43,16 +57,8 @@ class OutputRequest:
     exclude: str | None = None
     world_size: int | None = None
     layout: Callable[[OutTensor], list] | None = None
-    compress: str | None = None
-    max_shard_size: int | None = None
     keep_rank_state: bool = False
-    forms: dict[str, Any] = field(default_factory=dict)
-
-    def given(self) -> dict[str, Any]:
-        """The options set to anything but their defaults, by name (``forms`` by their own names)."""
-        general = {f.name: getattr(self, f.name) for f in fields(self)
-                   if f.name not in ("dtype", "include", "exclude", "forms")}
-        return {name: value for name, value in {**general, **self.forms}.items() if value not in (None, False)}
+    format_options: FormatOptions | None = None
 
 
 @dataclass
@@ -116,8 +122,8 @@ class Format(ABC):
     compressions: ClassVar[tuple[str, ...]] = ()
     # torch's ``dcp.load`` with its ``FileSystemReader`` reads it (``verify --load-on`` runs that load).
     dcp_loadable: ClassVar[bool] = False
-    # The options of ``OutputRequest`` it takes (beyond dtype, include and exclude), by their keyword names.
-    options: ClassVar[tuple[str, ...]] = ()
+    # Its own options (a ``FormatOptions`` dataclass), if it takes any.
+    options: ClassVar[type[FormatOptions] | None] = None
 
     @abstractmethod
     def detect(self, files: CheckpointFiles) -> bool:
@@ -156,22 +162,7 @@ class Format(ABC):
 
     def writer_options(self, request: OutputRequest) -> dict[str, Any]:
         """The request's options this format takes, as its writer's keyword arguments."""
-        given = {"world_size": request.world_size, "layout": request.layout, "compress": request.compress,
-                 "max_shard_size": request.max_shard_size, **request.forms}
-        chosen = {name: value for name, value in given.items() if name in self.options and value is not None}
+        chosen = request.format_options.writer_options() if request.format_options is not None else {}
         if request.layout is not None and self.layout is Layout.MESH:  # a reshard's chunks, rank by rank
             chosen.update(layout=request.layout, world_size=request.world_size)
         return chosen
-
-    def check_request(self, request: OutputRequest, others: list[Format]) -> None:
-        """Refuse options this format does not take, naming the formats (of ``others``) that do."""
-        for name, value in request.given().items():
-            if name in self.options or name == "layout":
-                continue
-            takers = [f.name for f in others if name in f.options]
-            given = option(name, value) if name == "compress" else option(name)
-            raise UsageError(f"{given} goes with {' or '.join(option('to', taker) for taker in takers)}" if takers else
-                             f"{given}: no format takes it")
-        if request.compress and request.compress not in self.compressions:
-            raise UsageError(f"{option('compress', request.compress)}: {option('to', self.name)} compresses with "
-                             f"{', '.join(self.compressions) or 'nothing'}")

@@ -28,13 +28,14 @@ import pkgutil
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from functools import cache
 from pathlib import Path
 
 from dcptool import converters, hub
 from dcptool.core import Checkpoint
-from dcptool.errors import CheckpointError, CheckpointNotFoundError, option
-from dcptool.format_interface import Format, OutputRequest
+from dcptool.errors import CheckpointError, CheckpointNotFoundError, UsageError, option
+from dcptool.format_interface import Format, FormatOptions
 from dcptool.storage import CheckpointFiles, stale_temporaries
 
 
@@ -57,9 +58,48 @@ def writable() -> list[str]:
     return [name for name in names() if all_formats()[name].writable]
 
 
-def check_request(fmt: Format, request: OutputRequest) -> None:
-    """Refuse options of ``request`` that ``fmt`` does not take, naming the formats that do."""
-    fmt.check_request(request, list(all_formats().values()))
+def options(name: str, **values) -> FormatOptions | None:
+    """The options of format ``name`` (its ``Format.options``) set to ``values``, as ``dcptool.format_options``
+    builds them; None for a format that takes none and none given. A value the format does not take is refused,
+    naming the formats that take it.
+
+    >>> options("fsdp1", optim_form="flat")
+    Fsdp1Options(world_size=None, keep_rank_state=False, optim_form='flat', model_values=None)
+    >>> options("torch", compress="zstd")
+    Traceback (most recent call last):
+    dcptool.errors.UsageError: compress='zstd' goes with to='dcp'
+    """
+    fmt = get(name)
+    taken = {f.name for f in fields(fmt.options)} if fmt.options else set()
+    for key, value in values.items():
+        if key not in taken and value not in (None, False):
+            _refuse_option(key, value)
+    if fmt.options is None:
+        return None
+    made = fmt.options(**{key: value for key, value in values.items() if key in taken})
+    made.check()
+    return made
+
+
+def check_options(fmt: Format, given: FormatOptions | None) -> None:
+    """Refuse options of another format than ``fmt``, naming the format they go with, and values ``fmt`` cannot take."""
+    if given is None:
+        return
+    if type(given) is fmt.options:
+        given.check()
+        return
+    for key, value in given.given().items():
+        _refuse_option(key, value)
+    owner = next(f.name for f in all_formats().values() if f.options is type(given))
+    raise UsageError(f"{option('format_options')} holds the options of {option('to', owner)}, not of {option('to', fmt.name)}")
+
+
+def _refuse_option(key: str, value) -> None:
+    takers = [f.name for f in all_formats().values() if f.options and key in {o.name for o in fields(f.options)}]
+    given = option(key) if value is True else option(key, value)
+    if not takers:
+        raise UsageError(f"{given}: no format takes it")
+    raise UsageError(f"{given} goes with {' or '.join(option('to', taker) for taker in takers)}")
 
 
 def get(name: str) -> Format:
@@ -240,4 +280,4 @@ def _format_of(files: CheckpointFiles) -> str:
         left = (f"; it holds {len(stale)} temporaries of dcptool runs that died ({', '.join(stale[:3])}"
                 f"{' ...' if len(stale) > 3 else ''}), which the next run writing there removes") if stale else ""
         raise CheckpointError(f"{files.location}: not a checkpoint dcptool recognizes (formats: {', '.join(names())}){left}")
-    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with {option('source_format')}")
+    raise CheckpointError(f"{files.location}: looks like several formats ({', '.join(found)}); choose one with {option('format')}")

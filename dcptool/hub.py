@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcptool.errors import DcptoolError, UsageError, option
+from dcptool.options import HubPush
 
 SCHEME = "hf://"
 # What dcptool reads of a model repo: its weights, their index, and what an export copies beside them.
@@ -140,31 +141,31 @@ def download(repo: HubRepo) -> str:
     return folder
 
 
-def push(folder: Path, repo_id: str, *, private: bool = False, revision: str | None = None,
-         commit_message: str | None = None) -> str:
-    """Upload the export ``folder`` to the model repo ``repo_id`` and return the URL of what was uploaded.
+def push(folder: Path, target: HubPush) -> str:
+    """Upload the export ``folder`` to the model repo ``target.repo`` and return the URL of what was uploaded.
 
-    The repo is created when missing (private with ``private``; an existing repo keeps its visibility), and the
-    branch ``revision`` too, from the default branch, so each training step can go to a branch of its own.
+    The repo is created when missing (private with ``target.private``; an existing repo keeps its visibility), and
+    the branch ``target.branch`` too, from the default branch, so each training step can go to a branch of its own.
 
-    >>> push(Path("hf-step-1000"), "my-org/run-7", private=True, revision="step-1000")   # doctest: +SKIP
+    >>> push(Path("hf-step-1000"), HubPush("my-org/run-7", private=True, branch="step-1000"))   # doctest: +SKIP
     'https://huggingface.co/my-org/run-7/tree/step-1000'
     """
     from huggingface_hub import HfApi, constants, errors
 
+    repo_id, branch = target.repo, target.branch
     check_repo_id(repo_id)
     api = HfApi()
     try:
         # None rather than False: without --private a new repo gets the organization's default visibility.
-        api.create_repo(repo_id, private=private or None, exist_ok=True)
-        if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        api.create_repo(repo_id, private=target.private or None, exist_ok=True)
+        if branch:
+            api.create_branch(repo_id, branch=branch, exist_ok=True)
         # upload_folder, not a per-file loop: in huggingface_hub >= 1.x it is the resumable large-folder pipeline
         # (xet deduplication, a batch of commits only for very large folders), it takes a branch (revision) and a
         # commit message, and it writes nothing into the export folder, which stays as verify and checksum saw it.
         with _progress_bars():
-            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision,
-                                       commit_message=commit_message or f"Upload {folder.name} with dcptool")
+            commit = api.upload_folder(repo_id=repo_id, folder_path=folder, revision=branch,
+                                       commit_message=target.commit_message or f"Upload {folder.name} with dcptool")
     except errors.OfflineModeIsEnabled:
         raise HubError(f"{repo_id}: HF_HUB_OFFLINE is set: unset it to push; the export stays in {folder}") from None
     except errors.HfHubHTTPError as exc:
@@ -177,7 +178,7 @@ def push(folder: Path, repo_id: str, *, private: bool = False, revision: str | N
             raise
         raise HubError(f"{repo_id}: the hub at {constants.ENDPOINT} could not be reached ({_reason(exc)}); "
                        f"the export stays in {folder}") from None
-    return f"{_web_url(repo_id)}/tree/{revision}" if revision else commit.commit_url
+    return f"{_web_url(repo_id)}/tree/{branch}" if branch else commit.commit_url
 
 
 def check_repo_id(repo_id: str) -> None:

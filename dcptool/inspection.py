@@ -20,7 +20,7 @@ from dcptool import adapters, core, lora, selection, stats
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.mesh import Mesh
-from dcptool.transfer import DEFAULT_MAX_MEMORY
+from dcptool.sizes import DEFAULT_MAX_MEMORY
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import Any
 from dcptool import selection
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted, option
-from dcptool.mesh import Axis, Mesh, local_chunk, parse_mesh, spec_str
+from dcptool.mesh import Axis, Mesh, local_chunk, spec_str
+from dcptool.options import MeshOptions
 from dcptool.storage import atomic_output, is_remote
 
 GRID_ROWS, GRID_WIDTH = 16, 72  # the text grid's most cell rows and characters per row
@@ -81,11 +82,11 @@ def _coordinates(mesh: Mesh, spec: tuple[Axis, ...], rank: int) -> str:
     return " ".join(f"{name}={coordinates[name]}" for name in axes) or "the only rank"
 
 
-def _planned_spec(checkpoint: Checkpoint, key: str, mesh_options: dict, plan: str):
+def _planned_spec(checkpoint: Checkpoint, key: str, options: MeshOptions):
     """The reshard plan's layout of ``key``, and the plan; refused with the planner's own line."""
     from dcptool import resharding
 
-    result = resharding.prepare(checkpoint, mesh_options, plan)
+    result = resharding.prepare(checkpoint, options)
     found = next((layout for layout in result.layouts if layout.tensor.source.key == key), None)
     if found is None:
         # Problems name the parameter a tensor follows, by its model name (without a dcp.model. wrapper).
@@ -135,12 +136,11 @@ def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
     return Layout(key, tensor.dtype, tensor.shape, blocks, f"saved on {mesh.describe()}", mesh, planned.spec, legend)
 
 
-def planned_layout(checkpoint: Checkpoint, key: str, mesh_text: str, plan: str = "auto") -> Layout:
-    """The blocks of ``key`` as ``reshard`` lays them out on the mesh ``dp=2,tp=4`` (dcp.save's choice of
-    the storing rank among the holders included)."""
-    sizes = parse_mesh(mesh_text, "mesh")
+def planned_layout(checkpoint: Checkpoint, key: str, options: MeshOptions) -> Layout:
+    """The blocks of ``key`` as ``reshard`` lays them out on the mesh (by its plan; dcp.save's choice of the
+    storing rank among the holders included)."""
     tensor = _tensor(checkpoint, key)
-    planned, result = _planned_spec(checkpoint, key, {"world_size": None} | sizes, plan)
+    planned, result = _planned_spec(checkpoint, key, options)
     mesh = result.mesh
     blocks = []
     for offsets, chunk_sizes, rank in planned.chunks:

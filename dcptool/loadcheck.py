@@ -7,7 +7,7 @@ regions read straight from the files by dcptool's own reader, and writes its res
 parent collects the results, names the ranks and tensors that fail, and never hangs: the whole
 process group is killed on a timeout, on Ctrl-C, and when a rank dies.
 
->>> report = run("step-1000", {"dp": 2, "tp": 2}, nproc=4)     # doctest: +SKIP
+>>> report = run("step-1000", LoadOn("dp=2,tp=2", nproc=4))     # doctest: +SKIP
 >>> report.ok, report.load_seconds                            # doctest: +SKIP
 (True, 3.1)
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dcptool.errors import UsageError, option
+from dcptool.options import LoadOn, MeshOptions
 
 
 @dataclass
@@ -83,9 +84,8 @@ def check_runnable(checkpoint: str | Path) -> None:
         raise UsageError(f"{checkpoint}: {option('load_on')} runs torch's dcp.load on a local folder; copy the checkpoint here first")
 
 
-def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None, backend: str = "auto",
-        plan: str = "auto", timeout: float = 600.0, include: str | None = None, exclude: str | None = None) -> LoadReport:
-    """Load ``checkpoint`` on the mesh in a real ``nproc``-process job and check every rank's shards."""
+def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, exclude: str | None = None) -> LoadReport:
+    """Load ``checkpoint`` on ``load_on``'s mesh in a real ``nproc``-process job and check every rank's shards."""
     from dcptool import formats
     from dcptool.resharding import prepare, raise_problems
 
@@ -94,14 +94,13 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
     source = formats.open_checkpoint(checkpoint)
     if not formats.get(source.format).dcp_loadable:
         raise UsageError(f"{checkpoint}: {option('load_on')} loads DCP checkpoints with dcp.load (this is {source.format})")
-    world = nproc or None
-    planned = prepare(source, {**mesh_options, "world_size": world}, plan)
+    planned = prepare(source, MeshOptions(**load_on.sizes(), world_size=load_on.nproc or None, plan=load_on.plan))
     raise_problems(planned)  # bad meshes are refused before any process starts
     mesh = planned.mesh
-    backend = _backend(backend)
+    backend = _backend(load_on.backend)
     with tempfile.TemporaryDirectory(prefix="dcptool-loadcheck-") as results:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={mesh.world}",
-                   "-m", "dcptool.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", plan,
+                   "-m", "dcptool.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", load_on.plan,
                    "--backend", backend, "--results", results]
         for flag, value in (("--include", include), ("--exclude", exclude)):
             if value:
@@ -113,11 +112,11 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
             job = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
             try:
-                code = job.wait(timeout=timeout)
+                code = job.wait(timeout=load_on.timeout)
                 if code != 0:
                     problem = _why_failed(log.read_text(errors="replace"), code)
             except subprocess.TimeoutExpired:
-                problem = f"timed out after {timeout:g} s"
+                problem = f"timed out after {load_on.timeout:g} s"
             finally:
                 _kill_tree(job)
         ranks, missing = [], []
@@ -176,7 +175,7 @@ def _worker(args) -> int:
     try:
         mesh = Mesh(**json.loads(args.mesh))
         checkpoint = formats.open_checkpoint(args.checkpoint)
-        planned = prepare(checkpoint, mesh.as_dict(), args.plan, keep_rank_state=True)
+        planned = prepare(checkpoint, MeshOptions(**mesh.as_dict(), plan=args.plan), keep_rank_state=True)
         chosen = select({layout.tensor.key: layout for layout in planned.layouts}, args.include, args.exclude)
         state, regions = _empty_state(chosen, mesh, rank, device)
         dist.barrier()

@@ -7,7 +7,7 @@ least-loaded rank holding it, as ``dcp.save`` deduplicates. A format of per-rank
 files (fsdp1) lays out its ranks itself. Execution is the ordinary streamed conversion with the
 format's writer putting each chunk in its rank's file; ``dcptool.api.reshard`` runs the whole.
 
->>> result = plan_for(formats.open_checkpoint("step-1000"), mesh_options(tp=4))   # doctest: +SKIP
+>>> result = plan_for(formats.open_checkpoint("step-1000"), MeshOptions(tp=4))   # doctest: +SKIP
 >>> result.mesh.describe(), result.problems                                        # doctest: +SKIP
 ('8 ranks: dp=2 x tp=4', [])
 """
@@ -27,8 +27,9 @@ from dcptool import adapters, dtypes, formats, models, plans
 from dcptool.conversion import Conversion, Report, adapted
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
-from dcptool.format_interface import Layout, OutputRequest
+from dcptool.format_interface import FormatOptions, Layout, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
+from dcptool.options import MeshOptions
 from dcptool.selection import config_folder, model_part, read_config
 from dcptool.storage import CheckpointFiles
 
@@ -114,19 +115,12 @@ class ReshardPlan:
         }
 
 
-def mesh_options(dp: int | None = None, tp: int = 1, ep: int = 1, etp: int | str = 1, cp: int = 1,
-                 dp_replicate: int = 1, world_size: int | None = None) -> dict:
-    """The mesh sizes as ``resolve_mesh`` takes them; ``etp="tp"`` means the tp degree."""
-    if etp != "tp" and not str(etp).isdigit():
-        raise UsageError(f"{option('etp', etp)}: give 1 or tp")
-    return {"dp": dp, "tp": tp, "ep": ep, "etp": tp if etp == "tp" else int(etp), "cp": cp,
-            "dp_replicate": dp_replicate, "world_size": world_size}
-
-
-def resolve_mesh(checkpoint: Checkpoint, dp=None, tp=1, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None) -> Mesh:
+def resolve_mesh(checkpoint: Checkpoint, options: MeshOptions) -> Mesh:
     """The target mesh; ``dp`` left out keeps the world size the source was saved with (or ``world_size``)."""
+    sizes = options.sizes()
+    dp, world_size = sizes.pop("dp"), sizes.pop("world_size")
     world = world_size or checkpoint.info.get("world_size")
-    others = dp_replicate * cp * tp
+    others = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
     if dp is None:
         if world is None:
             dp = 1
@@ -135,7 +129,7 @@ def resolve_mesh(checkpoint: Checkpoint, dp=None, tp=1, ep=1, etp=1, cp=1, dp_re
             raise UsageError(f"dp_replicate*cp*tp = {others} does not divide {source}; give {option('dp')}")
         else:
             dp = world // others
-    mesh = Mesh(dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate)
+    mesh = Mesh(dp=dp, **sizes)
     mesh.check()
     if world_size and mesh.world != world_size:
         raise UsageError(f"{option('world_size', world_size)} != dp_replicate*dp*cp*tp = {mesh.world} ({mesh.describe()})")
@@ -331,34 +325,33 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
     return problems
 
 
-def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, to: str = "dcp",
-             adapter: str | None = None, config_dir: str | Path | None = None,
-             keep_rank_state: bool = False, dtype: str | None = None, compress: str | None = None,
-             forms: dict | None = None,
+def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", family: str | None = None,
+             config_dir: str | Path | None = None, keep_rank_state: bool = False, dtype: str | None = None,
+             format_options: FormatOptions | None = None,
              megatron_output: adapters.megatron.MegatronOutput | None = None) -> ReshardPlan:
-    """What ``dcptool reshard`` and ``import-hf`` write: the entries under ``adapter``'s names and in its
-    family's layout, laid out for the mesh as format ``to`` lays out ranks; problems are listed, not raised
-    (``raise_problems``).
+    """What ``dcptool reshard`` and ``import-hf`` write: the entries under naming family ``family``'s names and
+    in its layout, laid out for the mesh (by its plan) as format ``to`` lays out ranks; problems are listed, not
+    raised (``raise_problems``).
 
     A format with mesh layouts (dcp) gets each tensor's chunks as FSDP2 + TP + EP place them; a format of
     per-rank data-parallel files (fsdp1) lays them out itself, on a mesh of data parallelism only.
-    ``compress`` and ``forms`` (fsdp1's ``optim_form``, ``model_values``) are options of the format;
-    ``megatron_output``: what Megatron names are written for (their vocabulary padding).
+    ``format_options`` are the options of format ``to``; ``megatron_output``: what Megatron names are written
+    for (their vocabulary padding).
     """
     fmt = formats.get(to)
     if fmt.layout is Layout.NONE:
         laid_out = [f.name for f in formats.all_formats().values() if f.writable and f.layout is not Layout.NONE]
         raise UsageError(f"{option('to', to)}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
-    request = OutputRequest(dtype=dtype, compress=compress, keep_rank_state=keep_rank_state, forms=dict(forms or {}))
-    formats.check_request(fmt, OutputRequest(compress=compress, forms=request.forms))
-    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir, megatron_output=megatron_output)
+    formats.check_options(fmt, format_options)
+    request = OutputRequest(dtype=dtype, keep_rank_state=keep_rank_state, format_options=format_options)
+    checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir, megatron_output=megatron_output)
     if fmt.layout is Layout.DATA_PARALLEL:
-        result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, **mesh_options), request)
+        result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, mesh), request)
     else:
-        result = prepare(checkpoint, mesh_options, plan, config_dir=config_dir, keep_rank_state=keep_rank_state,
-                         dtype=dtype, to=to)
+        result = prepare(checkpoint, mesh, config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
+                         to=to)
         writer_options = fmt.writer_options(OutputRequest(layout=result.layout_of(), world_size=result.mesh.world,
-                                                          compress=compress))
+                                                          format_options=format_options))
         result.conversion = Conversion(result.checkpoint, to, [layout.tensor for layout in result.layouts],
                                        result.objects, writer_options)
     result.notes = notes + result.conversion.notes
@@ -379,10 +372,10 @@ def _plan_data_parallel(checkpoint: Checkpoint, fmt, mesh: Mesh, request: Output
     return result
 
 
-def prepare(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", **planning) -> ReshardPlan:
-    """Resolve the mesh, choose the plan (``auto``, a built-in name or a file) and plan every tensor."""
-    mesh = resolve_mesh(checkpoint, **mesh_options)
-    chosen = plans.choose(plan, list(model_part(checkpoint)))
+def prepare(checkpoint: Checkpoint, options: MeshOptions, **planning) -> ReshardPlan:
+    """Resolve the mesh, choose its plan (``auto``, a built-in name or a file) and plan every tensor."""
+    mesh = resolve_mesh(checkpoint, options)
+    chosen = plans.choose(options.plan, list(model_part(checkpoint)))
     return plan_reshard(checkpoint, mesh, chosen, **planning)
 
 

@@ -41,6 +41,7 @@ def parse_size(value: int | str, name: str) -> int:
     return int(found["whole"] or 0) * unit + int(fraction or 0) * unit // 10 ** len(fraction)
 
 
+DEFAULT_MAX_MEMORY = 256 * 2**20  # the memory budget for data buffers when none is given (--max-memory)
 MIN_MEMORY = 2**16  # the smallest --max-memory: a few buffers of a page-multiple size each
 
 

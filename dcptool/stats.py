@@ -30,10 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dcptool import dtypes, models, selection, transfer
+from dcptool import dtypes, models, selection
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, option
-from dcptool.sizes import check_memory_budget
+from dcptool.sizes import DEFAULT_MAX_MEMORY, check_memory_budget
 
 # The readers (dcptool.verification) and blake3 are imported by ``compute`` alone: plain inspect, which uses
 # the counts and folded rows here, starts without them (issue 5's start-up time).
@@ -220,7 +220,7 @@ class _Scanner:
 
 
 def compute(checkpoint: Checkpoint, tensors: dict[str, TensorInfo] | None = None, *,
-            max_memory: int = transfer.DEFAULT_MAX_MEMORY, threads: int | None = None,
+            max_memory: int = DEFAULT_MAX_MEMORY, threads: int | None = None,
             progress: Callable[[int], None] | None = None) -> StatsReport:
     """Statistics of ``tensors`` (default: all of the checkpoint's, by key) and the flags they raise.
 

@@ -40,8 +40,6 @@ from dcptool.storage import OutputFiles, deferred_interrupts
 from dcptool.torch_archive import row_major
 from dcptool.torch_archive.records import record_checks
 
-# The memory budget for data buffers when none is given (--max-memory).
-DEFAULT_MAX_MEMORY = 256 * 2**20
 # Threads moving bytes: beyond the cores, extra threads still overlap waiting on the disk.
 IO_THREADS = min(8, 2 * (os.cpu_count() or 1))
 # The largest task: progress and checks on the other ranks come at least this often.

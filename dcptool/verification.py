@@ -33,7 +33,7 @@ from dcptool import adapters, conversion, dtypes, formats, models, selection, tr
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
-from dcptool.sizes import check_memory_budget
+from dcptool.sizes import DEFAULT_MAX_MEMORY, check_memory_budget
 from dcptool.state_dicts import plain_data, split_object
 from dcptool.torch_archive import Unpicklable
 from dcptool.torch_archive.records import record_checks
@@ -152,13 +152,14 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
             raise UsageError(f"{a.checkpoint.root}: a manifest in {found_a} names cannot check {found_b} names "
                              f"({adapters.taken_apart_to_compare(found_a)}): write the manifest of "
-                             f"{b.checkpoint.root} (checksum --write) and check the {found_a} checkpoint against it")
+                             f"{b.checkpoint.root} (checksum with {option('write', True)}) and check the {found_a} checkpoint "
+                             "against it")
         side_b, side_a, note = align_families(b, a, found_b, found_a, include, exclude)
         return side_a, side_b, note.replace("B's", "A's", 1)
     config = adapters.config_to_compare(config, found_b, params_a)
     mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config, where=str(b.checkpoint.root))
     result = mapping.convert(params_b)
-    adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('adapter_a')} / {option('adapter_b')}")
+    adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('family_a')} / {option('family_b')}")
     mapped = {name: entry for name, (entry, _) in result.entries.items()}
     # A's tensors that B's family has no place for (Qwen3-MoE's expert_bias in HF names) cannot be in B.
     no_place = adapters.make_mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
@@ -260,16 +261,16 @@ def check_dtype_as(dtype_as: str | None) -> str | None:
     return str(dtype_as).lower()
 
 
-def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: str | dict | None,
-                    prefix_a: str | None = None, prefix_b: str | None = None, from_b: str | None = None) -> None:
+def check_arguments(b: str | Path | None, roundtrip: str | None, load_on: object | None,
+                    prefix_a: str | None = None, prefix_b: str | None = None, format_b: str | None = None) -> None:
     """Refuse what ``dcptool verify`` cannot do together: A against B, A's round trip, or A's load on a mesh."""
     if load_on:
         if b is not None or roundtrip:
             raise UsageError(f"{option('load_on')} checks A alone: give no B or {option('roundtrip')}")
     elif roundtrip:
-        if b is not None or prefix_a or prefix_b or from_b:
+        if b is not None or prefix_a or prefix_b or format_b:
             raise UsageError(f"{option('roundtrip')} compares A with its own round trip: give no B, {option('prefix_a')}, "
-                             f"{option('prefix_b')} or {option('from_b')}")
+                             f"{option('prefix_b')} or {option('format_b')}")
     elif b is None:
         raise UsageError(f"give the checkpoint B to compare A with, or {option('roundtrip')}")
 
@@ -422,7 +423,7 @@ def _outside_model(checkpoint: Checkpoint, prefix: str | None = None) -> list[st
 
 
 def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | None = None,
-                  dtype_as: str | None = None, max_memory: int = transfer.DEFAULT_MAX_MEMORY,
+                  dtype_as: str | None = None, max_memory: int = DEFAULT_MAX_MEMORY,
                   progress: Callable[[int], None] | None = None) -> Report:
     """Compare two sides key by key; half of ``max_memory`` buffers each side's reads.
 
@@ -603,7 +604,7 @@ def _leaves(side: Side) -> dict[str, Any]:
 
 
 def roundtrip(source: str | Path, via: str, *, source_format: str | None = None, include: str | None = None,
-              exclude: str | None = None, max_memory: int = transfer.DEFAULT_MAX_MEMORY, **options) -> Report:
+              exclude: str | None = None, max_memory: int = DEFAULT_MAX_MEMORY, **options) -> Report:
     """Convert ``source`` to format ``via`` and back to its own format in a temporary folder, then compare.
 
     Only what ``via`` holds is compared (``convert --to VIA`` and back: ``hf`` holds no non-tensor

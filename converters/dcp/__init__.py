@@ -12,9 +12,31 @@ from __future__ import annotations
 from dcptool.converters.dcp.names import METADATA, NAME
 from dcptool.converters.dcp.reader import detect, read
 from dcptool.converters.dcp.writer import Writer
-from dcptool.format_interface import Format, Layout
+from dataclasses import dataclass
 
-__all__ = ["FORMAT", "METADATA", "Dcp", "detect", "read"]
+from dcptool.errors import UsageError, option
+from dcptool.format_interface import Format, FormatOptions, Layout
+
+__all__ = ["FORMAT", "METADATA", "Dcp", "DcpOptions", "detect", "read"]
+
+COMPRESSIONS = ("zstd",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcpOptions(FormatOptions):
+    """The dcp output's own options: ``--compress``.
+
+    Args:
+        compress: compress the records as torch's zstd extension does (``dcp.load`` reads them; writing needs
+            the zstandard package).
+    """
+
+    compress: str | None = None
+
+    def check(self) -> None:
+        if self.compress is not None and self.compress not in COMPRESSIONS:
+            raise UsageError(f"{option('compress', self.compress)}: {option('to', NAME)} compresses with "
+                             f"{', '.join(COMPRESSIONS)}")
 
 
 class Dcp(Format):
@@ -23,9 +45,9 @@ class Dcp(Format):
     name = NAME
     completes = (METADATA,)  # without it the folder is no checkpoint
     layout = Layout.MESH
-    compressions = ("zstd",)
+    compressions = COMPRESSIONS
     dcp_loadable = True
-    options = ("compress",)
+    options = DcpOptions
 
     detect = staticmethod(detect)
     read = staticmethod(read)

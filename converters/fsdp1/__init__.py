@@ -33,12 +33,34 @@ real gloo jobs of torch 2.13 (tests/test_verl.py, tests/test_fsdp1.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dcptool.core import Checkpoint
 from dcptool.errors import option
-from dcptool.format_interface import Format, Layout, Output, OutputRequest
+from dcptool.format_interface import Format, FormatOptions, Layout, Output, OutputRequest
 from dcptool.converters.fsdp1 import planning, reader
 from dcptool.converters.fsdp1.folder import CONFIG, NAME
 from dcptool.converters.fsdp1.writer import Writer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fsdp1Options(FormatOptions):
+    """The fsdp1 output's own options: ``--world-size``, ``--keep-rank-state``, ``--optim-form``, ``--model-values``
+    (``planning.output_forms`` says what each form is).
+
+    Args:
+        world_size: the data-parallel ranks to write files for (default 1; a reshard writes its mesh's).
+        keep_rank_state: give each new rank the state its source rank saved of its own (RNG) instead of dropping it
+            (a reshard takes this as its own option).
+        optim_form: how the optimizer files hold the state: named, flat, orig or fsdp2 (default: the source
+            folder's form, else named).
+        model_values: sharded-tensor or dtensor[:DEVICE] (default: the source folder's, else sharded-tensor).
+    """
+
+    world_size: int | None = None
+    keep_rank_state: bool = False
+    optim_form: str | None = None
+    model_values: str | None = None
 
 
 class Fsdp1(Format):
@@ -48,7 +70,7 @@ class Fsdp1(Format):
     name = NAME
     completes = (CONFIG,)
     layout = Layout.DATA_PARALLEL
-    options = ("world_size", "keep_rank_state", "optim_form", "model_values")
+    options = Fsdp1Options
 
     detect = staticmethod(reader.detect)
     read = staticmethod(reader.read)
@@ -57,11 +79,11 @@ class Fsdp1(Format):
     def plan_output(self, checkpoint: Checkpoint, request: OutputRequest) -> Output:
         """The model, its optimizer state and the lr scheduler for each rank (``entries``), in the forms
         ``optim_form`` and ``model_values`` choose (``output_forms``)."""
-        world_size = request.world_size or 1
+        own = request.format_options or Fsdp1Options()
+        world_size = request.world_size or own.world_size or 1
         tensors, objects, reasons = planning.entries(checkpoint, world_size, request.dtype, request.include,
-                                                     request.exclude, request.keep_rank_state)
-        forms, said = planning.output_forms(checkpoint, request.forms.get("optim_form"),
-                                            request.forms.get("model_values"))
+                                                     request.exclude, request.keep_rank_state or own.keep_rank_state)
+        forms, said = planning.output_forms(checkpoint, own.optim_form, own.model_values)
         options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"),
                    "source_layout": planning.source_layout(tensors, objects), **forms}
         selected = f", as selected by {option('include')}/{option('exclude')}" if request.include or request.exclude else ""

@@ -13,6 +13,7 @@ from dcptool.converters.megatron.names import BACKEND, COMMON_PT, CONFIG, NAME
 from dcptool.converters.megatron.reader import detect, read
 from dcptool.converters.megatron.writer import Writer, expected_objects, has_common_state, megatron_objects
 from dcptool.format_interface import Format, Layout, Output, OutputRequest
+from dcptool.errors import option
 
 __all__ = ["FORMAT", "Megatron", "detect", "read"]
 
@@ -44,7 +45,7 @@ class Megatron(Format):
                    if key not in checkpoint.objects]
         if missing:
             why = (f"{checkpoint.root}: {len(missing)} _extra_state objects that Megatron's load asks for are missing "
-                   f"({missing[0]} ...): it fails with \"Missing key\"; convert --to megatron adds them")
+                   f"({missing[0]} ...): it fails with \"Missing key\"; convert with {option('to', NAME)} adds them")
             found.append((missing[0], why))
         return found
 

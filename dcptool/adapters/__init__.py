@@ -115,7 +115,7 @@ class Mapping:
     def __init__(self, kind: str, source: str, target: str, config: dict | None, hf_experts: str = "per-expert"):
         for family in (source, target):
             if family not in FAMILIES:
-                raise UsageError(f"{option('adapter', family)}: choose one of {', '.join(FAMILIES)}")
+                raise UsageError(f"{option('family', family)}: choose one of {', '.join(FAMILIES)}")
         if hf_experts not in HF_EXPERTS:
             raise UsageError(f"{option('hf_experts', hf_experts)}: choose {' or '.join(HF_EXPERTS)}")
         self.kind, self.source, self.target = kind, source, target
@@ -125,7 +125,7 @@ class Mapping:
             if family not in named:
                 known = ", ".join(named + ([MEGATRON] if self.model.megatron else []))
                 raise UsageError(f"{kind} has no {family} names in dcptool's tables ({family} has no such model); "
-                                 f"its names: {known} ({option('adapter')})")
+                                 f"its names: {known} ({option('family')})")
         self.config = models.text_config(config)
         self.fused = hf_experts == "fused" and target == "hf"
         # Experts per (row, layer), from the weights: per-expert optimizer counters follow them.
@@ -299,7 +299,7 @@ class MegatronMapping:
                  output: megatron.MegatronOutput | None = None, where: str = ""):
         for family in (source, target):
             if family not in NAMING_FAMILIES:
-                raise UsageError(f"{option('adapter', family)}: choose one of {', '.join(NAMING_FAMILIES)}")
+                raise UsageError(f"{option('family', family)}: choose one of {', '.join(NAMING_FAMILIES)}")
         self.kind, self.source, self.target = kind, source, target
         self.model = models.kinds()[kind]
         if not self.model.megatron:
@@ -597,10 +597,10 @@ def mapping_for(names, target: str | None, source: str = "auto", config: dict | 
     if family is None:
         if source == "auto" and target not in (None, "hf"):
             shown = ", ".join(names[:5])
-            raise UsageError(f"cannot tell which family names these weights ({shown} ...): give {option('adapter')}")
+            raise UsageError(f"cannot tell which family names these weights ({shown} ...): give {option('family')}")
         return None, None
     if family not in NAMING_FAMILIES:
-        raise UsageError(f"{option('adapter', family)}: choose one of auto, {', '.join(NAMING_FAMILIES)}")
+        raise UsageError(f"{option('family', family)}: choose one of auto, {', '.join(NAMING_FAMILIES)}")
     target = target or family
     fused = hf_experts == "fused" and target == "hf"
     if family == target and not fused:

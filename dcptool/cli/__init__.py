@@ -78,7 +78,8 @@ def _command() -> typer.core.TyperGroup:
 
 
 def flags(group: typer.core.TyperGroup) -> dict[str, str]:
-    """The flag of each option of the commands, by its keyword argument in the API (``source_format``: ``--from``)."""
+    """The flag of each option of the commands, by the key messages name it by (``errors.option``): the API's keyword
+    (``family``: ``--adapter``) or the key of an option object's field (``format``: ``--from``, ``prefix_a``: ``--prefix-a``)."""
     return {param.name: next(opt for opt in param.opts if opt.startswith("--")) for command in group.commands.values()
             for param in command.params if param.param_type_name == "option"}
 

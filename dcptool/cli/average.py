@@ -9,35 +9,24 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (CpOption, DpReplicateOption, DryRunOption, EpOption, EtpOption, MaxMemoryOption,
-                                 NoFsyncOption, NoVerifyRecordsOption, OutputFormat, OverwriteOption, PlanOption,
-                                 RevisionOption, TpOption, WorldSizeOption)
+from dcptool.cli.options import OPTIONAL_MESH, READING, WRITING, OutputFormat, grouped
 from dcptool.errors import UsageError
+from dcptool.options import MeshOptions, Reading, Writing
 from dcptool.storage import output_path
 
 
 @app.command(name="average")
+@grouped
 def average_command(
     paths: List[str] = typer.Argument(..., metavar="A B [C ...] DST", help="Checkpoints to average (any formats, naming families and meshes; paths, URLs or hub repos), then the output."),
     weights: Optional[str] = typer.Option(None, "--weights", metavar="W,W,...", help="One weight per checkpoint, e.g. 0.5,0.3,0.2 (default: equal). Weights that do not sum to 1 are divided by their sum; none negative."),
     to: Optional[OutputFormat] = typer.Option(None, "--to", help="Output format (default: the first checkpoint's)."),
-    dp: Optional[int] = typer.Option(None, "--dp", help="With a mesh: FSDP shard degree, as reshard takes it (default: the first checkpoint's own chunks)."),
-    tp: int = TpOption,
-    ep: int = EpOption,
-    etp: str = EtpOption,
-    cp: int = CpOption,
-    dp_replicate: int = DpReplicateOption,
-    world_size: Optional[int] = WorldSizeOption,
-    plan: str = PlanOption,
+    mesh: MeshOptions | None = OPTIONAL_MESH.helped(dp="With a mesh: FSDP shard degree, as reshard takes it (default: the first checkpoint's own chunks)."),
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json: heads and experts, to map names across naming families (Llama's q/k rows) and, with mesh options, to check tp and ep."),
     include_optimizer: bool = typer.Option(False, "--include-optimizer", help="Average the optimizer state too (every checkpoint must hold it); by default it is left out."),
-    revision: Optional[str] = RevisionOption,
-    dry_run: bool = DryRunOption,
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    max_memory: str = MaxMemoryOption,
-    overwrite: bool = OverwriteOption,
-    no_fsync: bool = NoFsyncOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    reading: Reading = READING.only("revision", "max_memory", "verify_records"),
+    writing: Writing = WRITING,
 ) -> None:
     """Average checkpoints of one model ("souping"), streamed within --max-memory.
 
@@ -54,11 +43,8 @@ def average_command(
     if len(paths) < 3:
         raise UsageError("give at least two checkpoints to average, then the output (dcptool average A B DST)")
     *sources, destination = paths
-    report = api.average(sources, output_path(destination), weights=weights, to=to, dp=dp, tp=tp, ep=ep, etp=etp,
-                         cp=cp, dp_replicate=dp_replicate, world_size=world_size, plan=plan, config_dir=config_dir,
-                         include_optimizer=include_optimizer, revision=revision, max_memory=max_memory,
-                         overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run, progress=render.progress,
-                         verify_records=not no_verify_records)
+    report = api.average(sources, output_path(destination), weights=weights, to=to, mesh=mesh, config_dir=config_dir,
+                         include_optimizer=include_optimizer, reading=reading, writing=writing)
     if as_json:
         print(json.dumps({"destination": str(report.destination), "format": report.format, "dry_run": report.dry_run,
                           "tensors": report.tensors, "bytes": report.bytes_written, "notes": report.notes,

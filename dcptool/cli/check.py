@@ -9,18 +9,19 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import FormatName, FromOption, JsonOption, RevisionOption
+from dcptool.cli.options import READING, JsonOption, grouped
 from dcptool.cli.render import shown
 from dcptool.errors import MismatchError
+from dcptool.options import Reading
 
 
 @app.command(name="check")
+@grouped
 def check_command(
     path: str = typer.Argument(..., help="Checkpoint to check (a path, a URL or a hub repo ORG/NAME)."),
-    source_format: Optional[FormatName] = FromOption,
     as_json: bool = JsonOption,
     show_all: bool = typer.Option(False, "--all", help="One line per problem (default: problems of keys that differ only in their numbers fold into one line)."),
-    revision: Optional[str] = RevisionOption,
+    reading: Reading = READING.only("format", "revision"),
 ) -> None:
     """Check one checkpoint for everything torch or an engine would trip on, without loading it and without a manifest.
 
@@ -33,7 +34,7 @@ def check_command(
     """
     from dcptool import api
 
-    report = api.check(path, source_format=source_format, revision=revision, progress=render.progress)
+    report = api.check(path, reading=reading)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:

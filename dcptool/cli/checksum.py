@@ -10,13 +10,15 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import NoVerifyRecordsOption, FormatName, JsonOption, MaxMemoryOption, RevisionOption
+from dcptool.cli.options import READING, JsonOption, grouped
 from dcptool.errors import MismatchError, counted
+from dcptool.options import Reading
 
 
 # The help writes out the manifest's name and the thread cap so that the other commands start without
 # importing checksums (and blake3).
 @app.command(name="checksum")
+@grouped
 def checksum_command(
     path: str = typer.Argument(..., help="Checkpoint folder or file the manifest belongs to (a path or a URL)."),
     write: bool = typer.Option(False, "--write", help="Hash every file and tensor and write the manifest."),
@@ -26,13 +28,11 @@ def checksum_command(
     scan_nonfinite: bool = typer.Option(False, "--scan-nonfinite", help="Also count NaN and Inf in floating-point tensors; any found exits 1."),
     prefix: Optional[str] = typer.Option(None, "--prefix", help="With --against: compare only the manifest's keys under this wrapper, stripped ('auto': the model part)."),
     against_prefix: Optional[str] = typer.Option(None, "--against-prefix", help="With --against: the same for the other checkpoint's keys."),
-    source_format: Optional[FormatName] = typer.Option(None, "--from", help="Format of the checkpoint read (detected when omitted)."),
     threads: int = typer.Option(0, "--threads", help="Hashing threads (default: the CPUs, at most 16)."),
     as_json: bool = JsonOption,
-    revision: Optional[str] = RevisionOption,
-    max_memory: str = MaxMemoryOption,
     overwrite: bool = typer.Option(False, "--overwrite", help="With --write: replace an existing manifest."),
-    no_verify_records: bool = NoVerifyRecordsOption,
+    reading: Reading = READING.only("format", "revision", "max_memory", "verify_records").helped(
+        format="Format of the checkpoint read (detected when omitted)."),
 ) -> None:
     """Write or check an integrity manifest: a BLAKE3 hash per file and per tensor (of its global values).
 
@@ -47,10 +47,8 @@ def checksum_command(
     from dcptool import api
 
     result = api.checksum(path, write=write, check=check, against=against, manifest=manifest,
-                          scan_nonfinite=scan_nonfinite, prefix=prefix, against_prefix=against_prefix,
-                          source_format=source_format, threads=threads, max_memory=max_memory, overwrite=overwrite,
-                          revision=revision, progress=render.progress,
-                        verify_records=not no_verify_records)
+                          scan_nonfinite=scan_nonfinite, prefix=prefix, against_prefix=against_prefix, threads=threads,
+                          overwrite=overwrite, reading=reading)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
     else:

@@ -8,37 +8,26 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (NoVerifyRecordsOption, CastDtype, CompressOption, Compression, DequantizeOption, DryRunOption, DtypeOption, ExcludeOption,
-                                 Family, FormatName, FromOption, NoFsyncOption, IncludeOption, MaxMemoryOption,
-                                 ModelValuesOption, OptimForm, OptimFormOption, OutputFormat, OutputLocation,
-                                 OverwriteOption, RevisionOption, TargetAdapterOption)
+from dcptool.cli.options import (FORMAT_OPTIONS, READING, SELECTION, WRITING, CastDtype, DtypeOption, Family,
+                                 OutputFormat, OutputLocation, TargetFamilyOption, grouped)
+from dcptool.format_interface import FormatOptions
+from dcptool.options import Reading, Selection, Writing
 from dcptool.storage import output_path
 
 
 @app.command(name="convert")
+@grouped
 def convert_command(
     source: str = typer.Argument(..., help="Checkpoint to read (a path, a URL or a hub repo ORG/NAME)."),
     destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder (a file for --to torch); a path or a URL."),
     to: OutputFormat = typer.Option(..., "--to", help="Output format."),
-    source_format: Optional[FormatName] = FromOption,
     dtype: Optional[CastDtype] = DtypeOption,
-    include: Optional[str] = IncludeOption,
-    exclude: Optional[str] = ExcludeOption,
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks to write for --to fsdp1 (default 1)."),
-    keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="With --to fsdp1: give each new rank the state its source rank saved of its own (RNG) instead of dropping it."),
-    optim_form: Optional[OptimForm] = OptimFormOption,
-    model_values: Optional[str] = ModelValuesOption,
-    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest safetensors file for --to hf (default 5GB, the hub's)."),
-    adapter: Optional[Family] = TargetAdapterOption,
+    selection: Selection = SELECTION.only("include", "exclude"),
+    format_options: FormatOptions | None = FORMAT_OPTIONS,
+    family: Optional[Family] = TargetFamilyOption,
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json, for --adapter (head counts, experts, tied embeddings)."),
-    revision: Optional[str] = RevisionOption,
-    dequantize: bool = DequantizeOption,
-    compress: Optional[Compression] = CompressOption,
-    max_memory: str = MaxMemoryOption,
-    overwrite: bool = OverwriteOption,
-    no_fsync: bool = NoFsyncOption,
-    dry_run: bool = DryRunOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    reading: Reading = READING,
+    writing: Writing = WRITING,
 ) -> None:
     """Convert between formats, keeping every key as saved (nested keys flattened with '.'), or renamed with --adapter.
 
@@ -51,11 +40,6 @@ def convert_command(
     """
     from dcptool import api
 
-    report = api.convert(source, destination, to, source_format=source_format, revision=revision, dtype=dtype,
-                         include=include, exclude=exclude, world_size=world_size, max_shard_size=max_shard_size,
-                         adapter=adapter, config_dir=config_dir, keep_rank_state=keep_rank_state,
-                         optim_form=optim_form, model_values=model_values, dequantize=dequantize, compress=compress,
-                         max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run,
-                         progress=render.progress,
-                        verify_records=not no_verify_records)
+    report = api.convert(source, destination, to, family=family, config_dir=config_dir, dtype=dtype,
+                         selection=selection, format_options=format_options, reading=reading, writing=writing)
     render.written(report)

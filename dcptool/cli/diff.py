@@ -9,30 +9,24 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (ExcludeOption, FamilyOrAuto, FormatName, IncludeOption, MaxMemoryOption,
-                                 NoVerifyRecordsOption, RevisionOption)
+from dcptool.cli.options import READING, SELECTION, grouped, side
 from dcptool.cli.render import shown
 from dcptool.errors import UsageError
+from dcptool.options import Reading, Selection, Side
 
 
 @app.command(name="diff")
+@grouped
 def diff_command(
     a: str = typer.Argument(..., metavar="A", help="The checkpoint before (any format or layout; a path, a URL or a hub repo)."),
     b: str = typer.Argument(..., metavar="B", help="The checkpoint after."),
     show_all: bool = typer.Option(False, "--all", help="One row per tensor (by default numbered layers fold into one row, as inspect folds them)."),
     top: Optional[int] = typer.Option(None, "--top", metavar="K", help="Also list the K tensors of the largest relative change."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (every tensor)."),
-    include: Optional[str] = IncludeOption,
-    exclude: Optional[str] = ExcludeOption,
-    prefix_a: Optional[str] = typer.Option(None, "--prefix-a", help="Compare only keys under this wrapper of A (e.g. 'dcp.model'; 'auto': the model part)."),
-    prefix_b: Optional[str] = typer.Option(None, "--prefix-b", help="Compare only keys under this wrapper of B."),
-    from_a: Optional[FormatName] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
-    from_b: Optional[FormatName] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
-    adapter_a: FamilyOrAuto = typer.Option("auto", "--adapter-a", help="Naming family of A's weights; when A and B differ, B's are compared under A's names."),
-    adapter_b: FamilyOrAuto = typer.Option("auto", "--adapter-b", help="Naming family of B's weights."),
-    revision: Optional[str] = RevisionOption,
-    max_memory: str = MaxMemoryOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    selection: Selection = SELECTION.only("include", "exclude"),
+    side_a: Side = side("a"),
+    side_b: Side = side("b"),
+    reading: Reading = READING.only("revision", "max_memory", "verify_records"),
 ) -> None:
     """What changed from A to B, per tensor and in total, across formats, layouts, naming families and meshes.
 
@@ -47,9 +41,7 @@ def diff_command(
 
     if top is not None and top < 1:
         raise UsageError(f"--top {top}: give a number of tensors, at least 1")
-    report = api.diff(a, b, include=include, exclude=exclude, prefix_a=prefix_a, prefix_b=prefix_b, from_a=from_a,
-                      from_b=from_b, adapter_a=adapter_a, adapter_b=adapter_b, revision=revision,
-                      max_memory=max_memory, progress=render.progress, verify_records=not no_verify_records)
+    report = api.diff(a, b, selection=selection, side_a=side_a, side_b=side_b, reading=reading)
     if as_json:
         print(json.dumps(report.to_json(top), indent=2))
         return

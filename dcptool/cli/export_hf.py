@@ -8,38 +8,34 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (NoVerifyRecordsOption, DryRunOption, CastDtype, DequantizeOption, DtypeOption, ExcludeOption, FamilyOrAuto, FormatName,
-                                 FromOption, NoFsyncOption, IncludeOption, MaxMemoryOption, OutputLocation,
-                                 OverwriteOption)
+from dcptool.cli.options import (READING, SELECTION, WRITING, CastDtype, DtypeOption, FamilyOrAuto, OutputLocation,
+                                 format_options_of, grouped)
+from dcptool.errors import UsageError, option
+from dcptool.format_interface import FormatOptions
+from dcptool.options import HubPush, Lora, Reading, Selection, Writing
 from dcptool.storage import output_path
 
 
 @app.command(name="export-hf")
+@grouped
 def export_hf(
     source: str = typer.Argument(..., help="Training checkpoint (DCP, FSDP1 folder, torch.save file; a path or a URL)."),
     destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder for safetensors, index and config; a path or a URL."),
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with config.json and tokenizer files to copy."),
-    prefix: Optional[str] = typer.Option(None, "--prefix", help="Wrapper of the model's keys, e.g. 'dcp.model' (found automatically)."),
-    source_format: Optional[FormatName] = FromOption,
+    selection: Selection = SELECTION,
     dtype: Optional[CastDtype] = DtypeOption,
-    include: Optional[str] = IncludeOption,
-    exclude: Optional[str] = ExcludeOption,
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file (the hub's default 5GB)."),
-    adapter: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3), torchtitan (0.3 and later) or megatron (Megatron-Core); the output has HF names."),
+    format_options: FormatOptions | None = format_options_of("hf", "max_shard_size").helped(max_shard_size="Largest safetensors file (default 5GB, the hub's)."),
+    family: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3), torchtitan (0.3 and later) or megatron (Megatron-Core); the output has HF names."),
     hf_experts: Literal["per-expert", "fused"] = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Then upload the export to this Hugging Face hub model repo (created if missing)."),
     private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),
-    hub_branch: Optional[str] = typer.Option(None, "--revision", metavar="BRANCH", help="With --push-to-hub: the branch to upload to, created if missing (e.g. one per step)."),
+    push_branch: Optional[str] = typer.Option(None, "--push-branch", metavar="BRANCH", help="With --push-to-hub: the branch to upload to, created if missing (e.g. one per step)."),
     commit_message: Optional[str] = typer.Option(None, "--commit-message", metavar="MESSAGE", help="With --push-to-hub: the commit message."),
     lora: Optional[Literal["merge", "adapter"]] = typer.Option(None, "--lora", help="A checkpoint of a peft (LoRA) model: merge every adapter into the base weights, or write a PEFT adapter folder (adapter_model.safetensors, adapter_config.json) that PeftModel.from_pretrained loads."),
     lora_config: Optional[str] = typer.Option(None, "--lora-config", metavar="FILE", help="With --lora: the adapter's adapter_config.json (lora_alpha, use_rslora, ...); default: one beside the checkpoint."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="With --lora: lora_alpha (the merge scales B @ A by lora_alpha / r), over the config's."),
-    dequantize: bool = DequantizeOption,
-    max_memory: str = MaxMemoryOption,
-    overwrite: bool = OverwriteOption,
-    no_fsync: bool = NoFsyncOption,
-    dry_run: bool = DryRunOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    reading: Reading = READING,
+    writing: Writing = WRITING,
 ) -> None:
     """Export the model weights as Hugging Face safetensors, ready for transformers' from_pretrained.
 
@@ -59,18 +55,20 @@ def export_hf(
       [cyan]dcptool export-hf archon/step-200 qwen3-moe-hf --config-dir Qwen3-30B-A3B[/cyan]
       [cyan]dcptool export-hf lora/step-300 merged --config-dir base-model --lora merge[/cyan]
       [cyan]dcptool export-hf lora/step-300 adapter --lora adapter --lora-config lora/adapter_config.json[/cyan]
-      [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --revision step-1000[/cyan]
+      [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --push-branch step-1000[/cyan]
     """
     from dcptool import api
 
-    report = api.export_hf(source, destination, config_dir=config_dir, prefix=prefix, source_format=source_format,
-                           dtype=dtype, include=include, exclude=exclude,
-                           max_shard_size=max_shard_size, adapter=adapter, hf_experts=hf_experts, lora=lora,
-                           lora_config=lora_config, lora_alpha=lora_alpha, dequantize=dequantize,
-                           push_to_hub=push_to_hub, private=private, hub_branch=hub_branch,
-                           commit_message=commit_message, max_memory=max_memory, overwrite=overwrite, fsync=not no_fsync,
-                           dry_run=dry_run, progress=render.progress,
-                        verify_records=not no_verify_records)
+    if push_to_hub is None and (private or push_branch or commit_message):
+        raise UsageError(f"{option('private')}, {option('push_branch')} and {option('commit_message')} go with "
+                         f"{option('push_to_hub')}")
+    if lora is None and (lora_config is not None or lora_alpha is not None):
+        raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
+    push = HubPush(push_to_hub, private=private, branch=push_branch, commit_message=commit_message) if push_to_hub else None
+    report = api.export_hf(source, destination, config_dir=config_dir, family=family, hf_experts=hf_experts,
+                           dtype=dtype, selection=selection, format_options=format_options,
+                           lora=Lora(lora, config=lora_config, alpha=lora_alpha) if lora else None, push=push,
+                           reading=reading, writing=writing)
     render.written(report)
     if report.pushed_to:
         print(f"pushed {destination} to {report.pushed_to}")

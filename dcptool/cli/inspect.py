@@ -12,27 +12,26 @@ import typer
 from dcptool import core
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import NoVerifyRecordsOption, FormatName, FromOption, IncludeOption, MaxMemoryOption, RevisionOption
+from dcptool.cli.options import READING, SELECTION, grouped
 from dcptool.cli.render import shown
 from dcptool.errors import UsageError, counted
+from dcptool.options import MeshOptions, Reading, Selection
 
 
 @app.command()
+@grouped
 def inspect(
     path: str = typer.Argument(..., help="Checkpoint folder or file (or a URL: s3://..., memory://...; or a hub repo ORG/NAME)."),
-    source_format: Optional[FormatName] = FromOption,
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of a table."),
-    revision: Optional[str] = RevisionOption,
-    include: Optional[str] = IncludeOption,
+    selection: Selection = SELECTION.only("include"),
     show_all: bool = typer.Option(False, "--all", "--no-collapse", help="One row per key (by default numbered layers of one dtype, shape and chunking fold into one row)."),
-    with_stats: bool = typer.Option(False, "--stats", help="Read every tensor: min, max, mean, std, L2 norm, zeros, NaN, Inf; flag all-zero tensors and experts, NaN/Inf, identical tensors."),
+    stats: bool = typer.Option(False, "--stats", help="Read every tensor: min, max, mean, std, L2 norm, zeros, NaN, Inf; flag all-zero tensors and experts, NaN/Inf, identical tensors."),
     layout_key: Optional[str] = typer.Option(None, "--layout", metavar="KEY", help="Draw which rank holds which block of this tensor."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="With --layout: lay it out on this mesh (dp=2,tp=4; also ep, etp, cp, dp_replicate) as reshard would, instead of as saved."),
     plan: str = typer.Option("auto", "--plan", help="With --mesh: placement plan (auto, hf, torchtitan, fsdp, or a YAML/JSON plan file)."),
     svg: Optional[Path] = typer.Option(None, "--svg", help="With --layout: also write the picture to this SVG file (replaced if it exists)."),
     threads: int = typer.Option(0, "--threads", help="With --stats: reading threads (default: the CPUs, at most 4)."),
-    max_memory: str = MaxMemoryOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    reading: Reading = READING.only("format", "revision", "max_memory", "verify_records"),
 ) -> None:
     """Show a checkpoint's format, tensors (dtype, shape, bytes, chunking), parameter count, other entries and files.
 
@@ -46,15 +45,13 @@ def inspect(
     if layout_key is not None:
         from dcptool import layout
 
-        picture = api.tensor_layout(path, layout_key, mesh=mesh, plan=plan, svg=svg, source_format=source_format,
-                                    revision=revision)
+        on = MeshOptions.parse(mesh, plan=plan) if mesh else None
+        picture = api.tensor_layout(path, layout_key, mesh=on, svg=svg, reading=reading)
         print(json.dumps(picture.to_json(), indent=2) if as_json else "\n".join(map(shown, layout.text_grid(picture))))
         return
     if mesh or svg:
         raise UsageError("--mesh and --svg go with --layout KEY")
-    found = api.inspect(path, source_format=source_format, revision=revision, include=include, stats=with_stats,
-                        threads=threads, max_memory=max_memory, progress=render.progress,
-                        verify_records=not no_verify_records)
+    found = api.inspect(path, selection=selection, stats=stats, threads=threads, reading=reading)
     if as_json:
         print(json.dumps(found.to_json(), indent=2))
     else:

@@ -9,42 +9,29 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (NoVerifyRecordsOption, LaidOutFormat, CastDtype, CompressOption, Compression, ConfigDirOption, CpOption, DequantizeOption,
-                                 DpReplicateOption, DryRunOption, DtypeOption, EpOption, EtpOption, Family, FormatName,
-                                 FromOption, NoFsyncOption, MaxMemoryOption, ModelValuesOption, OptimForm,
-                                 OptimFormOption, OutputLocation, OverwriteOption, PlanOption, RevisionOption,
-                                 TargetAdapterOption, TpOption, WorldSizeOption)
+from dcptool.cli.options import (FORMAT_OPTIONS, MESH, READING, WRITING, CastDtype, ConfigDirOption, DtypeOption,
+                                 Family, LaidOutFormat, OutputLocation, TargetFamilyOption, grouped)
 from dcptool.cli.render import shown
+from dcptool.format_interface import FormatOptions
+from dcptool.options import MeshOptions, Reading, Writing
 from dcptool.storage import output_path
 
 
 @app.command()
+@grouped
 def reshard(
     source: str = typer.Argument(..., help="Checkpoint to read (DCP, FSDP1 folder, torch.save file, HF folder; a path or a URL)."),
     destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output folder; a path or a URL."),
-    dp: Optional[int] = typer.Option(None, "--dp", help="FSDP shard degree (default: keeps the source's world size, else 1)."),
-    tp: int = TpOption,
-    ep: int = EpOption,
-    etp: str = EtpOption,
-    cp: int = CpOption,
-    dp_replicate: int = DpReplicateOption,
-    world_size: Optional[int] = WorldSizeOption,
-    plan: str = PlanOption,
+    mesh: MeshOptions = MESH,
     to: LaidOutFormat = typer.Option("dcp", "--to", help="dcp (chunks per rank of any mesh), hf-dcp, or fsdp1 (per-rank files of the model, data parallel only)."),
     keep_rank_state: bool = typer.Option(False, "--keep-rank-state", help="Keep entries of single data-parallel ranks (dataloader.dp_rank_*) as saved instead of dropping them."),
-    optim_form: Optional[OptimForm] = OptimFormOption,
-    model_values: Optional[str] = ModelValuesOption,
-    adapter: Optional[Family] = TargetAdapterOption,
+    format_options: FormatOptions | None = FORMAT_OPTIONS.only("optim_form", "model_values", "compress"),
+    family: Optional[Family] = TargetFamilyOption,
     config_dir: Optional[str] = ConfigDirOption,
-    source_format: Optional[FormatName] = FromOption,
     dtype: Optional[CastDtype] = DtypeOption,
-    dry_run: bool = DryRunOption,
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
-    compress: Optional[Compression] = CompressOption,
-    max_memory: str = MaxMemoryOption,
-    overwrite: bool = OverwriteOption,
-    no_fsync: bool = NoFsyncOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    reading: Reading = READING.only("format", "max_memory", "verify_records"),
+    writing: Writing = WRITING,
 ) -> None:
     """Lay a checkpoint out for another mesh, exactly as a job with that mesh saves it with dcp.save.
 
@@ -57,38 +44,25 @@ def reshard(
     """
     from dcptool import api
 
-    report = api.reshard(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
-                         world_size=world_size, plan=plan, to=to, keep_rank_state=keep_rank_state, adapter=adapter,
-                         config_dir=config_dir, source_format=source_format, dtype=dtype, optim_form=optim_form,
-                         model_values=model_values, compress=compress, max_memory=max_memory, overwrite=overwrite,
-                         fsync=not no_fsync, dry_run=dry_run, progress=render.progress,
-                        verify_records=not no_verify_records)
+    report = api.reshard(source, destination, mesh=mesh, to=to, family=family, config_dir=config_dir, dtype=dtype,
+                         keep_rank_state=keep_rank_state, format_options=format_options, reading=reading,
+                         writing=writing)
     _show(report, as_json)
 
 
 @app.command(name="import-hf")
+@grouped
 def import_hf(
     source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path, a URL or a hub repo ORG/NAME."),
     destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output DCP folder; a path or a URL."),
-    dp: Optional[int] = typer.Option(None, "--dp", help="FSDP shard degree of the job that will load it (default 1)."),
-    tp: int = TpOption,
-    ep: int = EpOption,
-    etp: str = EtpOption,
-    cp: int = CpOption,
-    dp_replicate: int = DpReplicateOption,
-    world_size: Optional[int] = WorldSizeOption,
-    plan: str = PlanOption,
-    adapter: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts), torchtitan (0.3 and later, keys at the top level) or megatron (Megatron-Core's torch_dist: stacked layers, fused qkv and gate/up, the vocabulary padded for --tp as Megatron-LM pads it, Megatron-LM's args in the common state)."),
+    mesh: MeshOptions = MESH.helped(dp="FSDP shard degree of the job that will load it (default 1)."),
+    family: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts), torchtitan (0.3 and later, keys at the top level) or megatron (Megatron-Core's torch_dist: stacked layers, fused qkv and gate/up, the vocabulary padded for --tp as Megatron-LM pads it, Megatron-LM's args in the common state)."),
     make_vocab_size_divisible_by: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by", metavar="N", rich_help_panel="Megatron-Core (--adapter megatron)", help="With --adapter megatron: pad the vocabulary to a multiple of N x --tp, as Megatron-LM's option of that name does (default 128); written into args."),
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,
-    dry_run: bool = DryRunOption,
-    revision: Optional[str] = RevisionOption,
-    dequantize: bool = DequantizeOption,
-    lora_adapter: Optional[str] = typer.Option(None, "--lora-adapter", metavar="ADAPTER_DIR", help="A PEFT adapter folder to put on the model: the output holds the peft model's state dict (base_layer, lora_A/B.default, ...), as an FSDP job of that model loads it with dcp.load."),
-    max_memory: str = MaxMemoryOption,
-    overwrite: bool = OverwriteOption,
-    no_fsync: bool = NoFsyncOption,
+    lora_folder: Optional[str] = typer.Option(None, "--lora-adapter", metavar="ADAPTER_DIR", help="A PEFT adapter folder to put on the model: the output holds the peft model's state dict (base_layer, lora_A/B.default, ...), as an FSDP job of that model loads it with dcp.load."),
+    reading: Reading = READING.only("revision", "dequantize", "max_memory"),
+    writing: Writing = WRITING,
 ) -> None:
     """Turn Hugging Face safetensors into a DCP checkpoint that dcp.load reads, laid out for a mesh.
 
@@ -104,11 +78,9 @@ def import_hf(
     """
     from dcptool import api
 
-    report = api.import_hf(source, destination, dp=dp, tp=tp, ep=ep, etp=etp, cp=cp, dp_replicate=dp_replicate,
-                           world_size=world_size, plan=plan, adapter=adapter,
-                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, config_dir=config_dir, revision=revision,
-                           dtype=dtype, dequantize=dequantize, lora_adapter=lora_adapter, max_memory=max_memory,
-                           overwrite=overwrite, fsync=not no_fsync, dry_run=dry_run, progress=render.progress)
+    report = api.import_hf(source, destination, mesh=mesh, family=family,
+                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, config_dir=config_dir,
+                           dtype=dtype, lora_folder=lora_folder, reading=reading, writing=writing)
     _show(report, False)
 
 

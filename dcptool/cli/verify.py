@@ -10,16 +10,14 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (NoVerifyRecordsOption, ExcludeOption, FamilyOrAuto, FormatName, IncludeOption, JsonOption, MaxMemoryOption,
-                                 OutputFormat, PlanOption, RevisionOption)
+from dcptool.cli.options import READING, SELECTION, OutputFormat, PlanOption, grouped, side
 from dcptool.cli.render import shown
 from dcptool.errors import DcptoolError, MismatchError
-from dcptool.mesh import parse_mesh
-
-PrefixHelp = "Compare only keys under this wrapper of {side}, with it stripped (e.g. 'dcp.model'); 'auto' finds the model part as export-hf does."
+from dcptool.options import LoadOn, Reading, Selection, Side, Tolerance
 
 
 @app.command(name="verify")
+@grouped
 def verify_command(
     a: str = typer.Argument(..., metavar="A", help="Reference checkpoint (any format or layout; a path, a URL or a hub repo ORG/NAME)."),
     b: Optional[str] = typer.Argument(None, metavar="B", help="Checkpoint to compare with it (any format or layout); none with --roundtrip."),
@@ -29,23 +27,16 @@ def verify_command(
     dtype_as: Optional[str] = typer.Option(None, "--dtype-as", metavar="SIDE", help="B: cast A's floating-point tensors to B's dtypes before comparing (rounding as torch's .to(dtype) does), then bitwise; A: B's to A's."),
     values_only: bool = typer.Option(False, "--values-only", help="Equal values pass even where the layouts differ (the model at 'model.' in one, at the top level in the other)."),
     show_all: bool = typer.Option(False, "--all", help="List every difference (more than 20 are grouped by key prefix; --json always lists each)."),
-    include: Optional[str] = IncludeOption,
-    exclude: Optional[str] = ExcludeOption,
-    prefix_a: Optional[str] = typer.Option(None, "--prefix-a", help=PrefixHelp.format(side="A")),
-    prefix_b: Optional[str] = typer.Option(None, "--prefix-b", help=PrefixHelp.format(side="B")),
-    from_a: Optional[FormatName] = typer.Option(None, "--from-a", help="Format of A (detected when omitted)."),
-    from_b: Optional[FormatName] = typer.Option(None, "--from-b", help="Format of B (detected when omitted)."),
-    adapter_a: FamilyOrAuto = typer.Option("auto", "--adapter-a", help="Naming family of A's weights; when A and B differ, B's weights are compared under A's names."),
-    adapter_b: FamilyOrAuto = typer.Option("auto", "--adapter-b", help="Naming family of B's weights."),
+    selection: Selection = SELECTION.only("include", "exclude"),
+    side_a: Side = side("a"),
+    side_b: Side = side("b"),
     load_on: Optional[str] = typer.Option(None, "--load-on", help="Load A with torch's dcp.load in a real multi-process job on this mesh (dp=2,tp=2[,ep=2,etp=tp]) and check every rank's shard against the files."),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="With --load-on: processes to start (default: the mesh's world size)."),
     backend: Literal["auto", "gloo", "nccl"] = typer.Option("auto", "--backend", help="With --load-on: auto is nccl when GPUs are present, else gloo."),
     plan: str = PlanOption,
     timeout: float = typer.Option(600.0, "--timeout", help="With --load-on: seconds before the job is killed."),
-    as_json: bool = JsonOption,
-    revision: Optional[str] = RevisionOption,
-    max_memory: str = MaxMemoryOption,
-    no_verify_records: bool = NoVerifyRecordsOption,
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same)."),
+    reading: Reading = READING.only("revision", "max_memory", "verify_records"),
 ) -> None:
     """Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values (bitwise unless --atol/--rtol).
 
@@ -64,13 +55,12 @@ def verify_command(
     from dcptool import api
 
     if load_on:
-        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json, revision)
+        on = LoadOn(load_on, nproc=nproc, backend=backend, plan=plan, timeout=timeout)
+        _verify_load_on(a, on, selection, as_json, reading)
         return
-    report = api.verify(a, b, roundtrip=roundtrip, atol=atol, rtol=rtol, dtype_as=dtype_as, values_only=values_only,
-                        include=include, exclude=exclude,
-                        prefix_a=prefix_a, prefix_b=prefix_b, from_a=from_a, from_b=from_b, adapter_a=adapter_a,
-                        adapter_b=adapter_b, max_memory=max_memory, revision=revision, progress=render.progress,
-                        verify_records=not no_verify_records)
+    report = api.verify(a, b, roundtrip=roundtrip, selection=selection, side_a=side_a, side_b=side_b,
+                        tolerance=Tolerance(atol=atol, rtol=rtol, dtype_as=dtype_as, values_only=values_only),
+                        reading=reading)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -83,16 +73,15 @@ def verify_command(
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
 
 
-def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json, revision) -> None:
-    """verify --load-on: a real multi-process dcp.load of ``path`` on ``mesh``, every rank's shard checked."""
+def _verify_load_on(path, load_on: LoadOn, selection: Selection, as_json: bool, reading: Reading) -> None:
+    """verify --load-on: a real multi-process dcp.load of ``path`` on a mesh, every rank's shard checked."""
     from dcptool import api, loadcheck
 
     loadcheck.check_runnable(path)  # refusals before the line announcing the job
-    parse_mesh(mesh, "load_on")
+    load_on.sizes()
     if not as_json and not render.settings["quiet"]:
-        render.stderr_console().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
-    report = api.verify(path, load_on=mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
-                        exclude=exclude, revision=revision)
+        render.stderr_console().print(f"loading {path} on {load_on.mesh} with dcp.load in a real multi-process job ...")
+    report = api.verify(path, load_on=load_on, selection=selection, reading=reading)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -101,4 +90,4 @@ def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude,
         raise DcptoolError(f"{path}: the load job did not finish ({report.problem or 'ranks missing'})")
     if not report.ok:
         failed = sorted({r.rank for r in report.ranks if r.failures or r.error})
-        raise MismatchError(f"{path}: ranks {failed} failed the load check on {mesh}")
+        raise MismatchError(f"{path}: ranks {failed} failed the load check on {load_on.mesh}")
