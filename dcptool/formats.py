@@ -91,7 +91,7 @@ def check_options(fmt: Format, given: FormatOptions | None) -> None:
     for key, value in given.given().items():
         _refuse_option(key, value)
     owner = next(f.name for f in all_formats().values() if f.options is type(given))
-    raise UsageError(f"{option('format_options')} holds the options of {option('to', owner)}, not of {option('to', fmt.name)}")
+    raise UsageError(f"{type(given).__name__}: the options of {option('to', owner)}, not of {option('to', fmt.name)}")
 
 
 def _refuse_option(key: str, value) -> None:

@@ -123,7 +123,7 @@ def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
     if inferred is not None:
         mesh, plan = inferred
         try:
-            planned, _ = _planned_spec(checkpoint, key, mesh.as_dict() | {"world_size": None}, plan.name)
+            planned, _ = _planned_spec(checkpoint, key, MeshOptions(**mesh.as_dict(), plan=plan.name))
         except UsageError:  # a tensor the planner leaves out (one rank's dataloader state): no coordinates
             pass
     if planned is None:

@@ -46,8 +46,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import dcptool as dcptool_api
+from dcptool import MeshOptions, Writing
 
 HF_SEED = 7
+DRY_RUN = Writing(dry_run=True)  # the API's --dry-run
 # Mesh of every save-family job (2 ranks): the MoE also splits its experts over ep.
 MESH = {name: ["--dp", "2"] for name in MODELS} | {"qwen3_moe": ["--dp", "2", "--ep", "2"]}
 # (model, family) pairs saved by real jobs: experts with EP, MLA + dense/MoE mix, the RoPE
@@ -515,21 +517,23 @@ def test_kv_heads_fewer_than_tp_are_refused_alike(tmp_path, hf):
     without a config anywhere, reshard refuses too (no head count, so no split is known to be safe)."""
     source = hf("llama")
     dcptool("import-hf", source, tmp_path / "one", "--adapter", "torchtitan")
-    by_import = dcptool_api.import_hf(source, tmp_path / "x", adapter="torchtitan", dp=1, tp=4, dry_run=True)
-    by_reshard = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, config_dir=source, dry_run=True)
+    by_import = dcptool_api.import_hf(source, tmp_path / "x", family="torchtitan", mesh=MeshOptions(dp=1, tp=4),
+                                      writing=DRY_RUN)
+    by_reshard = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=4), config_dir=source,
+                                     writing=DRY_RUN)
     assert head_problems(by_import) == head_problems(by_reshard) == [(
-        f"layers.0.attention.qkv_linear.wk.weight (and 3 more weights like it): tp=4 does not divide the 2 "
+        f"layers.0.attention.qkv_linear.wk.weight (and 3 more weights like it): mesh.tp=4 does not divide the 2 "
         f"key/value heads (num_key_value_heads in {source / 'config.json'}), so tp ranks would hold parts of a "
-        "head: give a tp that divides 2, or a plan file whose rule keeps it whole (tp: replicate)")]
+        "head: give a mesh.tp that divides 2, or a mesh.plan file whose rule keeps it whole (tp: replicate)")]
     line = refusal("import-hf", source, tmp_path / "x", "--adapter", "torchtitan", "--dp", "1", "--tp", "4")
     assert line.startswith("dcptool: error: ") and "(and 2 more problems" in line  # the embedding's vocab too
-    unknown = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=2, dry_run=True).problems
-    assert len(unknown) == 2 and all("tp=2 splits its" in p and "give config_dir" in p for p in unknown), unknown
+    unknown = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=2), writing=DRY_RUN).problems
+    assert len(unknown) == 2 and all("mesh.tp=2 splits its" in p and "give config_dir" in p for p in unknown), unknown
     assert refusal("reshard", tmp_path / "one", tmp_path / "x", "--dp", "1", "--tp", "2").endswith(
         "(and 1 more problems; --dry-run lists them)")
     assert not (tmp_path / "x").exists()
     shutil.copy(source / "config.json", tmp_path / "one")  # a config inside the checkpoint counts as given
-    beside = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, dry_run=True)
+    beside = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=4), writing=DRY_RUN)
     assert head_problems(beside) == [p.replace(str(source / "config.json"), str(tmp_path / "one" / "config.json"))
                                      for p in head_problems(by_reshard)]
     dcptool("reshard", tmp_path / "one", tmp_path / "tp2", "--dp", "1", "--tp", "2")  # a valid tp is written
@@ -540,8 +544,9 @@ def test_head_counts_from_the_tensors_allow_a_valid_tp(tmp_path, hf):
     read back whole by torch; tp=4 is refused naming where the count came from."""
     source = hf("qwen3")
     dcptool("import-hf", source, tmp_path / "one", "--adapter", "archon")
-    problems = head_problems(dcptool_api.reshard(tmp_path / "one", tmp_path / "x", dp=1, tp=4, dry_run=True))
-    assert len(problems) == 1 and "tp=4 does not divide the 2 key/value heads (32 rows of head size 16, the " \
+    problems = head_problems(dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=4),
+                                                 writing=DRY_RUN))
+    assert len(problems) == 1 and "mesh.tp=4 does not divide the 2 key/value heads (32 rows of head size 16, the " \
         "size of layers.0.attention.k_norm.weight)" in problems[0], problems
     dcptool("reshard", tmp_path / "one", tmp_path / "tp2", "--dp", "1", "--tp", "2")
     assert len(list((tmp_path / "tp2").glob("*.distcp"))) == 2

@@ -119,7 +119,7 @@ def test_convert_reshard_verify_checksum_of_a_gloo_save(checkpoints, tmp_path):
     full = load_reference(reference)
     tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
 
-    report = dcptool.convert(path, tmp_path / "whole.pt", to="torch", max_memory="64KiB")
+    report = dcptool.convert(path, tmp_path / "whole.pt", to="torch", reading=dcptool.Reading(max_memory="64KiB"))
     assert report.tensors == len(tensors)
     saved = torch.load(tmp_path / "whole.pt", weights_only=True)
     flat = {}
@@ -131,7 +131,7 @@ def test_convert_reshard_verify_checksum_of_a_gloo_save(checkpoints, tmp_path):
     flatten(saved)
     assert all(torch.equal(flat[k], v) for k, v in tensors.items())
 
-    resharded = dcptool.reshard(path, tmp_path / "tp2", dp=1, tp=2, config_dir=reference)
+    resharded = dcptool.reshard(path, tmp_path / "tp2", mesh=dcptool.MeshOptions(dp=1, tp=2), config_dir=reference)
     assert (resharded.mesh.dp, resharded.mesh.tp) == (1, 2)
     loaded = read_dcp(tmp_path / "tp2", tmp_path)  # torch's own reader
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
@@ -144,5 +144,5 @@ def test_convert_reshard_verify_checksum_of_a_gloo_save(checkpoints, tmp_path):
     assert dcptool.checksum(path, manifest=tmp_path / "m.json", against=tmp_path / "tp2").ok
     exported = dcptool.export_hf(path, tmp_path / "hf", dtype="bfloat16")
     assert exported.tensors and (tmp_path / "hf").is_dir()
-    differs = dcptool.verify(path, tmp_path / "hf", prefix_a="auto")
+    differs = dcptool.verify(path, tmp_path / "hf", side_a=dcptool.Side(prefix="auto"))
     assert not differs.equal and {d.kind for d in differs.differences} == {"dtype"}

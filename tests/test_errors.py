@@ -55,7 +55,7 @@ def test_an_existing_output_is_a_file_exists(tmp_path):
     with pytest.raises(FileExistsError) as caught:
         dcptool.convert(tmp_path / "model.safetensors", taken, to="torch")
     assert isinstance(caught.value, UsageError) and caught.value.path == str(taken)
-    assert str(caught.value) == f"{taken}: already exists (pass overwrite=True to replace it)"  # the API's keyword
+    assert str(caught.value) == f"{taken}: already exists (pass writing.overwrite=True to replace it)"  # the API's option
     result = cli("convert", tmp_path / "model.safetensors", taken, "--to", "torch", check=False)
     assert result.returncode == 2  # the command line's flag
     assert result.stderr.splitlines()[-1] == f"dcptool: error: {taken}: already exists (pass --overwrite to replace it)"
@@ -110,26 +110,35 @@ def test_doctests_run(module, tmp_path, monkeypatch):
 
 
 def test_messages_name_keyword_arguments_in_the_api_and_flags_on_the_command_line(tmp_path):
-    """One refusal (or note), two namings: ``overwrite=True`` raised by the API, ``--overwrite`` printed by the CLI."""
+    """One refusal (or note), two namings: ``writing.overwrite=True`` raised by the API (an option object's field by
+    the keyword the object was passed as), ``--overwrite`` printed by the CLI."""
     source = tmp_path / "model.safetensors"
     save_file({"model.norm.weight": np.ones(4, np.float32)}, source)
     taken = tmp_path / "taken.pt"
     taken.write_bytes(b"mine")
     cases = [  # (API call, command line, what the API says, what the command line says)
         (lambda: dcptool.convert(source, taken, to="torch"), ["convert", source, taken, "--to", "torch"],
-         "(pass overwrite=True to replace it)", "(pass --overwrite to replace it)"),
-        (lambda: dcptool.convert(source, tmp_path / "o.pt", to="torch", include="^nothing"),
+         "(pass writing.overwrite=True to replace it)", "(pass --overwrite to replace it)"),
+        (lambda: dcptool.convert(source, tmp_path / "o.pt", to="torch", selection=dcptool.Selection(include="^nothing")),
          ["convert", source, tmp_path / "o.pt", "--to", "torch", "--include", "^nothing"],
-         "no tensor matches the include/exclude filters", "no tensor matches the --include/--exclude filters"),
-        (lambda: dcptool.reshard(source, tmp_path / "r", tp=2, etp=3), ["reshard", source, tmp_path / "r", "--tp", "2",
-                                                                        "--etp", "3"],
-         "etp=3: must be 1 or equal to tp (2)", "--etp 3: must be 1 or equal to --tp (2)"),
-        (lambda: dcptool.convert(source, tmp_path / "o.pt", to="torch", max_memory="12XB"),
+         "no tensor matches the selection.include/selection.exclude filters",
+         "no tensor matches the --include/--exclude filters"),
+        (lambda: dcptool.reshard(source, tmp_path / "r", mesh=dcptool.MeshOptions(tp=2, etp=3)),
+         ["reshard", source, tmp_path / "r", "--tp", "2", "--etp", "3"],
+         "mesh.etp=3: must be 1 or equal to mesh.tp (2)", "--etp 3: must be 1 or equal to --tp (2)"),
+        (lambda: dcptool.convert(source, tmp_path / "o.pt", to="torch", reading=dcptool.Reading(max_memory="12XB")),
          ["convert", source, tmp_path / "o.pt", "--to", "torch", "--max-memory", "12XB"],
-         "max_memory='12XB': not a size", "--max-memory 12XB: not a size"),
-        (lambda: dcptool.convert(source, tmp_path / "o", to="hf", world_size=2),
+         "reading.max_memory='12XB': not a size", "--max-memory 12XB: not a size"),
+        (lambda: dcptool.convert(source, tmp_path / "o", to="hf",
+                                 format_options=dcptool.format_options("fsdp1", world_size=2)),
          ["convert", source, tmp_path / "o", "--to", "hf", "--world-size", "2"],
-         "world_size goes with to='fsdp1'", "--world-size goes with --to fsdp1")]
+         "format_options.world_size=2 goes with to='fsdp1'", "--world-size 2 goes with --to fsdp1"),
+        (lambda: dcptool.import_hf(source.parent, tmp_path / "r", family="megatron", mesh=dcptool.MeshOptions(dp=2)),
+         ["import-hf", source.parent, tmp_path / "r", "--adapter", "megatron", "--dp", "2"],
+         "family='megatron' writes one Megatron-Core checkpoint", "--adapter megatron writes one Megatron-Core checkpoint"),
+        (lambda: dcptool.verify(source, roundtrip="hf", side_b=dcptool.Side(format="hf")),
+         ["verify", source, "--roundtrip", "hf", "--from-b", "hf"],
+         "give no B, side_a.prefix, side_b.prefix or side_b.format", "give no B, --prefix-a, --prefix-b or --from-b")]
     for api_call, command, in_api, on_command_line in cases:
         with pytest.raises(UsageError) as refused:
             api_call()
@@ -140,6 +149,9 @@ def test_messages_name_keyword_arguments_in_the_api_and_flags_on_the_command_lin
     assert taken.read_bytes() == b"mine" and not (tmp_path / "o.pt").exists() and not (tmp_path / "r").exists()
 
     # Notes too: export-hf without a config folder.
+    with pytest.raises(UsageError) as refused:  # an option the command does not take
+        dcptool.verify(source, source, reading=dcptool.Reading(dequantize=True))
+    assert str(refused.value) == "reading.dequantize=True: verify does not take it"
     notes = dcptool.export_hf(source, tmp_path / "hf").notes
     assert any(note.endswith("give the model's config folder with config_dir") for note in notes), notes
     printed = cli("export-hf", source, tmp_path / "hf-cli")

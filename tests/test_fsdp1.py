@@ -299,7 +299,7 @@ def round_trips(saved, tmp_path_factory):
         for name, source, expect in sources:
             out = root / f"{name}-to-w{world_size}"
             convert_checkpoint(source, out, to="fsdp1", world_size=world_size,
-                               forms={"optim_form": "named", "model_values": "sharded-tensor"},
+                               format_options={"optim_form": "named", "model_values": "sharded-tensor"},
                                writer_options={"replicate": REPLICATED_BUFFERS})
             pairs.append(f"{out}={expect}")
             reports[(name, world_size)] = (out, expect)
@@ -368,7 +368,8 @@ def test_reading_and_writing_never_import_torch(saved, tmp_path):
     code = (
         "import sys\n"
         "import dcptool\n"
-        f"dcptool.convert({str(saved(2) / 'dtensor')!r}, {str(tmp_path / 'out')!r}, to='fsdp1', world_size=3)\n"
+        f"dcptool.convert({str(saved(2) / 'dtensor')!r}, {str(tmp_path / 'out')!r}, to='fsdp1',\n"
+        "                format_options=dcptool.format_options('fsdp1', world_size=3))\n"
         "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

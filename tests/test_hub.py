@@ -316,7 +316,7 @@ def test_export_pushed_to_a_branch_and_read_back(hub_env, local_hub, tiny_model,
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     dcptool("convert", tiny_model, "step-1", "--to", "dcp")
     pushed = dcptool("export-hf", "step-1", "hf-1", "--config-dir", tiny_model, "--push-to-hub", "org/run",
-                     "--private", "--revision", "step-1", "--commit-message", "step 1 of run 7")
+                     "--private", "--push-branch", "step-1", "--commit-message", "step 1 of run 7")
     assert f"pushed hf-1 to {local_hub.endpoint}/org/run/tree/step-1" in pushed.stdout
     repo = local_hub.repos["org/run"]
     assert repo["private"] and local_hub.messages[-1] == "step 1 of run 7"
@@ -324,7 +324,7 @@ def test_export_pushed_to_a_branch_and_read_back(hub_env, local_hub, tiny_model,
     assert {k: v for k, v in local_hub.files("org/run", "step-1").items() if k != ".gitattributes"} == export
 
     dcptool("export-hf", "step-1", "hf-2", "--config-dir", tiny_model, "--push-to-hub", "org/run",
-            "--revision", "step-2")
+            "--push-branch", "step-2")
     assert set(repo["branches"]) == {"main", "step-1", "step-2"}  # the repo existed: a second branch beside it
     assert "equal: 21 tensors" in dcptool("verify", "hf-1", "hf://org/run@step-2").stdout
 

@@ -1,6 +1,7 @@
 """One path per command: the command line only parses and calls the API, so for every option both write
 the same bytes; and --dry-run writes nothing, for every writing command and every writable format."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,38 +9,46 @@ import pytest
 
 import dcptool
 from conftest import dcptool as run_cli
-from dcptool import formats
+from dcptool import (Lora, MeshOptions, Reading, Selection, Side, Writing, format_options, formats)
 
 CONFIG = "<the source's config folder>"  # replaced by the reference folder of the saving job
 
-# (command, its command-line options, the API's keyword arguments for the same): each option of the
-# writing commands appears in at least one case.
+# (command, its command-line options, the API's arguments for the same: the option objects the command line
+# builds): each option of the writing commands appears in at least one case.
 CASES = [
     ("convert", ["--to", "torch"], {"to": "torch"}),
     ("convert", ["--to", "dcp", "--dtype", "bfloat16", "--exclude", r"^optimizer\."],
-     {"to": "dcp", "dtype": "bfloat16", "exclude": r"^optimizer\."}),
+     {"to": "dcp", "dtype": "bfloat16", "selection": Selection(exclude=r"^optimizer\.")}),
     ("convert", ["--to", "dcp", "--compress", "zstd", "--include", "layers"],
-     {"to": "dcp", "compress": "zstd", "include": "layers"}),
-    ("convert", ["--to", "hf", "--max-shard-size", "20KB"], {"to": "hf", "max_shard_size": "20KB"}),
+     {"to": "dcp", "format_options": format_options("dcp", compress="zstd"), "selection": Selection(include="layers")}),
+    ("convert", ["--to", "hf", "--max-shard-size", "20KB"], {"to": "hf", "format_options": format_options("hf", max_shard_size="20KB")}),
     ("convert", ["--to", "hf-dcp"], {"to": "hf-dcp"}),
-    ("convert", ["--to", "dcp", "--adapter", "hf"], {"to": "dcp", "adapter": "hf"}),
+    ("convert", ["--to", "dcp", "--adapter", "hf"], {"to": "dcp", "family": "hf"}),
     ("convert", ["--to", "fsdp1", "--world-size", "2", "--optim-form", "flat", "--model-values", "dtensor:cpu"],
-     {"to": "fsdp1", "world_size": 2, "optim_form": "flat", "model_values": "dtensor:cpu"}),
+     {"to": "fsdp1", "format_options": format_options("fsdp1", world_size=2, optim_form="flat", model_values="dtensor:cpu")}),
     ("convert", ["--to", "fsdp1", "--world-size", "3", "--keep-rank-state"],
-     {"to": "fsdp1", "world_size": 3, "keep_rank_state": True}),
-    ("export-hf", ["--dtype", "bfloat16", "--max-shard-size", "30KB"], {"dtype": "bfloat16", "max_shard_size": "30KB"}),
+     {"to": "fsdp1", "format_options": format_options("fsdp1", world_size=3, keep_rank_state=True)}),
+    ("convert", ["--to", "torch", "--from", "dcp", "--max-memory", "1MiB", "--no-verify-records", "--no-fsync"],
+     {"to": "torch", "reading": Reading(format="dcp", max_memory="1MiB", verify_records=False),
+      "writing": Writing(fsync=False)}),
+    ("export-hf", ["--dtype", "bfloat16", "--max-shard-size", "30KB"],
+     {"dtype": "bfloat16", "format_options": format_options("hf", max_shard_size="30KB")}),
     ("export-hf", ["--include", "norm", "--hf-experts", "fused", "--adapter", "hf"],
-     {"include": "norm", "hf_experts": "fused", "adapter": "hf"}),
-    ("export-hf", ["--config-dir", CONFIG, "--exclude", "xyz"], {"config_dir": CONFIG, "exclude": "xyz"}),
-    ("reshard", ["--dp", "4", "--tp", "1"], {"dp": 4, "tp": 1}),
+     {"selection": Selection(include="norm"), "hf_experts": "fused", "family": "hf"}),
+    ("export-hf", ["--config-dir", CONFIG, "--exclude", "xyz"], {"config_dir": CONFIG, "selection": Selection(exclude="xyz")}),
+    ("reshard", ["--dp", "4", "--tp", "1"], {"mesh": MeshOptions(dp=4, tp=1)}),
     ("reshard", ["--dp", "1", "--tp", "2", "--dtype", "bfloat16", "--keep-rank-state", "--config-dir", CONFIG],
-     {"dp": 1, "tp": 2, "dtype": "bfloat16", "keep_rank_state": True, "config_dir": CONFIG}),
+     {"mesh": MeshOptions(dp=1, tp=2), "dtype": "bfloat16", "keep_rank_state": True, "config_dir": CONFIG}),
     ("reshard", ["--dp", "2", "--compress", "zstd", "--adapter", "archon", "--config-dir", CONFIG],
-     {"dp": 2, "compress": "zstd", "adapter": "archon", "config_dir": CONFIG}),
+     {"mesh": MeshOptions(dp=2), "format_options": format_options("dcp", compress="zstd"), "family": "archon",
+      "config_dir": CONFIG}),
     ("reshard", ["--to", "fsdp1", "--world-size", "2", "--optim-form", "orig"],
-     {"to": "fsdp1", "world_size": 2, "optim_form": "orig"}),
-    ("import-hf", ["--dp", "2", "--tp", "2", "--adapter", "torchtitan"], {"dp": 2, "tp": 2, "adapter": "torchtitan"}),
-    ("import-hf", ["--world-size", "2", "--dtype", "bfloat16"], {"world_size": 2, "dtype": "bfloat16"}),
+     {"to": "fsdp1", "mesh": MeshOptions(world_size=2), "format_options": format_options("fsdp1", optim_form="orig")}),
+    ("reshard", ["--dp-replicate", "2", "--cp", "1", "--plan", "fsdp", "--max-memory", "1MiB"],
+     {"mesh": MeshOptions(dp_replicate=2, cp=1, plan="fsdp"), "reading": Reading(max_memory="1MiB")}),
+    ("import-hf", ["--dp", "2", "--tp", "2", "--adapter", "torchtitan"],
+     {"mesh": MeshOptions(dp=2, tp=2), "family": "torchtitan"}),
+    ("import-hf", ["--world-size", "2", "--dtype", "bfloat16"], {"mesh": MeshOptions(world_size=2), "dtype": "bfloat16"}),
 ]
 API = {"convert": dcptool.convert, "export-hf": dcptool.export_hf, "reshard": dcptool.reshard,
        "import-hf": dcptool.import_hf}
@@ -87,11 +96,11 @@ def test_command_line_and_api_write_the_same_bytes(sources, tmp_path, command, c
 LORA = "<the LoRA runs' folder>"
 LORA_CASES = [
     ("export-hf", ["--lora", "merge", "--lora-alpha", "12", "--dtype", "bfloat16"],
-     {"lora": "merge", "lora_alpha": 12, "dtype": "bfloat16"}),
+     {"lora": Lora("merge", alpha=12), "dtype": "bfloat16"}),
     ("export-hf", ["--lora", "adapter", "--lora-config", f"{LORA}/lora/huggingface/adapter_config.json"],
-     {"lora": "adapter", "lora_config": f"{LORA}/lora/huggingface/adapter_config.json"}),
+     {"lora": Lora("adapter", config=f"{LORA}/lora/huggingface/adapter_config.json")}),
     ("import-hf", ["--dp", "2", "--lora-adapter", f"{LORA}/lora.reference/adapter"],
-     {"dp": 2, "lora_adapter": f"{LORA}/lora.reference/adapter"}),
+     {"mesh": MeshOptions(dp=2), "lora_folder": f"{LORA}/lora.reference/adapter"}),
 ]
 
 
@@ -100,8 +109,12 @@ LORA_CASES = [
 def test_lora_options_write_the_same_bytes(lora_runs, tmp_path, command, cli_options, api_options):
     source = lora_runs / ("lora.reference/base" if command == "import-hf" else "lora")
     cli_options = [option.replace(LORA, str(lora_runs)) for option in cli_options]
-    api_options = {key: value.replace(LORA, str(lora_runs)) if isinstance(value, str) else value
-                   for key, value in api_options.items()}
+    def placed(value):  # LORA in a path, or in a path of a Lora
+        if isinstance(value, Lora) and value.config:
+            return dataclasses.replace(value, config=value.config.replace(LORA, str(lora_runs)))
+        return value.replace(LORA, str(lora_runs)) if isinstance(value, str) else value
+
+    api_options = {key: placed(value) for key, value in api_options.items()}
     run_cli(command, source, tmp_path / "cli", *cli_options)
     API[command](source, tmp_path / "api", **api_options)
     cli_files, api_files = files_of(tmp_path / "cli"), files_of(tmp_path / "api")
@@ -125,7 +138,7 @@ def test_dry_run_writes_nothing(sources, tmp_path, command, options):
     assert "would write" in result.stdout or "no problems" in result.stdout, result.stdout
     api_command = API[command]
     api_options = {"to": options[1]} if command == "convert" else {}
-    report = api_command(source_for(command, sources), destination, **api_options, dry_run=True)
+    report = api_command(source_for(command, sources), destination, **api_options, writing=Writing(dry_run=True))
     assert report.dry_run and report.planned_files and not destination.exists()
 
 
@@ -140,41 +153,47 @@ def test_reshard_to_fsdp1_dry_run_lists_its_files_and_writes_nothing(sources, tm
 
 
 def test_options_a_format_does_not_take_are_refused_by_both(sources, tmp_path):
-    """The same refusal, naming the command line's flags there and the API's keyword arguments here."""
+    """The same refusal, naming the command line's flags there and the API's option fields here."""
     for cli_options, api_options, said, expected in [
-            (["--to", "torch", "--compress", "zstd"], {"to": "torch", "compress": "zstd"},
-             "--compress zstd goes with --to dcp", "compress='zstd' goes with to='dcp'"),
-            (["--to", "dcp", "--optim-form", "flat"], {"to": "dcp", "optim_form": "flat"},
-             "--optim-form goes with --to fsdp1", "optim_form goes with to='fsdp1'"),
-            (["--to", "hf", "--world-size", "4"], {"to": "hf", "world_size": 4},
-             "--world-size goes with --to fsdp1", "world_size goes with to='fsdp1'")]:
+            (["--to", "torch", "--compress", "zstd"], {"to": "torch", "format_options": format_options("dcp", compress="zstd")},
+             "--compress zstd goes with --to dcp", "format_options.compress='zstd' goes with to='dcp'"),
+            (["--to", "dcp", "--optim-form", "flat"], {"to": "dcp", "format_options": format_options("fsdp1", optim_form="flat")},
+             "--optim-form flat goes with --to fsdp1", "format_options.optim_form='flat' goes with to='fsdp1'"),
+            (["--to", "hf", "--world-size", "4"], {"to": "hf", "format_options": format_options("fsdp1", world_size=4)},
+             "--world-size 4 goes with --to fsdp1", "format_options.world_size=4 goes with to='fsdp1'")]:
         result = run_cli("convert", sources["dcp"], tmp_path / "out", *cli_options, check=False)
         assert result.returncode == 2 and said in result.stderr, result.stderr
         with pytest.raises(dcptool.UsageError) as refused:
             dcptool.convert(sources["dcp"], tmp_path / "out", **api_options)
         assert str(refused.value) == expected
         assert not (tmp_path / "out").exists()
+    with pytest.raises(dcptool.UsageError) as refused:  # the registry refuses them as they are made
+        format_options("torch", compress="zstd")
+    assert str(refused.value) == "compress='zstd' goes with to='dcp'"
 
 
 def test_reports_of_inspect_and_verify_are_the_api_s(sources, tmp_path):
     """The commands that only read print, as JSON, the report their API function returns."""
     printed = json.loads(run_cli("inspect", sources["dcp"], "--json", "--include", "layers", "--stats").stdout)
-    returned = json.loads(json.dumps(dcptool.inspect(sources["dcp"], include="layers", stats=True).to_json()))
+    returned = json.loads(json.dumps(dcptool.inspect(sources["dcp"], selection=Selection(include="layers"),
+                                                     stats=True).to_json()))
     for report in (printed, returned):
         del report["stats"]["seconds"]  # how long the reading took
     assert printed == returned
     printed = json.loads(run_cli("verify", sources["dcp"], sources["hf"], "--json", "--prefix-a", "auto").stdout)
-    assert printed == json.loads(json.dumps(dcptool.verify(sources["dcp"], sources["hf"], prefix_a="auto").to_json()))
+    returned = dcptool.verify(sources["dcp"], sources["hf"], side_a=Side(prefix="auto"))
+    assert printed == json.loads(json.dumps(returned.to_json()))
     picture = json.loads(run_cli("inspect", sources["dcp"], "--layout", "model.norm.weight", "--mesh", "dp=2",
                                  "--json").stdout)
     assert picture == json.loads(json.dumps(dcptool.tensor_layout(sources["dcp"], "model.norm.weight",
-                                                                  mesh="dp=2").to_json()))
+                                                                  mesh=MeshOptions(dp=2)).to_json()))
 
 
 @pytest.mark.parametrize("cli_options, api_options", [
     (["--weights", "1,3", "--to", "torch"], {"weights": "1,3", "to": "torch"}),
     (["--dp", "1", "--tp", "2", "--config-dir", CONFIG, "--include-optimizer", "--max-memory", "1MiB"],
-     {"dp": 1, "tp": 2, "config_dir": CONFIG, "include_optimizer": True, "max_memory": "1MiB"}),
+     {"mesh": MeshOptions(dp=1, tp=2), "config_dir": CONFIG, "include_optimizer": True,
+      "reading": Reading(max_memory="1MiB")}),
 ], ids=["weights-torch", "tp2-optimizer"])
 def test_average_by_command_line_and_api_writes_the_same_bytes(sources, tmp_path, cli_options, api_options):
     cli_options = [sources["config"] if option == CONFIG else option for option in cli_options]
@@ -193,7 +212,7 @@ def test_average_dry_run_writes_nothing_and_diff_prints_the_api_s_report(sources
     destination = tmp_path / "out"
     result = run_cli("average", sources["dcp"], sources["hf"], destination, "--dry-run")
     assert "would write" in result.stdout and not destination.exists()
-    assert dcptool.average([sources["dcp"], sources["hf"]], destination, dry_run=True).planned_files
+    assert dcptool.average([sources["dcp"], sources["hf"]], destination, writing=Writing(dry_run=True)).planned_files
     assert not destination.exists()
     printed = json.loads(run_cli("diff", sources["dcp"], sources["hf"], "--json", "--top", "2").stdout)
     assert printed == json.loads(json.dumps(dcptool.diff(sources["dcp"], sources["hf"]).to_json(2)))

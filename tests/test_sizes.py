@@ -1,7 +1,6 @@
 """Sizes: one parser for the command line and the API, and the same defaults in both."""
 
 import doctest
-import inspect
 import shlex
 
 import numpy as np
@@ -10,7 +9,7 @@ import typer
 from conftest import dcptool
 from safetensors.numpy import save_file
 
-from dcptool import api, cli, sizes, transfer
+from dcptool import Reading, cli, format_options, sizes
 from dcptool.errors import UsageError, options_as_flags
 from dcptool.sizes import parse_size
 
@@ -59,18 +58,10 @@ def _cli_defaults(option: str) -> set:
             if option in parameter.opts}
 
 
-def _api_defaults(argument: str) -> set:
-    """The defaults of ``argument`` in every function of the API that takes it."""
-    functions = [getattr(api, name) for name in api.__all__]
-    return {inspect.signature(function).parameters[argument].default for function in functions
-            if argument in inspect.signature(function).parameters}
-
-
 def test_the_command_line_and_the_api_default_to_the_same_sizes():
+    """The command line's defaults are those of the API's option objects (dcptool.options, the hf format's own)."""
     [memory] = {parse_size(text, "max_memory") for text in _cli_defaults("--max-memory")}
-    assert memory == transfer.DEFAULT_MAX_MEMORY == 256 * 2**20
-    assert {parse_size(value, "max_memory") for value in _api_defaults("max_memory")} == {memory}
-    # None: the hf writer's own default (convert takes --max-shard-size only with --to hf)
-    [shard] = {parse_size(text, "max_shard_size") for text in _cli_defaults("--max-shard-size") if text is not None}
-    given = {parse_size(value, "max_shard_size") for value in _api_defaults("max_shard_size") if value is not None}
-    assert given == {shard} == {5 * 10**9}  # None: the writer's own default
+    assert memory == Reading().budget() == sizes.DEFAULT_MAX_MEMORY == 256 * 2**20
+    # None: not given, so the hf format's own default (convert takes --max-shard-size only with --to hf)
+    assert _cli_defaults("--max-shard-size") == {None}
+    assert parse_size(format_options("hf").max_shard_size, "max_shard_size") == 5 * 10**9

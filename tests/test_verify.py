@@ -341,7 +341,7 @@ def test_float32_against_bfloat16_with_dtype_as_b(exports, tmp_path):
     assert code == 0, (stderr, report["differences"][:3])
     assert report["dtype_as"] == "b" and report["tensors_compared"] == len(exported)
     assert "after casting A to B's dtypes" in dcptool("verify", exports["dcp"], tmp_path / "bf16", "--dtype-as", "B").stdout
-    assert dcptool_api().verify(exports["dcp"], tmp_path / "bf16", dtype_as="b").equal
+    assert dcptool_api().verify(exports["dcp"], tmp_path / "bf16", tolerance=dcptool_api().Tolerance(dtype_as="b")).equal
     # The other way round the hint names A: the narrower side is the one to cast to.
     result = dcptool("verify", tmp_path / "bf16", exports["dcp"], check=False)
     assert result.returncode == 1 and "every difference is a dtype difference: --dtype-as A" in result.stdout

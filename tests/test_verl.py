@@ -298,7 +298,7 @@ def test_fsdp2_folder_resumes_under_fsdp2_at_another_world_size(saved, resumes, 
 
 @pytest.mark.parametrize("options,said", [
     (["--model-values", "dtensor:CUDA!"], "--model-values 'dtensor:CUDA!': choose sharded-tensor, dtensor"),
-    (["--optim-form", "flat", "--to", "dcp"], "--optim-form goes with --to fsdp1"),
+    (["--optim-form", "flat", "--to", "dcp"], "--optim-form flat goes with --to fsdp1"),
     (["--optim-form", "fsdp2", "--model-values", "sharded-tensor"], "FSDP2's model files hold DTensors"),
 ])
 def test_bad_form_options_are_one_line(saved, tmp_path, options, said):

@@ -20,18 +20,20 @@ def convert_checkpoint(
     include: str | None = None,
     exclude: str | None = None,
     world_size: int | None = None,
-    forms: dict | None = None,
+    format_options: dict | None = None,
     writer_options: dict | None = None,
     **options,
 ) -> Report:
-    """Convert a checkpoint to another format as ``dcptool.convert`` plans it (``world_size`` and ``forms`` as
-    ``OutputRequest`` has them), with ``writer_options`` given to the format's writer over what planning
-    chose (its own knobs, such as fsdp1's ``replicate``); ``options`` go to ``write_checkpoint``
-    (``across_ranks`` inside a job that has its own process group).
+    """Convert a checkpoint to another format as ``dcptool.convert`` plans it (``world_size``: the ranks of a
+    per-rank format, as ``OutputRequest`` has it; ``format_options``: the format's own, by name), with
+    ``writer_options`` given to the format's writer over what planning chose (its own knobs, such as fsdp1's
+    ``replicate``); ``options`` go to ``write_checkpoint`` (``across_ranks`` inside a job that has its own
+    process group).
 
     """
     checkpoint = formats.open_checkpoint(source, source_format)
-    request = OutputRequest(dtype=dtype, include=include, exclude=exclude, world_size=world_size, forms=forms or {})
+    request = OutputRequest(dtype=dtype, include=include, exclude=exclude, world_size=world_size,
+                            format_options=formats.options(to, **format_options) if format_options else None)
     planned = conversion.plan_convert(checkpoint, to, request)
     planned.writer_options.update(writer_options or {})
     return planned.write(destination, **options)
