@@ -10,7 +10,7 @@ fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip >/dev/null
 "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[test,torch]"   # tests/test_light_install.py makes its own venv without torch
+"$PY" -m pip install -q -e ".[test,torch]"   # tests/test_install.py builds the wheel and installs it in fresh venvs
 # megatron-core saves the Megatron checkpoints the tests read (tests/harness/megatron.py). It declares
 # Python >= 3.12 but ships a cp311 wheel that runs; its own dependencies are left out (CUDA, TE, apex).
 "$PY" -m pip install -q numpy 'packaging>=24.2' einops psutil triton

@@ -1,8 +1,10 @@
-"""The light install: ``pip install dcptool`` (no torch) runs every command but ``verify --load-on``.
+"""The installs users get: the wheel built from this tree, in fresh venvs, with and without torch.
 
-A fresh venv gets the package from a copy of this repository (a real, non-editable install from the
-registry's dependencies, so packaging is tested too), once per session; its commands then work on a
-real gloo DCP save, and their outputs are checked with the torch venv's own readers.
+``pip install dcptool`` (no torch) runs every command but ``verify --load-on``; ``pip install 'dcptool[torch]'``
+holds the same formats, naming families and model kinds as the editable install the rest of the suite runs.
+The wheel is built once per session from a copy of this repository (a real, non-editable install from the
+registry's dependencies, so the package list is tested too); commands then work on real gloo and
+megatron-core saves, and their outputs are checked with the torch venv's own readers.
 """
 
 import json
@@ -21,27 +23,69 @@ from safetensors.torch import load_file
 NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                                      "bench-out", "demo-out")
 
+# What an install knows, printed as JSON by its own python.
+KNOWN = ("import json, dcptool.formats as formats, dcptool.models as models; "
+         "print(json.dumps({'formats': formats.names(), 'families': list(models.NAMING_FAMILIES), "
+         "'model kinds': sorted(models.kinds())}))")
+
 
 @pytest.fixture(scope="session")
-def light(tmp_path_factory):
-    """The ``bin`` folder of a venv holding dcptool and its dependencies, without torch."""
-    root = tmp_path_factory.mktemp("light")
-    source = root / "source"
-    shutil.copytree(ROOT, source, ignore=NOT_SOURCES)
-    # No pip of its own (ensurepip takes longer than the install): this venv's pip installs into it.
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", root / "venv"], check=True)
-    bin_dir = root / "venv" / "bin"
+def wheel(tmp_path_factory) -> Path:
+    """The wheel ``pip wheel`` builds from a copy of this tree (nothing of a build left in the checkout)."""
+    root = tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT, root / "source", ignore=NOT_SOURCES)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--wheel-dir", root, root / "source"], check=True, capture_output=True)
+    [built] = root.glob("dcptool-*.whl")
+    return built
+
+
+def fresh_venv(root: Path, *packages) -> Path:
+    """The ``bin`` folder of a new venv holding ``packages`` and their dependencies (pip of this venv installs them:
+    ensurepip takes longer than the install)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", root], check=True)
+    bin_dir = root / "bin"
     install = subprocess.run([sys.executable, "-m", "pip", "--python", bin_dir / "python", "install", "-q",
-                              "--disable-pip-version-check", source], capture_output=True, text=True)
-    assert install.returncode == 0, f"pip install of the light package failed:\n{install.stderr[-3000:]}"
+                              "--disable-pip-version-check", *map(str, packages)], capture_output=True, text=True)
+    assert install.returncode == 0, f"pip install {packages} failed:\n{install.stderr[-3000:]}"
     return bin_dir
 
 
-def run(light: Path, *args, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    """``dcptool ARGS`` of the light venv, run outside the repository (nothing of it on the path)."""
+@pytest.fixture(scope="session")
+def light(wheel, tmp_path_factory):
+    """The ``bin`` folder of a venv holding the wheel and its dependencies, without torch."""
+    return fresh_venv(tmp_path_factory.mktemp("light") / "venv", wheel)
+
+
+@pytest.fixture(scope="session")
+def with_torch(wheel, tmp_path_factory):
+    """The ``bin`` folder of a venv holding the wheel and the torch the suite runs (its CPU build, pinned)."""
+    return fresh_venv(tmp_path_factory.mktemp("with-torch") / "venv", wheel, f"torch=={torch.__version__.split('+')[0]}")
+
+
+def outside(*args, cwd: Path) -> subprocess.CompletedProcess:
+    """``args`` (a fresh venv's program and its arguments) run outside the repository, nothing of it on the path."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([light / "dcptool", "--quiet", *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                            text=True)
+    return subprocess.run([*map(str, args)], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("venv", ["light", "with_torch"])
+def test_an_installed_wheel_knows_what_the_editable_install_knows(venv, request, megatron_runs, tmp_path):
+    bin_dir = request.getfixturevalue(venv)
+    installed = outside(bin_dir / "python", "-c", KNOWN, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr
+    editable = subprocess.run([sys.executable, "-c", KNOWN], capture_output=True, text=True, check=True)
+    assert json.loads(installed.stdout) == json.loads(editable.stdout)
+    assert "megatron" in json.loads(installed.stdout)["formats"]
+
+    shown = outside(bin_dir / "dcptool", "inspect", megatron_runs("tp2") / "iter_0000100", "--json", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["format"] == "megatron"
+
+
+def run(light: Path, *args, cwd: Path, expect: int = 0) -> subprocess.CompletedProcess:
+    """``dcptool ARGS`` of the light venv, run outside the repository."""
+    result = outside(light / "dcptool", "--quiet", *args, cwd=cwd)
     assert result.returncode == expect, f"dcptool {' '.join(map(str, args))} exited {result.returncode}:\n{result.stderr}"
     return result
 
