@@ -453,6 +453,7 @@ def check(path: str | Path, *, source_format: str | None = None, revision: str |
 
     Returns:
         ``integrity.Report``: ``.ok``, and ``.problems`` (kind, name, detail), every one found;
+        ``.not_checked()``: what could not be checked (safetensors values: the format stores no checksum);
         ``.to_json()`` is what ``check --json`` prints. A path that is no checkpoint raises.
 
     Example:
