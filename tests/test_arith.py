@@ -124,8 +124,14 @@ def test_average_with_the_optimizer_across_layouts(steps, tmp_path):
             else:
                 flat[f"{prefix}{key}"] = value
     walk(written)
+    counters = [key for key in full1 if key.startswith("optimizer.") and key.endswith(".step")]
+    assert counters and all(float(full1[key]) == 1 and float(full3[key]) == 3 for key in counters)
     for key, value in full1.items():
-        assert torch.equal(flat[key], expected_mean([value, full3[key]], [0.5, 0.5], value.dtype)), key
+        if key in counters:  # counts, not means: the first's own, as README says of the other counters
+            assert torch.equal(flat[key], value), key
+        else:
+            assert torch.equal(flat[key], expected_mean([value, full3[key]], [0.5, 0.5], value.dtype)), key
+    assert f"took {len(counters)} optimizer step counters from {step1} as they are" in "\n".join(report.notes)
 
 
 def test_refusals_exit_2_with_one_line_and_write_nothing(steps, tmp_path):
