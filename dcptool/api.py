@@ -336,8 +336,8 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
            prefix_a: str | None = None, prefix_b: str | None = None, from_a: str | None = None,
            from_b: str | None = None, adapter_a: str = "auto", adapter_b: str = "auto",
            load_on: str | Mapping[str, int] | None = None, nproc: int | None = None, backend: str = "auto",
-           plan: str = "auto", timeout: float = 600.0, max_memory: Size = DEFAULT_MAX_MEMORY,
-           revision: str | None = None, progress: Progress | None = None,
+           plan: str = "auto", timeout: float = 600.0, config_dir: str | Path | None = None,
+           max_memory: Size = DEFAULT_MAX_MEMORY, revision: str | None = None, progress: Progress | None = None,
            verify_records: bool = True) -> VerifyReport | LoadReport:
     """``dcptool verify``: compare ``a`` with ``b`` (any formats, layouts and naming families), or with its
     own round trip through format ``roundtrip``; bitwise unless ``atol``/``rtol``.
@@ -354,6 +354,8 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
         adapter_a, adapter_b: the naming family of each side's weights (``"auto"``: detected).
         load_on: instead, load ``a`` with torch's ``dcp.load`` in a real job on this mesh (``"dp=2,tp=2"``;
             needs torch), with ``nproc`` processes on ``backend``.
+        config_dir: the model's config.json: with ``load_on``, its head and expert counts checked against the
+            mesh (as ``reshard`` checks them); across naming families, Llama's q/k rows matched by its heads.
 
     Returns:
         ``verification.Report``: ``.equal`` says whether they match, ``.differences`` how not; with
@@ -380,14 +382,15 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     if load_on:
         mesh = parse_mesh(load_on, "load_on") if isinstance(load_on, str) else dict(load_on)
         return loadcheck.run(a, mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
-                             exclude=exclude)
+                             exclude=exclude, config_dir=config_dir)
     if roundtrip:
         with _progress(progress, None, f"round trip via {roundtrip}") as advance:
             return verification.roundtrip(a, roundtrip, source_format=from_a, include=include, exclude=exclude,
                                           max_memory=memory, atol=atol, rtol=rtol, dtype_as=dtype_as,
                                           progress=advance)
     pairing = verification.sides(a, b, format_a=from_a, format_b=from_b, prefix_a=prefix_a, prefix_b=prefix_b,
-                                 include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b)
+                                 include=include, exclude=exclude, family_a=adapter_a, family_b=adapter_b,
+                                 config_dir=config_dir)
     total = sum(t.nbytes for k, t in pairing.a.tensors.items() if k in pairing.b.tensors)
     with _progress(progress, total, "comparing") as advance:
         report = verification.compare_sides(pairing.a, pairing.b, atol=atol, rtol=rtol, dtype_as=dtype_as,
@@ -450,6 +453,7 @@ def check(path: str | Path, *, source_format: str | None = None, revision: str |
 
     Returns:
         ``integrity.Report``: ``.ok``, and ``.problems`` (kind, name, detail), every one found;
+        ``.not_checked()``: what could not be checked (safetensors values: the format stores no checksum);
         ``.to_json()`` is what ``check --json`` prints. A path that is no checkpoint raises.
 
     Example:

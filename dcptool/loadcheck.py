@@ -84,8 +84,11 @@ def check_runnable(checkpoint: str | Path) -> None:
 
 
 def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None, backend: str = "auto",
-        plan: str = "auto", timeout: float = 600.0, include: str | None = None, exclude: str | None = None) -> LoadReport:
-    """Load ``checkpoint`` on the mesh in a real ``nproc``-process job and check every rank's shards."""
+        plan: str = "auto", timeout: float = 600.0, include: str | None = None, exclude: str | None = None,
+        config_dir: str | Path | None = None) -> LoadReport:
+    """Load ``checkpoint`` on the mesh in a real ``nproc``-process job and check every rank's shards.
+    ``config_dir``: the model's config.json, whose head and expert counts the mesh is checked against
+    before the job starts, as ``reshard`` checks them (default: a config the checkpoint comes with)."""
     from dcptool import formats
     from dcptool.resharding import prepare, raise_problems
 
@@ -95,7 +98,7 @@ def run(checkpoint: str | Path, mesh_options: dict, *, nproc: int | None = None,
     if not formats.get(source.format).dcp_loadable:
         raise UsageError(f"{checkpoint}: {option('load_on')} loads DCP checkpoints with dcp.load (this is {source.format})")
     world = nproc or None
-    planned = prepare(source, {**mesh_options, "world_size": world}, plan)
+    planned = prepare(source, {**mesh_options, "world_size": world}, plan, config_dir=config_dir)
     raise_problems(planned)  # bad meshes are refused before any process starts
     mesh = planned.mesh
     backend = _backend(backend)

@@ -46,6 +46,7 @@ class Fsdp1(Format):
     and the model's ``huggingface/`` config; written for ``world_size`` data-parallel ranks."""
 
     name = NAME
+    title = "verl's FSDP1 folders"
     completes = (CONFIG,)
     layout = Layout.DATA_PARALLEL
     options = ("world_size", "keep_rank_state", "optim_form", "model_values")

@@ -42,6 +42,7 @@ def verify_command(
     backend: Literal["auto", "gloo", "nccl"] = typer.Option("auto", "--backend", help="With --load-on: auto is nccl when GPUs are present, else gloo."),
     plan: str = PlanOption,
     timeout: float = typer.Option(600.0, "--timeout", help="With --load-on: seconds before the job is killed."),
+    config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with the model's config.json: with --load-on, its heads, kv heads and experts are checked against tp and ep (a checkpoint with no config beside it needs it for tp); across naming families, Llama's q/k rows are matched by its heads."),
     as_json: bool = JsonOption,
     revision: Optional[str] = RevisionOption,
     max_memory: str = MaxMemoryOption,
@@ -60,16 +61,17 @@ def verify_command(
       [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
       [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
+      [cyan]dcptool verify step-1000 --load-on dp=2,tp=2 --config-dir Llama-3.1-8B[/cyan]
     """
     from dcptool import api
 
     if load_on:
-        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, as_json, revision)
+        _verify_load_on(a, load_on, nproc, backend, plan, timeout, include, exclude, config_dir, as_json, revision)
         return
     report = api.verify(a, b, roundtrip=roundtrip, atol=atol, rtol=rtol, dtype_as=dtype_as, values_only=values_only,
                         include=include, exclude=exclude,
                         prefix_a=prefix_a, prefix_b=prefix_b, from_a=from_a, from_b=from_b, adapter_a=adapter_a,
-                        adapter_b=adapter_b, max_memory=max_memory, revision=revision, progress=render.progress,
+                        adapter_b=adapter_b, config_dir=config_dir, max_memory=max_memory, revision=revision, progress=render.progress,
                         verify_records=not no_verify_records)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
@@ -83,7 +85,7 @@ def verify_command(
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
 
 
-def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, as_json, revision) -> None:
+def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude, config_dir, as_json, revision) -> None:
     """verify --load-on: a real multi-process dcp.load of ``path`` on ``mesh``, every rank's shard checked."""
     from dcptool import api, loadcheck
 
@@ -92,7 +94,7 @@ def _verify_load_on(path, mesh, nproc, backend, plan, timeout, include, exclude,
     if not as_json and not render.settings["quiet"]:
         render.stderr_console().print(f"loading {path} on {mesh} with dcp.load in a real multi-process job ...")
     report = api.verify(path, load_on=mesh, nproc=nproc, backend=backend, plan=plan, timeout=timeout, include=include,
-                        exclude=exclude, revision=revision)
+                        exclude=exclude, config_dir=config_dir, revision=revision)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
