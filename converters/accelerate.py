@@ -128,6 +128,7 @@ class AccelerateFolder(Format):
     """A checkpoint folder of HF Trainer / accelerate with FSDP (read only)."""
 
     name = NAME
+    title = "HF Trainer / accelerate FSDP folders"
 
     detect = staticmethod(detect)
     read = staticmethod(read)

@@ -299,6 +299,7 @@ class HuggingFace(Format):
     """A Hugging Face model folder: safetensors files, their index, and the config and tokenizer files."""
 
     name = NAME
+    title = "HF safetensors"
     completes = (INDEX,)  # without the index a sharded folder is incomplete
     options = HfOptions
 

@@ -151,6 +151,7 @@ class HuggingFaceDcp(Format):
     """Safetensors files that torch's ``HuggingFaceStorageWriter`` writes under ``dcp.save``, one per rank."""
 
     name = NAME
+    title = "torch's HF-storage DCP"
     layout = Layout.MESH
 
     detect = staticmethod(detect)

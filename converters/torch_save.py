@@ -137,6 +137,7 @@ class TorchSave(Format):
     """A single ``torch.save`` file of a state dict (``.pt``, ``.pth``, ``.bin``)."""
 
     name = NAME
+    title = "torch.save"
     writes_folder = False
 
     detect = staticmethod(detect)

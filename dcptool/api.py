@@ -371,7 +371,8 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
 @_command
 def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None = None,
            tolerance: Tolerance = Tolerance(), selection: Selection = Selection(), side_a: Side = Side(),
-           side_b: Side = Side(), load_on: LoadOn | None = None, reading: Reading = Reading()) -> VerifyReport | LoadReport:
+           side_b: Side = Side(), load_on: LoadOn | None = None, config_dir: str | Path | None = None,
+           reading: Reading = Reading()) -> VerifyReport | LoadReport:
     """``dcptool verify``: compare ``a`` with ``b`` (any formats, layouts and naming families), or with its
     own round trip through format ``roundtrip``; bitwise unless ``tolerance`` says otherwise.
 
@@ -387,6 +388,8 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
             ``"auto"``: the model part), ``format`` and naming ``family`` (``"auto"``: detected).
         load_on: instead, load ``a`` with torch's ``dcp.load`` in a real job on a mesh (``LoadOn("dp=2,tp=2")``;
             needs torch).
+        config_dir: the model's config.json: with ``load_on``, its head and expert counts checked against the
+            mesh (as ``reshard`` checks them); across naming families, Llama's q/k rows matched by its heads.
 
     Returns:
         ``verification.Report``: ``.equal`` says whether they match, ``.differences`` how not; with
@@ -415,13 +418,13 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     include, exclude = selection.include, selection.exclude
     if load_on:
         load_on.sizes()  # a mesh that is not sizes is refused before anything starts
-        return loadcheck.run(a, load_on, include=include, exclude=exclude)
+        return loadcheck.run(a, load_on, include=include, exclude=exclude, config_dir=config_dir)
     compared = {"atol": tolerance.atol, "rtol": tolerance.rtol, "dtype_as": tolerance.dtype_as, "max_memory": memory}
     if roundtrip:
         with _progress(reading.progress, None, f"round trip via {roundtrip}") as advance:
             return verification.roundtrip(a, roundtrip, source_format=side_a.format, include=include, exclude=exclude,
                                           progress=advance, **compared)
-    pairing = _pair(a, b, selection, side_a, side_b)
+    pairing = _pair(a, b, selection, side_a, side_b, config_dir)
     total = sum(t.nbytes for k, t in pairing.a.tensors.items() if k in pairing.b.tensors)
     with _progress(reading.progress, total, "comparing") as advance:
         report = verification.compare_sides(pairing.a, pairing.b, progress=advance, **compared)
@@ -483,6 +486,7 @@ def check(path: str | Path, *, reading: Reading = Reading()) -> CheckReport:
 
     Returns:
         ``integrity.Report``: ``.ok``, and ``.problems`` (kind, name, detail), every one found;
+        ``.not_checked()``: what could not be checked (safetensors values: the format stores no checksum);
         ``.to_json()`` is what ``check --json`` prints. A path that is no checkpoint raises.
 
     Example:
@@ -588,13 +592,13 @@ def diff(a: str | Path, b: str | Path, *, selection: Selection = Selection(), si
     return report
 
 
-def _pair(a, b, selection: Selection, side_a: Side, side_b: Side):
+def _pair(a, b, selection: Selection, side_a: Side, side_b: Side, config_dir=None):
     """verify's and diff's two sides, named alike (``verification.sides``)."""
     from dcptool import verification
 
     return verification.sides(a, b, format_a=side_a.format, format_b=side_b.format, prefix_a=side_a.prefix,
                               prefix_b=side_b.prefix, include=selection.include, exclude=selection.exclude,
-                              family_a=side_a.family, family_b=side_b.family)
+                              family_a=side_a.family, family_b=side_b.family, config_dir=config_dir)
 
 
 def _source(source, reading: Reading, config_dir, dtype) -> tuple[Checkpoint, list[str]]:

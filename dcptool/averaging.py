@@ -6,7 +6,9 @@ tensor of the output is computed (``core.Computed``), region by region as a copy
 values in float32, ``w0*x0 + w1*x1 + ...`` summed in float32 in the order of the sources (each product and
 sum rounded to float32, as torch computes it on float32 tensors), then rounded to the first source's dtype as
 torch's ``.to(dtype)`` rounds. Integer, boolean and float8 tensors are no means: they must be equal in
-every source (``check_equal``) and are copied from the first. Optimizer state is left out unless asked for.
+every source (``check_equal``) and are copied from the first. Optimizer state is left out unless asked for;
+its step counters (``step``, a float32 tensor in torch's Adam and AdamW) are counts, not means: taken from the
+first, as its other counters are.
 
 The output is the first source's format, laid out as the first source's chunks (a DCP checkpoint keeps its
 ranks' chunks), unless a format or a mesh is given (``plan_average``).
@@ -33,6 +35,8 @@ from dcptool.options import MeshOptions
 
 # Tensors of these dtypes are averaged; any other must be equal in every source.
 AVERAGED = ("float64", *dtypes.CASTABLE)
+# The last part of the key of torch.optim's per-parameter step count (optimizer.state.<param>.step): from the first.
+STEP_COUNTER = "step"
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +117,7 @@ def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = Non
         if pairing.note:  # names matched across families
             pairing_notes.append(f"{other.root}: {pairing.note}")
     model = {id(t) for t in selection.model_part(first).values()}
-    tensors, notes, optimizer_left, others_left = {}, [], [], []
+    tensors, notes, optimizer_left, others_left, counters = {}, [], [], [], []
     for key, tensor in first.tensors.items():
         optimizer = bool(selection.OPTIMIZER_ROOTS & {str(part) for part in tensor.path})
         if optimizer and not include_optimizer:
@@ -134,7 +138,10 @@ def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = Non
             if other.shape != tensor.shape:
                 raise UsageError(f"{source.root}: {key} is {list(other.shape)}, {list(tensor.shape)} in {first.root}: "
                                  "the checkpoints are not of one model")
-        if all(t.dtype in AVERAGED for _, t in terms):
+        if optimizer and key.rpartition(".")[2] == STEP_COUNTER:
+            tensors[key] = tensor
+            counters.append(key)
+        elif all(t.dtype in AVERAGED for _, t in terms):
             mean = WeightedMean(tuple((c, t, w) for (c, t), w in zip(terms, planned.weights)), tensor.dtype)
             tensors[key] = dataclasses.replace(tensor, transform=mean)
             planned.averaged += 1
@@ -149,6 +156,9 @@ def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = Non
     if others_left:
         notes.append(f"left out {counted(len(others_left), 'tensor')} not in every checkpoint: "
                      f"{', '.join(others_left[:3])}" + (" ..." if len(others_left) > 3 else ""))
+    if counters:
+        notes.append(f"took {counted(len(counters), 'optimizer step counter')} from {first.root} as they are "
+                     "(counts, not means)")
     if objects:
         notes.append(f"took {counted(len(objects), 'non-tensor entry', 'non-tensor entries')} from {first.root} "
                      "as they are (step counters, schedulers)")

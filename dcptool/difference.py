@@ -7,7 +7,8 @@ are the same value; -0.0 and 0.0 too), *bit-identical* when the two sides have o
 equal. Values are compared in float64 (bfloat16, float16, float32 and float8 are exact there; integers as
 integers). Per tensor: elements changed, bit-identical, the largest absolute change ``max |b - a|`` and the
 relative L2 change ``||b - a|| / ||a||`` (sums of squares in float64). A report, not a check: ``verify`` is
-the gate.
+the gate. In JSON (strict: JSON has no inf or NaN) a change that is no finite number is null, and the entry's
+``non_finite`` names it (``{"max_abs_change": "inf"}``).
 
 >>> report = diff_sides(*sides("step-100", "step-200"))           # doctest: +SKIP
 >>> report.summary()                                                # doctest: +SKIP
@@ -51,11 +52,15 @@ class Change:
         return math.sqrt(self.squares_change) / math.sqrt(self.squares_a) if self.squares_a else math.inf
 
     def to_json(self) -> dict[str, Any]:
+        """Strict JSON: a change that is inf (a NaN on one side, opposite infinities; A all zeros) or NaN is
+        null, and ``non_finite`` names it with its value as text."""
+        changes = {"max_abs_change": self.max_abs, "relative_l2_change": self.relative}
         return {"key": self.key, "dtype": self.dtype, "tensors": self.tensors, "elements": self.numel,
                 "changed": self.changed, "changed_fraction": self.changed / self.numel if self.numel else 0.0,
                 "bit_identical": self.identical,
                 "bit_identical_fraction": self.identical / self.numel if self.numel else 1.0,
-                "max_abs_change": _number(self.max_abs), "relative_l2_change": _number(self.relative)}
+                **{name: value if math.isfinite(value) else None for name, value in changes.items()},
+                "non_finite": {name: str(value) for name, value in changes.items() if not math.isfinite(value)}}
 
 
 def merged(name: str, changes: list[Change]) -> Change:
@@ -86,13 +91,15 @@ class Report:
         return merged("total", self.changes)
 
     def summary(self) -> str:
-        """``99.1% of 7.6e9 parameters bit-identical; 14 of 723 tensors changed``."""
+        """``99.1% of 7.6e9 parameters bit-identical; 14 of 723 tensors changed``; elements unchanged in value
+        but not in bits (-0.0 for 0.0, another dtype) counted after the bit-identical ones."""
         total = self.total
         share = f"{100 * total.identical / total.numel:.1f}%" if total.numel else "100%"
         changed = sum(1 for c in self.changes if c.changed)
-        line = f"{share} of {_count(total.numel)} parameters bit-identical; {changed} of {counted(len(self.changes), 'tensor')} changed"
+        line = f"{share} of {_count(total.numel)} parameters bit-identical"
         if total.numel and total.identical != total.numel - total.changed:
-            line += f" ({_count(total.numel - total.changed - total.identical)} equal in value, not in bits)"
+            line += f", {_count(total.numel - total.changed - total.identical)} more equal in value, not in bits"
+        line += f"; {changed} of {counted(len(self.changes), 'tensor')} changed"
         others = [f"{len(self.only_a)} only in A" if self.only_a else "", f"{len(self.only_b)} only in B" if self.only_b else "",
                   f"{len(self.reshaped)} of another shape" if self.reshaped else ""]
         others = [o for o in others if o]
@@ -182,6 +189,3 @@ def _count(number: int) -> str:
     """``7.6e9`` for large counts, the number itself below 10,000."""
     return f"{number:,}" if number < 10_000 else f"{number:.2g}".replace("e+0", "e").replace("e+", "e")
 
-
-def _number(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)

@@ -105,6 +105,7 @@ class Format(ABC):
 
     >>> class Text(Format):
     ...     name = "text"
+    ...     title = "plain text"
     ...     detect = staticmethod(lambda files: False)
     ...     read = staticmethod(lambda files: None)
     >>> Text().writable, Text().layout.value
@@ -112,6 +113,7 @@ class Format(ABC):
     """
 
     name: ClassVar[str]
+    title: ClassVar[str]  # what it is, in a few words (``dcptool --help`` lists every format's)
     writes_folder: ClassVar[bool] = True  # its output is a folder, else one file
     completes: ClassVar[tuple[str, ...]] = ()  # files uploaded last: without them the output is no checkpoint
     # Formats whose folders this one's are a kind of (a Megatron torch_dist folder is a DCP folder): when both

@@ -12,6 +12,9 @@ covered by its chunks exactly once), each entry that fails there named and left 
 - the model's ``config.json``, where one comes with it (in or beside it), against the weights' names and shapes (as
   transformers would build the model).
 
+Values outside any record (safetensors files store no checksum) cannot be checked: the report counts those
+tensors and says so (``Report.not_checked``), and ``dcptool checksum --write`` makes a manifest that covers them.
+
 Every problem is collected (``Report.problems``), none stops the others. Records are checked by a few
 threads, each reading its records' bytes once.
 
@@ -29,6 +32,9 @@ from typing import Callable
 from dcptool import encodings, formats
 from dcptool.core import RAW, Checkpoint, TensorInfo, entry_problems
 from dcptool.errors import CheckpointError, UsageError, counted, printable
+
+# Why the values of tensors outside any record (safetensors) are not checked, and what does check them.
+NO_CHECKSUM = "the format stores no checksum; use `dcptool checksum --write` for a manifest"
 
 # Threads checking records: reading from disk overlaps, and CRC-32 releases the GIL.
 THREADS = 4
@@ -55,6 +61,7 @@ class Report:
     bytes_checked: int = 0
     config: str | None = None  # the config.json the weights were checked against
     problems: list[Problem] = field(default_factory=list)
+    values_unchecked: int = 0  # tensors whose values no checksum covers (safetensors stores none)
 
     @property
     def ok(self) -> bool:
@@ -67,19 +74,29 @@ class Report:
             found[problem.kind] = found.get(problem.kind, 0) + 1
         return found
 
+    def not_checked(self) -> str | None:
+        """What ``check`` could not check, in a line: the values of tensors whose format stores no checksum."""
+        if not self.values_unchecked:
+            return None
+        every = self.values_unchecked == self.tensors
+        what = "values" if every else f"values of {counted(self.values_unchecked, 'tensor')}"
+        return f"{what} not checked: {NO_CHECKSUM}"
+
     def summary(self) -> str:
         checked = (f"{counted(self.tensors, 'tensor')} ({self.bytes_checked:,} bytes, {counted(self.records, 'record')}), "
                    f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}"
                    + (", config.json" if self.config else ""))
+        unchecked = f"; {self.not_checked()}" if self.not_checked() else ""
         if self.ok:
-            return f"fine: {checked} checked"
+            return f"fine: {checked} checked{unchecked}"
         kinds = ", ".join(f"{n} {kind}" for kind, n in self.counts().items())
-        return f"{counted(len(self.problems), 'problem')} ({kinds}): {checked} checked"
+        return f"{counted(len(self.problems), 'problem')} ({kinds}): {checked} checked{unchecked}"
 
     def to_json(self) -> dict:
+        unchecked = {"tensors": self.values_unchecked, "why": NO_CHECKSUM} if self.values_unchecked else None
         return {"path": self.path, "format": self.format, "ok": self.ok, "tensors": self.tensors,
                 "objects": self.objects, "records": self.records, "bytes_checked": self.bytes_checked,
-                "config": self.config, "counts": self.counts(),
+                "values_not_checked": unchecked, "config": self.config, "counts": self.counts(),
                 "problems": [{"kind": p.kind, "name": p.name, "detail": p.detail} for p in self.problems]}
 
 
@@ -113,10 +130,11 @@ def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | N
                     objects=len(checkpoint.objects))
     advance = progress or (lambda n: None)
     with ThreadPoolExecutor(THREADS) as pool:
-        for problems, records in pool.map(lambda tensor: _check_tensor(checkpoint, tensor),
-                                          checkpoint.tensors.values()):
+        for problems, records, covered in pool.map(lambda tensor: _check_tensor(checkpoint, tensor),
+                                                   checkpoint.tensors.values()):
             report.problems += problems
             report.records += records
+            report.values_unchecked += not covered
         for tensor in checkpoint.tensors.values():
             report.bytes_checked += tensor.nbytes
             advance(tensor.nbytes)
@@ -134,10 +152,11 @@ def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | N
     return report
 
 
-def _check_tensor(checkpoint: Checkpoint, tensor: TensorInfo) -> tuple[list[Problem], int]:
-    """The problems of a tensor's records, and how many records it has: each chunk's record checked whole and
-    its pickled tensor against what the metadata says of the chunk."""
-    problems, records = [], 0
+def _check_tensor(checkpoint: Checkpoint, tensor: TensorInfo) -> tuple[list[Problem], int, bool]:
+    """The problems of a tensor's records, how many records it has, and whether a checksum covers all its
+    values: each chunk's record checked whole and its pickled tensor against what the metadata says of the
+    chunk. Raw bytes outside any record (safetensors) have no checksum to check."""
+    problems, records, covered = [], 0, True
     for chunk in tensor.chunks:
         encoding = encodings.get(chunk.encoding) if chunk.encoding != RAW else None
         try:
@@ -146,10 +165,12 @@ def _check_tensor(checkpoint: Checkpoint, tensor: TensorInfo) -> tuple[list[Prob
             if encoding is not None:
                 encoding.locate(checkpoint.files, tensor, chunk)
             else:
-                records += checkpoint.record_of(tensor, chunk) is not None
+                in_record = checkpoint.record_of(tensor, chunk) is not None
+                records += in_record
+                covered &= in_record
         except CheckpointError as exc:
             problems.append(Problem("record", tensor.key, str(exc)))
-    return problems, records
+    return problems, records, covered
 
 
 def _overlapping_records(checkpoint: Checkpoint) -> list[Problem]:

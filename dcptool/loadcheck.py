@@ -84,8 +84,11 @@ def check_runnable(checkpoint: str | Path) -> None:
         raise UsageError(f"{checkpoint}: {option('load_on')} runs torch's dcp.load on a local folder; copy the checkpoint here first")
 
 
-def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, exclude: str | None = None) -> LoadReport:
-    """Load ``checkpoint`` on ``load_on``'s mesh in a real ``nproc``-process job and check every rank's shards."""
+def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, exclude: str | None = None,
+        config_dir: str | Path | None = None) -> LoadReport:
+    """Load ``checkpoint`` on ``load_on``'s mesh in a real ``nproc``-process job and check every rank's shards.
+    ``config_dir``: the model's config.json, whose head and expert counts the mesh is checked against
+    before the job starts, as ``reshard`` checks them (default: a config the checkpoint comes with)."""
     from dcptool import formats
     from dcptool.resharding import prepare, raise_problems
 
@@ -94,7 +97,8 @@ def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, 
     source = formats.open_checkpoint(checkpoint)
     if not formats.get(source.format).dcp_loadable:
         raise UsageError(f"{checkpoint}: {option('load_on')} loads DCP checkpoints with dcp.load (this is {source.format})")
-    planned = prepare(source, MeshOptions(**load_on.sizes(), world_size=load_on.nproc or None, plan=load_on.plan))
+    planned = prepare(source, MeshOptions(**load_on.sizes(), world_size=load_on.nproc or None, plan=load_on.plan),
+                      config_dir=config_dir)
     raise_problems(planned)  # bad meshes are refused before any process starts
     mesh = planned.mesh
     backend = _backend(load_on.backend)

@@ -5,6 +5,12 @@ checkpoint records are confined to its folder by their normalized form (remote s
 symbolic links to follow). Large reads are one ranged request each; small ones (zip headers,
 pickles, safetensors headers) are served from a few cached blocks, so that opening thousands of
 DCP chunk records costs one or two requests per record instead of six.
+
+There are no storage options to pass: each filesystem finds its server and credentials where its library
+looks. For ``s3://`` that is boto's environment and ``~/.aws``: ``AWS_ENDPOINT_URL`` for an S3-compatible
+store (MinIO, Ceph, moto), ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` (or ``AWS_PROFILE``),
+``AWS_DEFAULT_REGION``; fsspec's ``FSSPEC_S3_<OPTION>`` variables (``FSSPEC_S3_ENDPOINT_URL``) set any
+option of s3fs.
 """
 
 from __future__ import annotations
@@ -137,7 +143,8 @@ class RemoteFolder:
         memoryview(buffer).cast("B")[:] = data
 
     def _fetch(self, target: str, start: int, length: int) -> bytes:
-        return self.fs.cat_file(target, start, start + length)
+        # By keyword: s3fs's cat_file takes version_id second, where fsspec's base class takes start.
+        return self.fs.cat_file(target, start=start, end=start + length)
 
     def _from_blocks(self, target: str, offset: int, length: int) -> bytes:
         first, last = offset // BLOCK, (offset + length - 1) // BLOCK

@@ -350,7 +350,8 @@ class Pairing:
 
 def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b: str | None = None,
           prefix_a: str | None = None, prefix_b: str | None = None, include: str | None = None,
-          exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO) -> Pairing:
+          exclude: str | None = None, family_a: str = AUTO, family_b: str = AUTO,
+          config_dir: str | Path | None = None) -> Pairing:
     """The two sides of ``dcptool verify A B``, named alike.
 
     With no prefix given, the layouts decide: a training state against a model-only checkpoint (its
@@ -360,10 +361,11 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     difference is reported (not between two models in different formats: an export), where those
     names match more entries than the keys as given (a flat
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
-    Weights of different naming families are matched by ``align_families``.
+    Weights of different naming families are matched by ``align_families`` (with ``config_dir``'s config.json).
     """
     return pair(formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b), prefix_a=prefix_a,
-                prefix_b=prefix_b, include=include, exclude=exclude, family_a=family_a, family_b=family_b)
+                prefix_b=prefix_b, include=include, exclude=exclude, family_a=family_a, family_b=family_b,
+                config_dir=config_dir)
 
 
 def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | None = None,

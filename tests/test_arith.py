@@ -124,8 +124,14 @@ def test_average_with_the_optimizer_across_layouts(steps, tmp_path):
             else:
                 flat[f"{prefix}{key}"] = value
     walk(written)
+    counters = [key for key in full1 if key.startswith("optimizer.") and key.endswith(".step")]
+    assert counters and all(float(full1[key]) == 1 and float(full3[key]) == 3 for key in counters)
     for key, value in full1.items():
-        assert torch.equal(flat[key], expected_mean([value, full3[key]], [0.5, 0.5], value.dtype)), key
+        if key in counters:  # counts, not means: the first's own, as README says of the other counters
+            assert torch.equal(flat[key], value), key
+        else:
+            assert torch.equal(flat[key], expected_mean([value, full3[key]], [0.5, 0.5], value.dtype)), key
+    assert f"took {len(counters)} optimizer step counters from {step1} as they are" in "\n".join(report.notes)
 
 
 def test_refusals_exit_2_with_one_line_and_write_nothing(steps, tmp_path):
@@ -215,6 +221,43 @@ def test_diff_of_a_bfloat16_export_counts_values_not_bits(steps, tmp_path):
     same = dcptool.diff(step1, step1)
     assert same.summary() == f"100.0% of {sum(full1[k].numel() for k in full1):.2g} parameters bit-identical; " \
                              f"0 of {len(full1)} tensors changed".replace("e+0", "e")
+
+
+def strict_json(text: str):
+    """``text`` parsed as JSON proper: NaN, Infinity and -Infinity, which python's json accepts, refused."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_diff_json_is_strict_json_and_names_changes_that_are_no_number(steps, tmp_path):
+    """A NaN in B makes that tensor's changes inf: null in --json, named in non_finite. 0.0 against -0.0 is
+    equal in value, not in bits: counted as elements in the summary, the tensor not changed."""
+    step1 = steps["step1"][0]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_cli("export-hf", step1, a)
+    values = safetensors.numpy.load_file(a / "model.safetensors")
+    nan_key, zero_key = sorted(values)[:2]
+    values[zero_key].reshape(-1)[0] = 0.0
+    safetensors.numpy.save_file(values, a / "model.safetensors", metadata={"format": "pt"})
+    values[zero_key].reshape(-1)[0] = -0.0
+    values[nan_key].reshape(-1)[0] = np.nan
+    b.mkdir()
+    safetensors.numpy.save_file(values, b / "model.safetensors", metadata={"format": "pt"})
+    report = strict_json(run_cli("diff", a, b, "--json").stdout)
+    by_key = {t["key"]: t for t in report["tensors"]}
+    nan_change = by_key[nan_key]
+    assert nan_change["changed"] == 1 and nan_change["max_abs_change"] is None and nan_change["relative_l2_change"] is None
+    assert nan_change["non_finite"] == {"max_abs_change": "inf", "relative_l2_change": "inf"}
+    assert report["total"]["max_abs_change"] is None and report["total"]["non_finite"]["max_abs_change"] == "inf"
+    assert all(t["non_finite"] == {} and isinstance(t["max_abs_change"], float) for k, t in by_key.items() if k != nan_key)
+    assert by_key[zero_key]["changed"] == 0 and by_key[zero_key]["bit_identical"] == by_key[zero_key]["elements"] - 1
+    numel = sum(v.size for v in values.values())
+    assert report["summary"] == (f"{100 * (numel - 2) / numel:.1f}% of {numel:.2g} parameters bit-identical, ".replace("e+0", "e")
+                                 + f"1 more equal in value, not in bits; 1 of {len(values)} tensors changed")
+    text = run_cli("diff", a, b).stdout.splitlines()
+    assert text[0] == report["summary"] and any(line.startswith(nan_key) and " inf " in line for line in text)
 
 
 def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(steps, checkpoints, tmp_path):

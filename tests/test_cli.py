@@ -53,6 +53,19 @@ def test_version_help_and_choices():
     assert "'torch' is not one of 'dcp', 'fsdp1'" in line and "dcptool reshard -h" in line
 
 
+def test_top_level_help_lists_every_format_of_the_registry():
+    """``dcptool --help`` names every format module of converters/ (found here by its source), with what it is."""
+    from pathlib import Path
+
+    converters = Path(__file__).resolve().parents[1] / "converters"
+    modules = [p for p in [*converters.glob("*.py"), *converters.glob("*/__init__.py")] if "\nFORMAT = " in p.read_text()]
+    assert len(modules) == len(formats.names()) >= 7
+    shown = " ".join(dcptool("--help").stdout.replace("│", " ").split())
+    for name in formats.names():
+        fmt = formats.get(name)
+        assert f"{name} ({fmt.title}{'' if fmt.writable else '; read only'})" in shown, (name, shown)
+
+
 def test_help_at_80_columns_shows_every_description_whole():
     """Each command's help, at 80 columns: no description cut with an ellipsis, every word of every
     option's and argument's description shown whole, every option of choices naming them."""

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from conftest import dcptool
 
@@ -26,6 +28,25 @@ def test_loads_on_the_saving_mesh_and_on_others(checkpoints):
         assert report["ok"] and report["backend"] == "gloo" and report["nproc"] == ranks, report
         assert [r["tensors"] for r in report["ranks"]] == [84] * ranks
         assert report["load_seconds"] > 0
+
+
+def test_a_checkpoint_with_no_config_beside_it_loads_on_tp_with_config_dir(checkpoints, tmp_path):
+    """Saved on dp=2 alone, with no config.json beside it: tp=2 may cut a head unless the config gives the counts."""
+    source, reference = checkpoints("fsdp2_dp2")
+    assert not (source / "config.json").exists() and (reference / "config.json").is_file()
+    refused = dcptool("verify", source, "--load-on", "dp=1,tp=2", check=False)
+    assert refused.returncode == 2 and "give --config-dir" in refused.stderr.strip().splitlines()[-1], refused.stderr
+    report = json.loads(dcptool("verify", source, "--load-on", "dp=1,tp=2", "--config-dir", reference, "--json").stdout)
+    saved = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    tensors = sum(isinstance(entry, TensorStorageMetadata) for entry in saved.values())
+    assert report["ok"] and report["nproc"] == 2 and [r["tensors"] for r in report["ranks"]] == [tensors] * 2, report
+    # the config is read: counts that tp does not divide are refused, naming it
+    config = json.loads((reference / "config.json").read_text())
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    refused = dcptool("verify", source, "--load-on", "dp=1,tp=2", "--config-dir", wrong, check=False)
+    assert refused.returncode == 2 and str(wrong / "config.json") in refused.stderr, refused.stderr
 
 
 @pytest.fixture

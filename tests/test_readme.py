@@ -1,7 +1,7 @@
-"""The README's recipes run as written.
+"""The recipes of the README and of the pages of docs/ run as written.
 
-Every command line of every ```bash block of README.md runs, word for word, in a folder laid out with the
-paths it names: tiny models of the same kind, saved by real gloo jobs (or by transformers' save_pretrained
+Every command line of every ```bash block of README.md and docs/*.md runs, word for word, in a folder laid
+out with the paths it names: tiny models of the same kind, saved by real gloo jobs (or by transformers' save_pretrained
 for Hugging Face folders), in the layouts the recipe's engine writes. Each line must exit 0. Lines that need
 what CI cannot have (the Hub, object storage, several nodes, minutes of benchmark) are listed in SKIPPED
 with the test that covers them instead; a new block whose inputs are not declared in INPUTS fails here.
@@ -16,12 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import FAMILY_JOBS, run_job
+from jobs import ACCELERATE_JOBS, FAMILY_JOBS, run_job
 
 from conftest import ROOT, dcptool
 from harness.family_models import save_hf
 
-README = ROOT / "README.md"
+# The pages whose bash blocks run here: the README and every page of docs/ (a block that moves between them
+# keeps its entries below, which are keyed by the start of its first line).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Lines not run here (matched by their start), and where what they do is tested.
 SKIPPED = {
@@ -57,13 +59,15 @@ INPUTS = {
     "dcptool export-hf checkpoints/recover_checkpoint": ["checkpoints/recover_checkpoint", "Llama-3.1-8B"],
     "dcptool import-hf Qwen3-8B": ["Qwen3-8B", "Qwen3-30B-A3B"],
     "dcptool import-hf Qwen3-30B-A3B mcore-qwen3-moe": ["Qwen3-30B-A3B"],
-    "dcptool reshard global_step_10/actor": ["global_step_10/actor"],
+    "dcptool inspect global_step_10/actor": ["global_step_10/actor"],
+    "dcptool inspect titan/step-10": ["titan/step-10", "llama-hf"],
+    "dcptool inspect checkpoint-500": ["checkpoint-500"],
+    "dcptool inspect step-1000.pt": ["step-1000.pt", "Llama-3.1-8B"],
     "dcptool inspect archon/step-2000": ["archon/step-2000", "Qwen3-30B-A3B"],
     "PYTHONPATH=tests python -m harness.synth_dcp": [],
     "torchrun --nproc-per-node 8": ["step-1000"],
     "dcptool verify step-1000": ["step-1000", "step-1000.pt", "hf-out", "hf-bf16", "titan/step-10", "archon/step-10"],
     "dcptool check step-1000": ["step-1000", "hf-out"],
-    "dcptool checksum step-1000": ["step-1000", "hf-out"],
     ".venv/bin/pip": [],
     "dcptool average step-800": ["step-800", "step-900", "step-1000", "Llama-3.1-8B"],
     "dcptool diff step-900": ["step-900", "step-1000", "hf-bf16"],
@@ -90,22 +94,23 @@ def bash_blocks(text: str) -> list[tuple[int, list[str]]]:
     return blocks
 
 
-BLOCKS = bash_blocks(README.read_text())
+BLOCKS = [(page.relative_to(ROOT).as_posix(), start, lines) for page in PAGES
+          for start, lines in bash_blocks(page.read_text())]
 
 
 def skipped(line: str) -> str | None:
     return next((why for start, why in SKIPPED.items() if line.startswith(start)), None)
 
 
-def inputs_of(lines: list[str]) -> list[str]:
+def inputs_of(page: str, lines: list[str]) -> list[str]:
     declared = [paths for start, paths in INPUTS.items() if lines[0].startswith(start)]
-    assert declared, f"README block starting {lines[0]!r}: declare the paths it reads in INPUTS (tests/test_readme.py)"
+    assert declared, f"{page} block starting {lines[0]!r}: declare the paths it reads in INPUTS (tests/test_readme.py)"
     return declared[0]
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory, checkpoints, lora_runs, verl_saves, request):
-    """``made(path)``: the README path ``path`` made once (a folder or file under a shared root)."""
+    """``made(path)``: the path ``path`` a recipe names, made once (a folder or file under a shared root)."""
     root = tmp_path_factory.mktemp("readme-inputs")
     done: dict[str, Path] = {}
 
@@ -126,6 +131,10 @@ def made(tmp_path_factory, checkpoints, lora_runs, verl_saves, request):
     def megatron_legacy(out: Path) -> None:  # Megatron-LM's per-rank files of TP 2 x PP 2 (megatron-core 0.19.2)
         run = request.getfixturevalue("megatron_runs")("legacy_tp2_pp2")  # the session's: skips without megatron-core
         shutil.copytree(run / "iter_0000100", out)
+
+    def trainer_checkpoint(out: Path) -> None:  # HF Trainer's checkpoint-N/ of an FSDP run, by accelerate's own saves
+        pytest.importorskip("accelerate")
+        run_job(2, "save", out, module=ACCELERATE_JOBS)
 
     def torch_save(out: Path) -> None:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -157,6 +166,7 @@ def made(tmp_path_factory, checkpoints, lora_runs, verl_saves, request):
         "archon/step-10": lambda out: dcptool("convert", get("titan/step-10"), out, "--to", "dcp",
                                               "--adapter", "archon", "--config-dir", get("llama-hf")),
         "run/iter_0000100": megatron_legacy,
+        "checkpoint-500": trainer_checkpoint,
     }
 
     def get(path: str) -> Path:
@@ -170,12 +180,12 @@ def made(tmp_path_factory, checkpoints, lora_runs, verl_saves, request):
     return get
 
 
-@pytest.mark.parametrize("start,lines", BLOCKS, ids=[f"line{start}" for start, _ in BLOCKS])
-def test_readme_recipe_runs_as_written(start, lines, made, tmp_path):
+@pytest.mark.parametrize("page,start,lines", BLOCKS, ids=[f"{page}:{start}" for page, start, _ in BLOCKS])
+def test_recipe_runs_as_written(page, start, lines, made, tmp_path):
     run = [line for line in lines if not skipped(line)]
     if not run:
         pytest.skip("; ".join(sorted({skipped(line) for line in lines})))
-    for path in inputs_of(lines):
+    for path in inputs_of(page, lines):
         source, place = made(path), tmp_path / path
         place.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if source.is_dir() else shutil.copy)(source, place)
@@ -183,5 +193,13 @@ def test_readme_recipe_runs_as_written(start, lines, made, tmp_path):
     for line in run:
         result = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, (f"README.md line {start}: {line}\nexited {result.returncode}\n"
+        assert result.returncode == 0, (f"{page} line {start}: {line}\nexited {result.returncode}\n"
                                         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+
+
+def test_every_entry_names_a_block():
+    """No stale entries: each key of INPUTS starts a block, each key of SKIPPED a line of one."""
+    firsts = [lines[0] for _, _, lines in BLOCKS]
+    every = [line for _, _, lines in BLOCKS for line in lines]
+    assert not [start for start in INPUTS if not any(first.startswith(start) for first in firsts)]
+    assert not [start for start in SKIPPED if not any(line.startswith(start) for line in every)]

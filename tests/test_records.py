@@ -270,6 +270,32 @@ def test_safetensors_laid_out_as_its_loader_refuses_are_refused(bases, tmp_path,
     refused(["verify", copy, bases / fmt], out, target.name)
 
 
+@pytest.mark.parametrize("fmt", ["hf", "hf2"])
+def test_check_says_a_flipped_byte_of_safetensors_values_is_not_checked(bases, tmp_path, fmt):
+    """safetensors stores no checksum: a flipped data byte loads (as another value), and check says that
+    values were not checked, in its text and in --json; records that carry a CRC-32 need no such line."""
+    from safetensors.torch import load_file
+
+    copy = tmp_path / fmt
+    shutil.copytree(bases / fmt, copy)
+    target = min(copy.glob("*.safetensors"))
+    key, before = next((key, value.clone()) for key, value in load_file(target).items())
+    (length,) = struct.unpack_from("<Q", target.read_bytes())
+    start, _ = json.loads(target.read_bytes()[8:8 + length])[key]["data_offsets"]
+    flip(target, 8 + length + start)
+    assert not torch.equal(load_file(target)[key], before)  # safetensors' own loader loads it
+    result = dcptool("check", copy)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.endswith("values not checked: the format stores no checksum; "
+                            "use `dcptool checksum --write` for a manifest"), summary
+    report = json.loads(dcptool("check", copy, "--json").stdout)
+    assert report["ok"] and report["values_not_checked"] == {
+        "tensors": report["tensors"], "why": "the format stores no checksum; use `dcptool checksum --write` for a manifest"}
+    for intact in (bases / "torch" / "full.pt", bases / "fsdp1"):
+        assert json.loads(dcptool("check", intact, "--json").stdout)["values_not_checked"] is None
+    assert "not checked" not in dcptool("check", bases / "torch" / "full.pt").stdout
+
+
 def test_an_index_that_disagrees_with_its_shards_is_named(bases, tmp_path):
     copy = tmp_path / "hf2"
     shutil.copytree(bases / "hf2", copy)

@@ -2,7 +2,8 @@
 
 Real checkpoints (a gloo job's FSDP2 DCP and its conversions to every format) are copied into
 fsspec's ``memory://`` filesystem. That filesystem lives in this process, so the commands run here
-through ``dcptool.cli.main`` rather than as subprocesses.
+through ``dcptool.cli.main`` rather than as subprocesses. ``s3://`` is read from a real S3 API server
+(moto's, a process of its own) through s3fs, by commands run as processes, as a user runs them.
 """
 
 import contextlib
@@ -257,6 +258,78 @@ def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, bucke
         assert uploaded[-1] == completes, uploaded
     refused(name, local["dcp"], f"{bucket}/out", *options, names=f"{bucket}/out: already exists (pass --overwrite")
     ok("--quiet", name, local["dcp"], f"{bucket}/out", *options, "--overwrite")
+
+
+# moto's S3 server in a process of its own, on a port the system chose; it serves until its stdin closes.
+MOTO_SERVER = """
+import sys
+from moto.server import ThreadedMotoServer
+
+server = ThreadedMotoServer("127.0.0.1", 0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 API (moto's server) with a bucket ``checkpoints``: the environment that points s3fs at it, as
+    a user points it at MinIO or any S3-compatible store (AWS_ENDPOINT_URL and credentials), and a boto3 client."""
+    import boto3
+
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "w") as output:
+        server = subprocess.Popen([sys.executable, "-c", MOTO_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=output, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        assert port.isdigit(), log.read_text()
+        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+               "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                              aws_secret_access_key="test", region_name="us-east-1")
+        client.create_bucket(Bucket="checkpoints")
+        yield env, client
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+
+
+def s3_upload(client, local_path: Path, name: str) -> str:
+    """``local_path`` (a file or a folder) put in the bucket under ``name``; its s3:// URL."""
+    files = [local_path] if local_path.is_file() else sorted(p for p in local_path.rglob("*") if p.is_file())
+    for item in files:
+        key = name if local_path.is_file() else f"{name}/{item.relative_to(local_path).as_posix()}"
+        client.upload_file(str(item), "checkpoints", key)
+    return f"s3://checkpoints/{name}"
+
+
+def test_s3_sources_read_as_the_local_copy(local, s3, tmp_path, monkeypatch):
+    """inspect and export-hf of checkpoints in an S3 bucket, run as a user runs them (a process with
+    AWS_ENDPOINT_URL set), give what they give of the local copy; ranged reads of every size are exact."""
+    env, client = s3
+
+    def command(*args) -> str:
+        result = subprocess.run([sys.executable, "-m", "dcptool", "--quiet", *map(str, args)], capture_output=True,
+                                text=True, env={**os.environ, **env})
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    for source in ("dcp", "hf"):
+        url = s3_upload(client, local[source], source)
+        assert command("inspect", url, "--json") == command("inspect", local[source], "--json")
+        command("export-hf", url, tmp_path / f"{source}-from-s3", "--max-shard-size", "30KB")
+        command("export-hf", local[source], tmp_path / f"{source}-from-path", "--max-shard-size", "30KB")
+        same_tree(tmp_path / f"{source}-from-s3", tmp_path / f"{source}-from-path")
+    data = random.Random(0).randbytes(3 * remote.BLOCK + 5)
+    client.put_object(Bucket="checkpoints", Key="bytes/blob", Body=data)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    files = CheckpointFiles("s3://checkpoints/bytes")
+    for offset, size in ((0, 1), (7, 30), (remote.BLOCK - 3, 9), (1, remote.BLOCK), (5, 3 * remote.BLOCK)):
+        assert files.read("blob", offset, size) == data[offset:offset + size], (offset, size)
+    files.close()
 
 
 def test_remote_manifest_and_load_check_are_refused(local, bucket):

@@ -111,6 +111,30 @@ def test_planted_faults_are_flagged(planted):
     assert "5 suspicious findings" in text
 
 
+def test_a_damaged_record_is_a_finding_that_exits_1(planted, tmp_path):
+    """The faults above are reported with exit 0; a record that cannot be read is damage a CI gate must see."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, _ = planted
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    key = "model.output.weight"
+    info = next(info for index, info in FileSystemReader(str(path)).read_metadata().storage_data.items()
+                if index.fqn == key)
+    data = bytearray((damaged / info.relative_path).read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    (damaged / info.relative_path).write_bytes(bytes(data))
+    for options in ((), ("--json",)):
+        result = dcptool("inspect", damaged, "--stats", *options, check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+        assert lines[0] == f"dcptool: error: {damaged}: 1 tensor could not be read: {key}", lines
+    flags = json.loads(result.stdout)["stats"]["flags"]
+    assert [flag["keys"] for flag in flags if flag["kind"] == "unreadable"] == [[key]]
+
+
 def test_include_and_folded_rows(planted):
     path, _ = planted
     rows = dcptool("inspect", path).stdout.splitlines()

@@ -43,6 +43,7 @@ class Dcp(Format):
     """A PyTorch Distributed Checkpoint folder (``.metadata`` and ``__R_0.distcp`` files), as ``dcp.save`` writes it."""
 
     name = NAME
+    title = "PyTorch DCP"
     completes = (METADATA,)  # without it the folder is no checkpoint
     layout = Layout.MESH
     compressions = COMPRESSIONS

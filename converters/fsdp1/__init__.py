@@ -68,6 +68,7 @@ class Fsdp1(Format):
     and the model's ``huggingface/`` config; written for ``world_size`` data-parallel ranks."""
 
     name = NAME
+    title = "verl's FSDP1 folders"
     completes = (CONFIG,)
     layout = Layout.DATA_PARALLEL
     options = Fsdp1Options

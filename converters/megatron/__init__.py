@@ -22,6 +22,7 @@ class Megatron(Format):
     """A Megatron-Core checkpoint folder (torch_dist, or legacy per-rank files when read)."""
 
     name = NAME
+    title = "Megatron-Core torch_dist"
     refines = ("dcp",)  # a torch_dist folder is a DCP folder too: this format is the one that knows it whole
     completes = (METADATA, CONFIG)
     layout = Layout.MESH

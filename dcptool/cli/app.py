@@ -7,11 +7,19 @@ import sys
 
 import typer
 
+from dcptool import formats
 from dcptool.cli.render import EscapingStream, settings
+
+
+def _formats_line() -> str:
+    """Every format of the registry, by the name --from and --to take and what it is; those only read said so."""
+    listed = [f"{fmt.name} ({fmt.title}{'' if fmt.writable else '; read only'})" for fmt in formats.all_formats().values()]
+    return f"Formats (as --from and --to name them): {', '.join(sorted(listed))}."
+
 
 app = typer.Typer(
     name="dcptool",
-    help="Inspect, convert, reshard and verify PyTorch distributed checkpoints offline: DCP, FSDP1, torch.save, HF safetensors.",
+    help=f"Inspect, convert, reshard and verify PyTorch distributed checkpoints offline.\n\n{_formats_line()}",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",

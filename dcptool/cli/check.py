@@ -25,7 +25,7 @@ def check_command(
 ) -> None:
     """Check one checkpoint for everything torch or an engine would trip on, without loading it and without a manifest.
 
-    Every record (torch.save archives: DCP chunks and objects, torch.save and FSDP1 files) is read once: its zip structure and the CRC-32 of each entry, and the tensor it holds against the metadata; the metadata against the files; the chunks' cover of each tensor; an HF index against its shards; every non-tensor entry through the restricted unpickler; a config.json that comes with the checkpoint against the weights' names and shapes. Exit 0 when fine, 1 naming every problem, 2 when PATH is no checkpoint.
+    Every record (torch.save archives: DCP chunks and objects, torch.save and FSDP1 files) is read once: its zip structure and the CRC-32 of each entry, and the tensor it holds against the metadata; the metadata against the files; the chunks' cover of each tensor; an HF index against its shards; every non-tensor entry through the restricted unpickler; a config.json that comes with the checkpoint against the weights' names and shapes. Safetensors files store no checksum: their values are not checked, and the summary says so (--json: values_not_checked, else null); checksum --write makes a manifest that checks them. Exit 0 when fine, 1 naming every problem, 2 when PATH is no checkpoint.
 
     [bold]Examples[/bold]:
       [cyan]dcptool check step-1000[/cyan]

@@ -30,7 +30,7 @@ def diff_command(
 ) -> None:
     """What changed from A to B, per tensor and in total, across formats, layouts, naming families and meshes.
 
-    Both are read region by region within --max-memory. Per tensor: elements changed (their values differ), bit-identical elements (same dtype, same bits), the largest absolute change and the relative L2 change ||B-A||/||A|| (float64 sums). The first line sums it up. Exit 0: a report, not a check (verify is the gate).
+    Both are read region by region within --max-memory. Per tensor: elements changed (their values differ), bit-identical elements (same dtype, same bits), the largest absolute change and the relative L2 change ||B-A||/||A|| (float64 sums). The first line sums it up. --json is strict JSON (json.loads, jq): a change that is no finite number (a NaN on one side, opposite infinities, a relative change of an all-zero A) is null there, and the tensor's non_finite names it ({"max_abs_change": "inf"}). Exit 0: a report, not a check (verify is the gate).
 
     [bold]Examples[/bold]:
       [cyan]dcptool diff step-100 step-101[/cyan]   (what one RL step changed)
@@ -43,7 +43,7 @@ def diff_command(
         raise UsageError(f"--top {top}: give a number of tensors, at least 1")
     report = api.diff(a, b, selection=selection, side_a=side_a, side_b=side_b, reading=reading)
     if as_json:
-        print(json.dumps(report.to_json(top), indent=2))
+        print(json.dumps(report.to_json(top), indent=2, allow_nan=False))
         return
     print(report.summary())
     if report.note:

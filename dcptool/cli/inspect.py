@@ -14,7 +14,7 @@ from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import READING, SELECTION, grouped
 from dcptool.cli.render import shown
-from dcptool.errors import UsageError, counted
+from dcptool.errors import MismatchError, UsageError, counted
 from dcptool.options import MeshOptions, Reading, Selection
 
 
@@ -25,7 +25,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report instead of a table."),
     selection: Selection = SELECTION.only("include"),
     show_all: bool = typer.Option(False, "--all", "--no-collapse", help="One row per key (by default numbered layers of one dtype, shape and chunking fold into one row)."),
-    stats: bool = typer.Option(False, "--stats", help="Read every tensor: min, max, mean, std, L2 norm, zeros, NaN, Inf; flag all-zero tensors and experts, NaN/Inf, identical tensors."),
+    stats: bool = typer.Option(False, "--stats", help="Read every tensor: min, max, mean, std, L2 norm, zeros, NaN, Inf; flag all-zero tensors and experts, NaN/Inf, identical tensors; exit 1 when a tensor cannot be read (a damaged record)."),
     layout_key: Optional[str] = typer.Option(None, "--layout", metavar="KEY", help="Draw which rank holds which block of this tensor."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="With --layout: lay it out on this mesh (dp=2,tp=4; also ep, etp, cp, dp_replicate) as reshard would, instead of as saved."),
     plan: str = typer.Option("auto", "--plan", help="With --mesh: placement plan (auto, hf, torchtitan, fsdp, or a YAML/JSON plan file)."),
@@ -56,6 +56,10 @@ def inspect(
         print(json.dumps(found.to_json(), indent=2))
     else:
         _print_table(path, found, show_all)
+    unreadable = [key for flag in found.stats.flags if flag.kind == "unreadable" for key in flag.keys] if found.stats else []
+    if unreadable:  # damage a CI gate must see, as check and verify report it
+        more = f" and {len(unreadable) - 1} more" if len(unreadable) > 1 else ""
+        raise MismatchError(f"{path}: {counted(len(unreadable), 'tensor')} could not be read: {unreadable[0]}{more}")
 
 
 def _print_table(path: str, found, show_all: bool) -> None:

@@ -35,6 +35,7 @@ def verify_command(
     backend: Literal["auto", "gloo", "nccl"] = typer.Option("auto", "--backend", help="With --load-on: auto is nccl when GPUs are present, else gloo."),
     plan: str = PlanOption,
     timeout: float = typer.Option(600.0, "--timeout", help="With --load-on: seconds before the job is killed."),
+    config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with the model's config.json: with --load-on, its heads, kv heads and experts are checked against tp and ep (a checkpoint with no config beside it needs it for tp); across naming families, Llama's q/k rows are matched by its heads."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same)."),
     reading: Reading = READING.only("revision", "max_memory", "verify_records"),
 ) -> None:
@@ -51,16 +52,17 @@ def verify_command(
       [cyan]dcptool verify step-1000 --roundtrip hf[/cyan]
       [cyan]dcptool verify archon/step-200 archon-hf-export[/cyan]   (Archon names against HF names)
       [cyan]dcptool verify step-1000 --load-on dp=2,tp=2,ep=2,etp=tp[/cyan]
+      [cyan]dcptool verify step-1000 --load-on dp=2,tp=2 --config-dir Llama-3.1-8B[/cyan]
     """
     from dcptool import api
 
     if load_on:
         on = LoadOn(load_on, nproc=nproc, backend=backend, plan=plan, timeout=timeout)
-        _verify_load_on(a, on, selection, as_json, reading)
+        _verify_load_on(a, on, selection, config_dir, as_json, reading)
         return
     report = api.verify(a, b, roundtrip=roundtrip, selection=selection, side_a=side_a, side_b=side_b,
                         tolerance=Tolerance(atol=atol, rtol=rtol, dtype_as=dtype_as, values_only=values_only),
-                        reading=reading)
+                        config_dir=config_dir, reading=reading)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -73,7 +75,7 @@ def verify_command(
         raise MismatchError(f"{a} and {b or 'its round trip via ' + roundtrip} differ: {report.summary()}")
 
 
-def _verify_load_on(path, load_on: LoadOn, selection: Selection, as_json: bool, reading: Reading) -> None:
+def _verify_load_on(path, load_on: LoadOn, selection: Selection, config_dir, as_json: bool, reading: Reading) -> None:
     """verify --load-on: a real multi-process dcp.load of ``path`` on a mesh, every rank's shard checked."""
     from dcptool import api, loadcheck
 
@@ -81,7 +83,7 @@ def _verify_load_on(path, load_on: LoadOn, selection: Selection, as_json: bool, 
     load_on.sizes()
     if not as_json and not render.settings["quiet"]:
         render.stderr_console().print(f"loading {path} on {load_on.mesh} with dcp.load in a real multi-process job ...")
-    report = api.verify(path, load_on=load_on, selection=selection, reading=reading)
+    report = api.verify(path, load_on=load_on, selection=selection, config_dir=config_dir, reading=reading)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
