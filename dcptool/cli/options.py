@@ -128,9 +128,9 @@ READING = Group(lambda **fields: Reading(**fields, progress=render.progress), (
 # Writing: how an output is written. One flag, not --fsync/--no-fsync: a second column of names would narrow
 # every description at 80 columns.
 WRITING = Group(Writing, (
-    Flag("dry_run", "dry_run", bool, typer.Option(False, "--dry-run", help="Print the plan and its problems; write nothing.")),
     Flag("overwrite", "overwrite", bool, typer.Option(False, "--overwrite", help="Replace DST if it exists (only once the new output is complete).")),
     Flag("fsync", "fsync", bool, typer.Option(False, "--no-fsync", help="Rename outputs into place without flushing them to disk first (faster; after a power loss a renamed output may be incomplete)."), negated=True),
+    Flag("dry_run", "dry_run", bool, typer.Option(False, "--dry-run", help="Print the plan and its problems; write nothing.")),
 ))
 
 SELECTION = Group(Selection, (
