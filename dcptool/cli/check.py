@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 
-from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import READING, JsonOption, grouped
 from dcptool.cli.render import shown
