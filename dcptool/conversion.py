@@ -432,8 +432,8 @@ def left_out_by_kind(checkpoint: Checkpoint, tensors: list[OutTensor], objects: 
     """The entries of ``checkpoint`` an output of ``tensors`` and ``objects`` does not hold, by kind:
     ``{"optimizer tensors": [...], "other tensors": [...], "non-tensor entries": [...]}`` (empty kinds left out).
 
-    Weights an adapter renamed or split are views, not the checkpoint's own entries: when the output
-    holds any, the whole model part counts as carried (the adapter's notes say what it left out).
+    Weights renamed or split to another naming family are views, not the checkpoint's own entries: when the output
+    holds any, the whole model part counts as carried (the renaming's notes say what it left out).
     """
     carried = {id(t.source) for t in tensors} | {id(o.source) for o in objects}
     carried |= {id(source) for o in objects for source in o.merged}  # objects made of several entries

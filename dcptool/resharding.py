@@ -77,7 +77,7 @@ class ReshardPlan:
     rank_bytes: list[int]
     problems: list[str] = field(default_factory=list)  # any of these refuses the reshard
     warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # what renaming the entries (an adapter) made or left out
+    notes: list[str] = field(default_factory=list)  # what renaming the entries to a naming family made or left out
     conversion: Conversion | None = None  # set by ``plan_for``
 
     def layout_of(self):

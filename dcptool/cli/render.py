@@ -70,7 +70,7 @@ def stderr_console():
 
 
 def notes(lines: list[str]) -> None:
-    """What an adapter found and left out, on stderr (kept under --quiet: nothing is dropped without a line)."""
+    """What renaming to a naming family found and left out, on stderr (kept under --quiet: nothing is dropped without a line)."""
     for note in lines:
         stderr_console().print(shown(note), soft_wrap=True, markup=False, highlight=False)
 
