@@ -287,6 +287,10 @@ class HfOptions(FormatOptions):
 
     Args:
         max_shard_size: the largest safetensors file (bytes, or text such as ``"5GB"``; by default the hub's).
+
+    Example:
+        >>> HfOptions().writer_options(), HfOptions(max_shard_size="2GB").writer_options()
+        ({}, {'max_shard_size': '2GB'})
     """
 
     max_shard_size: int | str = MAX_SHARD_SIZE

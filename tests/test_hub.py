@@ -266,6 +266,8 @@ def test_hub_repo_read_from_the_cache_offline(tiny_model, hub_env, monkeypatch):
     assert all((converted[k].numpy() == v).all() for k, v in original.items())
 
     dcptool("import-hf", "org/tiny", "imported", "--dp", "2")
+    dcptool("export-hf", "org/tiny", "exported", "--revision", "main")  # --revision: the source's, as everywhere
+    assert "equal: 21 tensors" in dcptool("verify", tiny_model, "exported").stdout
     imported = read_dcp(hub_env / "imported", hub_env)
     assert all((imported[k].numpy() == v).all() for k, v in original.items())
 

@@ -29,6 +29,10 @@ class DcpOptions(FormatOptions):
     Args:
         compress: compress the records as torch's zstd extension does (``dcp.load`` reads them; writing needs
             the zstandard package).
+
+    Example:
+        >>> DcpOptions(compress="zstd").writer_options()
+        {'compress': 'zstd'}
     """
 
     compress: str | None = None

@@ -55,6 +55,10 @@ class Fsdp1Options(FormatOptions):
         optim_form: how the optimizer files hold the state: named, flat, orig or fsdp2 (default: the source
             folder's form, else named).
         model_values: sharded-tensor or dtensor[:DEVICE] (default: the source folder's, else sharded-tensor).
+
+    Example:
+        >>> Fsdp1Options(world_size=8, optim_form="flat").given()
+        {'world_size': 8, 'optim_form': 'flat'}
     """
 
     world_size: int | None = None
