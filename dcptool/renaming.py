@@ -24,7 +24,7 @@ from typing import Union
 
 from dcptool import models, views
 from dcptool.core import ObjectInfo, TensorInfo, join_path
-from dcptool.errors import UsageError, counted, option
+from dcptool.errors import UsageError, option
 from dcptool.models import Row
 from dcptool.selection import NON_MODEL_ROOTS
 
@@ -211,7 +211,7 @@ class TableMapping:
     def untranslatable(self, names) -> list[str]:
         """The names whose tensors the target family has no place for (dropped by ``convert``)."""
         main_layers = self._main_layers(names)
-        return [n for n in names if any(row.name(self.target) is None for row, _, _ in self._hits(n, main_layers))]
+        return [n for n in names if any(row.name(self.target.name) is None for row, _, _ in self._hits(n, main_layers))]
 
     def _split_experts(self, pattern: str, logical: Entry, seen: int | None, first: str, result: Result) -> None:
         if _scalar(logical):
