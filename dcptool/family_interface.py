@@ -16,11 +16,13 @@ are reached through those.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from dcptool import models, renaming
+from dcptool import models
 from dcptool.core import TensorInfo
-from dcptool.renaming import Entry, Result
+
+if TYPE_CHECKING:
+    from dcptool.renaming import Entry, Result
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,14 @@ class Family:
 
     def score(self, names: list[str]) -> int:
         """How many of ``names`` are this family's (the registry's detection takes the highest)."""
+        from dcptool import renaming  # the rows' machinery only once names are looked at: the CLI lists families
+
         return renaming.table_score(self, names)
 
     def kind_of(self, names: list[str]) -> str:
         """The model kind these names (this family's) are of, judged from them alone."""
+        from dcptool import renaming
+
         return renaming.table_kind(self, names)
 
     def names_kind(self, kind: models.ModelKind) -> bool:

@@ -26,14 +26,18 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcptool import models
 from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted, option
 from dcptool.family_interface import Family, Mapping
-from dcptool.renaming import Entry, TableMapping, convert_state, in_layout
 from dcptool.selection import model_wrapper, optimizer_root
+
+# The renaming machinery (dcptool.renaming, and views under it) is imported where it is used: the command line
+# lists the families as it starts, and most commands rename nothing.
+if TYPE_CHECKING:
+    from dcptool.renaming import Entry
 
 AUTO = "auto"  # a source family found from the names
 
@@ -99,6 +103,8 @@ def make_mapping(kind: str, source: Family, target: Family, config: dict | None,
                  where: str = "") -> Mapping:
     """The mapping of model ``kind`` from ``source``'s names to ``target``'s: one a family gives of its own
     (through the hub's names), else the rows'. ``options``: the target's (``options_for``)."""
+    from dcptool.renaming import TableMapping
+
     model = models.kinds()[kind]
     for family in (source, target):
         if not family.names_kind(model):
@@ -163,6 +169,8 @@ def rename(weights: dict[str, Entry], to: str | None = None, *, source: str = AU
     Example:
         >>> renamed = rename(model_part(checkpoint), "hf", config=config, where="step-100")   # doctest: +SKIP
     """
+    from dcptool.renaming import convert_state, in_layout
+
     names = list(weights)
     family = detect(names) if source == AUTO else get(source)
     target = get(to) if to is not None else family

@@ -9,19 +9,39 @@ torch_dist checkpoint, which Megatron reshards as it loads.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from dcptool import models
 from dcptool.core import ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, counted, option
-from dcptool.families.megatron import args as run_args
-from dcptool.families.megatron import layers
-from dcptool.families.megatron.layers import MegatronOptions
 from dcptool.family_interface import Family
-from dcptool.renaming import Entry, Result, TableMapping
-from dcptool.safe_pickle import record
 
-__all__ = ["FAMILY", "Megatron", "MegatronMapping", "MegatronOptions"]
+# Its layers, args and mapping are imported where they are used: the command line lists the families as it starts.
+if TYPE_CHECKING:
+    from dcptool.families.megatron.mapping import MegatronMapping
+    from dcptool.renaming import Entry
+
+__all__ = ["FAMILY", "Megatron", "MegatronOptions"]
+
+# Megatron-LM's default make_vocab_size_divisible_by: the vocabulary is padded to a multiple of it x TP.
+VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """What a Megatron-Core checkpoint dcptool writes is made for: the tensor parallelism and multiple
+    (``vocab_multiple``, Megatron-LM's ``--make-vocab-size-divisible-by``) its vocabulary is padded for, and the
+    dtype its weights are written in (None: the source's)."""
+
+    tp: int = 1
+    vocab_multiple: int = VOCAB_MULTIPLE
+    dtype: str | None = None
+
+    @property
+    def padded_multiple(self) -> int:
+        """The vocabulary is padded to a multiple of this, as Megatron-LM pads it."""
+        return self.vocab_multiple * self.tp
 
 
 class Megatron(Family):
@@ -33,9 +53,13 @@ class Megatron(Family):
     slots_before_names = True
 
     def score(self, names: list[str]) -> int:
+        from dcptool.families.megatron import layers
+
         return sum(layers.is_megatron([name]) for name in names)
 
     def kind_of(self, names: list[str]) -> str:
+        from dcptool.families.megatron import layers
+
         found = layers.kind_of(names)
         if found is None:
             raise layers.unknown_kind(names)
@@ -50,7 +74,7 @@ class Megatron(Family):
         if multiple is not None and multiple < 1:
             raise UsageError(f"{option('make_vocab_size_divisible_by', multiple)}: the vocabulary is padded to a "
                              "multiple of a positive number")
-        return MegatronOptions(mesh.get("tp") or 1, multiple or layers.VOCAB_MULTIPLE, dtype)
+        return MegatronOptions(mesh.get("tp") or 1, multiple or VOCAB_MULTIPLE, dtype)
 
     def output_mesh(self, mesh: dict) -> dict:
         """One checkpoint of global tensors, which Megatron reshards as it loads."""
@@ -62,17 +86,23 @@ class Megatron(Family):
         return {**mesh, "dp": 1, "tp": 1, "ep": 1, "etp": 1, "cp": 1, "dp_replicate": 1, "world_size": None}
 
     def mapping(self, kind, source, target, config, options, where, hub) -> MegatronMapping:
+        from dcptool.families.megatron.mapping import MegatronMapping
+
         return MegatronMapping(kind, source, target, config, options, where, hub)
 
     def completed_config(self, config: dict | None, run: dict) -> dict | None:
         """What a Megatron-LM run's ``args`` (its common state, read as data) say of the model: head counts,
         layers, the vocabulary before padding."""
+        from dcptool.families.megatron import args as run_args
+
         from_args = run_args.config_from_args(run.get("args"))
         if not from_args:
             return config
         return {**from_args, **models.text_config(config)}
 
     def config_from_run(self, kind: str, run: dict) -> tuple[dict | None, list[str]]:
+        from dcptool.families.megatron import args as run_args
+
         if not run.get("args"):
             return None, []
         config, line = run_args.hf_config_from_args(kind, run["args"])
@@ -88,6 +118,8 @@ class Megatron(Family):
         return config if rows is None else {**config, "vocab_size": rows}
 
     def own_state(self, keys: list[str], target: Family) -> tuple[list[str], list[str]]:
+        from dcptool.families.megatron import layers
+
         own = [key for key in keys if layers.SHARDED_OBJECT.search(key)]
         buckets = [key for key in keys if layers.DP_BUCKET.search(key)]
         lines = []
@@ -106,6 +138,9 @@ class Megatron(Family):
         """Megatron-LM's ``iteration`` (0) and, for the kinds they describe, its ``args`` for a checkpoint made from
         another family, as its own HF conversion writes them (the Megatron format puts them in the common state),
         unless the source has its own."""
+        from dcptool.families.megatron import args as run_args
+        from dcptool.safe_pickle import record
+
         if "args" in out:
             return []
         out["iteration"] = ObjectInfo(("iteration",), value=0)
@@ -117,66 +152,6 @@ class Megatron(Family):
         return [(f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "
                  f"{args['padded_vocab_size']}, make_vocab_size_divisible_by {args['make_vocab_size_divisible_by']}), "
                  "iteration 0")]
-
-
-class MegatronMapping:
-    """Entries of model ``kind`` from or to Megatron-Core's names, through the hub's (HF's): Megatron's stacked and
-    fused tensors taken apart into HF's (``layers.to_hf``), then mapped on to ``target`` like any HF names; or
-    any family's mapped to HF, then put together as Megatron keeps them (``layers.from_hf``, the vocabulary padded
-    as ``options`` say). ``options``: the target's; ``where`` names the checkpoint in refusals."""
-
-    def __init__(self, kind: str, source: Family, target: Family, config: dict | None, options, where: str,
-                 hub: Family):
-        self.kind, self.source, self.target, self.hub = kind, source, target, hub
-        self.model = models.kinds()[kind]
-        self.config = models.text_config(config)
-        self.where = where or "the checkpoint"
-        self.options = options
-        self.output = options if isinstance(options, MegatronOptions) else MegatronOptions()
-
-    def convert(self, entries: dict[str, Entry], model: bool = True) -> Result:
-        hub = self.hub
-        if self.source is FAMILY:
-            # HF's prediction layers repeat the embedding and head: other families keep them once
-            hf = layers.to_hf(self.model, entries, self.config, self.where, mtp_copies=self.target is hub)
-            result = Result(dropped=list(hf.dropped), unmatched=list(hf.unmatched), made=list(hf.made))
-            fused = self.target.fused_experts(self.options)
-            if self.target is hub and not fused:
-                result.entries = dict(hf.entries)
-                return result
-            after = TableMapping(self.kind, hub, self.target, self.config, fused).convert(
-                {name: entry for name, (entry, _) in hf.entries.items()}, model)
-            result.entries = {name: (entry, hf.entries[first][1]) for name, (entry, first) in after.entries.items()}
-            result.dropped += after.dropped
-            result.unmatched += [hf.entries[name][1] for name in after.unmatched]
-            return result
-        result = Result()
-        named = entries
-        if self.source is not hub:
-            before = TableMapping(self.kind, self.source, hub, self.config).convert(entries, model)
-            result.dropped, result.unmatched, result.made = before.dropped, before.unmatched, before.made
-            firsts = {name: first for name, (_, first) in before.entries.items()}
-            named = {name: entry for name, (entry, _) in before.entries.items()}
-        else:
-            firsts = {name: name for name in entries}
-        if model:  # a tied HF model saves no lm_head; Megatron's output_layer is absent when tied too
-            for output in models.tied_outputs(self.config, hub.name):
-                named.pop(output, None)
-        built = layers.from_hf(self.model, named, self.config, self.output, self.where)
-        result.entries = {name: (entry, firsts[first]) for name, (entry, first) in built.entries.items()}
-        result.unmatched += [firsts[name] for name in built.unmatched]
-        result.dropped += built.dropped
-        result.made += built.made
-        return result
-
-    def untranslatable(self, names) -> list[str]:
-        """Names of the source whose tensors the target family has no place for."""
-        if self.source is FAMILY:
-            empty = {m.megatron for m in self.model.megatron if not m.hf}
-            return [n for n in names if (match := layers.LAYER.match(n)) and match[2] in empty]
-        if self.source is self.hub:
-            return []
-        return TableMapping(self.kind, self.source, self.hub, self.config).untranslatable(names)
 
 
 FAMILY = Megatron()

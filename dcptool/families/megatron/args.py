@@ -4,12 +4,17 @@ writes (``run_args``), and the config.json an export writes from a run's ``args`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dcptool import models
 from dcptool.core import TensorInfo
 from dcptool.errors import option
-from dcptool.families.megatron.layers import LAYER, MegatronOptions
+from dcptool.families.megatron.layers import LAYER
 from dcptool.models.kind import ModelKind
 from dcptool.safe_pickle.allowlist import Name
+
+if TYPE_CHECKING:
+    from dcptool.families.megatron import MegatronOptions
 
 # Megatron-LM's args (megatron/training/arguments.py) -> the HF config fields taking its tensors apart needs.
 _ARGS = {"num_attention_heads": "num_attention_heads", "kv_channels": "head_dim", "hidden_size": "hidden_size",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,24 +30,8 @@ from dcptool.models import common
 from dcptool.models.kind import MegatronName, ModelKind
 from dcptool.renaming import Result
 
-# Megatron-LM's default make_vocab_size_divisible_by: the vocabulary is padded to a multiple of it x TP.
-VOCAB_MULTIPLE = 128
-
-
-@dataclass(frozen=True)
-class MegatronOptions:
-    """What a Megatron-Core checkpoint dcptool writes is made for: the tensor parallelism and multiple
-    (``vocab_multiple``, Megatron-LM's ``--make-vocab-size-divisible-by``) its vocabulary is padded for, and the
-    dtype its weights are written in (None: the source's)."""
-
-    tp: int = 1
-    vocab_multiple: int = VOCAB_MULTIPLE
-    dtype: str | None = None
-
-    @property
-    def padded_multiple(self) -> int:
-        """The vocabulary is padded to a multiple of this, as Megatron-LM pads it."""
-        return self.vocab_multiple * self.tp
+if TYPE_CHECKING:
+    from dcptool.families.megatron import MegatronOptions
 
 LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 # A multi-token-prediction layer (multi_token_prediction.py): its decoder layer under ``transformer_layer.``,
