@@ -298,35 +298,19 @@ def import_hf(source: str | Path, destination: str | Path, *, dp: int | None = N
         >>> dcptool.import_hf(folder, f"{folder}-dcp", dp=2).mesh.world
         2
     """
-    from dcptool import adapters, models
+    from dcptool import families
 
-    if adapter not in models.NAMING_FAMILIES:
-        raise UsageError(f"{option('adapter', adapter)}: choose one of {', '.join(models.NAMING_FAMILIES)}")
-    if lora_adapter is not None and (adapter != "hf" or tp * ep * cp != 1):
+    family = families.get(adapter)
+    if lora_adapter is not None and (not family.hub or tp * ep * cp != 1):
         raise UsageError(f"{option('lora_adapter')} lays out a peft model of HF names for FSDP (data parallel): "
                          f"drop {option('adapter')}, {option('tp')}, {option('ep')} and {option('cp')}")
-    if make_vocab_size_divisible_by is not None and adapter != models.MEGATRON:
-        raise UsageError(f"{option('make_vocab_size_divisible_by')} pads Megatron-Core's vocabulary: it goes with "
-                         f"{option('adapter', 'megatron')}")
-    if make_vocab_size_divisible_by is not None and make_vocab_size_divisible_by < 1:
-        raise UsageError(f"{option('make_vocab_size_divisible_by', make_vocab_size_divisible_by)}: the vocabulary is "
-                         "padded to a multiple of a positive number")
-    to, megatron_output = "dcp", None
-    if adapter == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
-        if (dp or 1) * ep * cp * dp_replicate * (world_size or 1) != 1:
-            raise UsageError(f"{option('adapter', 'megatron')} writes one Megatron-Core checkpoint that Megatron "
-                             f"reshards as it loads ({option('tp')} sizes its vocabulary padding): drop "
-                             f"{option('dp')}, {option('ep')}, {option('cp')}, {option('dp_replicate')} and "
-                             f"{option('world_size')}")
-        to = "megatron"  # Megatron-Core's torch_dist, what its engine loads
-        megatron_output = adapters.megatron.MegatronOutput(tp, make_vocab_size_divisible_by or adapters.megatron.VOCAB_MULTIPLE,
-                                                  dtype)
-        dp, tp, ep, etp, cp, dp_replicate, world_size = 1, 1, 1, 1, 1, 1, None
-    return _reshard(source, destination, "hf", revision, _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size),
-                    plan=plan, to=to, keep_rank_state=False, adapter=adapter, config_dir=config_dir, dtype=dtype,
-                    dequantize=dequantize, compress=None, forms={}, max_memory=max_memory, overwrite=overwrite,
-                    fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter,
-                    megatron_output=megatron_output)
+    mesh = {"dp": dp, "tp": tp, "ep": ep, "etp": etp, "cp": cp, "dp_replicate": dp_replicate, "world_size": world_size}
+    options = families.options_for(family, mesh, dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    return _reshard(source, destination, "hf", revision, _mesh(**family.output_mesh(mesh)), plan=plan,
+                    to=family.output_format or "dcp", keep_rank_state=False, adapter=adapter, config_dir=config_dir,
+                    dtype=dtype, dequantize=dequantize, compress=None, forms={}, max_memory=max_memory,
+                    overwrite=overwrite, fsync=fsync, dry_run=dry_run, progress=progress, lora_adapter=lora_adapter,
+                    family_options=options)
 
 
 @_records
@@ -600,7 +584,7 @@ def _mesh(dp, tp, ep, etp, cp, dp_replicate, world_size) -> dict:
 
 def _reshard(source, destination, source_format, revision, mesh_options, *, plan, to, keep_rank_state, adapter,
              config_dir, dtype, dequantize, compress, forms, max_memory, overwrite, fsync, dry_run,
-             progress, lora_adapter=None, megatron_output=None) -> ReshardReport:
+             progress, lora_adapter=None, family_options=None) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
 
@@ -614,7 +598,7 @@ def _reshard(source, destination, source_format, revision, mesh_options, *, plan
         check_destination(destination, overwrite)  # before planning, whose warnings would come first
     result = resharding.plan_for(checkpoint, mesh_options, plan, to=to, adapter=adapter,
                                  config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
-                                 compress=compress, forms=forms, megatron_output=megatron_output)
+                                 compress=compress, forms=forms, family_options=family_options)
     result.conversion.notes[:0] = notes
     try:
         return _write_or_report(result, destination, dry_run, progress, max_memory, overwrite, fsync)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from dcptool import adapters, dtypes, formats, models, plans
+from dcptool import dtypes, formats, models, plans
 from dcptool.conversion import Conversion, Report, adapted
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
@@ -334,8 +334,7 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
 def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, to: str = "dcp",
              adapter: str | None = None, config_dir: str | Path | None = None,
              keep_rank_state: bool = False, dtype: str | None = None, compress: str | None = None,
-             forms: dict | None = None,
-             megatron_output: adapters.megatron.MegatronOutput | None = None) -> ReshardPlan:
+             forms: dict | None = None, family_options=None) -> ReshardPlan:
     """What ``dcptool reshard`` and ``import-hf`` write: the entries under ``adapter``'s names and in its
     family's layout, laid out for the mesh as format ``to`` lays out ranks; problems are listed, not raised
     (``raise_problems``).
@@ -343,7 +342,8 @@ def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, 
     A format with mesh layouts (dcp) gets each tensor's chunks as FSDP2 + TP + EP place them; a format of
     per-rank data-parallel files (fsdp1) lays them out itself, on a mesh of data parallelism only.
     ``compress`` and ``forms`` (fsdp1's ``optim_form``, ``model_values``) are options of the format;
-    ``megatron_output``: what Megatron names are written for (their vocabulary padding).
+    ``family_options``: the options of ``adapter``'s family (``families.options_for``: what Megatron names are
+    written for, their vocabulary padding).
     """
     fmt = formats.get(to)
     if fmt.layout is Layout.NONE:
@@ -351,7 +351,7 @@ def plan_for(checkpoint: Checkpoint, mesh_options: dict, plan: str = "auto", *, 
         raise UsageError(f"{option('to', to)}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
     request = OutputRequest(dtype=dtype, compress=compress, keep_rank_state=keep_rank_state, forms=dict(forms or {}))
     formats.check_request(fmt, OutputRequest(compress=compress, forms=request.forms))
-    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir, megatron_output=megatron_output)
+    checkpoint, notes = adapted(checkpoint, adapter, config_dir=config_dir, options=family_options)
     if fmt.layout is Layout.DATA_PARALLEL:
         result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, **mesh_options), request)
     else:

@@ -6,8 +6,7 @@ from typing import Literal
 
 import typer
 
-from dcptool import dtypes, formats
-from dcptool.models import NAMING_FAMILIES
+from dcptool import dtypes, families, formats
 
 # An output: a local Path, or a URL kept as given (storage.output_path decides). Not annotated Path:
 # typer would make the URL "s3://b/x" the path "s3:/b/x".
@@ -17,8 +16,8 @@ OutputLocation = str
 FormatName = Literal[tuple(formats.names())]
 OutputFormat = Literal[tuple(formats.writable())]
 CastDtype = Literal[dtypes.CASTABLE]
-Family = Literal[NAMING_FAMILIES]
-FamilyOrAuto = Literal[("auto", *NAMING_FAMILIES)]
+Family = Literal[tuple(families.names())]
+FamilyOrAuto = Literal[("auto", *families.names())]
 # reshard writes the formats laid out over ranks (a mesh, or data-parallel ranks)
 LaidOutFormat = Literal[tuple(name for name in formats.writable() if formats.get(name).layout.value != "none")]
 OptimForm = Literal["named", "flat", "orig", "fsdp2"]
