@@ -338,34 +338,19 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
         >>> dcptool.import_hf(folder, f"{folder}-dcp", mesh=dcptool.MeshOptions(dp=2)).mesh.world
         2
     """
-    from dcptool import adapters, models
+    from dcptool import families
 
     _refuse(reading, "import_hf", "format")  # it reads Hugging Face folders
-    if family not in models.NAMING_FAMILIES:
-        raise UsageError(f"{option('family', family)}: choose one of {', '.join(models.NAMING_FAMILIES)}")
-    if lora_folder is not None and (family != "hf" or mesh.tp * mesh.ep * mesh.cp != 1):
+    target = families.get(family)
+    if lora_folder is not None and (not target.hub or mesh.tp * mesh.ep * mesh.cp != 1):
         raise UsageError(f"{option('lora_folder')} lays out a peft model of HF names for FSDP (data parallel): "
                          f"drop {option('family')}, {option('tp')}, {option('ep')} and {option('cp')}")
-    if make_vocab_size_divisible_by is not None and family != models.MEGATRON:
-        raise UsageError(f"{option('make_vocab_size_divisible_by')} pads Megatron-Core's vocabulary: it goes with "
-                         f"{option('family', 'megatron')}")
-    if make_vocab_size_divisible_by is not None and make_vocab_size_divisible_by < 1:
-        raise UsageError(f"{option('make_vocab_size_divisible_by', make_vocab_size_divisible_by)}: the vocabulary is "
-                         "padded to a multiple of a positive number")
-    to, megatron_output = "dcp", None
-    if family == models.MEGATRON:  # Megatron reshards global tensors as it loads: tp sizes its vocabulary padding
-        if (mesh.dp or 1) * mesh.ep * mesh.cp * mesh.dp_replicate * (mesh.world_size or 1) != 1:
-            raise UsageError(f"{option('family', 'megatron')} writes one Megatron-Core checkpoint that Megatron "
-                             f"reshards as it loads ({option('tp')} sizes its vocabulary padding): drop "
-                             f"{option('dp')}, {option('ep')}, {option('cp')}, {option('dp_replicate')} and "
-                             f"{option('world_size')}")
-        to = "megatron"  # Megatron-Core's torch_dist, what its engine loads
-        megatron_output = adapters.megatron.MegatronOutput(mesh.tp, make_vocab_size_divisible_by or adapters.megatron.VOCAB_MULTIPLE,
-                                                  dtype)
-        mesh = MeshOptions(plan=mesh.plan)
-    return _reshard(source, destination, mesh, to=to, family=family, config_dir=config_dir, dtype=dtype,
+    sizes = mesh.sizes()
+    options = families.options_for(target, sizes, dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    return _reshard(source, destination, MeshOptions(**target.output_mesh(sizes), plan=mesh.plan),
+                    to=target.output_format or "dcp", family=family, config_dir=config_dir, dtype=dtype,
                     keep_rank_state=False, format_options=None, reading=dataclasses.replace(reading, format="hf"),
-                    writing=writing, lora_folder=lora_folder, megatron_output=megatron_output)
+                    writing=writing, lora_folder=lora_folder, family_options=options)
 
 
 @_command
@@ -625,7 +610,7 @@ def _with_lora_folder(checkpoint: Checkpoint, lora_folder, config_dir) -> tuple[
 
 def _reshard(source, destination, mesh: MeshOptions, *, to, family, config_dir, dtype, keep_rank_state,
              format_options, reading: Reading, writing: Writing, lora_folder=None,
-             megatron_output=None) -> ReshardReport:
+             family_options=None) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
     from dcptool import resharding
 
@@ -639,7 +624,7 @@ def _reshard(source, destination, mesh: MeshOptions, *, to, family, config_dir, 
         check_destination(destination, writing.overwrite)  # before planning, whose warnings would come first
     result = resharding.plan_for(checkpoint, mesh, to=to, family=family, config_dir=config_dir,
                                  keep_rank_state=keep_rank_state, dtype=dtype, format_options=format_options,
-                                 megatron_output=megatron_output)
+                                 family_options=family_options)
     result.conversion.notes[:0] = notes
     try:
         return _write_or_report(result, destination, reading, writing)

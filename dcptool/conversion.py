@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dcptool import adapters, distributed, formats, models, transfer
+from dcptool import distributed, families, formats, models, transfer
 from dcptool import lora as lora_weights
-from dcptool.selection import (OPTIMIZER_ROOTS, model_part, model_wrapper, optimizer_root, out_tensors,
-                               read_config, select)
+from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
 from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.format_interface import Format, FormatOptions, Output, OutputRequest
@@ -68,8 +67,8 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     """The model weights to export under their HF names, the config folder to copy (or None), notes, and the
     config.json made from a Megatron-LM run's args when no config folder is given (or None).
 
-    ``family`` is the naming family of the checkpoint's names (``auto``: detected; see ``dcptool.adapters``);
-    Archon and torchtitan names become HF's. ``include`` / ``exclude`` match the names as saved.
+    ``family`` is the naming family of the checkpoint's names (``auto``: detected; see ``dcptool.families``);
+    other families' names become HF's. ``include`` / ``exclude`` match the names as saved.
     Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
     ``huggingface/``) is used; a config that ties the output to the embedding drops the output weight, which
     transformers recreates from the embedding.
@@ -96,25 +95,19 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     if found is not None:
         named = found.base
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    config = read_config(config_dir) if config_dir is not None else None
-    config = adapters.with_run_args(config, checkpoint.info)
-    mapping, note = adapters.mapping_for(named, "hf", family, config, hf_experts, where=str(checkpoint.root))
-    notes += [note] if note else []
-    made_config, lines = adapters.config_from_run(mapping, checkpoint.info) if config_dir is None else (None, [])
-    notes += lines
-    if mapping is not None:
-        result = mapping.convert(named)
-        adapters.refuse_unmatched(result.unmatched, mapping, f"leave them out with {option('exclude')}")
-        named = {name: entry for name, (entry, _) in result.entries.items()}
-        notes += [f"left out {line}" for line in result.dropped] + [f"made {line}" for line in result.made]
+    hub = families.hub()
+    adapter_folder = bool(found is not None and found.targets) and lora.mode == "adapter"
+    renamed = families.rename(named, hub.name, source=family,
+                              config=read_config(config_dir) if config_dir is not None else None,
+                              run=checkpoint.info, options=families.options_for(hub, {}, dtype, hf_experts=hf_experts),
+                              where=str(checkpoint.root), hint=f"leave them out with {option('exclude')}",
+                              make_config=config_dir is None, without_tied=not adapter_folder)
+    named, mapping, notes = renamed.entries, renamed.mapping, notes + renamed.notes
+    if adapter_folder:
+        return (*_adapter_entries(checkpoint, found, lora, mapping, notes), None)
     if found is not None and found.targets:
-        if lora.mode == "adapter":
-            return (*_adapter_entries(checkpoint, found, lora, mapping, notes), None)
-        notes += _merge(checkpoint, found, lora, mapping, named, dtype, config)
-    for output in models.tied_outputs(config):  # transformers recreates a tied output from the embedding
-        if named.pop(output, None) is not None:
-            notes.append(f"left out {output}: the config ties it to the embedding")
-    return out_tensors(named, dtype, keep_paths=False), config_dir, notes, made_config
+        notes += _merge(checkpoint, found, lora, mapping, named, dtype, renamed.config)
+    return out_tensors(named, dtype, keep_paths=False), config_dir, notes, renamed.made_config
 
 
 @dataclass
@@ -127,12 +120,12 @@ class LoraRequest:
     adapter_config: dict | None = None  # planned: the adapter folder's adapter_config.json
 
 
-def _renamer(mapping: adapters.Mapping | None, where: str, found):
+def _renamer(mapping: families.Mapping | None, where: str, found):
     """``renamed(name, tensor) -> (hf name, tensor)``: a tensor laid out as the weight ``name`` is (a LoRA B's rows
     are the weight's), under the weight's HF name, as the mapping renames and reorders it."""
     experts = [name for name, pairs in found.targets.items() if any(p.experts for p in pairs.values())]
     if mapping is not None and experts:
-        raise UsageError(f"{where}: LoRA on the grouped experts {experts[0]} of {mapping.source} names is not "
+        raise UsageError(f"{where}: LoRA on the grouped experts {experts[0]} of {mapping.source.name} names is not "
                          "supported (HF names are)")
 
     def renamed(name: str, tensor: TensorInfo) -> tuple[str, TensorInfo]:
@@ -191,38 +184,25 @@ def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, 
 
 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
-            config_dir: str | Path | None = None,
-            megatron_output: adapters.megatron.MegatronOutput | None = None) -> tuple[Checkpoint, list[str]]:
+            config_dir: str | Path | None = None, options=None) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
-    layout (``models.LAYOUTS``: where its job keeps model and optimizer), and notes.
+    layout (``Family.layout``: where its job keeps model and optimizer), and notes.
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
-    family keeps them (views of the same bytes); other entries keep their keys. ``megatron_output``: what
-    Megatron names are written for (their vocabulary padding, the dtype their ``args`` state).
+    family keeps them (views of the same bytes); other entries keep their keys. ``options``: the target
+    family's (``families.options_for``: what Megatron names are written for, their vocabulary padding).
     """
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
-    config = adapters.with_run_args(read_config(config_dir) if config_dir is not None else None, checkpoint.info)
-    params = model_part(checkpoint)
-    mapping, note = adapters.mapping_for(params, target, source, config, megatron_output=megatron_output,
-                                        where=str(checkpoint.root))
-    notes = [note] if note and (mapping or target) else []
-    layout = models.LAYOUTS.get(target) if target else None
-    if mapping is None and layout is None:
-        return checkpoint, notes
-    entries = {**checkpoint.tensors, **checkpoint.objects}
-    if mapping is not None:
-        state = adapters.convert_state(mapping, entries, params)
-        adapters.refuse_unmatched(state.unmatched, mapping, f"check {option('family')} and {option('config_dir')}")
-        entries = state.entries
-        notes += [f"left out {line}" for line in state.dropped] + [f"made {line}" for line in state.made]
-    if layout is not None:
-        entries, layout_notes = adapters.in_layout(entries, model_wrapper(checkpoint), optimizer_root(checkpoint),
-                                                   layout)
-        notes += layout_notes
-    tensors = {key: e for key, e in entries.items() if isinstance(e, TensorInfo)}
-    objects = {key: e for key, e in entries.items() if isinstance(e, ObjectInfo)}
+    renamed = families.rename(model_part(checkpoint), target, source=source,
+                              config=read_config(config_dir) if config_dir is not None else None,
+                              run=checkpoint.info, options=options, where=str(checkpoint.root),
+                              hint=f"check {option('family')} and {option('config_dir')}", state=checkpoint)
+    if not renamed.changed:
+        return checkpoint, renamed.notes
+    tensors = {key: e for key, e in renamed.entries.items() if isinstance(e, TensorInfo)}
+    objects = {key: e for key, e in renamed.entries.items() if isinstance(e, ObjectInfo)}
     return Checkpoint(checkpoint.format, checkpoint.root, checkpoint.files, tensors, objects, dict(checkpoint.info),
-                      checkpoint._resolved), notes
+                      checkpoint._resolved), renamed.notes
 
 
 def write_checkpoint(

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Protocol
 from dcptool.core import Checkpoint, OutObject, OutTensor, Piece
 from dcptool.errors import UsageError, option
 from dcptool.options import Options
+from dcptool.safe_pickle import SafeGlobals
 from dcptool.selection import out_tensors, select
 from dcptool.storage import CheckpointFiles, OutputFiles
 
@@ -126,6 +127,9 @@ class Format(ABC):
     dcp_loadable: ClassVar[bool] = False
     # Its own options (a ``FormatOptions`` dataclass), if it takes any.
     options: ClassVar[type[FormatOptions] | None] = None
+    # The classes its pickles may hold beyond torch's (its engine's enums and configs, read as data): the registry
+    # lets the restricted unpickler take them when it loads the format.
+    safe_globals: ClassVar[SafeGlobals] = SafeGlobals()
 
     @abstractmethod
     def detect(self, files: CheckpointFiles) -> bool:

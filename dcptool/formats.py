@@ -6,7 +6,7 @@ and nothing else names it: callers ask the interface (``detect``, ``read``, ``pl
 ``writer``, and what the format declares it can take) and never compare a format's name.
 
 The path of a conversion: ``open_checkpoint`` (detect and read: a ``core.Checkpoint``, the
-format-neutral description) -> renames and computed views (``dcptool.adapters``, ``dcptool.quant``)
+format-neutral description) -> renames and computed views (``dcptool.families``, ``dcptool.quant``)
 -> ``Format.plan_output`` (what the output holds: ``Output``) -> ``Writer.plan`` / ``place`` (where
 each piece's bytes go) -> ``dcptool.transfer`` (the bytes, streamed) -> ``Writer.finish_*`` and the
 atomic commit (``dcptool.storage``).
@@ -36,15 +36,18 @@ from dcptool import converters, hub
 from dcptool.core import Checkpoint
 from dcptool.errors import CheckpointError, CheckpointNotFoundError, UsageError, option
 from dcptool.format_interface import Format, FormatOptions
+from dcptool.safe_pickle import add_safe_globals
 from dcptool.storage import CheckpointFiles, stale_temporaries
 
 
 @cache
 def all_formats() -> dict[str, Format]:
-    """Every format, by name: the ``FORMAT`` of each module of the ``converters`` package."""
+    """Every format, by name: the ``FORMAT`` of each module of the ``converters`` package. The classes each
+    declares its pickles may hold are let through the restricted unpickler."""
     found = {}
     for module_info in pkgutil.iter_modules(converters.__path__):
         declared = importlib.import_module(f"dcptool.converters.{module_info.name}").FORMAT
+        add_safe_globals(declared.safe_globals)
         found[declared.name] = declared
     return found
 

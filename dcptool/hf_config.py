@@ -35,7 +35,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype: str | None,
                   made: dict | None = None) -> dict | None:
     """The config.json an export of ``tensors`` writes (``config_dir``'s, else ``made``: one made from what
-    the checkpoint says of its training run, ``adapters.config_from_run``), checked against them, its ``dtype`` and ``torch_dtype`` set to ``dtype`` (or the
+    the checkpoint says of its training run, ``Family.config_from_run``), checked against them, its ``dtype`` and ``torch_dtype`` set to ``dtype`` (or the
     tensors' floating-point dtype); None without either.
 
     A config that does not fit is a usage error naming the config file and the first misfit.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dcptool import adapters, core, lora, selection, stats
+from dcptool import core, families, lora, selection, stats
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.mesh import Mesh
@@ -83,21 +83,21 @@ def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, wi
 
 
 def naming(checkpoint: Checkpoint) -> dict | None:
-    """The naming family and model kind of the model weights (``dcptool.adapters``), or None for names no table knows."""
+    """The naming family and model kind of the model weights (``dcptool.families``), or None for names no table knows."""
     params = selection.model_part(checkpoint)
     try:  # a peft model's: the base model's names, without peft's wrapping
         params = getattr(lora.find(params), "base", params)
     except UsageError:
         pass
-    family = adapters.detect_family(params)
+    family = families.detect(params)
     if family is None:
         return None
     config_dir = checkpoint.info.get("hf_config_dir")
     try:
-        kind = adapters.detect_kind(params, family, selection.read_config(config_dir) if config_dir else None)
+        kind = families.kind_of(params, family, selection.read_config(config_dir) if config_dir else None)
     except UsageError:  # a model type with no table: the family is still worth showing
         kind = None
-    return {"family": family, "kind": kind}
+    return {"family": family.name, "kind": kind}
 
 
 def adapters_of(checkpoint: Checkpoint) -> dict | None:

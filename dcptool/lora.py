@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool import adapters, dtypes, models
+from dcptool import dtypes, families, models
 from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region
 from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles, is_remote
@@ -497,8 +497,10 @@ def with_adapter(base: Checkpoint, adapter: Checkpoint, config: dict | None) -> 
     pairs = [pairs[DEFAULT_ADAPTER] for pairs in found.targets.values()]
     wrapped = {_WRAPPERS.sub("", pair.module) for pair in pairs} - {name.removesuffix(".weight") for name in weights}
     if any(name.startswith(owner + ".0.") for owner in wrapped for name in weights):  # experts one per tensor
-        mapping, _ = adapters.mapping_for(weights, "hf", "hf", config, "fused")  # as the peft model holds them
-        weights = {name: entry for name, (entry, _) in mapping.convert(weights).entries.items()}
+        hub = families.hub()  # fused, as the peft model holds them
+        weights = families.rename(weights, hub.name, source=hub.name, config=config, where=str(base.root),
+                                  options=families.options_for(hub, {}, None, hf_experts="fused"),
+                                  hint="weights of the base model that its kind's table does not name").entries
     for tie in models.active_ties(config):
         if tie.output.hf not in weights and tie.embedding.hf in weights:
             weights[tie.output.hf] = weights[tie.embedding.hf]

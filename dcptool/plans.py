@@ -66,9 +66,7 @@ def _table(plan: str) -> list[Rule]:
 
 
 BUILTIN: dict[str, Plan] = {plan.name: plan for plan in (
-    Plan("hf", "Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral names (transformers' TP plans)", _table("hf")),
-    Plan("torchtitan", "torchtitan names before and after 0.3, also AReaL's Archon engine (wq wk wv wo w1 w2 w3, "
-                       "grouped experts)", _table("torchtitan")),
+    *(Plan(name, description, _table(name)) for name, description in models.tp_plans().items()),
     Plan("fsdp", "data parallel only: every tensor sharded by FSDP on dim 0, nothing split by tp or ep"),
 )}
 

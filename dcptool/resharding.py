@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from dcptool import adapters, dtypes, formats, models, plans
+from dcptool import dtypes, formats, models, plans
 from dcptool.conversion import Conversion, Report, adapted
 from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
@@ -327,16 +327,15 @@ def head_problems(weights: list[TensorLayout], mesh: Mesh, config: dict | None, 
 
 def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", family: str | None = None,
              config_dir: str | Path | None = None, keep_rank_state: bool = False, dtype: str | None = None,
-             format_options: FormatOptions | None = None,
-             megatron_output: adapters.megatron.MegatronOutput | None = None) -> ReshardPlan:
+             format_options: FormatOptions | None = None, family_options=None) -> ReshardPlan:
     """What ``dcptool reshard`` and ``import-hf`` write: the entries under naming family ``family``'s names and
     in its layout, laid out for the mesh (by its plan) as format ``to`` lays out ranks; problems are listed, not
     raised (``raise_problems``).
 
     A format with mesh layouts (dcp) gets each tensor's chunks as FSDP2 + TP + EP place them; a format of
     per-rank data-parallel files (fsdp1) lays them out itself, on a mesh of data parallelism only.
-    ``format_options`` are the options of format ``to``; ``megatron_output``: what Megatron names are written
-    for (their vocabulary padding).
+    ``format_options`` are the options of format ``to``; ``family_options``: the options of ``family``
+    (``families.options_for``: what Megatron names are written for, their vocabulary padding).
     """
     fmt = formats.get(to)
     if fmt.layout is Layout.NONE:
@@ -344,7 +343,7 @@ def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", fami
         raise UsageError(f"{option('to', to)}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
     formats.check_options(fmt, format_options)
     request = OutputRequest(dtype=dtype, keep_rank_state=keep_rank_state, format_options=format_options)
-    checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir, megatron_output=megatron_output)
+    checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir, options=family_options)
     if fmt.layout is Layout.DATA_PARALLEL:
         result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, mesh), request)
     else:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from dcptool import adapters, conversion, dtypes, formats, models, selection, transfer
+from dcptool import conversion, dtypes, families, formats, models, selection, transfer
 from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
@@ -137,42 +137,48 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
                    include: str | None = None, exclude: str | None = None,
                    config_dir: str | Path | None = None) -> tuple[Side, Side, str | None]:
     """Sides whose model weights use different naming families (an Archon checkpoint and its HF
-    export): both reduced to their model parts, B's mapped to A's names (``dcptool.adapters``, with the
+    export): both reduced to their model parts, B's mapped to A's names (``dcptool.families``, with the
     config.json of ``config_dir``, else of the folder either reader found), and a line saying so. Sides
     of one family come back as they are, with no line."""
     params_a, params_b = selection.model_part(a.checkpoint), selection.model_part(b.checkpoint)
-    found_a = adapters.detect_family(params_a) if family_a == AUTO else family_a
-    found_b = adapters.detect_family(params_b) if family_b == AUTO else family_b
-    if found_a is None or found_b is None or found_a == found_b:
+    found_a = families.detect(params_a) if family_a == AUTO else families.get(family_a)
+    found_b = families.detect(params_b) if family_b == AUTO else families.get(family_b)
+    if found_a is None or found_b is None or found_a is found_b:
         return a, b, None
-    config_dir = config_dir or b.checkpoint.info.get("hf_config_dir") or a.checkpoint.info.get("hf_config_dir")
-    config = selection.read_config(config_dir) if config_dir is not None else None
-    config = adapters.with_run_args(adapters.with_run_args(config, a.checkpoint.info), b.checkpoint.info)
-    if adapters.taken_apart_to_compare(found_a):  # A's tensors hold more than B's: map A onto B's names instead
+    if found_a.more_than_others:  # A's tensors hold more than B's: map A onto B's names instead
         if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
-            raise UsageError(f"{a.checkpoint.root}: a manifest in {found_a} names cannot check {found_b} names "
-                             f"({adapters.taken_apart_to_compare(found_a)}): write the manifest of "
-                             f"{b.checkpoint.root} (checksum with {option('write', True)}) and check the {found_a} checkpoint "
-                             "against it")
-        side_b, side_a, note = align_families(b, a, found_b, found_a, include, exclude)
-        return side_a, side_b, note.replace("B's", "A's", 1)
-    config = adapters.config_to_compare(config, found_b, params_a)
-    mapping, _ = adapters.mapping_for(params_b, found_a, found_b, config, where=str(b.checkpoint.root))
-    result = mapping.convert(params_b)
-    adapters.refuse_unmatched(result.unmatched, mapping, f"check {option('family_a')} / {option('family_b')}")
-    mapped = {name: entry for name, (entry, _) in result.entries.items()}
-    # A's tensors that B's family has no place for (Qwen3-MoE's expert_bias in HF names) cannot be in B.
-    no_place = adapters.make_mapping(mapping.kind, found_a, found_b, config).untranslatable(params_a)
-    if found_a == "hf":
-        no_place += models.tied_outputs(config)
-    params_a = {k: v for k, v in params_a.items() if k not in no_place}
-    side_a = Side(a.checkpoint, selection.select(params_a, include, exclude), {}, f"{a.label}, model weights")
-    side_b = Side(b.checkpoint, selection.select(mapped, include, exclude), {}, f"{b.label}, model weights as {found_a}")
-    note = f"comparing model weights across families: B's {found_b} names ({mapping.kind}) as {found_a}"
+            raise UsageError(f"{a.checkpoint.root}: a manifest in {found_a.name} names cannot check {found_b.name} "
+                             f"names ({found_a.more_than_others}): write the manifest of {b.checkpoint.root} "
+                             f"(checksum with {option('write', True)}) and check the {found_a.name} checkpoint against it")
+        side_b, side_a, note = _mapped_onto(b, a, found_b, found_a, "A", include, exclude, config_dir)
+        return side_a, side_b, note
+    return _mapped_onto(a, b, found_a, found_b, "B", include, exclude, config_dir)
+
+
+def _mapped_onto(kept: Side, mapped: Side, kept_family, mapped_family, label: str, include: str | None,
+                 exclude: str | None, config_dir: str | Path | None) -> tuple[Side, Side, str]:
+    """Both sides' model parts, ``mapped``'s (side ``label``, A or B) renamed to ``kept``'s family; a line saying so."""
+    params_kept, params_mapped = selection.model_part(kept.checkpoint), selection.model_part(mapped.checkpoint)
+    config_dir = config_dir or mapped.checkpoint.info.get("hf_config_dir") or kept.checkpoint.info.get("hf_config_dir")
+    renamed = families.rename(params_mapped, kept_family.name, source=mapped_family.name,
+                              config=selection.read_config(config_dir) if config_dir is not None else None,
+                              run=mapped.checkpoint.info, where=str(mapped.checkpoint.root),
+                              hint=f"check {option('family_a')} / {option('family_b')}", compare_with=params_kept)
+    kind = renamed.mapping.kind
+    # Weights of the kept side that the mapped side's family has no place for (Qwen3-MoE's expert_bias in HF
+    # names) cannot be in it; nor can a tied output where the kept side's family may leave it out.
+    no_place = families.untranslatable(params_kept, kind, kept_family, mapped_family, renamed.config)
+    if kept_family.may_omit_tied_output:
+        no_place += models.tied_outputs(renamed.config, kept_family.name)
+    params_kept = {k: v for k, v in params_kept.items() if k not in no_place}
+    side_kept = Side(kept.checkpoint, selection.select(params_kept, include, exclude), {}, f"{kept.label}, model weights")
+    side_mapped = Side(mapped.checkpoint, selection.select(renamed.entries, include, exclude), {},
+                       f"{mapped.label}, model weights as {kept_family.name}")
+    note = f"comparing model weights across families: {label}'s {mapped_family.name} names ({kind}) as {kept_family.name}"
     if no_place:
-        note += f"; not compared, {found_b} names have no place for them: {', '.join(no_place[:4])}" + \
+        note += f"; not compared, {mapped_family.name} names have no place for them: {', '.join(no_place[:4])}" + \
             (f" and {len(no_place) - 4} more" if len(no_place) > 4 else "")
-    return side_a, side_b, note
+    return side_kept, side_mapped, note
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Each result is a ``TensorInfo`` whose chunks are views (``core.ChunkView``) of the source's chunks:
 an affine map from the view chunk's elements to a stored chunk's. Nothing is read until the view
-is, and then every byte is read once, from where it is stored, so adapters (``dcptool.adapters``)
-cost planning, not copies, and keep kernel copies, ``--max-memory`` and torchrun scale-out working.
+is, and then every byte is read once, from where it is stored, so renaming between families (``dcptool.renaming``)
+costs planning, not copies, and keeps kernel copies, ``--max-memory`` and torchrun scale-out working.
 
 >>> import numpy as np
 >>> from dcptool.core import Chunk, TensorInfo

@@ -206,7 +206,7 @@ def serve(settings_file: str) -> None:
     from dcptool import __main__ as entry, cli
 
     # Every module of dcptool imported here once rather than in each run (none imports torch at its top).
-    for package in ("dcptool", "dcptool.adapters", "dcptool.models", "dcptool.converters"):
+    for package in ("dcptool", "dcptool.families", "dcptool.models", "dcptool.converters"):
         for module in pkgutil.iter_modules(importlib.import_module(package).__path__, f"{package}."):
             importlib.import_module(module.name)
 

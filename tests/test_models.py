@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from harness.family_models import HF_ONLY_MODELS, MODELS
 
-from dcptool import adapters, hf_config, models
+from dcptool import families, hf_config, models
 
 
 def _variants() -> list[tuple[str, dict]]:
@@ -66,7 +66,7 @@ def test_kind_detected_from_its_names(kind, family):
         name = row.name(family)
         if name and not row.mtp and not name.endswith(("inv_freq", "freqs_cis")):
             names.append(name.replace("{L}", "1").replace("{E}", "0"))
-    assert adapters.detect_kind(names, family, None) == kind
+    assert families.kind_of(names, families.get(family), None) == kind
 
 
 def test_answers_for_every_kind():

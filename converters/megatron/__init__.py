@@ -9,7 +9,7 @@ of checkpoints: each iteration is one, listed newest first (``dcptool.formats``)
 from __future__ import annotations
 
 from dcptool.converters.dcp import METADATA
-from dcptool.converters.megatron.names import BACKEND, COMMON_PT, CONFIG, NAME
+from dcptool.converters.megatron.names import BACKEND, COMMON_PT, CONFIG, NAME, SAFE_GLOBALS
 from dcptool.converters.megatron.reader import detect, read
 from dcptool.converters.megatron.writer import Writer, expected_objects, has_common_state, megatron_objects
 from dcptool.format_interface import Format, Layout, Output, OutputRequest
@@ -27,6 +27,7 @@ class Megatron(Format):
     completes = (METADATA, CONFIG)
     layout = Layout.MESH
     dcp_loadable = True
+    safe_globals = SAFE_GLOBALS
 
     detect = staticmethod(detect)
     read = staticmethod(read)

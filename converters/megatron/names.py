@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from dcptool.safe_pickle import SafeGlobals
+
 NAME = "megatron"
 CONFIG = "metadata.json"  # dist_checkpointing/core.py save_config: {"sharded_backend": ..., "sharded_backend_version": 1}
 BACKEND = "torch_dist"  # the sharded backend dcptool reads and writes (DCP underneath)
@@ -25,3 +27,20 @@ LOCAL_SPEC_NAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
 def shard_key(key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> str:
     """A ShardedObject's key on disk (``mapping.py`` ``unique_key``): ``rng_state/shard_0.1_1.2``."""
     return f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
+
+# What Megatron's pickles hold beyond torch's: Megatron-LM's common state (its args) and rerun state, the classes
+# megatron-core's safe_globals.py lets torch.load take, read as data (an enum as its value, a config as its
+# attributes); and Megatron-Core 0.15's .metadata and save plans, subclasses of torch's (with an mcore_data
+# field), read as what they subclass.
+SAFE_GLOBALS = SafeGlobals(
+    enums=("megatron.core.enums.ModelType",
+           *(f"megatron.core.transformer.enums.{name}" for name in
+             ("AttnBackend", "CudaGraphModule", "CudaGraphScope", "InferenceCudaGraphScope")),
+           *(f"megatron.core.rerun_state_machine.{name}" for name in ("RerunDiagnostic", "RerunMode", "RerunState"))),
+    namespaces=("megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                "megatron.core.dist_checkpointing.mapping.ShardedObject"),  # nested in the rerun state machine's state
+    read_as=(("megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata",
+              "torch.distributed.checkpoint.metadata.Metadata"),
+             ("megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan",
+              "torch.distributed.checkpoint.planner.SavePlan")),
+)

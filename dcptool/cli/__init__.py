@@ -14,12 +14,11 @@ import traceback
 
 import typer
 
-from dcptool import errors, formats
+from dcptool import errors, families, formats
 # Imported in the order `dcptool --help` lists the commands: each module registers its own.
 from dcptool.cli import inspect, convert, export_hf, reshard, average, verify, diff, checksum, check  # noqa: F401, I001
 from dcptool.cli.app import app
 from dcptool.cli.render import settings
-from dcptool.models import NAMING_FAMILIES
 
 # Options of the whole program that may also follow the command name (moved before it), and
 # command options that may also precede it (moved after it, for the commands that have them).
@@ -88,7 +87,7 @@ def _choice_word(choices, name: str) -> str:
     """What an option of ``choices`` takes, in a word: FORMAT, FAMILY, else its name's last (``FORM`` for optim_form)."""
     if set(choices) <= set(formats.names()):
         return "FORMAT"
-    if set(choices) <= {"auto", *NAMING_FAMILIES}:
+    if set(choices) <= {"auto", *families.names()}:
         return "FAMILY"
     return name.rpartition("_")[2].upper()
 

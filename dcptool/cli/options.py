@@ -17,9 +17,8 @@ from typing import Any, Callable, Literal, Optional
 
 import typer
 
-from dcptool import dtypes, formats
+from dcptool import dtypes, families, formats
 from dcptool.cli import render
-from dcptool.models import NAMING_FAMILIES
 from dcptool.options import MeshOptions, Reading, Selection, Side, Writing
 
 # An output: a local Path, or a URL kept as given (storage.output_path decides). Not annotated Path:
@@ -30,8 +29,8 @@ OutputLocation = str
 FormatName = Literal[tuple(formats.names())]
 OutputFormat = Literal[tuple(formats.writable())]
 CastDtype = Literal[dtypes.CASTABLE]
-Family = Literal[NAMING_FAMILIES]
-FamilyOrAuto = Literal[("auto", *NAMING_FAMILIES)]
+Family = Literal[tuple(families.names())]
+FamilyOrAuto = Literal[("auto", *families.names())]
 # reshard writes the formats laid out over ranks (a mesh, or data-parallel ranks)
 LaidOutFormat = Literal[tuple(name for name in formats.writable() if formats.get(name).layout.value != "none")]
 OptimForm = Literal["named", "flat", "orig", "fsdp2"]

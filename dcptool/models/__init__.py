@@ -25,20 +25,16 @@ from functools import cache
 from dcptool.models import common
 from dcptool.models.kind import (
     FAMILIES,
-    LAYOUTS,
-    MEGATRON,
-    NAMING_FAMILIES,
     Divisor,
     MegatronName,
     ModelKind,
     PlanRule,
     Row,
     Shape,
-    StateLayout,
     Tie,
 )
 
-__all__ = ["FAMILIES", "MEGATRON", "NAMING_FAMILIES", "MegatronName", "LAYOUTS", "StateLayout", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
+__all__ = ["FAMILIES", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
            "peft_trainable"]
 
@@ -107,6 +103,11 @@ def fsdp_units() -> tuple[str, ...]:
     A parameter belongs to the unit of the outermost such layer its name passes through; the root unit holds the rest.
     """
     return tuple(dict.fromkeys([*(u for kind in kinds().values() for u in kind.fsdp_units), *common.OTHER_FSDP_UNITS]))
+
+
+def tp_plans() -> dict[str, str]:
+    """The built-in tensor-parallel plans whose rules the kinds declare: name -> description, ``hf`` first."""
+    return dict(common.TP_PLANS)
 
 
 def tp_rules(plan: str) -> list[PlanRule]:

@@ -156,6 +156,13 @@ def required_experts(kind: ModelKind, config: dict) -> int:
 # Tensor-parallel rules, by built-in plan: HF names as transformers' TP plans split them, torchtitan's
 # (and Archon's) as torchtitan's parallelize functions do. Each pattern names disjoint tensors.
 
+# The built-in plans of these rules, in the order ``--plan auto`` prefers them among equals: name -> description.
+TP_PLANS = {
+    "hf": "Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Mixtral names (transformers' TP plans)",
+    "torchtitan": "torchtitan names before and after 0.3, also AReaL's Archon engine (wq wk wv wo w1 w2 w3, "
+                  "grouped experts)",
+}
+
 COLWISE, ROWWISE = {"tp": "colwise"}, {"tp": "rowwise"}
 
 DENSE_TP: dict[str, tuple[PlanRule, ...]] = {

@@ -5,45 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+# The naming families whose names are columns of the rows (``Row``). Megatron-Core names a layer's parameters as
+# stacked [layers, ...] tensors and fuses q/k/v and gate/up: its names are no row of one tensor each, so its
+# table is apart (``ModelKind.megatron``).
 FAMILIES = ("hf", "archon", "torchtitan")
-# Megatron-Core names a layer's parameters as stacked [layers, ...] tensors and fuses q/k/v and gate/up:
-# its names are no row of one tensor each, so its table is apart (``ModelKind.megatron``).
-MEGATRON = "megatron"
-NAMING_FAMILIES = (*FAMILIES, MEGATRON)
 Shape = tuple[int, ...]
 # A rule of a tensor-parallel plan as a plan file writes it: a regular expression on the parameter
 # name and its placement (``dcptool.plans`` turns these into its rules).
 PlanRule = tuple[str, dict]
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Where a family's training job keeps its state in the dict it hands ``dcp.save`` and ``dcp.load``:
-    the path of the model's weights (``()``: at the top level) and of its flattened optimizer state
-    (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``: ``state.<fqn>.exp_avg``,
-    ``param_groups.<fqn>.lr``); ``also_loads``: the other top-level entries its resume loads, and
-    ``without_them`` how to start the job from a checkpoint that lacks them."""
-
-    engine: str
-    model: tuple[str, ...]
-    optimizer: tuple[str, ...]
-    also_loads: tuple[str, ...] = ()
-    without_them: str = ""
-
-
-# The one place that says where each family keeps model and optimizer. AReaL's Archon engine saves
-# {"dcp": DCPState} whose state_dict is {"model": ..., "optim": ...} (areal/experimental/engine/
-# archon_checkpoint.py, save_to_dcp / load_from_dcp); torchtitan's CheckpointManager puts the model's
-# keys at the top level beside "optimizer", "lr_scheduler", "dataloader", "train_state"
-# (torchtitan/components/checkpoint.py, _flattened_model_states_sd). HF names are saved by many
-# engines in their own layouts (None): a checkpoint keeps the layout it has.
-LAYOUTS: dict[str, StateLayout | None] = {
-    "hf": None,
-    "archon": StateLayout("AReaL's Archon engine", ("dcp", "model"), ("dcp", "optim")),
-    "torchtitan": StateLayout("torchtitan", (), ("optimizer",), ("lr_scheduler", "dataloader", "train_state"),
-                              "start from it with checkpoint.initial_load_model_only, or list them in "
-                              "checkpoint.exclude_from_loading"),
-}
 
 
 @dataclass(frozen=True, eq=False)

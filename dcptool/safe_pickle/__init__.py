@@ -6,7 +6,8 @@ each to a small stand-in: torch's record classes become ``Record`` objects with 
 attribute names, dtypes become their names, tensors inside ``torch.save`` archives become
 ``TensorRef`` descriptions of where their bytes are, numpy arrays and scalars of numeric dtypes
 (RNG state) become numpy values made from their checked bytes. Any other global is refused with
-``UnsafePickleError`` before anything is called.
+``UnsafePickleError`` before anything is called. A format whose pickles hold classes of their own declares
+them (``SafeGlobals``), and the format registry adds them (``add_safe_globals``): this package knows no format.
 
 It is its own small pickle machine (``machine``, not ``pickle.Unpickler``), so that a pickle of N
 bytes costs O(N) memory and time whatever it says: memo indices, string and byte lengths are checked
@@ -37,12 +38,13 @@ import struct
 from typing import Any
 
 from dcptool.errors import CheckpointError, printable
-from dcptool.safe_pickle.allowlist import Bad, Record, StorageRef, SubclassRef, TensorRef, record
+from dcptool.safe_pickle.allowlist import (Bad, Record, SafeGlobals, StorageRef, SubclassRef, TensorRef,
+                                           add_safe_globals, record)
 from dcptool.safe_pickle.machine import Machine
 from dcptool.safe_pickle.runs import DIMS, INT, TEXT, Columns, RecordLayout, RecordRun
 
-__all__ = ["DIMS", "INT", "TEXT", "Columns", "Record", "RecordLayout", "RecordRun", "StorageRef", "SubclassRef",
-           "TensorRef", "load_bytes", "record"]
+__all__ = ["DIMS", "INT", "TEXT", "Columns", "Record", "RecordLayout", "RecordRun", "SafeGlobals", "StorageRef",
+           "SubclassRef", "TensorRef", "add_safe_globals", "load_bytes", "record"]
 
 
 def load_bytes(data: bytes, source: str, runs: tuple[RecordRun, ...] = ()) -> Any:

@@ -6,6 +6,10 @@ same attribute names, dtypes become their names, storages and tensors of ``torch
 become ``StorageRef`` / ``TensorRef`` descriptions of where their bytes are, and the few functions
 a checkpoint calls (tensor rebuilds, ``torch.device``, ``pathlib.Path``...) are replaced by checked
 ones. A global the machine implements itself (it needs the machine) is a ``Method``.
+
+The list names torch's classes and Python's; a format whose pickles hold classes of their own (an engine's
+enums and configs) declares them (``SafeGlobals``) and the format registry adds them (``add_safe_globals``),
+as torch's ``add_safe_globals`` lets ``torch.load`` take them: the unpickler names no format.
 """
 
 from __future__ import annotations
@@ -230,7 +234,7 @@ _RECORDS = [
     "torch.distributed.checkpoint.metadata.StorageMeta",
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     "torch.distributed.checkpoint.planner.WriteItemType",
-    # save plans: Megatron-Core keeps them in .metadata (Metadata.all_local_plans)
+    # save plans: some writers keep them in .metadata (Metadata.all_local_plans)
     "torch.distributed.checkpoint.planner.SavePlan",
     "torch.distributed.checkpoint.planner.WriteItem",
     "torch.distributed.checkpoint.planner.TensorWriteData",
@@ -254,33 +258,17 @@ _RECORDS = [
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState",
     "torch.distributed._mesh_layout._MeshLayout",  # DeviceMesh state since torch 2.9
     "torch.distributed._mesh_layout._FlatLayout",
-    # Megatron-LM's common state (its args) and rerun state: the classes megatron-core's safe_globals.py lets
-    # torch.load take, learned here as data: a Namespace's attributes, an enum as its value (``.args``)
+    # A training run's arguments and the signals it handles, learned here as data: a Namespace's attributes, an
+    # enum as its value (``.args``)
     "argparse.Namespace",
     "types.SimpleNamespace",
     "signal.Signals",
-    "megatron.core.enums.ModelType",
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphModule",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-    "megatron.core.dist_checkpointing.mapping.ShardedObject",  # nested in the rerun state machine's state
 ]
-# Of those, the ones a writer may pickle back as what they were read as (dcptool.torch_archive's pickler): an enum
-# from its value, a namespace (or a dataclass) from its attributes. They are plain data: their classes run nothing
-# of the file's.
-ENUM_RECORDS = frozenset({"signal.Signals", "megatron.core.enums.ModelType",
-                          *(f"megatron.core.transformer.enums.{name}" for name in
-                            ("AttnBackend", "CudaGraphModule", "CudaGraphScope", "InferenceCudaGraphScope")),
-                          *(f"megatron.core.rerun_state_machine.{name}" for name in
-                            ("RerunDiagnostic", "RerunMode", "RerunState"))})
-NAMESPACE_RECORDS = frozenset({"argparse.Namespace", "types.SimpleNamespace",  # and dataclasses, pickled alike
-                               "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-                               "megatron.core.dist_checkpointing.mapping.ShardedObject"})
+# Of the records, the ones a writer may pickle back as what they were read as (dcptool.torch_archive's pickler): an
+# enum from its value, a namespace (or a dataclass) from its attributes. They are plain data: their classes run
+# nothing of the file's. Formats add theirs (``add_safe_globals``).
+ENUM_RECORDS = {"signal.Signals"}
+NAMESPACE_RECORDS = {"argparse.Namespace", "types.SimpleNamespace"}  # and dataclasses, pickled alike
 
 _DTENSOR = _record_class("torch.distributed.tensor.DTensor")
 # The plain classes FSDP1 on one rank names in _rebuild_from_type_v2 (a tensor that FSDP flagged as cloned).
@@ -288,11 +276,6 @@ PLAIN_TENSOR_TYPES = (Name("torch.Tensor"), Name("torch.nn.parameter.Parameter")
 PLAIN_TENSOR_STATE_KEYS = frozenset({"_has_been_cloned"})  # FSDP's flag attribute, a bool
 
 ALLOWED: dict[str, Any] = {name: _record_class(name) for name in _RECORDS}
-# Megatron-Core 0.15 pickles its .metadata and save plans as subclasses of torch's (with an mcore_data field):
-# read as what they subclass.
-for _megatron, _torch in (("MCoreMetadata", "metadata.Metadata"), ("MCoreSavePlan", "planner.SavePlan")):
-    ALLOWED[f"megatron.core.dist_checkpointing.strategies.torch.{_megatron}"] = \
-        ALLOWED[f"torch.distributed.checkpoint.{_torch}"]
 ALLOWED.update(
     {
         "collections.OrderedDict": collections.OrderedDict,
@@ -352,10 +335,36 @@ for _name, _value in list(ALLOWED.items()):
 # Callables a pickle may call (REDUCE, NEWOBJ, OBJ), by identity; Record classes are callable too.
 FUNCTIONS = {id(f) for f in (latin1_bytes, torch_device, torch_layout, same, rebuild_tensor, rebuild_tensor_v3,
                              rebuild_parameter, pathlib_path)}
-RECORD_TYPES = frozenset(value for value in ALLOWED.values() if isinstance(value, type) and issubclass(value, Record))
+RECORD_TYPES = {value for value in ALLOWED.values() if isinstance(value, type) and issubclass(value, Record)}
 # What ``check`` walks into: everything else is a leaf (strings, numbers, dtypes, storages, classes).
-CONTAINERS = frozenset({list, tuple, dict, set, frozenset, collections.OrderedDict, SubclassRef, TensorRef,
-                        *RECORD_TYPES})
+CONTAINERS = {list, tuple, dict, set, frozenset, collections.OrderedDict, SubclassRef, TensorRef, *RECORD_TYPES}
+
+
+@dataclass(frozen=True)
+class SafeGlobals:
+    """Classes a format's pickles may hold beyond torch's and Python's, each read as data: ``records`` as a record
+    of its state, ``enums`` as an enum member (its value), ``namespaces`` as a namespace or dataclass (its
+    attributes), both also pickled back as what they were; ``read_as``: subclasses read as the allowed class
+    they subclass (``{subclass: allowed class}``)."""
+
+    records: tuple[str, ...] = ()
+    enums: tuple[str, ...] = ()
+    namespaces: tuple[str, ...] = ()
+    read_as: tuple[tuple[str, str], ...] = ()
+
+
+def add_safe_globals(declared: SafeGlobals) -> None:
+    """Let pickles name the classes ``declared`` (as torch's ``add_safe_globals`` lets ``torch.load`` take them);
+    the format registry adds those of every format it loads."""
+    for name in (*declared.records, *declared.enums, *declared.namespaces):
+        if name not in ALLOWED:
+            ALLOWED[name] = _record_class(name)
+            RECORD_TYPES.add(ALLOWED[name])
+            CONTAINERS.add(ALLOWED[name])
+    ENUM_RECORDS.update(declared.enums)
+    NAMESPACE_RECORDS.update(declared.namespaces)
+    for name, allowed in declared.read_as:
+        ALLOWED[name] = ALLOWED[allowed]
 
 
 def record(qualname: str, state: dict) -> Record:

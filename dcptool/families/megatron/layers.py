@@ -7,7 +7,7 @@ keeps routed experts as ``[E, ...]``, pads the vocabulary rows and keeps multi-t
 apart (``mtp.layers.{n}``; HF numbers them after the main layers). The kind's tables
 (``ModelKind.megatron``, ``ModelKind.megatron_mtp``) say which Megatron tensor holds which HF tensors and
 how; this module takes them apart (``to_hf``) and puts them together (``from_hf``).
-``dcptool.adapters.MegatronMapping`` joins them with the other families.
+The family (``dcptool.families.megatron``) joins them with the other families through HF's names.
 
 >>> kind = models.kinds()["qwen3"]                                               # doctest: +SKIP
 >>> hf = to_hf(kind, {"decoder.layers.self_attention.linear_qkv.weight": qkv}, config)  # doctest: +SKIP
@@ -18,7 +18,8 @@ how; this module takes them apart (``to_hf``) and puts them together (``from_hf`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,10 +28,10 @@ from dcptool.core import Checkpoint, Computed, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.models import common
 from dcptool.models.kind import MegatronName, ModelKind
-from dcptool.safe_pickle.allowlist import Name
+from dcptool.renaming import Result
 
-# Megatron-LM's default make_vocab_size_divisible_by: the vocabulary is padded to a multiple of it x TP.
-VOCAB_MULTIPLE = 128
+if TYPE_CHECKING:
+    from dcptool.families.megatron import MegatronOptions
 
 LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 # A multi-token-prediction layer (multi_token_prediction.py): its decoder layer under ``transformer_layer.``,
@@ -43,16 +44,6 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 SHARDED_OBJECT = re.compile(r"/shard_[\d.]+_[\d.]+$")
 # The distributed optimizer's dp_reshardable buckets (distrib_optimizer.py): 1-D, a DDP bucket's parameters flat.
 DP_BUCKET = re.compile(r"(^|\.)distributed\.dp_group_idx_\d+\.")
-
-
-@dataclass
-class Mapped:
-    """Entries under their new names, each with the source name it follows; what was left out and why."""
-
-    entries: dict[str, tuple] = field(default_factory=dict)
-    dropped: list[str] = field(default_factory=list)
-    unmatched: list[str] = field(default_factory=list)
-    made: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -89,158 +80,17 @@ def unknown_kind(names) -> UsageError:
                       f"known: {known}")
 
 
-# Megatron-LM's args (megatron/training/arguments.py) -> the HF config fields taking its tensors apart needs.
-_ARGS = {"num_attention_heads": "num_attention_heads", "kv_channels": "head_dim", "hidden_size": "hidden_size",
-         "num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "num_experts": "num_experts"}
-
-
-def config_from_args(args: dict | None) -> dict:
-    """The HF config fields a Megatron-LM run's ``args`` (its checkpoint's common state, read as data) gives:
-    head counts and size, layers, the vocabulary before padding (when the run was given ``--vocab-size``)."""
-    if not isinstance(args, dict):
-        return {}
-    config = {hf: args[name] for name, hf in _ARGS.items() if type(args.get(name)) is int and args[name] > 0}
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else args.get("num_attention_heads")
-    if type(groups) is int and groups > 0:
-        config["num_key_value_heads"] = groups
-    return config
-
-
-# ---------------------------------------------------------------------------------------------
-# Megatron-LM's args <-> a Hugging Face config.json, for the kinds whose whole model both describe.
-
-# args field -> config.json field, the same value in both (loader_llama_mistral.py, loader_hf_moe.py).
-_SAME = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
-         "num_attention_heads": "num_attention_heads", "num_query_groups": "num_key_value_heads",
-         "kv_channels": "head_dim", "max_position_embeddings": "max_position_embeddings",
-         "norm_epsilon": "rms_norm_eps", "vocab_size": "vocab_size", "rotary_base": "rope_theta"}
-# (num_experts: under the kind's own expert field)
-_SAME_MOE = {"moe_router_topk": "num_experts_per_tok", "moe_ffn_hidden_size": "moe_intermediate_size"}
-# Megatron-LM's defaults (arguments.py) of the fields read here: what a field absent from args means.
-_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000, "swiglu": False, "normalization": "LayerNorm",
-             "position_embedding_type": "learned_absolute", "add_bias_linear": True, "rotary_percent": 1.0,
-             "rotary_interleaved": False, "use_rope_scaling": False, "apply_layernorm_1p": False,
-             "multi_latent_attention": False, "moe_layer_freq": 1, "moe_router_score_function": "softmax",
-             "moe_router_topk_scaling_factor": None, "moe_shared_expert_intermediate_size": None,
-             "untie_embeddings_and_output_weights": False, "moe_router_pre_softmax": False}
-# What args must say for config.json to describe the run's model: field -> the value needed.
-_MODEL_ARGS = {"swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope", "add_bias_linear": False,
-               "rotary_percent": 1.0, "rotary_interleaved": False, "use_rope_scaling": False,
-               "apply_layernorm_1p": False, "multi_latent_attention": False, "moe_layer_freq": 1,
-               "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
-               "moe_shared_expert_intermediate_size": None}
-
-
-@dataclass(frozen=True)
-class MegatronOutput:
-    """What a Megatron-Core checkpoint dcptool writes is made for: the tensor parallelism and multiple
-    (Megatron-LM's ``--make-vocab-size-divisible-by``) its vocabulary is padded for, and the dtype its
-    weights are written in (None: the source's)."""
-
-    tp: int = 1
-    divisible_by: int = VOCAB_MULTIPLE
-    dtype: str | None = None
-
-    @property
-    def multiple(self) -> int:
-        return self.divisible_by * self.tp
-
-
-def rope_base(config: dict) -> float | None:
-    """The RoPE base of a config without rope scaling (transformers 5 keeps it in ``rope_parameters``, 4 at the
-    top level); None for scaled RoPE, which args cannot state."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) != "default":
-        return None
-    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    return base if isinstance(base, (int, float)) and base > 0 else None
-
-
-def run_args(kind: ModelKind, config: dict, built: dict, output: MegatronOutput) -> dict | None:
-    """The ``args`` Megatron-LM's own HF conversion (tools/checkpoint ``loader_*hf*`` and ``saver_mcore``) writes
-    for the model of ``config`` whose tensors in Megatron's names are ``built``: the fields dcptool can state
-    exactly (the layout written is one rank's: TP for the vocabulary padding, PP and EP 1); None for a kind
-    args do not describe, a config without the fields, scaled RoPE or another activation than SiLU.
-    Megatron-LM's ``check_checkpoint_args`` compares some on load, so a field is written right or not at all."""
-    config = models.text_config(config)
-    embedding = built.get("embedding.word_embeddings.weight")
-    base = rope_base(config)
-    if (kind.args_config is None or not isinstance(embedding, TensorInfo) or base is None
-            or not float(base).is_integer() or config.get("hidden_act", "silu") != "silu"):
-        return None  # (--rotary-base is an int; scaled RoPE is more fields than args state exactly)
-    try:
-        heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
-        args = {"num_layers": int(config["num_hidden_layers"]), "hidden_size": hidden,
-                "ffn_hidden_size": int(config["intermediate_size"]), "num_attention_heads": heads,
-                "group_query_attention": True, "num_query_groups": int(config.get("num_key_value_heads") or heads),
-                "kv_channels": int(config.get("head_dim") or hidden // heads),
-                "max_position_embeddings": int(config["max_position_embeddings"]),
-                "norm_epsilon": float(config["rms_norm_eps"]), "vocab_size": int(config["vocab_size"])}
-    except (KeyError, TypeError, ValueError):
-        return None
-    names = {LAYER.match(name)[2] for name in built if LAYER.match(name)}
-    dtype = output.dtype or embedding.dtype
-    args.update(padded_vocab_size=embedding.shape[0], make_vocab_size_divisible_by=output.divisible_by,
-                tensor_model_parallel_size=output.tp, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-                swiglu=True, normalization="RMSNorm", add_bias_linear=False,
-                add_qkv_bias="self_attention.linear_qkv.bias" in names,
-                qk_layernorm="self_attention.q_layernorm.weight" in names,
-                untie_embeddings_and_output_weights="output_layer.weight" in built,
-                position_embedding_type="rope", tokenizer_type="HuggingFaceTokenizer", ckpt_format="torch_dist",
-                params_dtype=Name(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16")
-    args["rotary_base"] = int(base)
-    experts = kind.expert_count(config)
-    if experts:
-        args.update(num_experts=experts, moe_router_topk=config.get("num_experts_per_tok"),
-                    moe_ffn_hidden_size=config.get("moe_intermediate_size"),
-                    # HF's top-k of every expert's softmax, renormalised = Megatron's softmax of the top-k logits
-                    moe_router_pre_softmax=not config.get("norm_topk_prob", False))
-    return {name: value for name, value in args.items() if value is not None}
-
-
-def args_kinds() -> list[str]:
-    """The model kinds Megatron-LM's args and an HF config.json are made from each other for."""
-    return [name for name, kind in models.kinds().items() if kind.args_config is not None]
-
-
-def hf_config_from_args(kind: str, args: dict | None) -> tuple[dict | None, str]:
-    """The config.json of a Megatron-LM run's model from its ``args`` (read as data; a field absent is Megatron-LM's
-    default), for the kinds args describe whole; else None. And a line saying which, or why not."""
-    model = models.kinds()[kind]
-    if model.args_config is None:
-        return None, f"no config.json made from the run's args: dcptool makes one for {', '.join(args_kinds())}"
-    args = {**_DEFAULTS, **(args or {})}
-    differ = [name for name, needed in _MODEL_ARGS.items() if args[name] != needed]
-    if bool(args.get("num_experts")) != bool(model.expert_fields):
-        differ.append("num_experts")
-    fields = {**_SAME, **({"num_experts": model.expert_fields[0], **_SAME_MOE} if model.expert_fields else {})}
-    if not args.get("group_query_attention"):  # Megatron-LM's num_query_groups counts only with it
-        fields.pop("num_query_groups")
-    missing = [name for name in fields if type(args.get(name)) not in (int, float)]
-    if differ or missing:
-        what = (f"args {', '.join(differ)} describe a model that config.json of {kind} does not" if differ else
-                f"args lack {', '.join(missing)}")
-        return None, f"no config.json made from the run's args: {what}"
-    config = {"model_type": kind, "num_key_value_heads": args["num_attention_heads"],
-              **{hf: args[name] for name, hf in fields.items()}, "hidden_act": "silu",
-              "tie_word_embeddings": not args["untie_embeddings_and_output_weights"], **model.args_config}
-    if model.expert_fields:  # HF's renormalised top-k of every expert's softmax = Megatron's softmax of the top-k
-        config["norm_topk_prob"] = not args["moe_router_pre_softmax"]
-    return config, (f"config.json made from the Megatron-LM run's args (no tokenizer files: give the model's config "
-                    f"folder with {option('config_dir')} for them)")
-
-
 # ---------------------------------------------------------------------------------------------
 # Megatron -> HF
 
-def to_hf(kind: ModelKind, entries: dict, config: dict, where: str, mtp_copies: bool = True) -> Mapped:
+def to_hf(kind: ModelKind, entries: dict, config: dict, where: str, mtp_copies: bool = True) -> Result:
     """``entries`` (Megatron names) as HF-named views: per layer, per expert, q/k/v and gate/up apart,
     the vocabulary padding dropped (``config``'s ``vocab_size``); prediction layers numbered after the main
     ones, with (``mtp_copies``: for HF's own files) the copies of the embedding and head HF's prediction
     layers hold. ``where`` names the checkpoint in refusals."""
     table = {m.megatron: m for m in kind.megatron}
     heads = _heads(kind, entries, config, where)
-    result = Mapped()
+    result = Result()
     predictions: set[int] = set()
     for name, entry in entries.items():
         if name in common.MEGATRON_OUTSIDE:
@@ -289,7 +139,7 @@ def _spec_and_layers(kind: ModelKind, table: dict, name: str, entry, entries: di
     return spec, [(_main_layers(entries, config, where) + int(match[1]), entry)]
 
 
-def _shared_copies(kind: ModelKind, layer: int, result: Mapped) -> None:
+def _shared_copies(kind: ModelKind, layer: int, result: Result) -> None:
     """HF's prediction layer ``layer``'s copies of the main embedding and head (Megatron shares them)."""
     for inner, mains in kind.megatron_mtp.shared:
         main = next((m for m in mains if m in result.entries), None)
@@ -387,7 +237,7 @@ def _heads(kind: ModelKind, entries: dict, config: dict, where: str) -> Heads | 
     return found
 
 
-def _without_padding(entry: TensorInfo, config: dict, where: str, result: Mapped) -> TensorInfo:
+def _without_padding(entry: TensorInfo, config: dict, where: str, result: Result) -> TensorInfo:
     """The embedding's (or output's) rows of the real vocabulary: Megatron's padding rows dropped."""
     vocab = config.get("vocab_size")
     rows = entry.shape[0]
@@ -413,21 +263,21 @@ def _layer_count(entries: dict, config: dict, where: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # HF -> Megatron
 
-def from_hf(kind: ModelKind, entries: dict, config: dict, output: MegatronOutput, where: str) -> Mapped:
+def from_hf(kind: ModelKind, entries: dict, config: dict, options: MegatronOptions, where: str) -> Result:
     """HF-named ``entries`` (per expert or transformers v5's fused experts) in Megatron's names: layers
     stacked (per layer where the layers are not uniform), q/k/v grouped into ``linear_qkv``, gate and up
     into ``linear_fc1``, experts into ``[E, ...]``, the vocabulary padded with zero rows to a multiple of
-    ``output``'s make_vocab_size_divisible_by x tp, as Megatron-LM pads it."""
-    result = Mapped()
+    ``options``' make_vocab_size_divisible_by x tp, as Megatron-LM pads it."""
+    result = Result()
     hf_outside = {hf: megatron for megatron, hf in common.MEGATRON_OUTSIDE.items()}
     layers: dict[int, dict[str, TensorInfo]] = {}
     for name, entry in entries.items():
         if name in hf_outside:
             if hf_outside[name] in common.MEGATRON_VOCAB_ROWS and not _scalar(entry):
-                entry = padded_vocab(entry, output.multiple)
+                entry = padded_vocab(entry, options.padded_multiple)
                 if entry.transform is not None:
                     result.made.append(f"{hf_outside[name]}: {entry.shape[0]} rows, the vocabulary padded with zeros "
-                                       f"to a multiple of {output.divisible_by} x tp {output.tp}")
+                                       f"to a multiple of {options.vocab_multiple} x tp {options.tp}")
             result.entries[hf_outside[name]] = (_named(entry, hf_outside[name]), name)
             continue
         match = _HF_LAYER.match(name)
@@ -455,7 +305,7 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, output: MegatronOutput
     return result
 
 
-def _predictions_from_hf(kind: ModelKind, layers: dict, config: dict, heads: Heads | None, result: Mapped) -> None:
+def _predictions_from_hf(kind: ModelKind, layers: dict, config: dict, heads: Heads | None, result: Result) -> None:
     """The prediction layers of ``layers`` (HF's layers after the config's ``num_hidden_layers``, taken out of
     ``layers``) as ``mtp.layers.{n}``."""
     main = config.get("num_hidden_layers")
@@ -465,7 +315,7 @@ def _predictions_from_hf(kind: ModelKind, layers: dict, config: dict, heads: Hea
         _prediction_from_hf(kind, f"mtp.layers.{layer - main}.", layers.pop(layer), heads, result)
 
 
-def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads | None, result: Mapped) -> None:
+def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads | None, result: Result) -> None:
     """One prediction layer as ``prefix`` (``mtp.layers.{n}.``): its decoder layer under ``transformer_layer.``,
     its own tensors beside; HF's copies of the embedding and head are not written (Megatron's prediction
     layers share the main ones)."""
@@ -483,7 +333,7 @@ def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads 
         result.entries[target] = (_named(tensor, target), first)
 
 
-def _layer_from_hf(kind: ModelKind, inner: dict, heads: Heads | None, result: Mapped) -> dict:
+def _layer_from_hf(kind: ModelKind, inner: dict, heads: Heads | None, result: Result) -> dict:
     """One layer's Megatron tensors (name -> (view, first HF name)) from its HF tensors; what fits no row is unmatched."""
     used: set[str] = set()
     built = {}
