@@ -93,7 +93,7 @@ def test_detection_by_names():
 def test_options_go_with_the_family_that_takes_them():
     mesh = {"dp": None, "tp": 2, "ep": 1, "etp": 1, "cp": 1, "dp_replicate": 1, "world_size": None}
     titan, mcore = families.get("torchtitan"), families.get("megatron")
-    with pytest.raises(UsageError, match=r"make_vocab_size_divisible_by goes with adapter='megatron'"):
+    with pytest.raises(UsageError, match=r"make_vocab_size_divisible_by goes with family='megatron'"):
         families.options_for(titan, mesh, None, make_vocab_size_divisible_by=64)
     assert families.options_for(titan, mesh, None, make_vocab_size_divisible_by=None) is None
     options = families.options_for(mcore, mesh, "bfloat16", make_vocab_size_divisible_by=64)
