@@ -24,8 +24,8 @@ NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-in
                                      "bench-out", "demo-out")
 
 # What an install knows, printed as JSON by its own python.
-KNOWN = ("import json, dcptool.formats as formats, dcptool.models as models; "
-         "print(json.dumps({'formats': formats.names(), 'families': list(models.NAMING_FAMILIES), "
+KNOWN = ("import json, dcptool.families as families, dcptool.formats as formats, dcptool.models as models; "
+         "print(json.dumps({'formats': formats.names(), 'families': families.names(), "
          "'model kinds': sorted(models.kinds())}))")
 
 
