@@ -578,12 +578,12 @@ def diff(a: str | Path, b: str | Path, *, selection: Selection = Selection(), si
 
 
 def _pair(a, b, selection: Selection, side_a: Side, side_b: Side, config_dir=None):
-    """verify's and diff's two sides, named alike (``verification.sides``)."""
-    from dcptool import verification
+    """verify's and diff's two sides, named alike (``pairing.sides``)."""
+    from dcptool.pairing import sides
 
-    return verification.sides(a, b, format_a=side_a.format, format_b=side_b.format, prefix_a=side_a.prefix,
-                              prefix_b=side_b.prefix, include=selection.include, exclude=selection.exclude,
-                              family_a=side_a.family, family_b=side_b.family, config_dir=config_dir)
+    return sides(a, b, format_a=side_a.format, format_b=side_b.format, prefix_a=side_a.prefix,
+                 prefix_b=side_b.prefix, include=selection.include, exclude=selection.exclude,
+                 family_a=side_a.family, family_b=side_b.family, config_dir=config_dir)
 
 
 def _source(source, reading: Reading, config_dir, dtype) -> tuple[Checkpoint, list[str]]:

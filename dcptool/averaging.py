@@ -1,6 +1,6 @@
 """``dcptool average``: the weighted mean of checkpoints of one model, in any formats, families and meshes.
 
-Every source is paired with the first as ``verify`` pairs two checkpoints (``verification.pair``: layouts,
+Every source is paired with the first as ``verify`` pairs two checkpoints (``pairing.pair``: layouts,
 naming families, model parts), so each output tensor knows its region in every source. A floating-point
 tensor of the output is computed (``core.Computed``), region by region as a copy asks for it: the sources'
 values in float32, ``w0*x0 + w1*x1 + ...`` summed in float32 in the order of the sources (each product and
@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool import dtypes, formats, resharding, selection, verification
+from dcptool import dtypes, formats, regions, resharding, selection
 from dcptool.conversion import Conversion, plan_convert
 from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.options import MeshOptions
+from dcptool.pairing import pair
 
 # Tensors of these dtypes are averaged; any other must be equal in every source.
 AVERAGED = ("float64", *dtypes.CASTABLE)
@@ -111,7 +112,7 @@ def plan_average(checkpoints: list[Checkpoint], weights, *, to: str | None = Non
     planned = Planned(checkpoints, parse_weights(weights, len(checkpoints)))
     pairs, pairing_notes = [], []
     for other in checkpoints[1:]:
-        pairing = verification.pair(first, other, config_dir=config_dir)
+        pairing = pair(first, other, config_dir=config_dir)
         pairs.append({id(tensor): pairing.b.tensors[name] for name, tensor in pairing.a.tensors.items()
                       if name in pairing.b.tensors})
         if pairing.note:  # names matched across families
@@ -203,7 +204,7 @@ def check_equal(planned: Planned, max_memory: int) -> None:
     the sources; read region by region within ``max_memory``."""
     if not planned.equal:
         return
-    size = verification.buffer_size(max_memory, [t for _, terms in planned.equal for _, t in terms], readers=2)
+    size = regions.buffer_size(max_memory, [t for _, terms in planned.equal for _, t in terms], readers=2)
     buffers = bytearray(size), bytearray(size)
     for key, terms in planned.equal:
         (first, tensor), rest = terms[0], terms[1:]
@@ -211,8 +212,8 @@ def check_equal(planned: Planned, max_memory: int) -> None:
             if other.dtype != tensor.dtype:
                 raise UsageError(f"{source.root}: {key} is {other.dtype}, {tensor.dtype} in {first.root}: tensors of "
                                  f"dtypes other than {', '.join(AVERAGED)} must be equal in every checkpoint")
-            reader_a = verification.RegionReader(first, buffers[0])
-            reader_b = verification.RegionReader(source, buffers[1])
+            reader_a = regions.RegionReader(first, buffers[0])
+            reader_b = regions.RegionReader(source, buffers[1])
             limit = reader_a.max_elements(tensor)
             for (offsets, a), (_, b) in zip(reader_a.slabs(tensor, limit), reader_b.slabs(other, limit)):
                 if not np.array_equal(a, b):

@@ -34,7 +34,8 @@ from dcptool.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, option
 from dcptool.sizes import DEFAULT_MAX_MEMORY, check_memory_budget
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
-from dcptool.verification import BLOCK, RegionReader, align_families, buffer_size, select_side
+from dcptool.pairing import align_families, select_side
+from dcptool.regions import BLOCK, RegionReader, buffer_size
 
 MANIFEST_NAME = "dcptool.manifest.json"
 MANIFEST_VERSION = 1

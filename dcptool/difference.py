@@ -1,6 +1,6 @@
 """``dcptool diff``: what changed between two checkpoints, per tensor and in total, read region by region.
 
-The two sides are paired as ``verify`` pairs them (``verification.sides``: formats, layouts, naming
+The two sides are paired as ``verify`` pairs them (``pairing.sides``: formats, layouts, naming
 families). For every tensor on both sides of one shape, both are read in the same row-major slabs within
 ``max_memory`` and compared element by element: an element is *changed* when its values differ (NaN and NaN
 are the same value; -0.0 and 0.0 too), *bit-identical* when the two sides have one dtype and its bits are
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from dcptool import dtypes, stats, verification
+from dcptool import dtypes, pairing, regions, stats, verification
 from dcptool.errors import counted
 
-BLOCK = verification.BLOCK  # elements compared at once: bounds the float64 temporaries
+BLOCK = regions.BLOCK  # elements compared at once: bounds the float64 temporaries
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Report:
         return report
 
 
-def diff_sides(a: verification.Side, b: verification.Side, *, max_memory: int,
+def diff_sides(a: pairing.Side, b: pairing.Side, *, max_memory: int,
                progress: Callable[[int], None] | None = None) -> Report:
     """Compare every tensor on both sides, slab by slab; ``progress(n)`` after each slab of A's bytes."""
     report = Report(a.label, b.label)
@@ -140,9 +140,9 @@ def diff_sides(a: verification.Side, b: verification.Side, *, max_memory: int,
         else:
             pairs.append((key, tensor, other))
     report.only_b = [key for key in b.tensors if key not in a.tensors]
-    size = verification.buffer_size(max_memory, [t for _, t, _ in pairs], readers=2)
-    reader_a = verification.RegionReader(a.checkpoint, bytearray(size))
-    reader_b = verification.RegionReader(b.checkpoint, bytearray(size))
+    size = regions.buffer_size(max_memory, [t for _, t, _ in pairs], readers=2)
+    reader_a = regions.RegionReader(a.checkpoint, bytearray(size))
+    reader_b = regions.RegionReader(b.checkpoint, bytearray(size))
     for key, tensor_a, tensor_b in pairs:
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
         change = Change(key, dtype_a if dtype_a == dtype_b else f"{dtype_a} -> {dtype_b}", math.prod(tensor_a.shape))

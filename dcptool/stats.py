@@ -165,7 +165,7 @@ class _Scanner:
         self._local = threading.local()
 
     def run(self, tensors: dict[str, TensorInfo], grouped: set[str]) -> dict[str, TensorStats]:
-        from dcptool.verification import buffer_size
+        from dcptool.regions import buffer_size
 
         size = buffer_size(self.max_memory, tensors.values(), self.threads)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcptool-stats") as pool:
@@ -181,7 +181,7 @@ class _Scanner:
     def _summarize(self, tensor: TensorInfo, size: int, grouped: bool) -> TensorStats:
         import blake3
 
-        from dcptool.verification import BLOCK, RegionReader
+        from dcptool.regions import BLOCK, RegionReader
 
         buffer = getattr(self._local, "buffer", None)
         if buffer is None:
