@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import dcptool
+from conftest import dcptool, load_reference, read_dcp
 
 
 def test_loads_on_the_saving_mesh_and_on_others(checkpoints):
@@ -51,6 +52,31 @@ def test_missing_data_file_fails_naming_it(damaged):
     result = dcptool("verify", damaged, "--load-on", "dp=4", check=False)
     assert result.returncode in (1, 2), result.stdout + result.stderr
     assert "__3_0.distcp" in result.stdout + result.stderr
+
+
+def test_a_shard_that_loads_other_bytes_than_saved_fails_naming_rank_and_tensor(checkpoints, tmp_path):
+    """One data byte of one weight's chunk flipped: torch's dcp.load does not check the records' CRC-32s and
+    loads it silently as another value (against the job's gathered reference, that weight alone differs);
+    --load-on catches it on the rank that loads the chunk, naming the tensor, and exits 1."""
+    from test_records import copy_with_damaged_data
+
+    source, reference = checkpoints("fsdp2_dp2")
+    full = load_reference(reference)
+    key = next(k for k in full if k.endswith("self_attn.q_proj.weight"))
+    damaged = tmp_path / "damaged"
+    data_file = copy_with_damaged_data(source, damaged, key)
+    loaded = read_dcp(damaged, tmp_path)  # torch's own reading of every entry
+    assert [k for k, v in full.items() if not torch.equal(loaded[k], v)] == [key]
+
+    result = dcptool("verify", damaged, "--load-on", "dp=2", check=False)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"dcptool: error: {damaged}: ranks [0] failed the load check on dp=2"
+    # the job loads on the mesh that saved it: rank r reads its own file __r_0.distcp
+    assert data_file == "__0_0.distcp"
+    lines = result.stdout.splitlines()
+    failing = lines.index(f"rank 0: FAIL, {len(full) - 1} tensors checked")
+    assert lines[failing + 1].startswith(f"  {key}: cannot read it from the files: {damaged / data_file} ")
+    assert f"rank 1: ok, {len(full)} tensors checked" in lines
 
 
 def _job_processes(parent: int) -> dict[int, int | None]:
