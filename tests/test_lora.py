@@ -26,6 +26,24 @@ def refused(*args, names: list[str], output):
     return lines[0]
 
 
+def peft_model(reference, adapter=None):
+    """The peft model of a LoRA run, rebuilt by peft itself: the reference's base weights with the adapter folder
+    ``adapter`` (default: the one peft saved of the trained model)."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(reference / "base")
+    return peft.PeftModel.from_pretrained(base, adapter or reference / "adapter")
+
+
+def assert_merged_as(folder, expected: dict) -> None:
+    """The merged export in ``folder`` holds ``expected`` (peft's merge), within float32 rounding."""
+    merged = load_file(folder / "model.safetensors")
+    assert set(merged) == set(expected)
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
 def logits_of(model, ids):
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
@@ -165,10 +183,18 @@ def test_refusals(lora_runs, tmp_path):
     for name in ("alpha", "config"):
         got = load_file(tmp_path / name / "model.safetensors")
         assert all(torch.equal(got[k], beside[k]) for k in beside), name
+    # --lora-alpha 8 merges as peft merges the same adapter whose config says lora_alpha 8
     halved = tmp_path / "halved"
     dcptool("export-hf", bare, halved, "--lora", "merge", "--lora-alpha", "8")
+    reference = lora_runs / "lora.reference"
+    shutil.copytree(reference / "adapter", tmp_path / "alpha-8")
+    adapter_config = json.loads((tmp_path / "alpha-8" / "adapter_config.json").read_text())
+    assert adapter_config["lora_alpha"] != 8
+    (tmp_path / "alpha-8" / "adapter_config.json").write_text(json.dumps({**adapter_config, "lora_alpha": 8}))
+    expected = peft_model(reference, tmp_path / "alpha-8").merge_and_unload().state_dict()
+    assert_merged_as(halved, expected)
     key = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(load_file(halved / "model.safetensors")[key], beside[key])
+    assert not torch.equal(expected[key], beside[key])
 
 
 def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
@@ -264,22 +290,30 @@ def test_refusals_of_what_cannot_merge(lora_runs, tmp_path):
 
 
 def test_every_adapter_merged(lora_runs, tmp_path):
-    """Two adapters on the same layers: both merged. The second undoes the first (its B negated), so the
-    merge is the base model again, within float32 rounding; modules_to_save's copy still replaces the head."""
-    state = torch.load(lora_runs / "lora.reference" / "peft.pt", weights_only=True)
-    for key in [k for k in state if ".lora_" in k]:
-        state[key.replace(".default", ".undo")] = -state[key] if "_B" in key else state[key]
+    """Two adapters on the same layers, of other ranks (so other scalings), both merged: against peft's own
+    merge_and_unload of both; modules_to_save's copy of the first still replaces the head."""
+    import peft
+
+    reference = lora_runs / "lora.reference"
+    model = peft_model(reference)
+    settings = json.loads((reference / "adapter" / "adapter_config.json").read_text())
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=settings["lora_alpha"],
+                                                target_modules=settings["target_modules"]))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".second." in name:  # peft starts lora_B (embeddings: lora_A) at zero
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    assert any(".lora_B.second." in key for key in state) and any(".lora_embedding_A.second" in key for key in state)
     torch.save({"model": state}, tmp_path / "two.pt")
-    result = dcptool("export-hf", tmp_path / "two.pt", tmp_path / "merged", "--lora", "merge", "--lora-alpha", "16")
-    assert "merged 15 LoRA layers of default, undo" in result.stderr
-    merged = load_file(tmp_path / "merged" / "model.safetensors")
-    base = load_file(lora_runs / "lora.reference" / "base" / "model.safetensors")
-    trained_head = state["base_model.model.lm_head.modules_to_save.default.weight"]
-    for key, tensor in merged.items():
-        expected = trained_head if key == "lm_head.weight" else base[key]
-        torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=key)
+    result = dcptool("export-hf", tmp_path / "two.pt", tmp_path / "merged", "--lora", "merge", "--lora-alpha",
+                     str(settings["lora_alpha"]))
+    layers = {key.split(".lora_")[0] for key in state if ".lora_" in key}
+    assert f"merged {len(layers)} LoRA layers of default, second" in result.stderr
+    assert_merged_as(tmp_path / "merged", model.merge_and_unload(adapter_names=["default", "second"]).state_dict())
     refused("export-hf", tmp_path / "two.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-alpha", "16",
-            names=["2 (default, undo)"], output=tmp_path / "adapter")
+            names=["2 (default, second)"], output=tmp_path / "adapter")
 
 
 def saved_with_trained_b(model, state_file, adapter_folder) -> None:
