@@ -237,10 +237,19 @@ def test_unknown_protocol_says_what_to_install():
         refused("inspect", "s3://bucket/step-100", names="s3://bucket/step-100: Install s3fs")
 
 
-@pytest.mark.parametrize("command", [["export-hf", "--max-shard-size", "30KB"], ["convert", "--to", "torch"],
-                                     ["reshard", "--dp", "3"], ["convert", "--to", "fsdp1", "--world-size", "2"]])
-def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, bucket, tmp_path, monkeypatch, command):
-    """Written locally, then uploaded; the file that completes the checkpoint goes up last."""
+# Each command, and what replaces its output with --overwrite: another checkpoint (the same model trained further),
+# written as other files where the command allows (fewer shards, fewer ranks), so that a file left over shows.
+DESTINATIONS = [(["export-hf", "--max-shard-size", "30KB"], ["--max-shard-size", "60KB"]),
+                (["convert", "--to", "torch"], []),
+                (["reshard", "--dp", "3"], ["--dp", "1"]),
+                (["convert", "--to", "fsdp1", "--world-size", "2"], ["--world-size", "1"])]
+
+
+@pytest.mark.parametrize("command, replacing", DESTINATIONS, ids=[" ".join(c) for c, _ in DESTINATIONS])
+def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, checkpoints, bucket, tmp_path, monkeypatch,
+                                                                    command, replacing):
+    """Written locally, then uploaded; the file that completes the checkpoint goes up last. --overwrite replaces
+    the remote output with another: read back, it is what the same command writes locally."""
     uploaded = []
     put_file = type(MEMORY).put_file
     monkeypatch.setattr(type(MEMORY), "put_file", lambda self, lpath, rpath, **kw: (
@@ -256,7 +265,13 @@ def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, bucke
     if completes:
         assert uploaded[-1] == completes, uploaded
     refused(name, local["dcp"], f"{bucket}/out", *options, names=f"{bucket}/out: already exists (pass --overwrite")
-    ok("--quiet", name, local["dcp"], f"{bucket}/out", *options, "--overwrite")
+    trained_further, _ = checkpoints("dp2_step2")
+    ok("--quiet", name, trained_further, f"{bucket}/out", *options, *replacing, "--overwrite")
+    ok("--quiet", name, trained_further, tmp_path / "local-2", *options, *replacing)
+    MEMORY.get(memory_path(f"{bucket}/out"), str(tmp_path / "downloaded-2"), recursive=True)
+    same_tree(tmp_path / "downloaded-2", tmp_path / "local-2")
+    with pytest.raises(AssertionError):  # the overwrite changed the bytes, not only the exit code
+        same_tree(tmp_path / "downloaded-2", tmp_path / "local")
 
 
 def test_remote_manifest_and_load_check_are_refused(local, bucket):
