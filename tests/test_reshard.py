@@ -244,14 +244,32 @@ def test_refusals_name_the_tensor_or_setting(checkpoints, tmp_path):
 
 
 def test_plan_file_places_tensors_as_written(checkpoints, tmp_path):
+    """A plan file's rules, planned (--dry-run) and written: torch's metadata holds the chunks the rules say (rowwise:
+    halves of dim 1, as torch.chunk splits it; no rule: replicated, one chunk), and dcp.load reads the job's state."""
+    import torch.distributed.checkpoint as dcp
+
     source, reference = checkpoints("fsdp2_dp2")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"name": "rows-only", "rules": [{"match": r"proj\.weight$", "tp": "rowwise"}]}))
-    result = json.loads(dcptool("reshard", source, tmp_path / "x", "--tp", "2", "--plan", plan, "--dry-run",
-                                "--json", "--config-dir", reference).stdout)
+    options = ["--tp", "2", "--plan", plan, "--config-dir", reference]
+    result = json.loads(dcptool("reshard", source, tmp_path / "x", *options, "--dry-run", "--json").stdout)
     assert result["plan"] == "rows-only"
     assert result["tensors"]["model.layers.0.self_attn.q_proj.weight"]["placement"] == "tp=2:Shard(1)"
     assert result["tensors"]["model.embed_tokens.weight"]["placement"] == "replicated"
+
+    out = tmp_path / "rows-only"
+    dcptool("reshard", source, out, *options)
+    full = load_reference(reference)
+    layout = chunk_layout(out)
+    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        rows, columns = full[key].shape
+        halves = torch.arange(columns).chunk(2)
+        assert layout[key] == [((0, int(half[0])), (rows, len(half))) for half in halves], key
+    assert layout["model.embed_tokens.weight"] == [((0, 0), tuple(full["model.embed_tokens.weight"].shape))]
+    loaded = {key: torch.empty_like(value) for key, value in full.items()}
+    dcp.load(loaded, checkpoint_id=out, no_dist=True)
+    for key, value in full.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def test_entries_of_single_dp_ranks_are_dropped_with_a_warning_or_kept(checkpoints, tmp_path):
