@@ -17,15 +17,25 @@ import torch
 from conftest import dcptool, load_reference, read_dcp
 
 
+def tensor_count(checkpoint) -> int:
+    """The tensors of a DCP checkpoint, as torch's own metadata lists them."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.values()
+    return sum(isinstance(entry, TensorStorageMetadata) for entry in entries)
+
+
 def test_loads_on_the_saving_mesh_and_on_others(checkpoints):
-    """FSDP2 + TP (dp=2, tp=2) and FSDP2 (dp=2) checkpoints, on their own meshes and on others."""
+    """FSDP2 + TP (dp=2, tp=2) and FSDP2 (dp=2) checkpoints, on their own meshes and on others: every rank
+    checks its shard of every tensor."""
     dense_tp, _ = checkpoints("fsdp2_dp2_tp2")
     dense, _ = checkpoints("fsdp2_dp2")
     for source, mesh, ranks in ((dense_tp, "dp=2,tp=2", 4), (dense_tp, "dp=4", 4), (dense_tp, "dp=1,tp=2", 2),
                                 (dense, "dp=2", 2)):
         report = json.loads(dcptool("verify", source, "--load-on", mesh, "--json").stdout)
         assert report["ok"] and report["backend"] == "gloo" and report["nproc"] == ranks, report
-        assert [r["tensors"] for r in report["ranks"]] == [84] * ranks
+        assert [r["tensors"] for r in report["ranks"]] == [tensor_count(source)] * ranks
         assert report["load_seconds"] > 0
 
 
@@ -100,20 +110,29 @@ def _workers(parent: int) -> dict[int, int]:
     return {rank: pid for pid, rank in _job_processes(parent).items() if rank is not None}
 
 
-def test_a_rank_that_dies_fails_the_check_quickly_and_leaves_no_process(checkpoints):
+def poll(condition, seconds: float = 120) -> bool:
+    """Whether ``condition()`` holds within ``seconds`` (a deadline for a stuck test, never a measured bound)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_rank_that_dies_fails_the_check_and_leaves_no_process(checkpoints):
+    """SIGKILL of one worker: the job is stopped (not left to its --timeout) with that rank named, exit 2, and no
+    process of it outlives the command."""
     source, _ = checkpoints("fsdp2_dp2_tp2")
     marker = os.getpid()
     env = {**os.environ, "DCPTOOL_TEST_PARENT": str(marker)}
-    started = time.monotonic()
     # Two ranks (of the four the checkpoint was saved by): rank 0 is the one left to stop and clean up.
     verify = subprocess.Popen([sys.executable, "-m", "dcptool", "verify", source, "--load-on", "dp=1,tp=2",
-                               "--timeout", "120"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while 1 not in _workers(marker) and verify.poll() is None and time.monotonic() - started < 60:
-        time.sleep(0.05)
+                               "--timeout", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert poll(lambda: 1 in _workers(marker) or verify.poll() is not None)
+    assert 1 in _workers(marker), verify.communicate()
     os.kill(_workers(marker)[1], signal.SIGKILL)
-    stdout, stderr = verify.communicate(timeout=120)
+    stdout, stderr = verify.communicate(timeout=600)
     assert verify.returncode == 2, stdout + stderr
-    assert "rank 1 was killed by SIGKILL" in stderr
-    assert time.monotonic() - started < 120
-    time.sleep(0.5)
-    assert _job_processes(marker) == {}
+    assert "rank 1 was killed by SIGKILL" in stderr  # not "timed out after 600 s"
+    assert poll(lambda: not _job_processes(marker)), _job_processes(marker)
