@@ -44,6 +44,12 @@ def assert_merged_as(folder, expected: dict) -> None:
         torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
+def lora_layers(reference) -> set[str]:
+    """The modules peft gave LoRA layers, by their names in the peft model's state dict (the run's peft.pt)."""
+    state = torch.load(reference / "peft.pt", weights_only=True)
+    return {key.split(".lora_")[0] for key in state if ".lora_" in key}
+
+
 def logits_of(model, ids):
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
@@ -157,11 +163,18 @@ def test_verl_fsdp1_files(lora_runs, tmp_path):
 def test_inspect_shows_adapters(lora_runs):
     found = json.loads(dcptool("inspect", lora_runs / "lora", "--json").stdout)
     lora = found["lora"]
-    assert lora["adapters"] == ["default"] and lora["alpha"] == 16 and lora["modules_to_save"] == ["lm_head"]
-    assert lora["ranks"]["model.layers.1.mlp.down_proj"] == 4 and len(lora["ranks"]) == 15
+    settings = json.loads((lora_runs / "lora.reference" / "adapter" / "adapter_config.json").read_text())
+    assert lora["adapters"] == ["default"] and lora["alpha"] == settings["lora_alpha"]
+    assert lora["modules_to_save"] == settings["modules_to_save"]
+    prefix = "base_model.model."
+    assert set(lora["ranks"]) == {name.removeprefix(prefix) for name in lora_layers(lora_runs / "lora.reference")}
+    assert set(lora["ranks"].values()) == {settings["r"]}
     assert found["names"] == {"family": "hf", "kind": "llama"}
     text = dcptool("inspect", lora_runs / "dora").stdout
-    assert "LoRA (DoRA): adapter default, rank 4 on 6 modules (down_proj, q_proj, v_proj)" in text
+    dora = lora_runs / "dora.reference"
+    settings = json.loads((dora / "adapter" / "adapter_config.json").read_text())
+    modules = f"{len(lora_layers(dora))} modules ({', '.join(sorted(settings['target_modules']))})"
+    assert f"LoRA (DoRA): adapter default, rank {settings['r']} on {modules}" in text
 
 
 def test_refusals(lora_runs, tmp_path):
@@ -208,7 +221,7 @@ def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
     dcptool("export-hf", checkpoint, tmp_path / "adapter", "--lora", "adapter")
     result = dcptool("import-hf", reference / "base", tmp_path / "resume", "--dp", "2",
                      "--lora-adapter", tmp_path / "adapter")
-    assert "15 LoRA layers, modules_to_save lm_head" in result.stderr
+    assert f"{len(lora_layers(reference))} LoRA layers, modules_to_save lm_head" in result.stderr
     # Qwen3-MoE: the HF folder holds one tensor per expert, the peft model transformers v5's fused ones
     moe = lora_runs / "qwen3_moe.reference"
     dcptool("import-hf", moe / "base", tmp_path / "resume-moe", "--dp", "2", "--lora-adapter", moe / "adapter")
@@ -309,8 +322,7 @@ def test_every_adapter_merged(lora_runs, tmp_path):
     torch.save({"model": state}, tmp_path / "two.pt")
     result = dcptool("export-hf", tmp_path / "two.pt", tmp_path / "merged", "--lora", "merge", "--lora-alpha",
                      str(settings["lora_alpha"]))
-    layers = {key.split(".lora_")[0] for key in state if ".lora_" in key}
-    assert f"merged {len(layers)} LoRA layers of default, second" in result.stderr
+    assert f"merged {len(lora_layers(reference))} LoRA layers of default, second" in result.stderr
     assert_merged_as(tmp_path / "merged", model.merge_and_unload(adapter_names=["default", "second"]).state_dict())
     refused("export-hf", tmp_path / "two.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-alpha", "16",
             names=["2 (default, second)"], output=tmp_path / "adapter")

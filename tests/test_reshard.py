@@ -165,12 +165,15 @@ def test_reshard_there_and_back_returns_the_same_bytes(moe_source, tmp_path):
 
 
 def test_dense_uneven_dp4_from_fsdp_tp(loads):
-    """vocab 250 over dp=4: torch.chunk-style shards of 63, 63, 63 and 61 rows (AReaL layout, HF names)."""
+    """A vocabulary that 4 does not divide over dp=4: shards of rows as torch.chunk makes them (AReaL layout, HF
+    names)."""
     loaded = loads["dense-dp4"].checked()
     assert "4 ranks: dp=4" in loaded.made.stderr
     layout = chunk_layout(loaded.out)
     assert layout == chunk_layout(loaded.job_layout)
-    assert [s[0] for _, s in layout["dcp.model.model.embed_tokens.weight"]] == [63, 63, 63, 61]
+    key = "dcp.model.model.embed_tokens.weight"
+    vocab = FileSystemReader(str(loaded.out)).read_metadata().state_dict_metadata[key].size[0]
+    assert vocab % 4 and [s[0] for _, s in layout[key]] == [len(rows) for rows in torch.arange(vocab).chunk(4)]
 
 
 def test_dense_hsdp(loads):
