@@ -355,6 +355,51 @@ def test_export_hf_fused_experts(tmp_path, saved, trained_hf, hf):
     assert torch.equal(logits(out), logits(trained_hf("qwen3_moe", "archon")))
 
 
+def test_verify_compares_under_the_families_and_formats_given(hf, tmp_path):
+    """verify --adapter-a/--adapter-b name each side's family, --from-a/--from-b its format: the oracle's Archon state
+    of an HF folder (a torch.save file) equals the folder, compared under A's names; one changed element is named by
+    A's key at A's index (the oracle's permutation of the RoPE rows says where); a family or format that is not the
+    side's is caught."""
+    source = hf("llama")
+    config = read_config(source)
+    hf_state = load_hf_state(source)
+    archon = hf_to_family(hf_state, "llama", "archon", config)
+    torch.save({"model": archon}, tmp_path / "archon.pt")
+
+    def verify(a, b, family_a, family_b):
+        """verify A B --json with each side's family given, and its format (a torch.save file, or the HF folder)."""
+        formats = [{source: "hf"}.get(side, "torch") for side in (a, b)]
+        result = dcptool("verify", a, b, "--adapter-a", family_a, "--adapter-b", family_b, "--from-a", formats[0],
+                         "--from-b", formats[1], "--json", check=False)
+        return result.returncode, json.loads(result.stdout) if result.stdout.strip() else None, result.stderr
+
+    for a, b, family_a, family_b in ((tmp_path / "archon.pt", source, "archon", "hf"),
+                                     (source, tmp_path / "archon.pt", "hf", "archon")):
+        code, report, stderr = verify(a, b, family_a, family_b)
+        assert code == 0 and report["equal"] and report["tensors_compared"] == len(archon), (family_a, stderr)
+
+    key = "layers.0.attention.wq.weight"
+    changed = dict(archon)
+    changed[key] = archon[key].clone()
+    changed[key][1, 0] += 1.0
+    torch.save({"model": changed}, tmp_path / "changed.pt")
+    code, report, _ = verify(tmp_path / "changed.pt", source, "archon", "hf")
+    assert code == 1 and [(d["key"], d["kind"], d["first_index"]) for d in report["differences"]] == [(key, "value", [1, 0])]
+    hf_key = "model.layers.0.self_attn.q_proj.weight"
+    moved = (family_to_hf(changed, "llama", "archon", config)[hf_key] != hf_state[hf_key]).nonzero().tolist()
+    code, report, _ = verify(source, tmp_path / "changed.pt", "hf", "archon")
+    assert code == 1 and [(d["key"], d["first_index"]) for d in report["differences"]] == [(hf_key, moved[0])]
+    assert moved != [[1, 0]]  # the RoPE permutation moved the row: B was compared under A's names and layout
+
+    # torchtitan 0.3 names its attention otherwise (qkv_linear): these Archon names are not its own
+    code, report, _ = verify(tmp_path / "archon.pt", source, "torchtitan", "hf")
+    assert code == 1 and {d["kind"] for d in report["differences"]} == {"missing", "extra"}
+    for options, wrong in ((["--from-a", "hf"], tmp_path / "archon.pt"), (["--from-b", "torch"], source)):
+        result = dcptool("verify", tmp_path / "archon.pt", source, *options, check=False)
+        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+            f"dcptool: error: {wrong}: "), result.stderr
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_import_then_export_is_bitwise(tmp_path, hf, name, family):
