@@ -39,6 +39,21 @@ def test_loads_on_the_saving_mesh_and_on_others(checkpoints):
         assert report["load_seconds"] > 0
 
 
+def test_nproc_and_backend_choose_the_job(checkpoints):
+    """--nproc sets the job's ranks (the mesh's dp follows: 2 ranks at tp=2 is dp=1, where the 4 that saved the
+    checkpoint would give dp=2); --backend is the process group's, whatever auto would choose here."""
+    source, _ = checkpoints("fsdp2_dp2_tp2")
+    report = json.loads(dcptool("verify", source, "--load-on", "tp=2", "--nproc", "2", "--backend", "gloo",
+                                "--json").stdout)
+    assert report["ok"] and report["nproc"] == 2 and len(report["ranks"]) == 2 and report["backend"] == "gloo"
+    assert (report["mesh"]["dp"], report["mesh"]["tp"]) == (1, 2)
+    assert dcptool("verify", source, "--load-on", "tp=2", "--nproc", "3", check=False).returncode == 2
+    result = dcptool("verify", source, "--load-on", "tp=2", "--nproc", "2", "--backend", "nccl", "--json", check=False)
+    assert json.loads(result.stdout)["backend"] == "nccl"
+    # nccl needs a GPU per rank: without them the job cannot start its process group
+    assert result.returncode == (0 if torch.cuda.device_count() >= 2 else 2), result.stderr
+
+
 @pytest.fixture
 def damaged(checkpoints, tmp_path):
     source, _ = checkpoints("fsdp2_dp2_tp2")
