@@ -27,6 +27,7 @@ MOE_TARGETS = {
     "dp1_tp4": {"dp": 1, "tp": 4},
     "dp2_ep2": {"dp": 2, "ep": 2},
     "dp2_tp2_ep2_etp2": {"dp": 2, "tp": 2, "ep": 2, "etp": 2},
+    "dp2_tp2_ep2": {"dp": 2, "tp": 2, "ep": 2, "etp": 1},  # ep borrows tp's ranks: experts whole on tp
 }
 
 
@@ -35,7 +36,7 @@ def flags(mesh: dict) -> list[str]:
 
 
 def world(mesh: dict) -> int:
-    return mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("dp_replicate", 1)
+    return mesh.get("dp", 1) * mesh.get("cp", 1) * mesh.get("tp", 1) * mesh.get("dp_replicate", 1)
 
 
 def chunk_layout(path) -> dict:
@@ -110,6 +111,10 @@ def loads(moe_source, checkpoints, tmp_path_factory) -> dict[str, Loaded]:
     case("dense-hsdp", [["reshard", dense, out, "--dp-replicate", "2", "--dp", "2"]], 4,
          ["load-dcp", out, "--dp-replicate", "2", "--dp", "2", "--layout", "torchtitan",
           "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
+    out, job_layout = paths("dense-cp")
+    case("dense-cp", [["reshard", dense, out, "--dp", "1", "--cp", "2", "--tp", "2", "--config-dir", dense_reference]], 4,
+         ["load-dcp", out, "--dp", "1", "--cp", "2", "--tp", "2", "--layout", "torchtitan",
+          "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
     out, job_layout = paths("import-hf")
     hf = root / "import-hf" / "hf"
     case("import-hf", [["export-hf", dense, hf, "--config-dir", dense_reference],
@@ -181,6 +186,15 @@ def test_dense_hsdp(loads):
     assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
     # replicas are saved once: the 4 ranks hold 2 distinct shards of each sharded weight
     assert len(chunk_layout(loaded.out)["model.layers.0.mlp.up_proj.weight"]) == 2
+
+
+def test_dense_cp_shards_over_dp_and_cp(loads):
+    """--cp 2 with --dp 1 --tp 2: FSDP shards over dp*cp as torchtitan's dp_shard_cp does; the job on that mesh
+    loads it and saves the same chunks."""
+    loaded = loads["dense-cp"].checked()
+    assert "4 ranks: cp=2 x tp=2" in loaded.made.stderr
+    assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
+    assert data_files(loaded.out) == [f"__{rank}_0.distcp" for rank in range(4)]
 
 
 def test_reshard_to_fsdp1_loads_in_fsdp1_job(loads):
