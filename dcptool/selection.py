@@ -5,7 +5,7 @@ The model part is found from the checkpoint's own nesting (AReaL's ``{"dcp": {"m
 activation checkpointing, FSDP1 and DDP add to parameter names are stripped. ``select`` keeps the
 names ``--include`` / ``--exclude`` choose; ``out_tensors`` makes the output entries, cast to ``--dtype``.
 
->>> WRAPPER_PREFIXES.sub(r"\\1", "model.layers.0._fsdp_wrapped_module.mlp.weight")
+>>> unwrapped("module._orig_mod.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp.weight")
 'model.layers.0.mlp.weight'
 >>> select({"a.weight": 1, "a.bias": 2, "b.weight": 3}, r"weight$", r"^b\\.")
 {'a.weight': 1}
@@ -30,7 +30,16 @@ NON_MODEL_ROOTS = {"optimizer", "optim", "optimizers", "lr_scheduler", "lr_sched
                    "dataloader", "train_state", "extra_state", "rng", "rng_state"}
 OPTIMIZER_ROOTS = {"optimizer", "optim", "optimizers"}
 # Prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1, DDP).
-WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.|^module\.")
+_WRAPPER_PREFIXES = re.compile(r"(^|\.)(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.|^module\.")
+
+
+def unwrapped(name: str) -> str:
+    """``name`` without the prefixes wrappers add, however they nest: DDP around a compiled model
+    (``module._orig_mod.``), a compiled DDP (``_orig_mod.module.``), FSDP1 around checkpointed layers
+    (``_fsdp_wrapped_module._checkpoint_wrapped_module.``); one pass of _WRAPPER_PREFIXES leaves the inner one."""
+    while (bare := _WRAPPER_PREFIXES.sub(r"\1", name)) != name:
+        name = bare
+    return name
 
 
 def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict | None = None) -> dict:
@@ -53,7 +62,7 @@ def model_part(checkpoint: Checkpoint, prefix: str | None = None, entries: dict 
             # A flat key saved whole (Megatron-Core's "optimizer.state.exp_avg.<name>") has its root before the first dot.
             key = entry.key if str(entry.path[0]).split(".")[0] not in NON_MODEL_ROOTS else None
         if key is not None:
-            found[WRAPPER_PREFIXES.sub(r"\1", key)] = entry
+            found[unwrapped(key)] = entry
     if start and entries is None and not found:
         raise UsageError(f"{checkpoint.root}: no tensor key starts with {start!r}")
     return found

@@ -1,6 +1,7 @@
 """Shared fixtures: checkpoints saved by real multi-process gloo jobs (harness.gloo_jobs), made once per session."""
 
 import atexit
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +19,36 @@ from jobs import ForkServer  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SESSION_ENV, SESSION_CWD = dict(os.environ), os.getcwd()
 _cli: ForkServer | None = None
+
+
+def under_ci() -> bool:
+    """Whether the suite runs as CI (env CI=1 or true, as .ci/run and CI services set it)."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes", "on")
+
+
+def import_error(module: str) -> Exception | None:
+    """What stops ``module`` importing, or None once it is imported. Any exception counts: an optional stack fails
+    in many ways (a missing triton, an incompatible torch)."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001
+        return error
+    return None
+
+
+def oracle(module: str):
+    """Import ``module``, a library the tests check dcptool against or run jobs of (megatron.core, torchtitan's
+    models, accelerate, ...), and return it. Where it does not import, the calling test (or module) is skipped,
+    naming the error; under CI, where scripts/test.sh installs every one, it fails instead, so that a broken
+    install cannot skip the cases it serves. A fixture that adds an oracle's cases only where it imports asks
+    ``import_error(module) is None``; the test of such a case calls ``oracle`` itself."""
+    error = import_error(module)
+    if error is not None:
+        why = f"{module} does not import: {error!r}"
+        if under_ci():
+            pytest.fail(f"{why} (CI: scripts/test.sh installs it)", pytrace=False)
+        pytest.skip(why, allow_module_level=True)
+    return sys.modules[module]
 
 
 def dcptool(*args, check=True):
@@ -209,8 +240,8 @@ def megatron_runs(tmp_path_factory):
     ``get(name, ranks, options)`` for another (made once per session under that name). Each run folder holds
     ``iter_0000100/``, ``latest_checkpointed_iteration.txt`` and ``model.json``; ``RUN.reference/full.pt`` beside it
     holds every weight, whole.
-    Skips when megatron-core is not installed (scripts/test.sh installs it)."""
-    pytest.importorskip("megatron.core", reason="megatron-core 0.19.2 is not installed (scripts/test.sh installs it)")
+    Skips where megatron-core does not import, fails under CI (``oracle``; scripts/test.sh installs 0.19.2)."""
+    oracle("megatron.core")
     root = tmp_path_factory.mktemp("megatron-runs")
     made = {}
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import dcptool
+from conftest import dcptool, oracle
 from jobs import ACCELERATE_JOBS, run_job
 
-pytest.importorskip("accelerate")
+oracle("accelerate")
 
 
 @pytest.fixture(scope="module")

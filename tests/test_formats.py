@@ -115,18 +115,31 @@ def test_cast_matches_torch(checkpoints, tmp_path):
 
 
 def test_hf_sharding_and_index(checkpoints, tmp_path):
+    """--max-shard-size splits as the hub splits the model's state dict (huggingface_hub's
+    split_torch_state_dict_into_shards, which transformers' save_pretrained uses): the same files, each with
+    the same tensors."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+
     path, reference = checkpoints("fsdp2_dp2")
     out = tmp_path / "hf"
     dcptool("export-hf", path, out, "--max-shard-size", "100KB", "--config-dir", reference)
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
-    import json
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    merged = {}
+    merged, files = {}, {}
     for shard in shards:
-        merged.update(load_file(shard))
+        tensors = load_file(shard)
+        merged.update(tensors)
+        files[shard.name] = sorted(tensors)
     assert set(index["weight_map"]) == set(merged)
+    model_state = {key: value for key, value in load_reference(reference).items() if key in merged}  # model's order
+    split = split_torch_state_dict_into_shards(model_state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size="100KB")
+    assert split.is_sharded and files == {name: sorted(keys) for name, keys in split.filename_to_tensors.items()}
+    assert index["weight_map"] == split.tensor_to_filename
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in merged.values())
     full = load_reference(reference)
     for key, value in merged.items():

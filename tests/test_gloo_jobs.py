@@ -187,7 +187,8 @@ def test_moe_ep2_to_tp2_ep2_etp2_with_own_layout(moe_dp2_ep2, four_ranks):
     root, steps = four_ranks
     step = steps["moe-tp2-ep2-etp2"]
     assert step.returncode == 0, step.stdout
-    assert "OK: 101 tensors" in step.stdout
+    every_tensor = len(torch.load(reference(moe_dp2_ep2) / "full.pt", weights_only=True))
+    assert f"OK: {every_tensor} tensors" in step.stdout
     assert ("placements layers.1.moe.experts.w2: (_StridedShard(dim=0, sf=2), Shard(dim=0), "
             "Shard(dim=2)) on mesh ('efsdp', 'ep', 'etp') (1, 2, 2)") in step.stdout
     assert ("placements layers.0.attention.wq.weight: (_StridedShard(dim=0, sf=2), Shard(dim=0)) "
@@ -220,3 +221,47 @@ def test_dcp_dp2_to_hsdp(dcp_dp2, four_ranks):
     assert ("placements model.embed_tokens.weight: (Replicate(), Shard(dim=0)) "
             "on mesh ('dp_replicate', 'dp_shard') (2, 2)") in step.stdout
     assert chunk_layout(root / "hsdp-own") == chunk_layout(dcp_dp2)
+
+
+def test_export_hf_removes_the_wrappers_torch_puts_on_names(two_ranks, tmp_path):
+    """The model's weights keyed as torch's wrappers name them: FSDP1's ``_fsdp_wrapped_module.`` (the job's
+    named_parameters), torch.compile's ``_orig_mod.``, DataParallel's (and DDP's) ``module.``, also around a
+    compiled model, and activation checkpointing's ``_checkpoint_wrapped_module.``. export-hf writes the names
+    transformers gives the model, each weight the one FSDP1 gathered; ``--prefix`` strips a wrapper of one's own."""
+    import copy
+
+    import transformers
+    from safetensors.torch import load_file
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from conftest import dcptool
+
+    root, steps = two_ranks
+    assert steps["save-fsdp1-sharded_tensor"].returncode == 0, steps["save-fsdp1-sharded_tensor"].stdout
+    ref = reference(root / "fsdp1_sharded_tensor")
+    full = torch.load(ref / "full.pt", weights_only=True)
+    config = transformers.AutoConfig.from_pretrained(ref)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(full)
+    checkpointed = copy.deepcopy(model)
+    for index, layer in enumerate(checkpointed.model.layers):
+        checkpointed.model.layers[index] = checkpoint_wrapper(layer)
+    wrapped = {
+        "fsdp1": torch.load(ref / "fsdp1_named_parameters.pt", weights_only=True),
+        "compiled": torch.compile(model).state_dict(),
+        "data-parallel": torch.nn.DataParallel(model).state_dict(),
+        "data-parallel-compiled": torch.nn.DataParallel(torch.compile(model)).state_dict(),
+        "checkpointed": dict(checkpointed.named_parameters()),
+        "own": {"actor": {"weights": model.state_dict()}},
+    }
+    assert all(any(part in key for key in wrapped[name]) for name, part in (
+        ("fsdp1", "._fsdp_wrapped_module."), ("compiled", "_orig_mod."), ("data-parallel", "module."),
+        ("data-parallel-compiled", "module._orig_mod."), ("checkpointed", "._checkpoint_wrapped_module.")))
+    model_names = set(full) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    for name, state in wrapped.items():
+        torch.save(state, tmp_path / f"{name}.pt")
+        prefix = ["--prefix", "actor.weights"] if name == "own" else []
+        dcptool("export-hf", tmp_path / f"{name}.pt", tmp_path / name, "--config-dir", ref, *prefix)
+        exported = load_file(tmp_path / name / "model.safetensors")
+        assert set(exported) == model_names, (name, sorted(set(exported) ^ model_names)[:5])
+        assert all(torch.equal(tensor, full[key]) for key, tensor in exported.items()), name

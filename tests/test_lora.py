@@ -26,6 +26,30 @@ def refused(*args, names: list[str], output):
     return lines[0]
 
 
+def peft_model(reference, adapter=None):
+    """The peft model of a LoRA run, rebuilt by peft itself: the reference's base weights with the adapter folder
+    ``adapter`` (default: the one peft saved of the trained model)."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(reference / "base")
+    return peft.PeftModel.from_pretrained(base, adapter or reference / "adapter")
+
+
+def assert_merged_as(folder, expected: dict) -> None:
+    """The merged export in ``folder`` holds ``expected`` (peft's merge), within float32 rounding."""
+    merged = load_file(folder / "model.safetensors")
+    assert set(merged) == set(expected)
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def lora_layers(reference) -> set[str]:
+    """The modules peft gave LoRA layers, by their names in the peft model's state dict (the run's peft.pt)."""
+    state = torch.load(reference / "peft.pt", weights_only=True)
+    return {key.split(".lora_")[0] for key in state if ".lora_" in key}
+
+
 def logits_of(model, ids):
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
@@ -139,11 +163,18 @@ def test_verl_fsdp1_files(lora_runs, tmp_path):
 def test_inspect_shows_adapters(lora_runs):
     found = json.loads(dcptool("inspect", lora_runs / "lora", "--json").stdout)
     lora = found["lora"]
-    assert lora["adapters"] == ["default"] and lora["alpha"] == 16 and lora["modules_to_save"] == ["lm_head"]
-    assert lora["ranks"]["model.layers.1.mlp.down_proj"] == 4 and len(lora["ranks"]) == 15
+    settings = json.loads((lora_runs / "lora.reference" / "adapter" / "adapter_config.json").read_text())
+    assert lora["adapters"] == ["default"] and lora["alpha"] == settings["lora_alpha"]
+    assert lora["modules_to_save"] == settings["modules_to_save"]
+    prefix = "base_model.model."
+    assert set(lora["ranks"]) == {name.removeprefix(prefix) for name in lora_layers(lora_runs / "lora.reference")}
+    assert set(lora["ranks"].values()) == {settings["r"]}
     assert found["names"] == {"family": "hf", "kind": "llama"}
     text = dcptool("inspect", lora_runs / "dora").stdout
-    assert "LoRA (DoRA): adapter default, rank 4 on 6 modules (down_proj, q_proj, v_proj)" in text
+    dora = lora_runs / "dora.reference"
+    settings = json.loads((dora / "adapter" / "adapter_config.json").read_text())
+    modules = f"{len(lora_layers(dora))} modules ({', '.join(sorted(settings['target_modules']))})"
+    assert f"LoRA (DoRA): adapter default, rank {settings['r']} on {modules}" in text
 
 
 def test_refusals(lora_runs, tmp_path):
@@ -165,10 +196,18 @@ def test_refusals(lora_runs, tmp_path):
     for name in ("alpha", "config"):
         got = load_file(tmp_path / name / "model.safetensors")
         assert all(torch.equal(got[k], beside[k]) for k in beside), name
+    # --lora-alpha 8 merges as peft merges the same adapter whose config says lora_alpha 8
     halved = tmp_path / "halved"
     dcptool("export-hf", bare, halved, "--lora", "merge", "--lora-alpha", "8")
+    reference = lora_runs / "lora.reference"
+    shutil.copytree(reference / "adapter", tmp_path / "alpha-8")
+    adapter_config = json.loads((tmp_path / "alpha-8" / "adapter_config.json").read_text())
+    assert adapter_config["lora_alpha"] != 8
+    (tmp_path / "alpha-8" / "adapter_config.json").write_text(json.dumps({**adapter_config, "lora_alpha": 8}))
+    expected = peft_model(reference, tmp_path / "alpha-8").merge_and_unload().state_dict()
+    assert_merged_as(halved, expected)
     key = "model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(load_file(halved / "model.safetensors")[key], beside[key])
+    assert not torch.equal(expected[key], beside[key])
 
 
 def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
@@ -182,7 +221,7 @@ def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
     dcptool("export-hf", checkpoint, tmp_path / "adapter", "--lora", "adapter")
     result = dcptool("import-hf", reference / "base", tmp_path / "resume", "--dp", "2",
                      "--lora-adapter", tmp_path / "adapter")
-    assert "15 LoRA layers, modules_to_save lm_head" in result.stderr
+    assert f"{len(lora_layers(reference))} LoRA layers, modules_to_save lm_head" in result.stderr
     # Qwen3-MoE: the HF folder holds one tensor per expert, the peft model transformers v5's fused ones
     moe = lora_runs / "qwen3_moe.reference"
     dcptool("import-hf", moe / "base", tmp_path / "resume-moe", "--dp", "2", "--lora-adapter", moe / "adapter")
@@ -264,22 +303,29 @@ def test_refusals_of_what_cannot_merge(lora_runs, tmp_path):
 
 
 def test_every_adapter_merged(lora_runs, tmp_path):
-    """Two adapters on the same layers: both merged. The second undoes the first (its B negated), so the
-    merge is the base model again, within float32 rounding; modules_to_save's copy still replaces the head."""
-    state = torch.load(lora_runs / "lora.reference" / "peft.pt", weights_only=True)
-    for key in [k for k in state if ".lora_" in k]:
-        state[key.replace(".default", ".undo")] = -state[key] if "_B" in key else state[key]
+    """Two adapters on the same layers, of other ranks (so other scalings), both merged: against peft's own
+    merge_and_unload of both; modules_to_save's copy of the first still replaces the head."""
+    import peft
+
+    reference = lora_runs / "lora.reference"
+    model = peft_model(reference)
+    settings = json.loads((reference / "adapter" / "adapter_config.json").read_text())
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=settings["lora_alpha"],
+                                                target_modules=settings["target_modules"]))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".second." in name:  # peft starts lora_B (embeddings: lora_A) at zero
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    assert any(".lora_B.second." in key for key in state) and any(".lora_embedding_A.second" in key for key in state)
     torch.save({"model": state}, tmp_path / "two.pt")
-    result = dcptool("export-hf", tmp_path / "two.pt", tmp_path / "merged", "--lora", "merge", "--lora-alpha", "16")
-    assert "merged 15 LoRA layers of default, undo" in result.stderr
-    merged = load_file(tmp_path / "merged" / "model.safetensors")
-    base = load_file(lora_runs / "lora.reference" / "base" / "model.safetensors")
-    trained_head = state["base_model.model.lm_head.modules_to_save.default.weight"]
-    for key, tensor in merged.items():
-        expected = trained_head if key == "lm_head.weight" else base[key]
-        torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=key)
+    result = dcptool("export-hf", tmp_path / "two.pt", tmp_path / "merged", "--lora", "merge", "--lora-alpha",
+                     str(settings["lora_alpha"]))
+    assert f"merged {len(lora_layers(reference))} LoRA layers of default, second" in result.stderr
+    assert_merged_as(tmp_path / "merged", model.merge_and_unload(adapter_names=["default", "second"]).state_dict())
     refused("export-hf", tmp_path / "two.pt", tmp_path / "adapter", "--lora", "adapter", "--lora-alpha", "16",
-            names=["2 (default, undo)"], output=tmp_path / "adapter")
+            names=["2 (default, second)"], output=tmp_path / "adapter")
 
 
 def saved_with_trained_b(model, state_file, adapter_folder) -> None:

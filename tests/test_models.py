@@ -4,6 +4,7 @@ same config on the meta device, and the answers the registry gives for every kin
 from __future__ import annotations
 
 import pytest
+from conftest import oracle
 from harness.family_models import HF_ONLY_MODELS, MODELS
 
 from dcptool import families, hf_config, models
@@ -28,8 +29,7 @@ def _variants() -> list[tuple[str, dict]]:
 
 def meta_weights(config: dict) -> dict[str, tuple[int, ...]]:
     """The names and shapes of every weight transformers saves for ``config``: the model built on the meta device."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = oracle("torch"), oracle("transformers")
     fields = {key: value for key, value in config.items() if key != "model_type"}
     settings = transformers.AutoConfig.for_model(config["model_type"], **fields)
     with torch.device("meta"):

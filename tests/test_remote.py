@@ -7,6 +7,7 @@ through ``dcptool.cli.main`` rather than as subprocesses. ``s3://`` is read from
 """
 
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
@@ -69,6 +70,12 @@ def upload(local: Path, url: str) -> str:
         name = target if local.is_file() else f"{target}/{item.relative_to(local).as_posix()}"
         MEMORY.pipe(name, item.read_bytes())
     return url
+
+
+def digests(path: Path) -> dict[str, str]:
+    """SHA-256 of each file under ``path`` (or of the file ``path``), by name."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
 def same_tree(a: Path, b: Path) -> None:
@@ -238,10 +245,19 @@ def test_unknown_protocol_says_what_to_install():
         refused("inspect", "s3://bucket/step-100", names="s3://bucket/step-100: Install s3fs")
 
 
-@pytest.mark.parametrize("command", [["export-hf", "--max-shard-size", "30KB"], ["convert", "--to", "torch"],
-                                     ["reshard", "--dp", "3"], ["convert", "--to", "fsdp1", "--world-size", "2"]])
-def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, bucket, tmp_path, monkeypatch, command):
-    """Written locally, then uploaded; the file that completes the checkpoint goes up last."""
+# Each command, and what replaces its output with --overwrite: another checkpoint (the same model trained further),
+# written as other files where the command allows (fewer shards, fewer ranks), so that a file left over shows.
+DESTINATIONS = [(["export-hf", "--max-shard-size", "30KB"], ["--max-shard-size", "60KB"]),
+                (["convert", "--to", "torch"], []),
+                (["reshard", "--dp", "3"], ["--dp", "1"]),
+                (["convert", "--to", "fsdp1", "--world-size", "2"], ["--world-size", "1"])]
+
+
+@pytest.mark.parametrize("command, replacing", DESTINATIONS, ids=[" ".join(c) for c, _ in DESTINATIONS])
+def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, checkpoints, bucket, tmp_path, monkeypatch,
+                                                                    command, replacing):
+    """Written locally, then uploaded; the file that completes the checkpoint goes up last. --overwrite replaces
+    the remote output with another: read back, it is what the same command writes locally."""
     uploaded = []
     put_file = type(MEMORY).put_file
     monkeypatch.setattr(type(MEMORY), "put_file", lambda self, lpath, rpath, **kw: (
@@ -257,7 +273,12 @@ def test_remote_destinations_get_the_same_bytes_with_the_index_last(local, bucke
     if completes:
         assert uploaded[-1] == completes, uploaded
     refused(name, local["dcp"], f"{bucket}/out", *options, names=f"{bucket}/out: already exists (pass --overwrite")
-    ok("--quiet", name, local["dcp"], f"{bucket}/out", *options, "--overwrite")
+    trained_further, _ = checkpoints("dp2_step2")
+    ok("--quiet", name, trained_further, f"{bucket}/out", *options, *replacing, "--overwrite")
+    ok("--quiet", name, trained_further, tmp_path / "local-2", *options, *replacing)
+    MEMORY.get(memory_path(f"{bucket}/out"), str(tmp_path / "downloaded-2"), recursive=True)
+    same_tree(tmp_path / "downloaded-2", tmp_path / "local-2")
+    assert digests(tmp_path / "downloaded-2") != digests(tmp_path / "local")  # the bytes changed, not only the exit code
 
 
 # moto's S3 server in a process of its own, on a port the system chose; it serves until its stdin closes.

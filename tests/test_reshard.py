@@ -27,6 +27,7 @@ MOE_TARGETS = {
     "dp1_tp4": {"dp": 1, "tp": 4},
     "dp2_ep2": {"dp": 2, "ep": 2},
     "dp2_tp2_ep2_etp2": {"dp": 2, "tp": 2, "ep": 2, "etp": 2},
+    "dp2_tp2_ep2": {"dp": 2, "tp": 2, "ep": 2, "etp": 1},  # ep borrows tp's ranks: experts whole on tp
 }
 
 
@@ -35,7 +36,7 @@ def flags(mesh: dict) -> list[str]:
 
 
 def world(mesh: dict) -> int:
-    return mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("dp_replicate", 1)
+    return mesh.get("dp", 1) * mesh.get("cp", 1) * mesh.get("tp", 1) * mesh.get("dp_replicate", 1)
 
 
 def chunk_layout(path) -> dict:
@@ -110,6 +111,10 @@ def loads(moe_source, checkpoints, tmp_path_factory) -> dict[str, Loaded]:
     case("dense-hsdp", [["reshard", dense, out, "--dp-replicate", "2", "--dp", "2"]], 4,
          ["load-dcp", out, "--dp-replicate", "2", "--dp", "2", "--layout", "torchtitan",
           "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
+    out, job_layout = paths("dense-cp")
+    case("dense-cp", [["reshard", dense, out, "--dp", "1", "--cp", "2", "--tp", "2", "--config-dir", dense_reference]], 4,
+         ["load-dcp", out, "--dp", "1", "--cp", "2", "--tp", "2", "--layout", "torchtitan",
+          "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
     out, job_layout = paths("import-hf")
     hf = root / "import-hf" / "hf"
     case("import-hf", [["export-hf", dense, hf, "--config-dir", dense_reference],
@@ -165,12 +170,15 @@ def test_reshard_there_and_back_returns_the_same_bytes(moe_source, tmp_path):
 
 
 def test_dense_uneven_dp4_from_fsdp_tp(loads):
-    """vocab 250 over dp=4: torch.chunk-style shards of 63, 63, 63 and 61 rows (AReaL layout, HF names)."""
+    """A vocabulary that 4 does not divide over dp=4: shards of rows as torch.chunk makes them (AReaL layout, HF
+    names)."""
     loaded = loads["dense-dp4"].checked()
     assert "4 ranks: dp=4" in loaded.made.stderr
     layout = chunk_layout(loaded.out)
     assert layout == chunk_layout(loaded.job_layout)
-    assert [s[0] for _, s in layout["dcp.model.model.embed_tokens.weight"]] == [63, 63, 63, 61]
+    key = "dcp.model.model.embed_tokens.weight"
+    vocab = FileSystemReader(str(loaded.out)).read_metadata().state_dict_metadata[key].size[0]
+    assert vocab % 4 and [s[0] for _, s in layout[key]] == [len(rows) for rows in torch.arange(vocab).chunk(4)]
 
 
 def test_dense_hsdp(loads):
@@ -178,6 +186,15 @@ def test_dense_hsdp(loads):
     assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
     # replicas are saved once: the 4 ranks hold 2 distinct shards of each sharded weight
     assert len(chunk_layout(loaded.out)["model.layers.0.mlp.up_proj.weight"]) == 2
+
+
+def test_dense_cp_shards_over_dp_and_cp(loads):
+    """--cp 2 with --dp 1 --tp 2: FSDP shards over dp*cp as torchtitan's dp_shard_cp does; the job on that mesh
+    loads it and saves the same chunks."""
+    loaded = loads["dense-cp"].checked()
+    assert "4 ranks: cp=2 x tp=2" in loaded.made.stderr
+    assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
+    assert data_files(loaded.out) == [f"__{rank}_0.distcp" for rank in range(4)]
 
 
 def test_reshard_to_fsdp1_loads_in_fsdp1_job(loads):
@@ -244,14 +261,32 @@ def test_refusals_name_the_tensor_or_setting(checkpoints, tmp_path):
 
 
 def test_plan_file_places_tensors_as_written(checkpoints, tmp_path):
+    """A plan file's rules, planned (--dry-run) and written: torch's metadata holds the chunks the rules say (rowwise:
+    halves of dim 1, as torch.chunk splits it; no rule: replicated, one chunk), and dcp.load reads the job's state."""
+    import torch.distributed.checkpoint as dcp
+
     source, reference = checkpoints("fsdp2_dp2")
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"name": "rows-only", "rules": [{"match": r"proj\.weight$", "tp": "rowwise"}]}))
-    result = json.loads(dcptool("reshard", source, tmp_path / "x", "--tp", "2", "--plan", plan, "--dry-run",
-                                "--json", "--config-dir", reference).stdout)
+    options = ["--tp", "2", "--plan", plan, "--config-dir", reference]
+    result = json.loads(dcptool("reshard", source, tmp_path / "x", *options, "--dry-run", "--json").stdout)
     assert result["plan"] == "rows-only"
     assert result["tensors"]["model.layers.0.self_attn.q_proj.weight"]["placement"] == "tp=2:Shard(1)"
     assert result["tensors"]["model.embed_tokens.weight"]["placement"] == "replicated"
+
+    out = tmp_path / "rows-only"
+    dcptool("reshard", source, out, *options)
+    full = load_reference(reference)
+    layout = chunk_layout(out)
+    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        rows, columns = full[key].shape
+        halves = torch.arange(columns).chunk(2)
+        assert layout[key] == [((0, int(half[0])), (rows, len(half))) for half in halves], key
+    assert layout["model.embed_tokens.weight"] == [((0, 0), tuple(full["model.embed_tokens.weight"].shape))]
+    loaded = {key: torch.empty_like(value) for key, value in full.items()}
+    dcp.load(loaded, checkpoint_id=out, no_dist=True)
+    for key, value in full.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def test_entries_of_single_dp_ranks_are_dropped_with_a_warning_or_kept(checkpoints, tmp_path):

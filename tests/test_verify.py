@@ -145,6 +145,53 @@ def test_tolerances_report_the_largest_differences(exports, tmp_path):
     assert [(d["key"], d["kind"], d["first_index"]) for d in report["differences"]] == [(key, "value", [2, 3])]
 
 
+def test_rtol_measures_against_a_and_fails_just_over_it(exports, tmp_path):
+    """``--rtol`` passes where ``|a - b| <= rtol * |a|`` (README, verification.py): a value just under that bound
+    passes, one just over it fails, and one that is within ``rtol * |b|`` but not ``rtol * |a|`` fails as A B and
+    passes as B A. torch.isclose(b, a) (which measures against its second argument) is the oracle of each."""
+    full = load_reference(exports["reference"])
+    key = next(k for k in full if k.endswith(UP))
+    rtol = 1e-2
+    options = ["--rtol", str(rtol), "--exclude", r"^train_state|param_groups"]
+    a = full[key].double()
+
+    def near(index, factor, side):
+        """The float32 next to ``a * (1 + factor * rtol)`` on ``side`` (+1 above, -1 below) of it, in magnitude."""
+        target = np.float32(a[index].item() * (1 + factor * rtol))
+        return float(np.nextafter(target, np.float32(side * np.sign(target) * np.inf)))
+
+    under, over, between = (2, 3), (4, 5), (6, 7)
+    values = {under: near(under, 1, -1), over: near(over, 1, +1), between: near(between, 1 + rtol / 2, +1)}
+
+    def isclose(x, y) -> bool:
+        return bool(torch.isclose(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64),
+                                  rtol=rtol, atol=0))
+
+    assert all(a[index].item() != 0 for index in values)
+    assert isclose(values[under], a[under].item()) and not isclose(values[over], a[over].item())
+    # within rtol of |b| (the swapped order), not of |a|
+    assert not isclose(values[between], a[between].item()) and isclose(a[between].item(), values[between])
+
+    def saved(name, *indexes):
+        changed = dict(full)
+        changed[key] = full[key].clone()
+        for index in indexes:
+            changed[key][index] = values[index]
+        torch.save(changed, tmp_path / name)
+        return tmp_path / name
+
+    code, report, stderr = run_verify(exports["dcp"], saved("under.pt", under), *options)
+    assert code == 0 and report["equal"], (stderr, report)
+    code, report, stderr = run_verify(exports["dcp"], saved("over.pt", under, over), *options)
+    assert code == 1, stderr
+    assert [(d["key"], d["first_index"], d["count"]) for d in report["differences"]] == [(key, list(over), 1)]
+    between_file = saved("between.pt", between)
+    code, report, _ = run_verify(exports["dcp"], between_file, *options)
+    assert code == 1 and [d["first_index"] for d in report["differences"]] == [list(between)]
+    code, report, stderr = run_verify(between_file, exports["dcp"], *options)
+    assert code == 0 and report["equal"], (stderr, report)
+
+
 def test_float32_against_its_bfloat16_export_within_tolerance(exports, tmp_path):
     dcptool("export-hf", exports["dcp"], tmp_path / "bf16", "--dtype", "bfloat16")
     code, report, _ = run_verify(exports["dcp"], tmp_path / "bf16", "--prefix-a", "dcp.model")

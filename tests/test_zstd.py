@@ -17,15 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import dcptool, read_tensor
+from conftest import dcptool, oracle, read_tensor
 from jobs import STORAGE_JOBS, run_job
 from test_records import KINDS, TORCH_DOES_NOT_SEE, checked, damage_at, refused
 from dcptool import compression, formats
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 
-zstandard = pytest.importorskip("zstandard",
-                                reason="zstd DCP needs the zstandard package (pip install 'dcptool[zstd]')")
+zstandard = oracle("zstandard")  # zstd DCP needs it (pip install 'dcptool[zstd]')
 
 
 @pytest.fixture(scope="module")

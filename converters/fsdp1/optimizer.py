@@ -275,7 +275,7 @@ class PlainOptimizer:
         group_of: dict[str, int] = {}
         for index, group in enumerate(groups):
             for name in group["params"]:
-                group_of.setdefault(selection.WRAPPER_PREFIXES.sub(r"\1", name), index)
+                group_of.setdefault(selection.unwrapped(name), index)
         # What each position holds, in the order of model.parameters(): flat parameters unit by unit (the
         # root's first); with use_orig_params=True the parameters themselves, as the model lists them.
         model_order = {t.key: number for number, t in enumerate(parameters)}

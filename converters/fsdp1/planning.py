@@ -67,13 +67,13 @@ def entries(checkpoint: Checkpoint, world_size: int | None = None, dtype: str | 
             continue
         shape = entry.shape if isinstance(entry, TensorInfo) else None
         flat = _FLAT_PARAM_GROUP.search(key) if shape is None else None
-        parameter = selection.WRAPPER_PREFIXES.sub(r"\1", flat.group("param")) if flat else None
+        parameter = selection.unwrapped(flat.group("param")) if flat else None
         if parameter in everything:
             if parameter in model:
                 flat_groups.setdefault(parameter, {})[flat.group("setting")] = checkpoint.object_value(entry)
                 merged.append(entry)
             continue
-        path, problem = _training_path(key, entry.path, everything, model, shape, selection.WRAPPER_PREFIXES)
+        path, problem = _training_path(key, entry.path, everything, model, shape)
         own = RANK_ENTRY.match(str(path[1])) if path and path[0] == EXTRA_STATE else None
         if own and not keep_rank_state:
             path, problem = None, f"state of single ranks of the source job; {option('keep_rank_state', True)} keeps it"
@@ -171,10 +171,9 @@ def _param_groups(settings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
-def _training_path(key: str, path: tuple, everything: dict, chosen: dict, shape,
-                   wrappers: re.Pattern) -> tuple[tuple | None, str]:
+def _training_path(key: str, path: tuple, everything: dict, chosen: dict, shape) -> tuple[tuple | None, str]:
     """Where a non-model entry goes in verl's files (a nested path under ``optimizer`` or ``extra_state``),
-    or None and why it has no place there. ``wrappers``: the prefixes model names lose (``_orig_mod.``)."""
+    or None and why it has no place there. Parameter names lose their wrappers' prefixes (``_orig_mod.``)."""
     if path[0] == EXTRA_STATE and len(path) > 1 and (path[1] == "lr_scheduler" or RANK_ENTRY.match(str(path[1]))):
         return path, ""
     if path[0] in SCHEDULER_ROOTS:
@@ -189,7 +188,7 @@ def _training_path(key: str, path: tuple, everything: dict, chosen: dict, shape,
     state = key[root.end():]
     if shape is not None and state.startswith("state."):
         parameter, _, name = state[len("state."):].rpartition(".")
-        parameter = wrappers.sub(r"\1", parameter)
+        parameter = selection.unwrapped(parameter)
         if parameter in everything and parameter not in chosen:
             return None, "its parameter is left out"
         if parameter in everything and shape in ((), everything[parameter].shape):

@@ -41,16 +41,20 @@ def build_fsdp1_model(config, world_size: int, values: str, seed: int):
     SHARDED_STATE_DICT values DTensors (as verl writes); without a mesh they
     are ShardedTensors.
     """
+    if dist.get_world_size() != world_size:
+        raise SystemExit(f"--world-size {world_size} != torchrun world {dist.get_world_size()}")
+    kwargs = {}
+    if values == "dtensor":
+        kwargs["device_mesh"] = init_device_mesh("cpu", (world_size,))
+    return wrap_fsdp1(build_model(config, torch.float32, seed), **kwargs)
+
+
+def wrap_fsdp1(model, **kwargs):
+    """``model`` under FSDP1 as these jobs wrap it (``kwargs``: its mesh or process group)."""
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    if dist.get_world_size() != world_size:
-        raise SystemExit(f"--world-size {world_size} != torchrun world {dist.get_world_size()}")
-    model = build_model(config, torch.float32, seed)
-    kwargs = {}
-    if values == "dtensor":
-        kwargs["device_mesh"] = init_device_mesh("cpu", (world_size,))
     return FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
@@ -143,7 +147,13 @@ def cmd_save_fsdp1(args) -> int:
     # Reference, gathered by FSDP itself (collective: every rank calls it).
     full_model = fsdp1_full_state(model)
     full_optim = fsdp1_full_optim_state(model, optimizer)
+    alone = [dist.new_group([peer]) for peer in range(W)][r]  # every rank makes every group
     if r == 0:
+        # FSDP1's own names of its parameters (``_fsdp_wrapped_module.``, as named_parameters gives them outside
+        # summon_full_params), with whole values: the trained weights wrapped again over a group of this rank alone.
+        again = build_model(config, torch.float32, LOADER_SEED)
+        again.load_state_dict(full_model)
+        named = {name: value.detach().clone() for name, value in wrap_fsdp1(again, process_group=alone).named_parameters()}
         (out / "fsdp_config.json").write_text(
             json.dumps({"FSDP_version": 1, "world_size": W}) + "\n")
         config.save_pretrained(out / "huggingface")
@@ -151,6 +161,7 @@ def cmd_save_fsdp1(args) -> int:
         ref.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(ref)
         torch.save(dict(full_model), ref / "full.pt")
+        torch.save(named, ref / "fsdp1_named_parameters.pt")
         # Optimizer reference: "state.<fqn>.{step,exp_avg,exp_avg_sq}".
         optim_tensors, _ = split_tensors(flatten(full_optim["state"], "state"))
         torch.save(optim_tensors, ref / "full_optim.pt")

@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas")
         p.add_argument("--dp", type=int, required=True, help="FSDP shard degree (dp_shard)")
         p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--cp", type=int, default=1,
+                       help="context parallel degree: FSDP shards over dp*cp (torchtitan's dp_shard_cp)")
         p.add_argument("--ep", type=int, default=1,
                        help="expert parallel degree (--model moe); borrows dp (and tp) ranks")
         p.add_argument("--etp", type=int, default=None,

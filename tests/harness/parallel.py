@@ -19,7 +19,9 @@ from harness.runtime import log
 class Parallel:
     """A job's parallel degrees and its device meshes, as torchtitan's ParallelDims lays them out.
 
-    Dense parameters see the ranks row-major over (dp_replicate, dp_shard, tp).
+    Dense parameters see the ranks row-major over (dp_replicate, dp_shard, tp),
+    or (dp_replicate, dp_shard, cp, tp) with context parallelism, whose FSDP
+    shards over dp_shard and cp flattened (torchtitan's dp_shard_cp).
     Expert parallelism borrows ranks rather than adding any: the experts see
     the same ranks as (dp_replicate, efsdp, ep, etp) when etp == tp > 1, or as
     (dp_replicate, efsdp, ep) when etp == 1, where ep then spans dp_shard and
@@ -32,32 +34,34 @@ class Parallel:
     tp: int
     ep: int
     etp: int
+    cp: int = 1
     dense: DeviceMesh | None = None
     experts: DeviceMesh | None = None
+    sharding: DeviceMesh | None = None  # with cp: (dp_replicate, dp_shard_cp, tp), dp_shard and cp flattened
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp * self.tp
+        return self.dp_replicate * self.dp * self.cp * self.tp
 
     @property
     def efsdp(self) -> int:
         """FSDP degree of the experts: what EP leaves of the ranks it borrows."""
-        return self.dp * (self.tp if self.etp == 1 else 1) // self.ep
+        return self.dp * self.cp * (self.tp if self.etp == 1 else 1) // self.ep
 
     @property
     def fsdp_enabled(self) -> bool:
-        # As torchtitan: FSDP for dp_shard > 1, and always with EP (then
-        # possibly over a 1-rank dp mesh); pure TP jobs get no FSDP at all.
-        return self.dp > 1 or self.ep > 1
+        # As torchtitan: FSDP for dp_shard > 1 or cp > 1, and always with EP
+        # (then possibly over a 1-rank dp mesh); pure TP jobs get no FSDP at all.
+        return self.dp > 1 or self.cp > 1 or self.ep > 1
 
     def check(self) -> None:
         """Exit with a message if the degrees do not fit the job or each other."""
         if self.world_size != dist.get_world_size():
-            raise SystemExit(f"dp_replicate*dp*tp = {self.dp_replicate}*{self.dp}*{self.tp} "
+            raise SystemExit(f"dp_replicate*dp*cp*tp = {self.dp_replicate}*{self.dp}*{self.cp}*{self.tp} "
                              f"!= world size {dist.get_world_size()}")
         if self.etp not in (1, self.tp):
             raise SystemExit(f"--etp {self.etp} must be 1 or --tp ({self.tp})")
-        borrowed = self.dp * (self.tp if self.etp == 1 else 1)
+        borrowed = self.dp * self.cp * (self.tp if self.etp == 1 else 1)
         if self.ep > 1 and (borrowed % self.ep or (self.etp == 1 and self.ep % self.tp)):
             raise SystemExit(f"--ep {self.ep} with --etp {self.etp}: ep must divide the {borrowed} "
                              "dp_shard (x tp when etp=1) ranks it borrows, and with etp=1 be a "
@@ -69,8 +73,14 @@ class Parallel:
         """Check the degrees and make the meshes; returns self."""
         self.check()
         root = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("world",))
-        self.dense = root._unflatten(0, (self.dp_replicate, self.dp, self.tp),
-                                     ("dp_replicate", "dp_shard", "tp"))
+        if self.cp > 1:
+            self.dense = root._unflatten(0, (self.dp_replicate, self.dp, self.cp, self.tp),
+                                         ("dp_replicate", "dp_shard", "cp", "tp"))
+            self.sharding = root._unflatten(0, (self.dp_replicate, self.dp * self.cp, self.tp),
+                                            ("dp_replicate", "dp_shard_cp", "tp"))
+        else:
+            self.dense = self.sharding = root._unflatten(0, (self.dp_replicate, self.dp, self.tp),
+                                                         ("dp_replicate", "dp_shard", "tp"))
         if self.ep > 1:
             sizes = (self.dp_replicate, self.efsdp, self.ep)
             names = ("dp_replicate", "efsdp", "ep")
@@ -80,8 +90,9 @@ class Parallel:
         return self
 
     def dp_mesh(self) -> DeviceMesh:
-        """FSDP mesh of the dense parameters: 2-D for HSDP."""
-        return self.dense["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.dense["dp_shard"]
+        """FSDP mesh of the dense parameters (dp_shard, with cp dp_shard_cp): 2-D for HSDP."""
+        shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        return self.sharding["dp_replicate", shard] if self.dp_replicate > 1 else self.sharding[shard]
 
     def edp_mesh(self) -> DeviceMesh:
         """FSDP mesh of the routed experts under EP: 2-D for HSDP."""
@@ -94,14 +105,14 @@ class Parallel:
 
     def as_dict(self) -> dict[str, int]:
         """The degrees, as references record them."""
-        return {"dp_replicate": self.dp_replicate, "dp": self.dp, "tp": self.tp,
+        return {"dp_replicate": self.dp_replicate, "dp": self.dp, "cp": self.cp, "tp": self.tp,
                 "ep": self.ep, "etp": self.etp}
 
 
 def parallel_of(args) -> Parallel:
     """The mesh options of a save-dcp / load-dcp command line (--etp defaults to --tp)."""
     etp = args.tp if args.etp is None else args.etp
-    return Parallel(args.dp_replicate, args.dp, args.tp, args.ep, etp)
+    return Parallel(args.dp_replicate, args.dp, args.tp, args.ep, etp, args.cp)
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
