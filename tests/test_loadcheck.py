@@ -64,7 +64,10 @@ def test_nproc_and_backend_choose_the_job(checkpoints):
                                 "--json").stdout)
     assert report["ok"] and report["nproc"] == 2 and len(report["ranks"]) == 2 and report["backend"] == "gloo"
     assert (report["mesh"]["dp"], report["mesh"]["tp"]) == (1, 2)
-    assert dcptool("verify", source, "--load-on", "tp=2", "--nproc", "3", check=False).returncode == 2
+    refused = dcptool("verify", source, "--load-on", "tp=2", "--nproc", "3", check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "dcptool: error: --nproc 3 processes cannot hold the mesh of --load-on tp=2: give a multiple of "
+        "dp_replicate*cp*tp = 2"), refused.stderr
     result = dcptool("verify", source, "--load-on", "tp=2", "--nproc", "2", "--backend", "nccl", "--json", check=False)
     assert json.loads(result.stdout)["backend"] == "nccl"
     # nccl needs a GPU per rank: without them the job cannot start its process group
