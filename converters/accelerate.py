@@ -24,7 +24,7 @@ import dataclasses
 import re
 from typing import Any
 
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError
 from dcptool.format_interface import Format
 from dcptool.storage import CheckpointFiles

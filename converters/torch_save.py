@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dcptool.core import Checkpoint, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
+from dcptool.engine.core import Checkpoint, ObjectInfo, OutTensor, Piece, TensorInfo, join_path
 from dcptool.errors import CheckpointError, printable, option
 from dcptool.safe_pickle import TensorRef
 from dcptool.format_interface import Format

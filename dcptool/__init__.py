@@ -66,7 +66,7 @@ if TYPE_CHECKING:
                              TensorSpec, Tolerance, Writing, average, check, checksum, convert, diff, export_hf,
                              format_options, import_hf, inspect, open, reshard, tensor_layout, verify)
 
-# The library code behind the commands lives in modules named apart from them (dcptool.conversion,
+# The library code behind the commands lives in modules named apart from them (dcptool.planning.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
            "reshard", "verify", "checksum", "check", "average", "diff", "format_options", "Reading", "Writing",

@@ -43,9 +43,10 @@ from inspect import signature
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from dcptool import errors, formats, hub
-from dcptool.conversion import Conversion, Report
-from dcptool.core import Checkpoint
+from dcptool import errors, formats
+from dcptool.storage import hub
+from dcptool.planning.conversion import Conversion, Report
+from dcptool.engine.core import Checkpoint
 from dcptool.errors import UsageError, option
 from dcptool.format_interface import FormatOptions, OutputRequest
 from dcptool.options import (LORA_MODES, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading, Selection,
@@ -54,14 +55,14 @@ from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcpt
 from dcptool.storage import check_apart, check_destination, is_remote, output_path
 
 if TYPE_CHECKING:
-    from dcptool.checksums import Result
-    from dcptool.difference import Report as DiffReport
-    from dcptool.integrity import Report as CheckReport
-    from dcptool.inspection import Inspection
-    from dcptool.layout import Layout
-    from dcptool.loadcheck import LoadReport
-    from dcptool.resharding import ReshardPlan, ReshardReport
-    from dcptool.verification import Report as VerifyReport
+    from dcptool.checks.checksums import Result
+    from dcptool.arithmetic.difference import Report as DiffReport
+    from dcptool.checks.integrity import Report as CheckReport
+    from dcptool.checks.inspection import Inspection
+    from dcptool.checks.layout import Layout
+    from dcptool.checks.loadcheck import LoadReport
+    from dcptool.planning.resharding import ReshardPlan, ReshardReport
+    from dcptool.checks.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
            "verify", "checksum", "check", "average", "diff", "format_options", "Reading", "Writing", "Selection",
@@ -147,8 +148,8 @@ def inspect(path: str | Path, *, selection: Selection = Selection(), stats: bool
         >>> found.to_json()["total_bytes"], [flag.kind for flag in found.stats.flags]
         (48, ['all zeros'])
     """
-    from dcptool import inspection
-    from dcptool import stats as statistics
+    from dcptool.checks import inspection
+    from dcptool.checks import stats as statistics
 
     _refuse(reading, "inspect", "dequantize")
     _refuse(selection, "inspect", "exclude", "prefix")
@@ -178,7 +179,7 @@ def tensor_layout(path: str | Path, key: str, *, mesh: MeshOptions | None = None
         >>> [block["holders"] for block in picture.to_json()["blocks"]]
         [[0], [1]]
     """
-    from dcptool import layout as layouts
+    from dcptool.checks import layout as layouts
 
     _refuse(reading, "tensor_layout", "dequantize")
     path, = hub.with_revision(path, revision=reading.revision)
@@ -217,7 +218,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
         >>> report.format, report.tensors, report.bytes_written
         ('dcp', 1, 48)
     """
-    from dcptool import conversion
+    from dcptool.planning import conversion
 
     _refuse(selection, "convert", "prefix")
     checkpoint, notes = _source(source, reading, config_dir, dtype)
@@ -256,7 +257,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
         >>> report.tensors, report.bytes_written
         (1, 6)
     """
-    from dcptool import conversion
+    from dcptool.planning import conversion
 
     if push is not None:  # before the export: a push that cannot start should not cost one
         hub.check_repo_id(push.repo)
@@ -271,7 +272,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
                                         hf_experts=hf_experts, format_options=format_options,
                                         lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None)
     if reading.dequantize:  # a quantization_config left in would make transformers quantize the weights again
-        from dcptool import quant
+        from dcptool.planning import quant
 
         planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
     planned.notes += notes
@@ -392,7 +393,7 @@ def verify(a: str | Path, b: str | Path | None = None, *, roundtrip: str | None 
     >>> [(d.key, d.kind, d.count) for d in dcptool.verify(folder, f"{folder}.pt").differences]
     [('w', 'value', 12)]
     """
-    from dcptool import loadcheck, verification
+    from dcptool.checks import loadcheck, verification
 
     _refuse(reading, "verify", "format", "dequantize")  # each side's format is its Side's
     _refuse(selection, "verify", "prefix")
@@ -446,7 +447,7 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
     >>> dcptool.checksum(folder, check=True).ok
     True
     """
-    from dcptool import checksums
+    from dcptool.checks import checksums
 
     _refuse(reading, "checksum", "dequantize")
     path, against = hub.with_revision(path, against, revision=reading.revision)
@@ -481,7 +482,7 @@ def check(path: str | Path, *, reading: Reading = Reading()) -> CheckReport:
         >>> dcptool.check(folder).ok
         True
     """
-    from dcptool import integrity
+    from dcptool.checks import integrity
 
     _refuse(reading, "check", "dequantize", "verify_records")  # checking the records is what it does
     path, = hub.with_revision(path, revision=reading.revision)
@@ -518,7 +519,7 @@ def average(sources: list[str | Path], destination: str | Path, *, weights: str 
         >>> safetensors.numpy.load_file(f"{a}-mean/model.safetensors")["w"].tolist()
         [1.75, 1.75, 1.75]
     """
-    from dcptool import averaging
+    from dcptool.arithmetic import averaging
 
     _refuse(reading, "average", "format", "dequantize")
     destination = output_path(destination)
@@ -560,7 +561,7 @@ def diff(a: str | Path, b: str | Path, *, selection: Selection = Selection(), si
         >>> dcptool.diff(a, b).summary()
         '75.0% of 4 parameters bit-identical; 1 of 1 tensor changed'
     """
-    from dcptool import difference
+    from dcptool.arithmetic import difference
 
     _refuse(reading, "diff", "format", "dequantize")  # each side's format is its Side's
     _refuse(selection, "diff", "prefix")
@@ -579,7 +580,7 @@ def diff(a: str | Path, b: str | Path, *, selection: Selection = Selection(), si
 
 def _pair(a, b, selection: Selection, side_a: Side, side_b: Side, config_dir=None):
     """verify's and diff's two sides, named alike (``pairing.sides``)."""
-    from dcptool.pairing import sides
+    from dcptool.checks.pairing import sides
 
     return sides(a, b, format_a=side_a.format, format_b=side_b.format, prefix_a=side_a.prefix,
                  prefix_b=side_b.prefix, include=selection.include, exclude=selection.exclude,
@@ -588,19 +589,19 @@ def _pair(a, b, selection: Selection, side_a: Side, side_b: Side, config_dir=Non
 
 def _source(source, reading: Reading, config_dir, dtype) -> tuple[Checkpoint, list[str]]:
     """The source checkpoint (a hub repo at ``reading.revision``), its block-scaled float8 weights dequantized
-    to ``dtype`` where asked (``dcptool.quant``), and notes on that."""
+    to ``dtype`` where asked (``dcptool.planning.quant``), and notes on that."""
     source, = hub.with_revision(source, revision=reading.revision)
     checkpoint = formats.open_checkpoint(source, reading.format)
     if not reading.dequantize:
         return checkpoint, []
-    from dcptool import quant
+    from dcptool.planning import quant
 
     return quant.dequantized(checkpoint, config_dir, dtype)
 
 
 def _with_lora_folder(checkpoint: Checkpoint, lora_folder, config_dir) -> tuple[Checkpoint, list[str]]:
-    """import-hf's base model with a PEFT adapter folder on it, under a peft model's names (``dcptool.lora``)."""
-    from dcptool import lora
+    """import-hf's base model with a PEFT adapter folder on it, under a peft model's names (``dcptool.planning.lora``)."""
+    from dcptool.planning import lora
     from dcptool.selection import config_folder, read_config
 
     folder = config_dir or config_folder(checkpoint)
@@ -612,7 +613,7 @@ def _reshard(source, destination, mesh: MeshOptions, *, to, family, config_dir, 
              format_options, reading: Reading, writing: Writing, lora_folder=None,
              family_options=None) -> ReshardReport:
     """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
-    from dcptool import resharding
+    from dcptool.planning import resharding
 
     destination = output_path(destination)
     checkpoint, notes = _source(source, reading, config_dir, dtype)
@@ -634,7 +635,7 @@ def _reshard(source, destination, mesh: MeshOptions, *, to, family, config_dir, 
 
 def _write_or_report(result: ReshardPlan, destination, reading: Reading, writing: Writing) -> ReshardReport:
     """A planned reshard written with a progress bar, or its plan reported (``dry_run``)."""
-    from dcptool import resharding
+    from dcptool.planning import resharding
 
     if writing.dry_run:
         report = result.conversion.dry_run(destination)

@@ -3,7 +3,7 @@
 A ``core.Chunk`` names its encoding; ``core.Checkpoint`` finds it here (``get``) and calls it, never
 naming one itself. Each codec module registers its encodings when it is imported (``register``):
 ``dcptool.torch_archive`` a ``torch.save`` archive of one tensor (DCP's chunk records),
-``dcptool.compression`` such an archive in a zstd record. A reader that makes chunks of an encoding
+``dcptool.engine.compression`` such an archive in a zstd record. A reader that makes chunks of an encoding
 has imported its codec, so a new encoding is its codec module and nothing else.
 """
 
@@ -25,7 +25,7 @@ class Encoding:
     opened; ``label`` names the chunk in messages), or None. ``uniform``: records of one dtype, shape and length hold their
     elements at the same place in them, so a checkpoint opens one record of each such shape, not each.
     ``front_to_back``: a record is read from its start (a compressed stream): reads of one record go best in
-    order, each resuming where the one before stopped (``dcptool.transfer`` runs them on one thread).
+    order, each resuming where the one before stopped (``dcptool.engine.transfer`` runs them on one thread).
     """
 
     name: str

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from dcptool import models
-from dcptool.core import TensorInfo
+from dcptool.engine.core import TensorInfo
 
 if TYPE_CHECKING:
     from dcptool.renaming import Entry, Result

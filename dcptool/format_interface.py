@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
-from dcptool.core import Checkpoint, OutObject, OutTensor, Piece
+from dcptool.engine.core import Checkpoint, OutObject, OutTensor, Piece
 from dcptool.errors import UsageError, option
 from dcptool.options import Options
 from dcptool.safe_pickle import SafeGlobals
@@ -79,7 +79,7 @@ class Output:
 
 
 class Writer(Protocol):
-    """What ``Format.writer`` returns; ``dcptool.conversion.write_checkpoint`` drives it.
+    """What ``Format.writer`` returns; ``dcptool.planning.conversion.write_checkpoint`` drives it.
 
     ``out`` is the ``storage.OutputFiles`` it writes; ``NEEDS_CRC`` whether its headers need each
     piece's CRC-32. ``plan`` gives the pieces it stores, ``files`` every output file with its planned

@@ -6,9 +6,9 @@ and nothing else names it: callers ask the interface (``detect``, ``read``, ``pl
 ``writer``, and what the format declares it can take) and never compare a format's name.
 
 The path of a conversion: ``open_checkpoint`` (detect and read: a ``core.Checkpoint``, the
-format-neutral description) -> renames and computed views (``dcptool.families``, ``dcptool.quant``)
+format-neutral description) -> renames and computed views (``dcptool.families``, ``dcptool.planning.quant``)
 -> ``Format.plan_output`` (what the output holds: ``Output``) -> ``Writer.plan`` / ``place`` (where
-each piece's bytes go) -> ``dcptool.transfer`` (the bytes, streamed) -> ``Writer.finish_*`` and the
+each piece's bytes go) -> ``dcptool.engine.transfer`` (the bytes, streamed) -> ``Writer.finish_*`` and the
 atomic commit (``dcptool.storage``).
 
 >>> sorted(names())
@@ -32,8 +32,9 @@ from dataclasses import fields
 from functools import cache
 from pathlib import Path
 
-from dcptool import converters, hub
-from dcptool.core import Checkpoint
+from dcptool import converters
+from dcptool.storage import hub
+from dcptool.engine.core import Checkpoint
 from dcptool.errors import CheckpointError, CheckpointNotFoundError, UsageError, option
 from dcptool.format_interface import Format, FormatOptions
 from dcptool.safe_pickle import add_safe_globals
@@ -121,7 +122,7 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     """Read the description of the checkpoint at ``path`` (format detected unless given).
 
     ``path`` is a local path, a URL that fsspec opens (``s3://bucket/step-100`` with s3fs installed), or a
-    Hugging Face hub repo (``Qwen/Qwen3-8B``, ``hf://Qwen/Qwen3-8B@main``), read through the hub cache (dcptool.hub).
+    Hugging Face hub repo (``Qwen/Qwen3-8B``, ``hf://Qwen/Qwen3-8B@main``), read through the hub cache (dcptool.storage.hub).
 
     >>> ckpt = open_checkpoint("step-100")                     # doctest: +SKIP
     >>> ckpt.format, len(ckpt.tensors), ckpt.total_bytes       # doctest: +SKIP

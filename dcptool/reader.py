@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Union
 import numpy as np
 
 from dcptool import dtypes, formats
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError
 
 if TYPE_CHECKING:

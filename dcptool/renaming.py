@@ -3,7 +3,7 @@
 Each model kind (``dcptool.models``) lists its parameters as rows: each under every family's name
 and how its layout differs (grouped experts, transformers v5's fused experts, Llama's
 RoPE-interleaved q/k rows). ``TableMapping`` turns entries of one family into another's as views of the
-source's chunks (``dcptool.views``), so renaming costs planning, not bytes; what each family's names do
+source's chunks (``dcptool.engine.views``), so renaming costs planning, not bytes; what each family's names do
 (experts apart or grouped, q/k rows in halves or pairs) is what it declares (``family_interface.Family``).
 ``convert_state`` renames a whole training state: optimizer state follows its parameter, and each family
 says what of its engine's own state goes or is made; ``in_layout`` moves the entries to where the target's
@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Union
 
-from dcptool import models, views
-from dcptool.core import ObjectInfo, TensorInfo, join_path
+from dcptool import models
+from dcptool.engine import views
+from dcptool.engine.core import ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, option
 from dcptool.models import Row
 from dcptool.selection import NON_MODEL_ROOTS

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, OutTensor, TensorInfo, join_path
+from dcptool.engine.core import Checkpoint, OutTensor, TensorInfo, join_path
 from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles, is_remote
 

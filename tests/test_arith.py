@@ -266,7 +266,8 @@ def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(s
     averages, as the same adapter reads them from the average written out."""
     from conftest import read_tensor
 
-    from dcptool import averaging, conversion
+    from dcptool.arithmetic import averaging
+    from dcptool.planning import conversion
 
     (step1, _), (step2, _) = steps["step1"], steps["step2"]
     config = checkpoints("fsdp2_dp2")[1]

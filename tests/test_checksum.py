@@ -354,7 +354,7 @@ def test_help_states_the_manifest_name_and_thread_cap():
     import subprocess
     import sys
 
-    from dcptool import checksums
+    from dcptool.checks import checksums
 
     help_text = subprocess.run([sys.executable, "-m", "dcptool", "checksum", "--help"], capture_output=True, text=True,
                                env={**os.environ, "COLUMNS": "300"}, check=True).stdout  # one line per option

@@ -11,7 +11,8 @@ from safetensors.numpy import save_file
 
 import dcptool
 from conftest import dcptool as cli
-from dcptool import checksums, dtypes, errors, formats, mesh, selection, torch_archive
+from dcptool import dtypes, errors, formats, mesh, selection, torch_archive
+from dcptool.checks import checksums
 from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolError, MismatchError, OutputExistsError,
                             UnsafePickleError, UsageError)
 from dcptool.storage import CheckpointFiles

@@ -234,7 +234,7 @@ def test_inspect_imports_only_what_reading_needs(checkpoints):
         "    main(['inspect', sys.argv[1]])\n"
         "except SystemExit as exit:\n"
         "    assert exit.code == 0, exit.code\n"
-        "unwanted = ('torch', 'rich', 'blake3', 'dcptool.checksums', 'dcptool.verification', 'dcptool.loadcheck')\n"
+        "unwanted = ('torch', 'rich', 'blake3', 'dcptool.checks.checksums', 'dcptool.checks.verification', 'dcptool.checks.loadcheck')\n"
         "print(sorted(m for m in unwanted if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True)

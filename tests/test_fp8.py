@@ -106,9 +106,9 @@ def test_one_float8_decoder_matches_torch(name):
     against torch's ``.float()`` on every bit pattern: the same float32 bits (NaN: its sign, not its payload)."""
     import numpy as np
 
-    from dcptool.checksums import count_nonfinite
+    from dcptool.checks.checksums import count_nonfinite
     from dcptool.dtypes import float8_to_float32
-    from dcptool.stats import widen
+    from dcptool.checks.stats import widen
 
     patterns = np.arange(256, dtype=np.uint8)
     expected = torch.from_numpy(patterns.copy()).view(getattr(torch, name)).float().numpy()

@@ -135,7 +135,7 @@ def _job_processes(parent: int) -> dict[int, int | None]:
             environ = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
         except OSError:
             continue
-        if b"dcptool.loadcheck" in cmdline and environ.get(b"DCPTOOL_TEST_PARENT") == str(parent).encode():
+        if b"dcptool.checks.loadcheck" in cmdline and environ.get(b"DCPTOOL_TEST_PARENT") == str(parent).encode():
             rank = environ.get(b"RANK")
             found[int(entry.name)] = None if rank is None else int(rank)
     return found

@@ -7,7 +7,8 @@ import pytest
 from conftest import oracle
 from harness.family_models import HF_ONLY_MODELS, MODELS
 
-from dcptool import families, hf_config, models
+from dcptool import families, models
+from dcptool.planning import hf_config
 
 
 def _variants() -> list[tuple[str, dict]]:

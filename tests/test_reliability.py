@@ -444,7 +444,7 @@ def test_a_full_disk_names_the_file_and_writes_nothing(made, tmp_path, command):
 # Runs dcptool with a bug planted in the threads that write: ``1 // 0`` on RANK's tasks (all without torchrun).
 BUGGY = r"""
 import os, sys
-from dcptool import transfer
+from dcptool.engine import transfer
 from dcptool.cli import main
 run = transfer._Mover.run
 def buggy(self, task):

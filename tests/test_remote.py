@@ -22,7 +22,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from dcptool import cli, remote
+from dcptool import cli
+from dcptool.storage import remote
 from harness.conversions import convert_checkpoint
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles

@@ -12,9 +12,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from conftest import dcptool, read_dcp, read_tensor
 from harness import synth_dcp
 
-from dcptool import formats, plans
+from dcptool import formats
+from dcptool.planning import plans
 from dcptool.converters.dcp import metadata as dcp_metadata
-from dcptool.core import ChunkTable
+from dcptool.engine.core import ChunkTable
 from dcptool.mesh import Mesh
 
 
@@ -117,7 +118,7 @@ def test_bad_chunk_tables_are_refused(synthetic, tmp_path):
 
 def test_overlapping_chunks_are_refused(tmp_path):
     """A chunk table whose chunks overlap is refused by the cover check (numpy path falls back to the sweep)."""
-    from dcptool.core import TensorInfo, check_cover
+    from dcptool.engine.core import TensorInfo, check_cover
     from dcptool.errors import CheckpointError
 
     table = ChunkTable(np.array([[0, 0], [1, 0]]), np.array([[2, 4], [2, 4]]), ["f"], np.array([0, 0]),

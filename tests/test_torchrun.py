@@ -151,7 +151,7 @@ def test_torch_stays_off_the_single_process_path(checkpoints, tmp_path):
 
 if __name__ == "__main__":  # the job of test_failure_on_one_rank_stops_all_and_writes_nothing
     sys.path.insert(0, str(HERE.parents[1]))
-    from dcptool import transfer
+    from dcptool.engine import transfer
     from dcptool.cli import main
     from dcptool.errors import CheckpointError
 

@@ -1,4 +1,4 @@
-"""The byte mover (dcptool.transfer) and the archive layout it writes into (torch_archive.ArchiveLayout)."""
+"""The byte mover (dcptool.engine.transfer) and the archive layout it writes into (torch_archive.ArchiveLayout)."""
 
 import errno
 import os
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import dcptool, load_reference
-from dcptool import conversion, formats, transfer
+from dcptool import formats
+from dcptool.planning import conversion
+from dcptool.engine import transfer
 from harness.conversions import convert_checkpoint
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import ArchiveLayout, StorageOut, TensorOut, dumps

@@ -15,7 +15,8 @@ from conftest import dcptool, load_reference, read_dcp
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_torch_file
 
-from dcptool import formats, verification
+from dcptool import formats
+from dcptool.checks import verification
 from dcptool.errors import CheckpointError
 from dcptool.formats import open_checkpoint
 
@@ -146,7 +147,7 @@ def test_tolerances_report_the_largest_differences(exports, tmp_path):
 
 
 def test_rtol_measures_against_a_and_fails_just_over_it(exports, tmp_path):
-    """``--rtol`` passes where ``|a - b| <= rtol * |a|`` (README, verification.py): a value just under that bound
+    """``--rtol`` passes where ``|a - b| <= rtol * |a|`` (docs/integrity.md, dcptool/checks/verification.py): a value just under that bound
     passes, one just over it fails, and one that is within ``rtol * |b|`` but not ``rtol * |a|`` fails as A B and
     passes as B A. torch.isclose(b, a) (which measures against its second argument) is the oracle of each."""
     full = load_reference(exports["reference"])

@@ -20,7 +20,8 @@ import torch
 from conftest import dcptool, oracle, read_tensor
 from jobs import STORAGE_JOBS, run_job
 from test_records import KINDS, TORCH_DOES_NOT_SEE, checked, damage_at, refused
-from dcptool import compression, formats
+from dcptool import formats
+from dcptool.engine import compression
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
 
@@ -239,7 +240,7 @@ def test_zstd_records_are_decompressed_once_as_they_are_checked(large, tmp_path)
 # reshard to 4 ranks in 64 KiB tasks.
 COUNT_DECOMPRESSED = """
 import json, sys
-from dcptool import compression
+from dcptool.engine import compression
 from dcptool.cli import main
 counted = [0]
 read = compression._Cursor.read

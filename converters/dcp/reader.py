@@ -13,11 +13,12 @@ import math
 
 import numpy as np
 
-from dcptool import compression, dtypes, safe_pickle
-from dcptool.compression import ZSTD_ARCHIVE, DecompressingFiles
+from dcptool import dtypes, safe_pickle
+from dcptool.engine import compression
+from dcptool.engine.compression import ZSTD_ARCHIVE, DecompressingFiles
 from dcptool.converters.dcp.metadata import INFO_CLASS, ChunkRows, StorageRows, each_record, unpickle
 from dcptool.converters.dcp.names import DATA_FILE, FILESYSTEM_MODULE, METADATA, METADATA_MODULE, NAME, saving_rank
-from dcptool.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, TensorInfo, entry_problem, join_path
+from dcptool.engine.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, TensorInfo, entry_problem, join_path
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, file_name_problem, printable, shape_problem, utf8_problem,
                             with_article)
 from dcptool.safe_pickle import Record
@@ -82,7 +83,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
                     offsets = _dims(getattr(chunk, "offsets", None), f"{at} offsets")
                     sizes = _dims(getattr(chunk, "sizes", None), f"{at} sizes", itemsize)
                     file, offset, length, encoding = _storage_info(files, storage, key, offsets, where)
-                    if encoding == ZSTD_ARCHIVE:  # decompressed on first read (dcptool.compression)
+                    if encoding == ZSTD_ARCHIVE:  # decompressed on first read (dcptool.engine.compression)
                         files = files if isinstance(files, DecompressingFiles) else DecompressingFiles(files)
                     elif length < math.prod(sizes) * itemsize:  # the record is an archive of the chunk's bytes
                         raise CheckpointError(f"{at} at {list(offsets)}: a record of {length:,} bytes cannot hold "

@@ -6,9 +6,9 @@ import functools
 import math
 from pathlib import Path
 
-from dcptool import compression
+from dcptool.engine import compression
 from dcptool.converters.dcp.names import FILESYSTEM_MODULE, METADATA, METADATA_MODULE, data_file
-from dcptool.core import Piece
+from dcptool.engine.core import Piece
 from dcptool.errors import UsageError, option
 from dcptool.storage import OutputFiles
 from dcptool.torch_archive import (ArchiveLayout, Global, PickleStream, Reduced, StorageOut, Streamed, TensorOut,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcptool.core import Checkpoint
+from dcptool.engine.core import Checkpoint
 from dcptool.errors import option
 from dcptool.format_interface import Format, FormatOptions, Layout, Output, OutputRequest
 from dcptool.converters.fsdp1 import planning, reader

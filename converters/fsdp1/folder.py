@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dcptool.core import Piece
+from dcptool.engine.core import Piece
 
 NAME = "fsdp1"
 CONFIG = "fsdp_config.json"  # {"FSDP_version": 1, "world_size": W}

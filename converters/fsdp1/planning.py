@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from dcptool import dtypes, models, selection
-from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
+from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, printable, option
 from dcptool.state_dicts import plain_data
 from dcptool.converters.fsdp1.codecs import DEVICE_TYPE, VERL_MESH_DIM_NAMES

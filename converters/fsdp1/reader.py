@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, json_kind, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from dcptool import dtypes
-from dcptool.core import OutTensor
+from dcptool.engine.core import OutTensor
 from dcptool.errors import UsageError
 from dcptool.state_dicts import nest
 from dcptool.storage import OutputFiles
-from dcptool.transfer import crc32, crc32_combine
+from dcptool.engine.transfer import crc32, crc32_combine
 from dcptool.torch_archive import ArchiveLayout, Reduced, StorageOut, TensorOut, dumps
 from dcptool.converters.fsdp1.codecs import VERL_MESH_DIM_NAMES, device_mesh, dtensor, sharded_tensor, torch_chunk
 from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, HF_DIR, OPTIMIZER, RANK_ENTRY, SOURCE_LAYOUT, RankPiece,

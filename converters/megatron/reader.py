@@ -11,7 +11,7 @@ from dcptool.converters.dcp import read as read_dcp
 from dcptool.converters.megatron import legacy
 from dcptool.converters.megatron.common import run_info
 from dcptool.converters.megatron.names import BACKEND, COMMON_PT, COMMON_STATE, CONFIG, NAME, REMOVED_BACKENDS
-from dcptool.core import Checkpoint
+from dcptool.engine.core import Checkpoint
 from dcptool.errors import CheckpointError, printable
 from dcptool.storage import CheckpointFiles
 from dcptool.torch_archive import Archive

@@ -10,7 +10,7 @@ import re
 
 from dcptool.converters.dcp import Writer as DcpWriter
 from dcptool.converters.megatron.names import BACKEND, COMMON_STATE, CONFIG, EXTRA_STATE, LAYERS, shard_key
-from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor
+from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor
 
 # What the common state holds when the source says nothing of it: what Megatron-LM's loader reads first.
 NEW_COMMON_STATE = {"checkpoint_version": 3.0}

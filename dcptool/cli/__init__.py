@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
     error = None
     try:
-        from dcptool import distributed
+        from dcptool.engine import distributed
 
         distributed.quiet_other_ranks()  # under torchrun only rank 0 prints, errors of every rank included
         command = _command()
@@ -136,14 +136,14 @@ def main(argv: list[str] | None = None) -> None:
             exc.show()
         code = exc.exit_code
     except CLICK_ABORTS:
-        from dcptool import distributed
+        from dcptool.engine import distributed
 
         print(f"dcptool: {distributed.describe_failure(KeyboardInterrupt())[1]}", file=sys.stderr)
         code = 130
     except SystemExit:
         raise
     except BaseException as exc:  # DcptoolError, OSError, Ctrl-C, and bugs (exit 3); under torchrun the other ranks stop too
-        from dcptool import distributed  # again: a Ctrl-C may have cut the first import short
+        from dcptool.engine import distributed  # again: a Ctrl-C may have cut the first import short
 
         code, message = distributed.describe_failure(exc)
         if settings["debug"] and code != 130:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
         if signal.getsignal(signal.SIGTERM) is storage.raise_interrupted:  # torchrun stopping the job, likewise
             signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
-    from dcptool import distributed
+    from dcptool.engine import distributed
 
     distributed.leave(code, error)
     del error  # its traceback holds a failed writer's open files: close them now, not during interpreter shutdown

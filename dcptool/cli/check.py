@@ -44,7 +44,7 @@ def check_command(
 def _print(report, show_all: bool) -> None:
     """check's text: one line per problem, or per group of problems of one kind whose keys differ only in
     their numbers (``record  model.layers.{0..19}.mlp.up_proj.weight: 20 problems, first: ...``), then the summary."""
-    from dcptool import stats
+    from dcptool.checks import stats
 
     print(f"{shown(report.path)} ({report.format or 'unknown format'})")
     details = {}

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from dcptool import core
+from dcptool.engine import core
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import READING, SELECTION, grouped
@@ -43,7 +43,7 @@ def inspect(
     from dcptool import api
 
     if layout_key is not None:
-        from dcptool import layout
+        from dcptool.checks import layout
 
         on = MeshOptions.parse(mesh, plan=plan) if mesh else None
         picture = api.tensor_layout(path, layout_key, mesh=on, svg=svg, reading=reading)
@@ -64,7 +64,7 @@ def inspect(
 
 def _print_table(path: str, found, show_all: bool) -> None:
     """inspect's text: one row per tensor (or per folded group of layers), then counts, names, mesh, stats."""
-    from dcptool import stats
+    from dcptool.checks import stats
 
     tensors, checkpoint = found.tensors, found.checkpoint
 

@@ -15,7 +15,8 @@ from dcptool.errors import counted
 
 # rich is imported only for a bar or a note; these imports are for annotations only.
 if TYPE_CHECKING:
-    from dcptool import checksums, conversion, loadcheck, verification
+    from dcptool.checks import checksums, loadcheck, verification
+    from dcptool.planning import conversion
 
 # What the global options ask of the output (set by the app's callback): tracebacks of errors
 # (--debug) and no progress bars (--quiet).
@@ -211,7 +212,7 @@ def grouped_differences(differences) -> list[str]:
     """Differences grouped as inspect folds layers: by kind (and detail, where keys share it: "tensor only
     in A", "A float32, B bfloat16"), then by what all keys of the group share, at least their first two parts
     (``dcp.optim.state.* (63 missing)``, ``model.layers.* (18 dtype)``)."""
-    from dcptool import stats
+    from dcptool.checks import stats
 
     clusters: dict[tuple[str, str], list] = {}
     for difference in differences:

@@ -77,7 +77,8 @@ def verify_command(
 
 def _verify_load_on(path, load_on: LoadOn, selection: Selection, config_dir, as_json: bool, reading: Reading) -> None:
     """verify --load-on: a real multi-process dcp.load of ``path`` on a mesh, every rank's shard checked."""
-    from dcptool import api, loadcheck
+    from dcptool import api
+    from dcptool.checks import loadcheck
 
     loadcheck.check_runnable(path)  # refusals before the line announcing the job
     load_on.sizes()

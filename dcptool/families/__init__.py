@@ -29,7 +29,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from dcptool import models
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted, option
 from dcptool.family_interface import Family, Mapping
 from dcptool.selection import model_wrapper, optimizer_root

@@ -11,7 +11,7 @@ from typing import Callable
 FAMILIES = ("hf", "archon", "torchtitan")
 Shape = tuple[int, ...]
 # A rule of a tensor-parallel plan as a plan file writes it: a regular expression on the parameter
-# name and its placement (``dcptool.plans`` turns these into its rules).
+# name and its placement (``dcptool.planning.plans`` turns these into its rules).
 PlanRule = tuple[str, dict]
 
 

@@ -48,7 +48,7 @@ class CheckpointFiles:
 
     def __init__(self, location: str | Path):
         if is_remote(location):
-            from dcptool.remote import RemoteFolder  # fsspec only when a URL is given: local start-up stays fast
+            from dcptool.storage.remote import RemoteFolder  # fsspec only when a URL is given: local start-up stays fast
 
             self._store = RemoteFolder(str(location))
         else:

@@ -26,7 +26,7 @@ from dcptool.storage.renames import rename2, rename_noreplace
 def check_destination(location: str | Path, overwrite: bool) -> None:
     """Refuse an existing output unless ``overwrite``; commands call it before any work is done."""
     if is_remote(location):
-        from dcptool.remote import exists  # fsspec only for URLs
+        from dcptool.storage.remote import exists  # fsspec only for URLs
 
         found = exists(str(location))
     else:

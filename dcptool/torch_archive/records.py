@@ -3,7 +3,7 @@
 An archive's structure and its small entries are checked when it is opened (``reading.Archive``); its
 storages (a DCP chunk's bytes, every tensor of a ``torch.save`` file) are checked as they are read:
 ``RecordChecks.check`` reads a storage once (from the page cache where it is local) the first time any of
-its bytes are asked for, and a copy that moves a storage's bytes as runs (``dcptool.transfer``) hands in
+its bytes are asked for, and a copy that moves a storage's bytes as runs (``dcptool.engine.transfer``) hands in
 the CRC-32 of each run instead (``add_part``), so the bytes are checksummed once, as they pass. One
 ``RecordChecks`` per checkpoint's files (``record_checks``); none with ``--no-verify-records``.
 """

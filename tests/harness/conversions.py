@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dcptool import conversion, formats
-from dcptool.conversion import Report
+from dcptool import formats
+from dcptool.planning import conversion
+from dcptool.planning.conversion import Report
 from dcptool.format_interface import OutputRequest
 
 

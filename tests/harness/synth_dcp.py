@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool import plans
+from dcptool.planning import plans
 from dcptool.mesh import Mesh, local_chunk
-from dcptool.resharding import DEFAULT_RULE, tensor_spec
+from dcptool.planning.resharding import DEFAULT_RULE, tensor_spec
 
 
 @dataclass

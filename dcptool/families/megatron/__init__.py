@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from dcptool import models
-from dcptool.core import ObjectInfo, TensorInfo
+from dcptool.engine.core import ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, counted, option
 from dcptool.family_interface import Family
 

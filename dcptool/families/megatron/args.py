@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dcptool import models
-from dcptool.core import TensorInfo
+from dcptool.engine.core import TensorInfo
 from dcptool.errors import option
 from dcptool.families.megatron.layers import LAYER
 from dcptool.models.kind import ModelKind

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcptool import models, views
-from dcptool.core import Checkpoint, Computed, ObjectInfo, TensorInfo
+from dcptool import models
+from dcptool.engine import views
+from dcptool.engine.core import Checkpoint, Computed, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.models import common
 from dcptool.models.kind import MegatronName, ModelKind

@@ -26,13 +26,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool import dtypes, formats, regions, resharding, selection
-from dcptool.conversion import Conversion, plan_convert
-from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
+from dcptool import dtypes, formats, selection
+from dcptool.engine import regions
+from dcptool.planning import resharding
+from dcptool.planning.conversion import Conversion, plan_convert
+from dcptool.engine.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Layout, OutputRequest
 from dcptool.options import MeshOptions
-from dcptool.pairing import pair
+from dcptool.checks.pairing import pair
 
 # Tensors of these dtypes are averaged; any other must be equal in every source.
 AVERAGED = ("float64", *dtypes.CASTABLE)

@@ -1,4 +1,4 @@
-"""Conversion: choose what goes out (planning), then move the bytes (``dcptool.transfer``) within a memory budget.
+"""Conversion: choose what goes out (planning), then move the bytes (``dcptool.engine.transfer``) within a memory budget.
 
 Planning turns a source ``Checkpoint`` into ``OutTensor``/``OutObject`` lists (selection, renaming,
 dtype) and asks the writer how it lays them out: the ``Piece`` regions it stores, and where each
@@ -6,7 +6,7 @@ one's bytes go. Execution copies every piece to its place, from the source chunk
 
 The output's format plans what it holds (``Format.plan_output``) and its writer (the
 ``format_interface.Writer`` protocol) where each piece goes. Under torchrun each rank writes only
-its files and rank 0 the index (``dcptool.distributed``); one process writes everything.
+its files and rank 0 the index (``dcptool.engine.distributed``); one process writes everything.
 
 >>> planned = plan_convert(formats.open_checkpoint("step-100"), "hf", OutputRequest(dtype="bfloat16"))  # doctest: +SKIP
 >>> report = planned.write("out-hf")                                                   # doctest: +SKIP
@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dcptool import distributed, families, formats, models, transfer
-from dcptool import lora as lora_weights
+from dcptool import families, formats, models
+from dcptool.engine import distributed, transfer
+from dcptool.planning import lora as lora_weights
 from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
-from dcptool.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
+from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.format_interface import Format, FormatOptions, Output, OutputRequest
 from dcptool.sizes import DEFAULT_MAX_MEMORY
@@ -73,7 +74,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     ``huggingface/``) is used; a config that ties the output to the embedding drops the output weight, which
     transformers recreates from the embedding.
 
-    A peft-wrapped model (``dcptool.lora``) is exported with ``lora``: its adapters merged into the base
+    A peft-wrapped model (``dcptool.planning.lora``) is exported with ``lora``: its adapters merged into the base
     weights (``lora.mode == "merge"``), or as a PEFT adapter folder's tensors (``"adapter"``: the config
     folder returned is None); without it, refused.
     """
@@ -222,7 +223,7 @@ def write_checkpoint(
     """Write ``tensors`` and ``objects`` of ``checkpoint`` as format ``to`` at ``destination``, atomically.
 
     Under torchrun (``across_ranks=None``) every rank must call it with the same arguments: each
-    writes its share of the output files, and rank 0 the metadata or index (see ``dcptool.distributed``);
+    writes its share of the output files, and rank 0 the metadata or index (see ``dcptool.engine.distributed``);
     ``across_ranks=False`` makes this process write everything alone. A URL destination
     (``s3://bucket/step-100``) is written to a local staging folder, then uploaded through fsspec.
 
@@ -293,7 +294,7 @@ class _Upload:
     """
 
     def __init__(self, url: str, fmt: Format):
-        from dcptool import remote  # fsspec only for URLs
+        from dcptool.storage import remote  # fsspec only for URLs
 
         self.remote, self.url, self.is_dir = remote, url.rstrip("/"), fmt.writes_folder
         self.completes = fmt.completes
@@ -387,9 +388,9 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files;
     with ``lora.mode == "adapter"``, a PEFT adapter folder instead. ``format_options``: the hf format's.
 
-    A config.json the weights do not fit is refused here, before anything is written (``dcptool.hf_config``).
+    A config.json the weights do not fit is refused here, before anything is written (``dcptool.planning.hf_config``).
     """
-    from dcptool import hf_config
+    from dcptool.planning import hf_config
 
     formats.check_options(formats.get("hf"), format_options)
     tensors, config_dir, notes, made_config = hf_export_entries(checkpoint, config_dir, prefix, dtype, include,

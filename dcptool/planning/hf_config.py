@@ -24,7 +24,7 @@ from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles
 
 if TYPE_CHECKING:
-    from dcptool.core import OutTensor
+    from dcptool.engine.core import OutTensor
 
 Shape = tuple[int, ...]
 # Buffers some saves keep and transformers recomputes: allowed, never required.

@@ -23,9 +23,10 @@ from typing import Callable
 
 import numpy as np
 
-from dcptool import dtypes, formats, models, plans
-from dcptool.conversion import Conversion, Report, adapted
-from dcptool.core import Checkpoint, ChunkTable, OutObject, OutTensor
+from dcptool import dtypes, formats, models
+from dcptool.planning import plans
+from dcptool.planning.conversion import Conversion, Report, adapted
+from dcptool.engine.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import FormatOptions, Layout, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str

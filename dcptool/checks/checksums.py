@@ -30,12 +30,12 @@ import blake3
 import numpy as np
 
 from dcptool import dtypes, formats
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, option
 from dcptool.sizes import DEFAULT_MAX_MEMORY, check_memory_budget
 from dcptool.storage import CheckpointFiles, atomic_output, is_remote, output_path
-from dcptool.pairing import align_families, select_side
-from dcptool.regions import BLOCK, RegionReader, buffer_size
+from dcptool.checks.pairing import align_families, select_side
+from dcptool.engine.regions import BLOCK, RegionReader, buffer_size
 
 MANIFEST_NAME = "dcptool.manifest.json"
 MANIFEST_VERSION = 1

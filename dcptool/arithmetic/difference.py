@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from dcptool import dtypes, pairing, regions, stats, verification
+from dcptool import dtypes
+from dcptool.checks import pairing, stats, verification
+from dcptool.engine import regions
 from dcptool.errors import counted
 
 BLOCK = regions.BLOCK  # elements compared at once: bounds the float64 temporaries

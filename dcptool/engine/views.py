@@ -6,7 +6,7 @@ is, and then every byte is read once, from where it is stored, so renaming betwe
 costs planning, not copies, and keeps kernel copies, ``--max-memory`` and torchrun scale-out working.
 
 >>> import numpy as np
->>> from dcptool.core import Chunk, TensorInfo
+>>> from dcptool.engine.core import Chunk, TensorInfo
 >>> w = TensorInfo(("w",), "float32", (4, 2, 3), [Chunk((0, 0, 0), (4, 2, 3), "f", 0, 96, "raw")])
 >>> expert = select(w, 0, 2, ("expert2",))
 >>> expert.shape, expert.chunks[0].view.start
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.core import Checkpoint, Chunk, ChunkView, Computed, TensorInfo
+from dcptool.engine.core import Checkpoint, Chunk, ChunkView, Computed, TensorInfo
 from dcptool.errors import UsageError
 
 Path = tuple[str | int, ...]

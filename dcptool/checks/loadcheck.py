@@ -104,7 +104,7 @@ def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, 
     ``config_dir``: the model's config.json, whose head and expert counts the mesh is checked against
     before the job starts, as ``reshard`` checks them (default: a config the checkpoint comes with)."""
     from dcptool import formats
-    from dcptool.resharding import prepare, raise_problems
+    from dcptool.planning.resharding import prepare, raise_problems
 
     check_runnable(checkpoint)
     checkpoint = Path(checkpoint)
@@ -119,7 +119,7 @@ def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, 
     backend = _backend(load_on.backend)
     with tempfile.TemporaryDirectory(prefix="dcptool-loadcheck-") as results:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={mesh.world}",
-                   "-m", "dcptool.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", load_on.plan,
+                   "-m", "dcptool.checks.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", load_on.plan,
                    "--backend", backend, "--results", results]
         for flag, value in (("--include", include), ("--exclude", exclude)):
             if value:
@@ -180,7 +180,7 @@ def _worker(args) -> int:
 
     from dcptool import formats
     from dcptool.mesh import Mesh
-    from dcptool.resharding import prepare
+    from dcptool.planning.resharding import prepare
     from dcptool.selection import select
 
     rank = int(os.environ["RANK"])
@@ -288,7 +288,7 @@ def _check_shards(checkpoint, chosen: dict, state: dict, regions: dict, result: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dcptool.loadcheck", description="worker of `dcptool verify --load-on`")
+    parser = argparse.ArgumentParser(prog="python -m dcptool.checks.loadcheck", description="worker of `dcptool verify --load-on`")
     parser.add_argument("checkpoint")
     parser.add_argument("--mesh", required=True, help="JSON of Mesh fields")
     parser.add_argument("--plan", default="auto")

@@ -31,11 +31,11 @@ from typing import Any, Callable
 import numpy as np
 
 from dcptool import dtypes, models, selection
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, option
 from dcptool.sizes import DEFAULT_MAX_MEMORY, check_memory_budget
 
-# The readers (dcptool.verification) and blake3 are imported by ``compute`` alone: plain inspect, which uses
+# The readers (dcptool.checks.verification) and blake3 are imported by ``compute`` alone: plain inspect, which uses
 # the counts and folded rows here, starts without them (issue 5's start-up time).
 
 # More threads than this read no faster: between numpy's calls each block holds the GIL (2 GB of bf16 on
@@ -165,7 +165,7 @@ class _Scanner:
         self._local = threading.local()
 
     def run(self, tensors: dict[str, TensorInfo], grouped: set[str]) -> dict[str, TensorStats]:
-        from dcptool.regions import buffer_size
+        from dcptool.engine.regions import buffer_size
 
         size = buffer_size(self.max_memory, tensors.values(), self.threads)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcptool-stats") as pool:
@@ -181,7 +181,7 @@ class _Scanner:
     def _summarize(self, tensor: TensorInfo, size: int, grouped: bool) -> TensorStats:
         import blake3
 
-        from dcptool.regions import BLOCK, RegionReader
+        from dcptool.engine.regions import BLOCK, RegionReader
 
         buffer = getattr(self._local, "buffer", None)
         if buffer is None:

@@ -33,7 +33,7 @@ import numpy as np
 from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
 
 from dcptool import dtypes, encodings
-from dcptool.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
+from dcptool.engine.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
 from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts

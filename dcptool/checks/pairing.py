@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dcptool import families, formats, models, selection
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo, join_path
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, option
 from dcptool.state_dicts import split_object
 from dcptool.torch_archive import Unpicklable

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcptool import encodings, formats
-from dcptool.core import RAW, Checkpoint, TensorInfo, entry_problems
+from dcptool.engine.core import RAW, Checkpoint, TensorInfo, entry_problems
 from dcptool.errors import CheckpointError, UsageError, counted, printable
 
 # Why the values of tensors outside any record (safetensors) are not checked, and what does check them.
@@ -194,7 +194,7 @@ def _overlapping_records(checkpoint: Checkpoint) -> list[Problem]:
 def _config_problem(checkpoint: Checkpoint) -> tuple[str | None, str | None]:
     """The config.json the checkpoint comes with (``selection.config_folder``) and the first way its
     model weights do not fit it, as transformers would build the model; (None, None) without a config."""
-    from dcptool import conversion, hf_config
+    from dcptool.planning import conversion, hf_config
     from dcptool.selection import config_folder, read_config
 
     folder = config_folder(checkpoint)

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes, families, models
-from dcptool.core import Checkpoint, Computed, TensorInfo, float32_region
+from dcptool.engine.core import Checkpoint, Computed, TensorInfo, float32_region
 from dcptool.errors import UsageError, option
 from dcptool.storage import CheckpointFiles, is_remote
-from dcptool.transfer import slabs
+from dcptool.engine.transfer import slabs
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"

@@ -68,7 +68,7 @@ class Chunk:
     record read by the codec that registered that encoding (``dcptool.encodings``: a ``torch.save``
     archive of one tensor, as DCP's chunk records; such an archive in a zstd record). A chunk with a
     ``view`` holds elements of another chunk, picked as ``view`` says (renamed, stacked, split or
-    permuted tensors of ``dcptool.views``; ``file``, ``offset``, ``length`` and ``rank`` are the base's).
+    permuted tensors of ``dcptool.engine.views``; ``file``, ``offset``, ``length`` and ``rank`` are the base's).
     """
 
     offsets: tuple[int, ...]
@@ -226,7 +226,7 @@ class Computed:
     size, shape ``sizes``) with the region at ``offsets``; ``checkpoint`` is the one the tensor belongs to,
     ``scratch`` a read buffer it may use (``Checkpoint.read_region``'s). Copies plan such tensors as any
     other: in slabs of the pieces a writer asks for, split over threads and torchrun ranks
-    (``dcptool.transfer``), each slab's temporaries bounded by ``work_bytes`` per element. Sources read with
+    (``dcptool.engine.transfer``), each slab's temporaries bounded by ``work_bytes`` per element. Sources read with
     ``passing=True`` hand in their records' CRC-32s as they pass; the copy finishes the checks of
     ``checkpoint`` and of the ``others`` a computation reads.
     """
@@ -312,7 +312,7 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     objects: dict[str, ObjectInfo]
     info: dict[str, Any] = field(default_factory=dict)  # format facts worth showing (world size, ...)
-    # Filled from several threads (dcptool.transfer): a race resolves a chunk twice, to the same value.
+    # Filled from several threads (dcptool.engine.transfer): a race resolves a chunk twice, to the same value.
     _resolved: dict[Chunk, RawBytes] = field(default_factory=dict, repr=False)
     # (encoding, dtype, sizes, record length) -> where the elements start in records of a uniform encoding
     _layouts: dict[tuple, int] = field(default_factory=dict, repr=False)

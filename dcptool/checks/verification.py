@@ -1,12 +1,12 @@
 """Compare two checkpoints of any formats and layouts: keys, dtypes, shapes and values, region by region.
 
-Both sides read each tensor in the same row-major slabs through fixed buffers (``dcptool.regions``), so
+Both sides read each tensor in the same row-major slabs through fixed buffers (``dcptool.engine.regions``), so
 comparing two 100 GB checkpoints needs ``max_memory``, not 200 GB. Values compare bitwise on their raw bits
 (NaN payloads included) unless tolerances are given; then floating-point tensors, also of different float
 dtypes (a float32 checkpoint and its bfloat16 export), pass where ``|a - b| <= atol + rtol * |a|``
 (NaN in both places counts as equal), and the largest absolute and relative difference of every
 tensor is reported. A is the reference: "missing" means missing from B. The two sides come paired by
-``dcptool.pairing`` (a training state against its export, other layouts, other naming families).
+``dcptool.checks.pairing`` (a training state against its export, other layouts, other naming families).
 
 >>> pairing = sides("step-1000", "hf-out")                                      # doctest: +SKIP
 >>> report = compare_sides(pairing.a, pairing.b, dtype_as="b")                  # doctest: +SKIP
@@ -26,12 +26,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dcptool import conversion, dtypes, formats
-from dcptool.core import Checkpoint
+from dcptool import dtypes, formats
+from dcptool.planning import conversion
+from dcptool.engine.core import Checkpoint
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Layout, OutputRequest
-from dcptool.pairing import Side, layout_of, normalized
-from dcptool.regions import BLOCK, RegionReader, buffer_size
+from dcptool.checks.pairing import Side, layout_of, normalized
+from dcptool.engine.regions import BLOCK, RegionReader, buffer_size
 from dcptool.sizes import DEFAULT_MAX_MEMORY
 from dcptool.state_dicts import plain_data
 

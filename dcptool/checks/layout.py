@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dcptool import selection
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted, option
 from dcptool.mesh import Axis, Mesh, local_chunk, spec_str
 from dcptool.options import MeshOptions
@@ -84,7 +84,7 @@ def _coordinates(mesh: Mesh, spec: tuple[Axis, ...], rank: int) -> str:
 
 def _planned_spec(checkpoint: Checkpoint, key: str, options: MeshOptions):
     """The reshard plan's layout of ``key``, and the plan; refused with the planner's own line."""
-    from dcptool import resharding
+    from dcptool.planning import resharding
 
     result = resharding.prepare(checkpoint, options)
     found = next((layout for layout in result.layouts if layout.tensor.source.key == key), None)
@@ -104,7 +104,7 @@ def _holders(mesh: Mesh, spec: tuple[Axis, ...], shape: tuple[int, ...], block: 
 
 def saved_layout(checkpoint: Checkpoint, key: str) -> Layout:
     """The blocks of ``key`` as saved: labelled by rank where the format records it, else by data file."""
-    from dcptool import resharding
+    from dcptool.planning import resharding
 
     tensor = _tensor(checkpoint, key)
     ranks = [chunk.rank for chunk in tensor.chunks]

@@ -1,7 +1,7 @@
 """Reading tensors' global values region by region through fixed buffers: what every check and computation that
 reads values (verify, diff, average, checksum, stats) reads with.
 
-``dcptool.transfer`` copies the pieces a writer asks for; a ``RegionReader`` reads a ``TensorInfo``'s values in
+``dcptool.engine.transfer`` copies the pieces a writer asks for; a ``RegionReader`` reads a ``TensorInfo``'s values in
 row-major slabs and says where each starts (comparisons report the first differing index). ``buffer_size``
 shares a memory budget between readers.
 """
@@ -12,8 +12,9 @@ from typing import Iterator
 
 import numpy as np
 
-from dcptool import dtypes, transfer
-from dcptool.core import Checkpoint, TensorInfo
+from dcptool import dtypes
+from dcptool.engine import transfer
+from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.sizes import check_memory_budget
 from dcptool.torch_archive.records import record_checks
 
@@ -24,7 +25,7 @@ BLOCK = 1 << 16
 class RegionReader:
     """A tensor's global values as row-major slabs, read into halves of one reused ``buffer``.
 
-    ``dcptool.transfer`` does the same for the pieces a writer asks for; this one reads a
+    ``dcptool.engine.transfer`` does the same for the pieces a writer asks for; this one reads a
     ``TensorInfo`` and says where each slab starts (comparisons report the first differing index).
 
     >>> reader = RegionReader(checkpoint, bytearray(2**20))                      # doctest: +SKIP

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dcptool import core, families, lora, selection, stats
-from dcptool.core import Checkpoint, ObjectInfo, TensorInfo
+from dcptool import families, selection
+from dcptool.engine import core
+from dcptool.planning import lora
+from dcptool.checks import stats
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import UsageError
 from dcptool.mesh import Mesh
 from dcptool.sizes import DEFAULT_MAX_MEMORY
@@ -71,7 +74,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, wi
     ranks_recorded = any(core.ranks_recorded(t.chunks) for t in checkpoint.tensors.values())
     inferred = None
     if ranks_recorded:  # the planning layers, imported only for checkpoints that record their saving ranks
-        from dcptool import resharding
+        from dcptool.planning import resharding
 
         inferred = resharding.infer_mesh(checkpoint)
     found = Inspection(checkpoint, tensors, objects, files, sum(checkpoint.files.size(f) for f in files),

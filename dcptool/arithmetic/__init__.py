@@ -1,0 +1,1 @@
+"""Commands that compute new values from several checkpoints: average and diff."""
