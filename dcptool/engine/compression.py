@@ -157,6 +157,10 @@ class DecompressingFiles(CheckpointFiles):
             self._records.setdefault(name, _Record(relative, offset, length, limit, label))
         return name
 
+    def state_of(self, name: str) -> _Record:
+        """What is known of the record read under ``name`` (``record``): its head, how far its storage ends."""
+        return self._records[name]
+
     def decompressed(self, relative: str, offset: int, length: int, limit: int = OBJECT_LIMIT,
                      label: str = "") -> tuple[str, int]:
         """``(name, size)`` of a record's decompressed bytes (``record``), decompressed to the end once to count
@@ -350,7 +354,7 @@ class CompressedArchive:
             size = tensor.storage.numel * tensor.dtype.itemsize
         if start + size > self.limit:
             raise self.files.too_large(self.name)
-        record = self.files._records[self.name]
+        record = self.files.state_of(self.name)
         record.used_end = start + size
         if not record.whole:
             record.head = self._head[:start]
@@ -377,7 +381,7 @@ class CompressedArchive:
             raise CheckpointError(f"{self.where}: holds {type(tensor).__name__}, not a tensor")
         start, size = self._storage(tensor)
         entry = f"{self.where}: data/{printable(tensor.storage.key)}"
-        if self.files._records[self.name].whole:
+        if self.files.state_of(self.name).whole:
             found = _checked(self._head, b"", len(self._head), self.where).storage_data()
             check_crc(entry, zlib.crc32(self._head[start:start + size]),
                       next((stored.crc for stored in found if stored.offset == start), None))

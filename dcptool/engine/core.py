@@ -317,6 +317,12 @@ class Checkpoint:
     # (encoding, dtype, sizes, record length) -> where the elements start in records of a uniform encoding
     _layouts: dict[tuple, int] = field(default_factory=dict, repr=False)
 
+    def with_entries(self, tensors: dict[str, TensorInfo], objects: dict[str, ObjectInfo]) -> Checkpoint:
+        """The same checkpoint holding these entries (renamed or added views of its own), sharing the chunks it
+        has resolved to their bytes."""
+        return Checkpoint(self.format, self.root, self.files, tensors, objects, dict(self.info), self._resolved,
+                          self._layouts)
+
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

@@ -202,8 +202,7 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
         return checkpoint, renamed.notes
     tensors = {key: e for key, e in renamed.entries.items() if isinstance(e, TensorInfo)}
     objects = {key: e for key, e in renamed.entries.items() if isinstance(e, ObjectInfo)}
-    return Checkpoint(checkpoint.format, checkpoint.root, checkpoint.files, tensors, objects, dict(checkpoint.info),
-                      checkpoint._resolved), renamed.notes
+    return checkpoint.with_entries(tensors, objects), renamed.notes
 
 
 def write_checkpoint(

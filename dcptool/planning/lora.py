@@ -537,5 +537,4 @@ def with_adapter(base: Checkpoint, adapter: Checkpoint, config: dict | None) -> 
         put(f"{module}.modules_to_save.{DEFAULT_ADAPTER}.{leaf}", tensor, adapter)
     notes = [f"added adapter {where} as {DEFAULT_ADAPTER!r}: {len(found.targets)} LoRA layers"
              + (f", modules_to_save {', '.join(sorted(saved_modules))}" if saved else "") + ", under peft's names"]
-    return Checkpoint(base.format, base.root, base.files, tensors, dict(base.objects), dict(base.info),
-                      base._resolved), notes
+    return base.with_entries(tensors, dict(base.objects)), notes
