@@ -84,12 +84,12 @@ def check_runnable(checkpoint: str | Path) -> None:
         raise UsageError(f"{checkpoint}: {option('load_on')} runs torch's dcp.load on a local folder; copy the checkpoint here first")
 
 
-def _check_nproc(load_on: LoadOn) -> None:
-    """``nproc`` against the mesh, refused in verify's own terms (the mesh's planning would name reshard's
-    world size)."""
+def check_nproc(load_on: LoadOn) -> None:
+    """The mesh's sizes and ``nproc`` against them, refused in verify's own terms (the mesh's planning would
+    name reshard's world size)."""
+    sizes = load_on.sizes()
     if not load_on.nproc:
         return
-    sizes = load_on.sizes()
     others = sizes.get("dp_replicate", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
     world = others * sizes["dp"] if sizes.get("dp") else None
     if load_on.nproc % others or (world is not None and world != load_on.nproc):
@@ -111,7 +111,7 @@ def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, 
     source = formats.open_checkpoint(checkpoint)
     if not formats.get(source.format).dcp_loadable:
         raise UsageError(f"{checkpoint}: {option('load_on')} loads DCP checkpoints with dcp.load (this is {source.format})")
-    _check_nproc(load_on)
+    check_nproc(load_on)
     planned = prepare(source, MeshOptions(**load_on.sizes(), world_size=load_on.nproc or None, plan=load_on.plan),
                       config_dir=config_dir)
     raise_problems(planned)  # bad meshes are refused before any process starts

@@ -81,7 +81,7 @@ def _verify_load_on(path, load_on: LoadOn, selection: Selection, config_dir, as_
     from dcptool.checks import loadcheck
 
     loadcheck.check_runnable(path)  # refusals before the line announcing the job
-    load_on.sizes()
+    loadcheck.check_nproc(load_on)
     if not as_json and not render.settings["quiet"]:
         render.stderr_console().print(f"loading {path} on {load_on.mesh} with dcp.load in a real multi-process job ...")
     report = api.verify(path, load_on=load_on, selection=selection, config_dir=config_dir, reading=reading)
