@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dcptool.engine.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem, option
-from dcptool.format_interface import Format, Layout
+from dcptool.format_interface import Format, Sharding
 from dcptool.storage import CheckpointFiles, OutputFiles
 from dcptool.converters import hf
 
@@ -132,7 +132,7 @@ class Writer(hf.SafetensorsFiles):
     def plan(self, tensors, objects):
         by_file: dict[str, list[Piece]] = {}
         for tensor in tensors:
-            for offsets, sizes, rank in self.layout(tensor):
+            for offsets, sizes, rank in self.sharding(tensor):
                 pieces = by_file.setdefault(shard_file(rank), [])
                 if any(p.tensor is tensor for p in pieces):
                     raise UsageError(f"{option('to', NAME)}: rank {rank} would hold two chunks of {tensor.key}, "
@@ -152,7 +152,7 @@ class HuggingFaceDcp(Format):
 
     name = NAME
     title = "torch's HF-storage DCP"
-    layout = Layout.MESH
+    sharding = Sharding.MESH
 
     detect = staticmethod(detect)
     read = staticmethod(read)

@@ -22,8 +22,8 @@ from dcptool.selection import out_tensors, select
 from dcptool.storage import CheckpointFiles, OutputFiles
 
 
-class Layout(enum.Enum):
-    """Which layouts over ranks a format's writer lays out (``reshard`` asks this)."""
+class Sharding(enum.Enum):
+    """How a format's writer splits a checkpoint over ranks (``reshard`` asks this)."""
 
     NONE = "none"  # one file or one set of files for every rank (torch, hf)
     MESH = "mesh"  # a chunk per rank of any mesh, as ``dcp.save`` writes it (dcp, hf-dcp)
@@ -109,7 +109,7 @@ class Format(ABC):
     ...     title = "plain text"
     ...     detect = staticmethod(lambda files: False)
     ...     read = staticmethod(lambda files: None)
-    >>> Text().writable, Text().layout.value
+    >>> Text().writable, Text().sharding.value
     (False, 'none')
     """
 
@@ -121,7 +121,7 @@ class Format(ABC):
     # recognize a checkpoint, this one reads it.
     refines: ClassVar[tuple[str, ...]] = ()
     writer_class: ClassVar[Callable[..., Writer] | None] = None  # made as writer_class(destination, **options)
-    layout: ClassVar[Layout] = Layout.NONE
+    sharding: ClassVar[Sharding] = Sharding.NONE
     compressions: ClassVar[tuple[str, ...]] = ()
     # torch's ``dcp.load`` with its ``FileSystemReader`` reads it (``verify --load-on`` runs that load).
     dcp_loadable: ClassVar[bool] = False
@@ -169,6 +169,6 @@ class Format(ABC):
     def writer_options(self, request: OutputRequest) -> dict[str, Any]:
         """The request's options this format takes, as its writer's keyword arguments."""
         chosen = request.format_options.writer_options() if request.format_options is not None else {}
-        if request.layout is not None and self.layout is Layout.MESH:  # a reshard's chunks, rank by rank
+        if request.layout is not None and self.sharding is Sharding.MESH:  # a reshard's chunks, rank by rank
             chosen.update(layout=request.layout, world_size=request.world_size)
         return chosen

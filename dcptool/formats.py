@@ -15,7 +15,7 @@ atomic commit (``dcptool.storage``).
 ['accelerate', 'dcp', 'fsdp1', 'hf', 'hf-dcp', 'megatron', 'torch']
 >>> get("hf").writes_folder, get("torch").writes_folder, get("accelerate").writable
 (True, False, False)
->>> get("dcp").layout.value, get("fsdp1").layout.value, get("torch").layout.value
+>>> get("dcp").sharding.value, get("fsdp1").sharding.value, get("torch").sharding.value
 ('mesh', 'data-parallel', 'none')
 """
 

@@ -125,7 +125,7 @@ def test_lora_options_write_the_same_bytes(lora_runs, tmp_path, command, cli_opt
 # Every writing command with every format it can write; reshard's --to takes the formats laid out over ranks.
 DRY_RUNS = ([("convert", ["--to", name]) for name in formats.writable()] + [("export-hf", [])]
             + [("reshard", ["--to", name, "--world-size", "2"]) for name in formats.writable()
-               if formats.get(name).layout.value != "none"]
+               if formats.get(name).sharding.value != "none"]
             + [("import-hf", ["--dp", "2"])])
 
 

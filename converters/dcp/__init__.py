@@ -15,7 +15,7 @@ from dcptool.converters.dcp.writer import Writer
 from dataclasses import dataclass
 
 from dcptool.errors import UsageError, option
-from dcptool.format_interface import Format, FormatOptions, Layout
+from dcptool.format_interface import Format, FormatOptions, Sharding
 
 __all__ = ["FORMAT", "METADATA", "Dcp", "DcpOptions", "detect", "read"]
 
@@ -49,7 +49,7 @@ class Dcp(Format):
     name = NAME
     title = "PyTorch DCP"
     completes = (METADATA,)  # without it the folder is no checkpoint
-    layout = Layout.MESH
+    sharding = Sharding.MESH
     compressions = COMPRESSIONS
     dcp_loadable = True
     options = DcpOptions

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from dcptool.engine.core import Checkpoint
 from dcptool.errors import option
-from dcptool.format_interface import Format, FormatOptions, Layout, Output, OutputRequest
+from dcptool.format_interface import Format, FormatOptions, Sharding, Output, OutputRequest
 from dcptool.converters.fsdp1 import planning, reader
 from dcptool.converters.fsdp1.folder import CONFIG, NAME
 from dcptool.converters.fsdp1.writer import Writer
@@ -74,7 +74,7 @@ class Fsdp1(Format):
     name = NAME
     title = "verl's FSDP1 folders"
     completes = (CONFIG,)
-    layout = Layout.DATA_PARALLEL
+    sharding = Sharding.DATA_PARALLEL
     options = Fsdp1Options
 
     detect = staticmethod(reader.detect)

@@ -12,7 +12,7 @@ from dcptool.converters.dcp import METADATA
 from dcptool.converters.megatron.names import BACKEND, COMMON_PT, CONFIG, NAME, SAFE_GLOBALS
 from dcptool.converters.megatron.reader import detect, read
 from dcptool.converters.megatron.writer import Writer, expected_objects, has_common_state, megatron_objects
-from dcptool.format_interface import Format, Layout, Output, OutputRequest
+from dcptool.format_interface import Format, Sharding, Output, OutputRequest
 from dcptool.errors import option
 
 __all__ = ["FORMAT", "Megatron", "detect", "read"]
@@ -25,7 +25,7 @@ class Megatron(Format):
     title = "Megatron-Core torch_dist"
     refines = ("dcp",)  # a torch_dist folder is a DCP folder too: this format is the one that knows it whole
     completes = (METADATA, CONFIG)
-    layout = Layout.MESH
+    sharding = Sharding.MESH
     dcp_loadable = True
     safe_globals = SAFE_GLOBALS
 

@@ -32,7 +32,7 @@ from dcptool.planning import resharding
 from dcptool.planning.conversion import Conversion, plan_convert
 from dcptool.engine.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
 from dcptool.errors import UsageError, counted, option
-from dcptool.format_interface import Layout, OutputRequest
+from dcptool.format_interface import Sharding, OutputRequest
 from dcptool.options import MeshOptions
 from dcptool.checks.pairing import pair
 
@@ -188,7 +188,7 @@ def _plan_output(planned: Planned, source: Checkpoint, to: str | None, mesh: Mes
         planned.conversion = planned.reshard.conversion
         return
     world_size = source.info.get("world_size")
-    if fmt.name == source.format and fmt.layout is Layout.MESH and world_size:
+    if fmt.name == source.format and fmt.sharding is Sharding.MESH and world_size:
         # the first source's own chunks, each in the file of the rank that saved it
         output = fmt.plan_output(source, OutputRequest())
         layout = OutputRequest(layout=lambda out: [(c.offsets, c.sizes, c.rank or 0) for c in out.source.chunks],
@@ -196,7 +196,7 @@ def _plan_output(planned: Planned, source: Checkpoint, to: str | None, mesh: Mes
         planned.conversion = Conversion(source, fmt.name, output.tensors, output.objects, fmt.writer_options(layout),
                                         [*notes, *output.notes], output.why_left_out, output.reasons)
         return
-    per_rank = (world_size or 1) if fmt.layout is Layout.DATA_PARALLEL else None
+    per_rank = (world_size or 1) if fmt.sharding is Sharding.DATA_PARALLEL else None
     planned.conversion = plan_convert(source, fmt.name, OutputRequest(world_size=per_rank))
     planned.conversion.notes[:0] = notes
 

@@ -30,7 +30,7 @@ from dcptool import dtypes, formats
 from dcptool.planning import conversion
 from dcptool.engine.core import Checkpoint
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
-from dcptool.format_interface import Layout, OutputRequest
+from dcptool.format_interface import Sharding, OutputRequest
 from dcptool.checks.pairing import Side, layout_of, normalized
 from dcptool.engine.regions import BLOCK, RegionReader, buffer_size
 from dcptool.sizes import DEFAULT_MAX_MEMORY
@@ -369,7 +369,7 @@ def _request(checkpoint: Checkpoint, to: str, include: str | None = None,
              exclude: str | None = None) -> OutputRequest:
     """A round trip's output options: formats of per-rank files are written for the source's own world
     size where it records one, else for 2 ranks."""
-    per_rank = formats.get(to).layout is Layout.DATA_PARALLEL
+    per_rank = formats.get(to).sharding is Sharding.DATA_PARALLEL
     return OutputRequest(include=include, exclude=exclude,
                          world_size=(checkpoint.info.get("world_size") or 2) if per_rank else None)
 

@@ -32,7 +32,7 @@ CastDtype = Literal[dtypes.CASTABLE]
 Family = Literal[tuple(families.names())]
 FamilyOrAuto = Literal[("auto", *families.names())]
 # reshard writes the formats laid out over ranks (a mesh, or data-parallel ranks)
-LaidOutFormat = Literal[tuple(name for name in formats.writable() if formats.get(name).layout.value != "none")]
+LaidOutFormat = Literal[tuple(name for name in formats.writable() if formats.get(name).sharding.value != "none")]
 OptimForm = Literal["named", "flat", "orig", "fsdp2"]
 Compression = Literal[tuple(sorted({c for f in formats.all_formats().values() for c in f.compressions}))]
 

@@ -28,7 +28,7 @@ from dcptool.planning import plans
 from dcptool.planning.conversion import Conversion, Report, adapted
 from dcptool.engine.core import Checkpoint, ChunkTable, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
-from dcptool.format_interface import FormatOptions, Layout, OutputRequest
+from dcptool.format_interface import FormatOptions, Sharding, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
 from dcptool.options import MeshOptions
 from dcptool.selection import config_folder, model_part, read_config
@@ -339,13 +339,13 @@ def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", fami
     (``families.options_for``: what Megatron names are written for, their vocabulary padding).
     """
     fmt = formats.get(to)
-    if fmt.layout is Layout.NONE:
-        laid_out = [f.name for f in formats.all_formats().values() if f.writable and f.layout is not Layout.NONE]
+    if fmt.sharding is Sharding.NONE:
+        laid_out = [f.name for f in formats.all_formats().values() if f.writable and f.sharding is not Sharding.NONE]
         raise UsageError(f"{option('to', to)}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
     formats.check_options(fmt, format_options)
     request = OutputRequest(dtype=dtype, keep_rank_state=keep_rank_state, format_options=format_options)
     checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir, options=family_options)
-    if fmt.layout is Layout.DATA_PARALLEL:
+    if fmt.sharding is Sharding.DATA_PARALLEL:
         result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, mesh), request)
     else:
         result = prepare(checkpoint, mesh, config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
@@ -362,7 +362,7 @@ def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", fami
 def _plan_data_parallel(checkpoint: Checkpoint, fmt, mesh: Mesh, request: OutputRequest) -> ReshardPlan:
     """A format of per-rank data-parallel files plans its own ranks: the mesh must be data parallel only."""
     if mesh.world != mesh.dp:
-        laid_out = [f.name for f in formats.all_formats().values() if f.layout is Layout.MESH and f.writable]
+        laid_out = [f.name for f in formats.all_formats().values() if f.sharding is Sharding.MESH and f.writable]
         raise UsageError(f"{option('to', fmt.name)} holds data-parallel shards only; {mesh.describe()} needs "
                          f"{' or '.join(option('to', name) for name in laid_out)}")
     request.world_size = mesh.world
