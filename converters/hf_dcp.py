@@ -132,7 +132,7 @@ class Writer(hf.SafetensorsFiles):
     def plan(self, tensors, objects):
         by_file: dict[str, list[Piece]] = {}
         for tensor in tensors:
-            for offsets, sizes, rank in self.sharding(tensor):
+            for offsets, sizes, rank in self.layout(tensor):
                 pieces = by_file.setdefault(shard_file(rank), [])
                 if any(p.tensor is tensor for p in pieces):
                     raise UsageError(f"{option('to', NAME)}: rank {rank} would hold two chunks of {tensor.key}, "
