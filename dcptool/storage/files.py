@@ -139,6 +139,18 @@ class CheckpointFiles:
         self.check_range(relative, offset, len(buffer))
         self._store.read_into(relative, offset, buffer)
 
+    def read_parts(self, relative: str, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` one after another with the file's bytes from ``offset``: one system call for a local
+        file (a record's frame and its storage, read into different places at once)."""
+        self.check_range(relative, offset, sum(map(len, buffers)))
+        fd = self.local_fd(relative)
+        done = 0 if fd is None else self._store.read_parts(fd, relative, offset, buffers)
+        for buffer in buffers:  # what one call did not read (a remote file, a short read)
+            if done < len(buffer):
+                self.read_into(relative, offset, buffer[done:])
+            offset += len(buffer)
+            done = max(0, done - len(buffer))
+
     @contextmanager
     def mapped(self, relative: str, offset: int, length: int) -> Iterator[memoryview | None]:
         """The file's bytes ``offset..offset + length`` mapped read-only in place (a gather from them copies
@@ -270,6 +282,13 @@ class LocalFolder:
             if got <= 0:
                 raise CheckpointError(f"{self.path(relative)}: file shrank while reading at byte {offset + done}")
             done += got
+
+    def read_parts(self, fd: int, relative: str, offset: int, buffers: list[memoryview]) -> int:
+        """One ``preadv`` into ``buffers`` from ``offset``; how many bytes it read."""
+        try:
+            return os.preadv(fd, buffers, offset)
+        except OSError as exc:
+            raise annotate(exc, "reading", self.path(relative), f" at byte {offset:,}") from None
 
     def close(self) -> None:
         """Close the descriptors kept open."""
