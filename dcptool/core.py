@@ -522,7 +522,7 @@ class Checkpoint:
                     and is_contiguous(extent, out_strides):
                 first = sum((l - o) * s for l, o, s in zip(lo, offsets, out_strides)) * itemsize
                 storage, in_place = into[first:first + size], True
-            elif layout.length <= SMALL_RECORD:  # read whole, though only part of its chunk is needed
+            elif layout.length <= SMALL_RECORD and size <= len(scratch):  # read whole, though only part is needed
                 if size > room:
                     left += self._read_batches(tensor, batches, offsets, out)
                     batches, room = {}, len(scratch)
@@ -613,6 +613,8 @@ class Checkpoint:
                 encoding.layout(self.files, tensor, chunk, chunk_label(tensor.key, chunk))
             if len(self._record_layouts) < 4096:
                 self._record_layouts[shape] = layout
+                if layout is not None:  # where the elements are in such records (``raw_bytes``): known now
+                    self._layouts[shape] = layout.elements
         return layout
 
     def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch,
