@@ -14,6 +14,7 @@ bytes. Any rectangular region of a tensor is assembled from the chunks that over
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -37,7 +38,7 @@ RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
 # one read, where a frame and a part of the storage apart take two or three.
 SMALL_RECORD = 2**16
 # The frames of records (their bytes but their storages') one thread reads and checks at once.
-FRAME_BYTES = 2**20
+FRAME_BYTES = 2**18
 
 # The problems of single entries found while a checkpoint is opened under ``entry_problems``.
 _entry_problems: ContextVar[list[tuple[str, str, CheckpointError]] | None] = ContextVar("entry_problems", default=None)
@@ -513,6 +514,7 @@ class Checkpoint:
         out_strides = row_major(sizes)
         batches: dict[int, tuple[RecordLayout, list]] = {}
         room = len(scratch)  # left for the storages of small records read whole into scratch
+        checks = record_checks(self.files)
         for layout, base, its_boxes in records.values():
             start, size = layout.storage
             chunk, lo, hi = its_boxes[0]
@@ -528,6 +530,9 @@ class Checkpoint:
                     batches, room = {}, len(scratch)
                 storage, in_place = scratch[len(scratch) - room:len(scratch) - room + size], False
                 room -= size
+            elif checks.known(base.file, base.offset):  # its frame checked by an earlier read of another part
+                left += its_boxes
+                continue
             else:  # a large record read in part: its storage's CRC-32 is checked as its bytes pass
                 storage, in_place = None, False
             batches.setdefault(id(layout), (layout, []))[1].append((base, its_boxes, storage, in_place))
@@ -571,7 +576,7 @@ class Checkpoint:
                 continue
             if storage is None:
                 stored = StoredData(base.file, base.offset + start, size, stored_crc,
-                                    self._storage_name(tensor, base, layout))
+                                    functools.partial(self._storage_name, tensor, base, layout))
                 checks.record(base.file, base.offset, lambda stored=stored: stored)
                 left += its_boxes
                 continue

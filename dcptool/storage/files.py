@@ -89,8 +89,7 @@ class CheckpointFiles:
         return size
 
     def _size_or_none(self, relative: str) -> int | None:
-        with self._lock:
-            size = self._sizes.get(relative)
+        size = self._sizes.get(relative)  # filled under the lock; a lookup needs none (a million chunks ask)
         if size is None:
             size = self._store.file_size(relative)
             if size is not None:
@@ -258,6 +257,9 @@ class LocalFolder:
 
     def fd(self, relative: str) -> int:
         """The file's descriptor, opened on first use and kept open until ``close``."""
+        fd = self._fds.get(relative)  # opened under the lock; a lookup needs none (a read of every chunk asks)
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(relative)
             if fd is None:
