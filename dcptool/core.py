@@ -539,6 +539,7 @@ class Checkpoint:
         return left + self._read_batches(tensor, batches, offsets, out)
 
     def _read_batches(self, tensor: TensorInfo, batches: dict, offsets, out: np.ndarray) -> list:
+        """``_read_batch`` of each layout's records, ``FRAME_BYTES`` of frames at a time."""
         left = []
         for layout, items in batches.values():
             rows = max(1, FRAME_BYTES // layout.width)
@@ -596,7 +597,8 @@ class Checkpoint:
 
     def _storage_name(self, tensor: TensorInfo, base: Chunk, layout: RecordLayout) -> str:
         """How messages name the storage of ``base``'s record (as ``Archive.storage_data`` does)."""
-        return f"{record_name(self.files, base.file, base.offset, chunk_label(tensor.key, base))}: {layout.storage_name}"
+        record = record_name(self.files, base.file, base.offset, chunk_label(tensor.key, base))
+        return f"{record}: {layout.storage_name}"
 
     def _check_alone(self, tensor: TensorInfo, base: Chunk, boxes: list) -> list:
         """Check a record that differs from its layout on its own (raises, naming what is wrong, when it is
