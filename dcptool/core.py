@@ -384,8 +384,8 @@ class Checkpoint:
         encoding = encodings.get(base.encoding)
         if encoding is None or encoding.record is None:
             return None
-        label = chunk_label(tensor.key, base)
-        return checks.record(base.file, base.offset, lambda: encoding.record(self.files, tensor, base, label))
+        return checks.record(base.file, base.offset,
+                             lambda: encoding.record(self.files, tensor, base, chunk_label(tensor.key, base)))
 
     def check_record(self, tensor: TensorInfo, chunk: Chunk) -> None:
         """Check the record that holds ``chunk``'s bytes (once per record; ``record_of``)."""
