@@ -24,6 +24,9 @@ class Encoding:
     bytes are read (a ``torch_archive.records.StoredData``, the record's structure checked as it is
     opened; ``label`` names the chunk in messages), or None. ``uniform``: records of one dtype, shape and length hold their
     elements at the same place in them, so a checkpoint opens one record of each such shape, not each.
+    ``layout(files, tensor, chunk, label)``: for a ``uniform`` encoding, the layout that the records of
+    ``chunk``'s dtype, shape and length share (a ``torch_archive.layouts.RecordLayout``, learned from ``chunk``'s
+    record, checked whole), which checks such records many at once; None where they cannot be.
     ``front_to_back``: a record is read from its start (a compressed stream): reads of one record go best in
     order, each resuming where the one before stopped (``dcptool.engine.transfer`` runs them on one thread).
     """
@@ -32,6 +35,7 @@ class Encoding:
     locate: Callable[[Any, Any, Any], Any]
     record: Callable[[Any, Any, Any, str], Any] | None = None
     uniform: bool = False
+    layout: Callable[[Any, Any, Any, str], Any] | None = None
     front_to_back: bool = False
 
 

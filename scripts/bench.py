@@ -100,9 +100,10 @@ Examples::
 
 ``--ranks N,...`` runs only the scale rows, on checkpoints written by ``harness.synth_dcp`` as N
 ranks of FSDP2 save them (``--scale-layers`` layers of narrow tensors, so every rank holds a chunk of
-every tensor: 1,024 ranks x 80 layers is ~740k chunks, a 94 MB ``.metadata``): ``inspect``,
-``reshard --dp 8``, ``export-hf`` and ``verify`` beside torch's ``read_metadata`` and
-``dcp_to_torch_save`` of the same files, time and peak memory against N in scale.png.
+every tensor: 1,024 ranks x 80 layers is ~740k chunks, a 115 MB ``.metadata``): ``inspect``,
+``reshard --dp 8``, ``export-hf``, ``convert --to torch`` and ``verify`` beside torch's ``read_metadata`` and
+``dcp_to_torch_save`` of the same files, time and peak memory against N in scale.png. A change to how
+records are read or checked shows there what the 2 GB rows (a few hundred chunks) cannot: a cost per chunk.
 """
 
 from __future__ import annotations

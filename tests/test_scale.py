@@ -125,3 +125,89 @@ def test_overlapping_chunks_are_refused(tmp_path):
                        np.array([0, 100]), np.array([100, 100]), "torch-archive", [0])
     with pytest.raises(CheckpointError, match="overlap"):
         check_cover(TensorInfo(("w",), "float32", (3, 4), table), "x")
+
+
+@pytest.fixture(scope="module")
+def many_chunks(tmp_path_factory):
+    """64 ranks of FSDP2 x TP 2, 8 layers: thousands of chunk records, a few dozen of each layout."""
+    out = tmp_path_factory.mktemp("scale") / "llama-64-8"
+    synth_dcp.main([str(out), "--ranks", "64", "--tp", "2", "--layers", "8", "--rows", "40", "--width", "6"])
+    return out
+
+
+def test_records_of_many_ranks_are_checked_a_layout_at_a_time(many_chunks, tmp_path, monkeypatch):
+    """Reading every tensor checks every chunk record (zip structure and CRC-32s) as its bytes are read, yet opens
+    as an archive one record of each dtype, shape and length only (the template of its layout), and keeps
+    nothing per record: the memory the checks keep does not grow with the chunks."""
+    import gc
+    import tracemalloc
+
+    from dcptool.torch_archive import reading
+    from dcptool.torch_archive.records import record_checks
+
+    opened = []
+    open_archive = reading.Archive.__init__
+
+    def counted(self, *args, **kwargs):
+        opened.append(args[1:3])
+        open_archive(self, *args, **kwargs)
+
+    monkeypatch.setattr(reading.Archive, "__init__", counted)
+    flat = read_dcp(many_chunks, tmp_path)
+    checkpoint = formats.open_checkpoint(many_chunks)
+    records = [(tensor.dtype, chunk.sizes, chunk.length) for tensor in checkpoint.tensors.values()
+               for chunk in tensor.chunks if chunk.numel]
+    for key in checkpoint.tensors:  # the thread's buffers made, as a copy's threads make theirs
+        assert torch.equal(read_tensor(checkpoint, key), flat[key]), key
+    assert len(records) > 2000 and len(opened) == len(set(records)) < 20, (len(records), len(opened))
+    assert not record_checks(checkpoint.files)._records  # nothing per record: all were read whole, a batch at a time
+
+    checkpoint = formats.open_checkpoint(many_chunks)  # its records checked anew: what do the checks keep?
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for key in checkpoint.tensors:
+            read_tensor(checkpoint, key)
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    files = len({chunk.file for tensor in checkpoint.tensors.values() for chunk in tensor.chunks})
+    assert kept < 1024 * (files + len(set(records))), kept  # per file (its descriptor) and layout, nothing per record
+
+
+def _entry_at(record: bytes, suffix: str) -> int:
+    """Where the bytes of the entry whose name ends with ``suffix`` start in a torch.save archive (python's zipfile)."""
+    import io
+    import struct
+    import zipfile
+
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(record)).infolist() if i.filename.endswith(suffix))
+    name_length, extra_length = struct.unpack_from("<HH", record, info.header_offset + 26)
+    return info.header_offset + 30 + name_length + extra_length
+
+
+@pytest.mark.parametrize("damage", ["storage", "serialization id", "central directory"])
+def test_a_damaged_record_among_thousands_is_refused(many_chunks, tmp_path, damage):
+    """A record checked in a batch of records of its layout: a flipped byte of its storage (its CRC-32), of its
+    serialization id (written anew by every torch.save, checked against its own CRC-32) or of its zip structure
+    (it no longer fits its layout: checked alone, which names what is wrong) is refused by name."""
+    from test_records import refused
+
+    key = "model.layers.1.mlp.up_proj.weight"
+    info = [info for index, info in FileSystemReader(str(many_chunks)).read_metadata().storage_data.items()
+            if index.fqn == key][7]  # a record of the middle of a batch, not its layout's template
+    copy = tmp_path / "damaged"
+    copy.mkdir()
+    for path in many_chunks.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    data = bytearray((copy / info.relative_path).read_bytes())
+    record = bytes(data[info.offset:info.offset + info.length])
+    at = {"storage": _entry_at(record, "/data/0"), "serialization id": _entry_at(record, "/.data/serialization_id"),
+          "central directory": record.rfind(b"PK\x01\x02")}[damage]
+    data[info.offset + at] ^= 0x01
+    (copy / info.relative_path).write_bytes(bytes(data))
+    out = tmp_path / "out"
+    line = refused(["export-hf", copy, out, "--no-fsync"], out, info.relative_path, key)
+    assert ("CRC-32" in line) == (damage != "central directory"), line
+    refused(["reshard", copy, out, "--dp", "4", "--no-fsync"], out, info.relative_path, key)

@@ -103,9 +103,15 @@ def _storage_rows(columns: Columns) -> tuple[tuple, int]:
     """A run of storage records as one ``StorageRows`` key, its value None."""
     index, info = columns.fields
     count = columns.count
-    rows = StorageRows(index["fqn"][:count], index["index"][:count], *(dims[:count] for dims in index["offset"]),
-                       info["relative_path"][:count], info["offset"][:count], info["length"][:count])
+    rows = StorageRows(_first(index["fqn"], count), index["index"][:count], *(dims[:count] for dims in index["offset"]),
+                       _first(info["relative_path"], count), info["offset"][:count], info["length"][:count])
     return (rows, None), count
+
+
+def _first(texts: list[str], count: int) -> list[str]:
+    """The first ``count`` texts of a column: the column itself when that is all of it (the unpickler keeps the
+    columns while it runs, and a copy of a million names is 8 MB)."""
+    return texts if len(texts) == count else texts[:count]
 
 
 # The records as CPython's pickler writes them (their attributes in the order torch sets them).

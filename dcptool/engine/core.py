@@ -14,6 +14,7 @@ bytes. Any rectangular region of a tensor is assembled from the chunks that over
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,10 +29,16 @@ from zlib_ng.zlib_ng import crc32, crc32_combine
 from dcptool import dtypes, encodings
 from dcptool.errors import CheckpointError
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive import Archive, RawBytes, chunk_label, row_major
-from dcptool.torch_archive.records import StoredData, record_checks
+from dcptool.torch_archive import Archive, RawBytes, chunk_label, record_name, row_major
+from dcptool.torch_archive.layouts import RecordLayout
+from dcptool.torch_archive.records import StoredData, check_crc, record_checks
 
 RAW = "raw"  # the encoding of a chunk whose elements are stored as they are
+# Records of a layout at most this long are read whole, storage and all, whatever part of their chunk a read needs:
+# one read, where a frame and a part of the storage apart take two or three.
+SMALL_RECORD = 2**16
+# The frames of records (their bytes but their storages') one thread reads and checks at once.
+FRAME_BYTES = 2**18
 
 # The problems of single entries found while a checkpoint is opened under ``entry_problems``.
 _entry_problems: ContextVar[list[tuple[str, str, CheckpointError]] | None] = ContextVar("entry_problems", default=None)
@@ -316,6 +323,8 @@ class Checkpoint:
     _resolved: dict[Chunk, RawBytes] = field(default_factory=dict, repr=False)
     # (encoding, dtype, sizes, record length) -> where the elements start in records of a uniform encoding
     _layouts: dict[tuple, int] = field(default_factory=dict, repr=False)
+    # the same -> the layout such records share, which checks them a batch at a time (None: they are checked alone)
+    _record_layouts: dict[tuple, RecordLayout | None] = field(default_factory=dict, repr=False)
 
     def with_entries(self, tensors: dict[str, TensorInfo], objects: dict[str, ObjectInfo]) -> Checkpoint:
         """The same checkpoint holding these entries (renamed or added views of its own), sharing the chunks it
@@ -381,8 +390,8 @@ class Checkpoint:
         encoding = encodings.get(base.encoding)
         if encoding is None or encoding.record is None:
             return None
-        label = chunk_label(tensor.key, base)
-        return checks.record(base.file, base.offset, lambda: encoding.record(self.files, tensor, base, label))
+        return checks.record(base.file, base.offset,
+                             lambda: encoding.record(self.files, tensor, base, chunk_label(tensor.key, base)))
 
     def check_record(self, tensor: TensorInfo, chunk: Chunk) -> None:
         """Check the record that holds ``chunk``'s bytes (once per record; ``record_of``)."""
@@ -442,20 +451,32 @@ class Checkpoint:
 
         The region is assembled from every chunk it overlaps; each file read covers at most
         ``len(scratch)`` bytes, so memory stays bounded however large the chunks are. Each chunk's record is
-        checked before its bytes are used (``check_record``); with ``passing`` (a copy that finishes the
-        checks of what it read: ``transfer``), a part of a chunk that is one run of its record's bytes hands
-        in the CRC-32 of those bytes as they are read instead (``RecordChecks.add_part``).
+        checked as its bytes are read: records of a layout (DCP's chunk records) a batch at a time, each read
+        once, storage and all (``_read_records``); any other before its bytes are used (``check_record``), or,
+        with ``passing`` (a copy that finishes the checks of what it read: ``transfer``), a part of a chunk
+        that is one run of its record's bytes hands in the CRC-32 of those bytes as they are read
+        (``RecordChecks.add_part``).
         """
         if tensor.transform is not None:
             tensor.transform.read(self, offsets, sizes, out, scratch)
             return
+        boxes = []
         for chunk in overlapping(tensor, offsets, sizes):
             lo = [max(o, co) for o, co in zip(offsets, chunk.offsets)]
             hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)):
-                continue
+            if not any(h <= l for l, h in zip(lo, hi)):
+                boxes.append((chunk, lo, hi))
+        checks = record_checks(self.files)
+        if checks is not None:
+            boxes = self._read_records(tensor, boxes, offsets, sizes, out, scratch)
+        for chunk, lo, hi in boxes:
             raw = self.raw_bytes(tensor, chunk)
             local_lo, extent = [l - co for l, co in zip(lo, chunk.offsets)], [h - l for l, h in zip(lo, hi)]
+            # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.
+            target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
+            if checks is None:
+                self._copy_box(raw, local_lo, extent, target, scratch, chunk.view is not None)
+                continue
             stored = self.record_of(tensor, chunk) if passing and chunk.view is None else None
             start = raw.offset + sum(l * s for l, s in zip(local_lo, raw.strides)) * raw.itemsize
             run = (start, math.prod(extent) * raw.itemsize)  # the record's bytes whose CRC-32 is handed in
@@ -468,12 +489,146 @@ class Checkpoint:
                 stored = None if run is None else stored
             elif stored is None:
                 self.check_record(tensor, chunk)
-            # Ellipsis keeps a view even for 0-d tensors, where out[()] would be a copy.
-            target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
             crc = self._copy_box(raw, local_lo, extent, target, scratch, chunk.view is not None,
                                  run if stored is not None else None)
             if stored is not None:
                 record_checks(self.files).add_part(stored, tensor.key, *run, crc)
+
+    def _read_records(self, tensor: TensorInfo, boxes: list, offsets, sizes, out: np.ndarray,
+                      scratch: memoryview) -> list:
+        """Read the boxes ``(chunk, lo, hi)`` whose records are of a layout (``encodings.Encoding.layout``), a batch
+        of records of one layout at a time (``_read_batch``); returns the boxes left to read one by one: those of
+        other records, of records found to be of no layout (checked alone), and of large records read in part
+        (their frames checked here, their storages as their bytes pass)."""
+        left, records = [], {}
+        for box in boxes:
+            chunk = box[0]
+            base = chunk.view.base if chunk.view is not None else chunk
+            layout = self._record_layout(tensor, base)
+            if layout is None:
+                left.append(box)
+                continue
+            found = records.get((base.file, base.offset))
+            if found is None:
+                found = records[(base.file, base.offset)] = (layout, base, [])
+            found[2].append(box)
+        if not records:
+            return left
+        itemsize = dtypes.dtype(tensor.dtype).itemsize
+        # a whole chunk that is one run of ``out`` is read straight into it
+        into = memoryview(out.reshape(-1)).cast("B") if out.flags.c_contiguous else None
+        out_strides = row_major(sizes)
+        batches: dict[int, tuple[RecordLayout, list]] = {}
+        room = len(scratch)  # left for the storages of small records read whole into scratch
+        checks = record_checks(self.files)
+        for layout, base, its_boxes in records.values():
+            start, size = layout.storage
+            chunk, lo, hi = its_boxes[0]
+            extent = [h - l for l, h in zip(lo, hi)]
+            if into is not None and len(its_boxes) == 1 and chunk.view is None and lo == list(chunk.offsets) and \
+                    extent == list(chunk.sizes) and layout.elements == start and size == chunk.numel * itemsize \
+                    and is_contiguous(extent, out_strides):
+                first = sum((l - o) * s for l, o, s in zip(lo, offsets, out_strides)) * itemsize
+                storage, in_place = into[first:first + size], True
+            elif layout.length <= SMALL_RECORD and size <= len(scratch):  # read whole, though only part is needed
+                if size > room:
+                    left += self._read_batches(tensor, batches, offsets, out)
+                    batches, room = {}, len(scratch)
+                storage, in_place = scratch[len(scratch) - room:len(scratch) - room + size], False
+                room -= size
+            elif checks.known(base.file, base.offset):  # its frame checked by an earlier read of another part
+                left += its_boxes
+                continue
+            else:  # a large record read in part: its storage's CRC-32 is checked as its bytes pass
+                storage, in_place = None, False
+            batches.setdefault(id(layout), (layout, []))[1].append((base, its_boxes, storage, in_place))
+        return left + self._read_batches(tensor, batches, offsets, out)
+
+    def _read_batches(self, tensor: TensorInfo, batches: dict, offsets, out: np.ndarray) -> list:
+        """``_read_batch`` of each layout's records, ``FRAME_BYTES`` of frames at a time."""
+        left = []
+        for layout, items in batches.values():
+            rows = max(1, FRAME_BYTES // layout.width)
+            for first in range(0, len(items), rows):
+                left += self._read_batch(tensor, layout, items[first:first + rows], offsets, out)
+        return left
+
+    def _read_batch(self, tensor: TensorInfo, layout: RecordLayout, items: list, offsets, out: np.ndarray) -> list:
+        """Read and check records of one layout, ``(base chunk, boxes, storage, in_place)`` each: its frame into a
+        row of the thread's frames, its storage into ``storage`` in the same read (the boxes are copied from
+        there, unless ``in_place``: it is their place in ``out``) and checked against the CRC-32 it records;
+        None reads the frame alone, the storage's CRC-32 left to the copy that reads it
+        (``RecordChecks.record``). Returns the boxes left to read one by one."""
+        (start, size), width, frame_size = layout.storage, layout.width, layout.frame_size
+        frames = workspace("record_frames", (len(items), width), np.uint8)
+        rows = memoryview(frames).cast("B")
+        computed = []
+        read_parts = self.files.read_parts
+        for row, (base, _, storage, _) in enumerate(items):
+            frame = rows[row * width:row * width + frame_size]
+            if storage is None:
+                read_parts(base.file, base.offset, [frame[:start]])
+                read_parts(base.file, base.offset + start + size, [frame[start:]])
+                computed.append(None)
+            else:
+                read_parts(base.file, base.offset, [frame[:start], storage, frame[start:]])
+                computed.append(crc32(storage))
+        misfits, recorded = layout.check(frames)
+        misfits = misfits.tolist()
+        recorded = recorded.tolist() if recorded is not None else [None] * len(items)
+        checks, left = record_checks(self.files), []
+        for (base, its_boxes, storage, in_place), misfit, crc, stored_crc in zip(items, misfits, computed, recorded):
+            if misfit:
+                left += self._check_alone(tensor, base, its_boxes)
+                continue
+            if storage is None:
+                stored = StoredData(base.file, base.offset + start, size, stored_crc,
+                                    functools.partial(self._storage_name, tensor, base, layout))
+                checks.record(base.file, base.offset, lambda stored=stored: stored)
+                left += its_boxes
+                continue
+            if stored_crc is not None and crc != stored_crc:
+                check_crc(self._storage_name(tensor, base, layout), crc, stored_crc)
+            for chunk, lo, hi in [] if in_place else its_boxes:  # read whole into scratch: copied out of it
+                raw = self.raw_bytes(tensor, chunk)
+                at = raw.offset - base.offset - start + sum((l - c) * s for l, c, s in
+                                                              zip(lo, chunk.offsets, raw.strides)) * raw.itemsize
+                extent = [h - l for l, h in zip(lo, hi)]
+                count = sum((n - 1) * s for n, s in zip(extent, raw.strides)) + 1
+                values = np.frombuffer(storage, out.dtype, count, at)
+                target = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)) + (Ellipsis,)]
+                target[...] = np.lib.stride_tricks.as_strided(values, shape=extent,
+                                                              strides=[s * raw.itemsize for s in raw.strides])
+        return left
+
+    def _storage_name(self, tensor: TensorInfo, base: Chunk, layout: RecordLayout) -> str:
+        """How messages name the storage of ``base``'s record (as ``Archive.storage_data`` does)."""
+        record = record_name(self.files, base.file, base.offset, chunk_label(tensor.key, base))
+        return f"{record}: {layout.storage_name}"
+
+    def _check_alone(self, tensor: TensorInfo, base: Chunk, boxes: list) -> list:
+        """Check a record that differs from its layout on its own (raises, naming what is wrong, when it is
+        damaged); its boxes are then read one by one, from where its own archive says its elements are."""
+        encoding = encodings.get(base.encoding)
+        stored = encoding.record(self.files, tensor, base, chunk_label(tensor.key, base))
+        record_checks(self.files).record(base.file, base.offset, lambda: stored)
+        self._resolved[base] = encoding.locate(self.files, tensor, base)
+        return boxes
+
+    def _record_layout(self, tensor: TensorInfo, chunk: Chunk) -> RecordLayout | None:
+        """The layout of ``chunk``'s record and those of its dtype, shape and length (learned from it the first
+        time: its record checked whole); None when its encoding has none."""
+        shape = (chunk.encoding, tensor.dtype, chunk.sizes, chunk.length)
+        layout = self._record_layouts.get(shape, _UNSET)
+        if layout is _UNSET:
+            encoding = encodings.get(chunk.encoding)
+            layout = None if encoding is None or encoding.layout is None else \
+                encoding.layout(self.files, tensor, chunk, chunk_label(tensor.key, chunk))
+            if len(self._record_layouts) < 4096:
+                self._record_layouts[shape] = layout
+                if layout is not None:  # where the elements are in such records (``raw_bytes``): known now
+                    self._layouts[shape] = layout.elements
+        return layout
 
     def _copy_box(self, raw: RawBytes, lo: list[int], extent: list[int], target: np.ndarray, scratch,
                   split_gaps: bool = False, checksum: tuple[int, int] | None = None) -> int:

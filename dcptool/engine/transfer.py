@@ -33,7 +33,7 @@ import numpy as np
 from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
 
 from dcptool import dtypes, encodings
-from dcptool.engine.core import Checkpoint, Chunk, Piece, is_contiguous, overlapping
+from dcptool.engine.core import Checkpoint, Chunk, ChunkTable, Piece, is_contiguous, overlapping
 from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts
@@ -143,8 +143,9 @@ def _in_order(tasks: list[Task]) -> list[list[Task]]:
     the order of those bytes, and so do the tasks that assemble slabs of one tensor stored in such records."""
     jobs: list[list[Task]] = []
     ordered: dict[object, list[Task]] = {}
+    streamed: dict[int, bool] = {}
     for task in tasks:
-        key = _stream_of(task)
+        key = _stream_of(task, streamed)
         if key is None:
             jobs.append([task])
         elif key in ordered:
@@ -158,15 +159,24 @@ def _in_order(tasks: list[Task]) -> list[list[Task]]:
     return jobs
 
 
-def _stream_of(task: Task) -> object | None:
+def _stream_of(task: Task, streamed: dict[int, bool]) -> object | None:
     """What ``task`` reads front to back: its source record, or the tensor its slab is assembled from; None
-    when it reads only records that allow reads anywhere."""
-    chunks = [task.chunk] if task.source is not None else task.piece.tensor.source.chunks
-    for chunk in chunks:
-        encoding = encodings.get((chunk.view.base if chunk.view is not None else chunk).encoding)
-        if encoding is not None and encoding.front_to_back:
-            return task.source[0] if task.source is not None else id(task.piece.tensor.source)
-    return None
+    when it reads only records that allow reads anywhere. ``streamed``: whether each source tensor's records are
+    read front to back, by ``id``, filled as tensors are met (a tensor of a million chunks has many slabs)."""
+    if task.source is not None:
+        return task.source[0] if _front_to_back([task.chunk]) else None
+    source = task.piece.tensor.source
+    found = streamed.get(id(source))
+    if found is None:
+        found = streamed[id(source)] = _front_to_back(source.chunks)
+    return id(source) if found else None
+
+
+def _front_to_back(chunks: list[Chunk] | ChunkTable) -> bool:
+    """Whether any of ``chunks`` is stored in a record read front to back (``encodings.Encoding.front_to_back``)."""
+    names = {chunks.encoding} if isinstance(chunks, ChunkTable) else \
+        {(chunk.view.base if chunk.view is not None else chunk).encoding for chunk in chunks}
+    return any(encoding is not None and encoding.front_to_back for encoding in map(encodings.get, names))
 
 
 def _across_files(tasks: list[Task]) -> list[Task]:

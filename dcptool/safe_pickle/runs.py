@@ -61,7 +61,7 @@ class RecordLayout:
 class Columns:
     """The fields of the first ``count`` items of a run: ``fields[i]`` holds those of the run's ``layouts[i]``
     by attribute name, ``TEXT`` as a list of str, ``INT`` as an int64 array, ``DIMS`` as ``(values, ndim)``:
-    ``(items, 3)`` int64 (missing dims 0) and how many dims each has. A column may hold more than ``count``."""
+    ``(items, 3)`` int64 (missing dims 0) and how many dims each has (uint8). A column may hold more than ``count``."""
 
     count: int
     fields: tuple[dict[str, Any], ...]
@@ -175,9 +175,9 @@ def ints(codes: tuple | list) -> np.ndarray:
 
 def dims_column(columns: list, groups: list[int], count: int) -> tuple[np.ndarray, np.ndarray]:
     """A torch.Size field of the first ``count`` items: ``(items, 3)`` integers (missing dims 0) and how many
-    dims each has."""
+    dims each has (uint8: a run's columns are kept while the pickle is read, a million records of them)."""
     values = [ints([code or b"" for code in columns[g][:count]]) for g in groups[:3]]
-    ndim = np.frombuffer(b"".join(columns[groups[3]][:count]), np.uint8).astype(np.int64) - 0x84
+    ndim = np.frombuffer(b"".join(columns[groups[3]][:count]), np.uint8) - np.uint8(0x84)
     return np.stack(values, axis=1), ndim
 
 

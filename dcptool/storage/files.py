@@ -89,8 +89,7 @@ class CheckpointFiles:
         return size
 
     def _size_or_none(self, relative: str) -> int | None:
-        with self._lock:
-            size = self._sizes.get(relative)
+        size = self._sizes.get(relative)  # filled under the lock; a lookup needs none (a million chunks ask)
         if size is None:
             size = self._store.file_size(relative)
             if size is not None:
@@ -138,6 +137,18 @@ class CheckpointFiles:
         """Fill ``buffer`` with the file's bytes from ``offset`` (no allocation: the caller reuses buffers)."""
         self.check_range(relative, offset, len(buffer))
         self._store.read_into(relative, offset, buffer)
+
+    def read_parts(self, relative: str, offset: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` one after another with the file's bytes from ``offset``: one system call for a local
+        file (a record's frame and its storage, read into different places at once)."""
+        self.check_range(relative, offset, sum(map(len, buffers)))
+        fd = self.local_fd(relative)
+        done = 0 if fd is None else self._store.read_parts(fd, relative, offset, buffers)
+        for buffer in buffers:  # what one call did not read (a remote file, a short read)
+            if done < len(buffer):
+                self.read_into(relative, offset, buffer[done:])
+            offset += len(buffer)
+            done = max(0, done - len(buffer))
 
     @contextmanager
     def mapped(self, relative: str, offset: int, length: int) -> Iterator[memoryview | None]:
@@ -246,6 +257,9 @@ class LocalFolder:
 
     def fd(self, relative: str) -> int:
         """The file's descriptor, opened on first use and kept open until ``close``."""
+        fd = self._fds.get(relative)  # opened under the lock; a lookup needs none (a read of every chunk asks)
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(relative)
             if fd is None:
@@ -270,6 +284,13 @@ class LocalFolder:
             if got <= 0:
                 raise CheckpointError(f"{self.path(relative)}: file shrank while reading at byte {offset + done}")
             done += got
+
+    def read_parts(self, fd: int, relative: str, offset: int, buffers: list[memoryview]) -> int:
+        """One ``preadv`` into ``buffers`` from ``offset``; how many bytes it read."""
+        try:
+            return os.preadv(fd, buffers, offset)
+        except OSError as exc:
+            raise annotate(exc, "reading", self.path(relative), f" at byte {offset:,}") from None
 
     def close(self) -> None:
         """Close the descriptors kept open."""

@@ -13,9 +13,9 @@ of archives; ``pickling``: pickles naming torch's classes, small (``dumps``) or 
 from dcptool.torch_archive.pickling import (Global, PickleStream, Reduced, StorageOut, Streamed, TensorOut, Unpicklable,
                                             dumps, new_object, torch_size)
 from dcptool.torch_archive.reading import (TORCH_ARCHIVE, Archive, RawBytes, archive_prefix, chunk_bytes, chunk_label,
-                                          row_major)
+                                          record_name, row_major)
 from dcptool.torch_archive.writing import ArchiveLayout, archive_bytes
 
 __all__ = ["TORCH_ARCHIVE", "Archive", "ArchiveLayout", "Global", "PickleStream", "RawBytes", "Reduced", "StorageOut",
            "Streamed", "TensorOut", "Unpicklable", "archive_bytes", "archive_prefix", "chunk_bytes", "chunk_label", "dumps",
-           "new_object", "row_major", "torch_size"]
+           "new_object", "record_name", "row_major", "torch_size"]

@@ -16,6 +16,7 @@ from dcptool import encodings, safe_pickle
 from dcptool.errors import CheckpointError, printable
 from dcptool.safe_pickle import TensorRef
 from dcptool.storage import CheckpointFiles
+from dcptool.torch_archive.layouts import RecordLayout
 from dcptool.torch_archive.records import StoredData, check_crc, crc_of_range, record_checks
 
 # Zip structures (stored entries only; torch.save never compresses), as in the zip specification (APPNOTE).
@@ -57,6 +58,13 @@ class RawBytes:
             return 0
         last = sum((n - 1) * s for n, s in zip(self.shape, self.strides))
         return (last + 1) * self.itemsize
+
+
+def record_name(files: CheckpointFiles, relative: str, offset: int, label: str = "") -> str:
+    """How messages name the archive at ``offset`` of ``relative`` that holds ``label`` (a key, a chunk)."""
+    at = f" at byte {offset:,}" if offset else ""
+    return str(files.path(relative)) + (f" (record of {printable(label)}{at})" if label else
+                                        f" (record at byte {offset})" if offset else "")
 
 
 def archive_prefix(entries, where: str, looked_in: str = "") -> str:
@@ -102,10 +110,8 @@ class Archive:
                  label: str = "", where: str | None = None, head: int = HEAD, tail: int = TAIL):
         self.files, self.relative, self.offset = files, relative, offset
         self.length = files.size(relative) - offset if length is None else length
-        at = f" at byte {offset:,}" if offset else ""
         self.labelled = bool(label) or where is not None  # whether messages name what it holds already
-        self.where = where or str(files.path(relative)) + (f" (record of {printable(label)}{at})" if label else
-                                                           f" (record at byte {offset})" if offset else "")
+        self.where = where or record_name(files, relative, offset, label)
         self.checked = getattr(files, "verify_records", True)
         files.check_range(relative, offset, self.length)  # offsets and lengths from metadata, before any read
         self._head = files.read(relative, offset, min(self.length, head))
@@ -113,6 +119,7 @@ class Archive:
         self._tail = self._head[self._tail_start:] if self.length <= head else \
             files.read(relative, offset + self._tail_start, self.length - self._tail_start)
         self._starts: dict[str, int] = {}
+        self._descriptors: dict[str, int] = {}  # where the data descriptors' CRC-32s are (entries that have one)
         try:
             self._entries = self._directory()
         except CheckpointError:  # a read that failed says why itself
@@ -177,6 +184,7 @@ class Archive:
         self._directory_start = start
         directory = self._read(start, size)
         entries, position = {}, 0
+        self._central: dict[str, int] = {}  # where each entry's central directory header starts in the archive
         for _ in range(count):
             fields = CENTRAL_HEADER.unpack_from(directory, position)
             if fields[0] != b"PK\x01\x02":
@@ -191,6 +199,7 @@ class Archive:
                             or header + LOCAL_HEADER.size > start):
                 raise Damaged(f"the central directory entry of {printable(name)!r} is corrupt")
             entries[name] = ZipEntry(header, entry_size, compression, crc, flags, time, date)
+            self._central[name] = start + position
             position = name_end + extra_length + comment_length
         if checked and position != size:
             raise Damaged(f"the central directory holds {size:,} bytes, its {count} entries {position:,}")
@@ -254,7 +263,7 @@ class Archive:
             if entry.flags & 8:  # a data descriptor after the data holds the CRC-32 and sizes (torch.save's own writer)
                 if (crc, *sizes) not in ((0, 0, 0), (entry.crc, entry.size, entry.size)):
                     raise Damaged("its local header disagrees with the central directory")
-                return start, self._descriptor(entry, start + entry.size)
+                return start, self._descriptor(name, entry, start + entry.size)
             if (crc, *sizes) != (entry.crc, entry.size, entry.size):
                 raise Damaged("its local header disagrees with the central directory")
             return start, start + entry.size
@@ -266,7 +275,7 @@ class Archive:
             raise CheckpointError(f"{self.where}: corrupt zip entry {self._named(name)} ({printable(str(exc), 80)})") \
                 from None
 
-    def _descriptor(self, entry: ZipEntry, at: int) -> int:
+    def _descriptor(self, name: str, entry: ZipEntry, at: int) -> int:
         """The end of the data descriptor at ``at``, checked against the directory entry: its signature is
         optional, its sizes 8 bytes each after a zip64 local header, else 4 (either is taken)."""
         found = self._read(at, min(28, self._directory_start - at))
@@ -274,6 +283,7 @@ class Archive:
         for layout in DESCRIPTORS:
             if len(found) >= start + layout.size and \
                     layout.unpack_from(found, start) == (entry.crc, entry.size, entry.size):
+                self._descriptors[name] = at + start
                 return at + start + layout.size
         raise Damaged("its data descriptor disagrees with the central directory")
 
@@ -297,6 +307,50 @@ class Archive:
         """The archived object, with tensors as ``safe_pickle.TensorRef`` (no tensor bytes are read)."""
         start, size = self._data_offset("data.pkl")
         return safe_pickle.load_bytes(self._read(start - self.offset, size), f"{self.where}/data.pkl")
+
+    def record_layout(self, raw: RawBytes) -> RecordLayout | None:
+        """The layout that records like this one share (``layouts``), this record checked whole being its
+        template; ``raw`` says where the chunk's elements are in it. None when it cannot stand for others:
+        records not checked, more than one storage, or elements that are not one row-major run in it."""
+        storages = [name for name in self._entries if name.startswith(self.prefix + "data/")]
+        if not self.checked or len(storages) != 1 or raw.file != self.relative or \
+                raw.strides != row_major(raw.shape):
+            return None
+        name = storages[0]
+        start = self._data_offset(name[len(self.prefix):])[0] - self.offset
+        size = self._entries[name].size
+        elements = raw.offset - self.offset
+        if not start <= elements <= elements + raw.span <= start + size:
+            return None
+        template = self._read(0, start) + self._read(start + size, self.length - start - size)
+        variable: list[tuple[int, int]] = []
+        storage_crc: tuple[int, ...] = ()
+        summed = []
+        for entry_name, entry in self._entries.items():
+            fields = self._crc_fields(entry_name, entry)
+            own = entry_name[len(self.prefix):]
+            if entry_name != name and not own.startswith(".data/"):
+                continue  # the same bytes in every record of this layout, and so the same CRC-32
+            if entry_name != name:  # written anew by every torch.save (its serialization id)
+                variable.append((self._starts[entry_name], entry.size))
+            if self.crc_recorded:
+                variable += [(field, 4) for field in fields]
+                if entry_name == name:
+                    storage_crc = fields
+                else:
+                    summed.append((self._starts[entry_name], entry.size, fields))
+        return RecordLayout(self.length, (start, size), elements, template, variable, storage_crc, summed,
+                            printable(name[len(self.prefix):]))
+
+    def _crc_fields(self, name: str, entry: ZipEntry) -> tuple[int, ...]:
+        """Where the entry's CRC-32 is recorded in the archive: its central directory header, then its local header
+        (unless that holds 0, the data descriptor's being the one) and its data descriptor."""
+        fields = [self._central[name] + 16]
+        if struct.unpack("<L", self._read(entry.header + 14, 4))[0] == entry.crc:
+            fields.append(entry.header + 14)
+        if name in self._descriptors:
+            fields.append(self._descriptors[name])
+        return tuple(fields)
 
     def storage_data(self) -> list[StoredData]:
         """The bytes of every storage (``data/<key>``) and the CRC-32 the archive records for them."""
@@ -390,10 +444,17 @@ def _chunk_storage(files: CheckpointFiles, tensor, chunk, label: str) -> StoredD
     return found[0]
 
 
+def _chunk_layout(files: CheckpointFiles, tensor, chunk, label: str) -> RecordLayout | None:
+    """The layout of the records of ``chunk``'s dtype, shape and length, its record their template."""
+    archive = _chunk_archive(files, chunk, label)
+    return archive.record_layout(chunk_bytes(archive, tensor, chunk))
+
+
 encodings.register(encodings.Encoding(  # torch.save lays out every archive of one dtype and shape alike
     TORCH_ARCHIVE,
     locate=lambda files, tensor, chunk: chunk_bytes(_chunk_archive(files, chunk, chunk_label(tensor.key, chunk)),
                                                     tensor, chunk),
     record=_chunk_storage,
     uniform=True,
+    layout=_chunk_layout,
 ))

@@ -26,7 +26,8 @@ CRC_WINDOW = 2**20
 @dataclass(frozen=True)
 class StoredData:
     """The bytes ``[offset, offset+size)`` of ``relative`` that a zip entry holds, and the CRC-32 its archive
-    records for them (None: ``torch.save`` was told not to compute them); ``where`` names the record and entry.
+    records for them (None: ``torch.save`` was told not to compute them); ``where`` names the record and entry
+    (``place``: that name, or what makes it: records checked a batch at a time name theirs only if asked).
 
     ``recorded_after``: where the CRC-32 is recorded behind the bytes, in a stream read once (a zstd record:
     its data descriptor and central directory follow the storage), the call that checks the rest of the
@@ -36,8 +37,13 @@ class StoredData:
     offset: int
     size: int
     crc: int | None
-    where: str
+    place: str | Callable[[], str] = field(compare=False)
     recorded_after: Callable[[], int | None] | None = field(default=None, compare=False)
+
+    @property
+    def where(self) -> str:
+        """The record and entry, as messages name them."""
+        return self.place if isinstance(self.place, str) else self.place()
 
     @property
     def checkable(self) -> bool:
@@ -109,6 +115,10 @@ class RecordChecks:
         if index >= 0 and offset < storages[index].offset + max(storages[index].size, 1):
             return storages[index]
         return None
+
+    def known(self, relative: str, offset: int) -> bool:
+        """Whether the record at ``offset`` of ``relative`` was opened already (``record``)."""
+        return (relative, offset) in self._records
 
     def record(self, relative: str, offset: int, opened: Callable[[], StoredData | None]) -> StoredData | None:
         """The storage of the record at ``offset`` of ``relative``, ``opened()`` (which checks the record) the

@@ -23,6 +23,7 @@ SCALE_ROWS = {
     "inspect": (["-m", "dcptool", "inspect", "{src}"], "dcptool"),
     "reshard-dp8": (["-m", "dcptool", "reshard", "{src}", "{out}", "--dp", "8", "--no-fsync"], "dcptool"),
     "export-hf": (["-m", "dcptool", "export-hf", "{src}", "{out}", "--no-fsync"], "dcptool"),
+    "convert-torch": (["-m", "dcptool", "convert", "{src}", "{out}", "--to", "torch", "--no-fsync"], "dcptool"),
     "verify": (["-m", "dcptool", "verify", "{src}", "{hf}"], "dcptool"),  # against its HF export
     "peer-read-metadata": (["-c", "from torch.distributed.checkpoint import FileSystemReader as R; "
                             "R('{src}').read_metadata()"], "peer"),
