@@ -327,10 +327,10 @@ class Checkpoint:
     _record_layouts: dict[tuple, RecordLayout | None] = field(default_factory=dict, repr=False)
 
     def with_entries(self, tensors: dict[str, TensorInfo], objects: dict[str, ObjectInfo]) -> Checkpoint:
-        """The same checkpoint holding these entries (renamed or added views of its own), sharing the chunks it
-        has resolved to their bytes."""
+        """The same checkpoint holding these entries (renamed or added views of its own), sharing what it has
+        learned of where its chunks' bytes are."""
         return Checkpoint(self.format, self.root, self.files, tensors, objects, dict(self.info), self._resolved,
-                          self._layouts)
+                          self._layouts, self._record_layouts)
 
     @property
     def total_bytes(self) -> int:
