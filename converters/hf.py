@@ -16,7 +16,8 @@ from pathlib import Path
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from dcptool import dtypes
-from dcptool.engine.core import Checkpoint, Chunk, Piece, TensorInfo
+from dcptool.engine.chunks import Chunk
+from dcptool.engine.core import Checkpoint, Piece, TensorInfo
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
                             shape_problem, utf8_problem, option)
 from dcptool.format_interface import Format, FormatOptions

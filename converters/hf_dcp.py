@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dcptool.engine.core import Checkpoint, Chunk, Piece, TensorInfo
+from dcptool.engine.chunks import Chunk
+from dcptool.engine.core import Checkpoint, Piece, TensorInfo
 from dcptool.errors import CheckpointError, UsageError, json_kind, parse_json, printable, shape_problem, option
 from dcptool.format_interface import Format, Sharding
 from dcptool.storage import CheckpointFiles, OutputFiles

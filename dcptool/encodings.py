@@ -1,6 +1,6 @@
 """Chunk encodings: how a record stores a chunk's elements, read by the codec module that registered it.
 
-A ``core.Chunk`` names its encoding; ``core.Checkpoint`` finds it here (``get``) and calls it, never
+A ``chunks.Chunk`` names its encoding; ``core.Checkpoint`` finds it here (``get``) and calls it, never
 naming one itself. Each codec module registers its encodings when it is imported (``register``):
 ``dcptool.torch_archive`` a ``torch.save`` archive of one tensor (DCP's chunk records),
 ``dcptool.engine.compression`` such an archive in a zstd record. A reader that makes chunks of an encoding
@@ -17,7 +17,7 @@ from typing import Any, Callable
 class Encoding:
     """How the records of one encoding are read.
 
-    ``locate(files, tensor, chunk)``: where the elements of ``chunk`` (a ``core.Chunk`` of the
+    ``locate(files, tensor, chunk)``: where the elements of ``chunk`` (a ``chunks.Chunk`` of the
     ``core.TensorInfo`` ``tensor``, in the ``storage.CheckpointFiles`` ``files``) are, a
     ``torch_archive.RawBytes``, its record opened and checked against the chunk's dtype and sizes.
     ``record(files, tensor, chunk, label)``: the storage of ``chunk``'s record whose CRC-32 is checked where its

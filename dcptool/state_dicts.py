@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcptool.engine.core import Checkpoint, Chunk, ObjectInfo, TensorInfo, join_path
+from dcptool.engine.chunks import Chunk
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import CheckpointError, UsageError, printable, utf8_problem
 from dcptool.safe_pickle import TensorRef
 from dcptool.torch_archive import Archive, Unpicklable

@@ -1,5 +1,5 @@
 """Checkpoints of many ranks: the synthetic generator against a real gloo save, and reading metadata
-as columns (``converters.dcp.metadata`` rows, ``core.ChunkTable``) checked against torch's own readers."""
+as columns (``converters.dcp.metadata`` rows, ``chunks.ChunkTable``) checked against torch's own readers."""
 
 import pickle
 from pathlib import Path
@@ -15,7 +15,7 @@ from harness import synth_dcp
 from dcptool import formats
 from dcptool.planning import plans
 from dcptool.converters.dcp import metadata as dcp_metadata
-from dcptool.engine.core import ChunkTable
+from dcptool.engine.chunks import ChunkTable
 from dcptool.mesh import Mesh
 
 
@@ -118,7 +118,8 @@ def test_bad_chunk_tables_are_refused(synthetic, tmp_path):
 
 def test_overlapping_chunks_are_refused(tmp_path):
     """A chunk table whose chunks overlap is refused by the cover check (numpy path falls back to the sweep)."""
-    from dcptool.engine.core import TensorInfo, check_cover
+    from dcptool.engine.chunks import check_cover
+    from dcptool.engine.core import TensorInfo
     from dcptool.errors import CheckpointError
 
     table = ChunkTable(np.array([[0, 0], [1, 0]]), np.array([[2, 4], [2, 4]]), ["f"], np.array([0, 0]),

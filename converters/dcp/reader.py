@@ -3,8 +3,8 @@
 ``.metadata`` goes through dcptool's restricted unpickler (``metadata.unpickle``), so inspecting a
 hostile checkpoint runs no code. Each tensor chunk is a ``torch.save`` archive at a known offset of a
 ``.distcp`` file (zstd-compressed when its storage record says so). A tensor whose chunk records the
-unpickler kept as columns becomes a ``core.ChunkTable``, checked in numpy against the storage records
-and the files' sizes; any other is read record by record into a list of ``core.Chunk``.
+unpickler kept as columns becomes a ``chunks.ChunkTable``, checked in numpy against the storage records
+and the files' sizes; any other is read record by record into a list of ``chunks.Chunk``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dcptool.engine import compression
 from dcptool.engine.compression import ZSTD_ARCHIVE, DecompressingFiles
 from dcptool.converters.dcp.metadata import INFO_CLASS, ChunkRows, StorageRows, each_record, unpickle
 from dcptool.converters.dcp.names import DATA_FILE, FILESYSTEM_MODULE, METADATA, METADATA_MODULE, NAME, saving_rank
-from dcptool.engine.core import Checkpoint, Chunk, ChunkTable, ObjectInfo, TensorInfo, entry_problem, join_path
+from dcptool.engine.chunks import Chunk, ChunkTable
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo, entry_problem, join_path
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, file_name_problem, printable, shape_problem, utf8_problem,
                             with_article)
 from dcptool.safe_pickle import Record

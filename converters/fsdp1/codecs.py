@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from dcptool import dtypes
-from dcptool.engine.core import Chunk
+from dcptool.engine.chunks import Chunk
 from dcptool.errors import CheckpointError, printable, shape_problem, with_article
 from dcptool.safe_pickle import SubclassRef, TensorRef
 from dcptool.torch_archive import Archive, Global, Reduced, TensorOut, new_object, row_major, torch_size

@@ -3,7 +3,8 @@ global offsets its values record; a copy a rank repeats (a replicated buffer) ke
 
 from __future__ import annotations
 
-from dcptool.engine.core import Chunk, ObjectInfo, join_path
+from dcptool.engine.chunks import Chunk
+from dcptool.engine.core import ObjectInfo, join_path
 from dcptool.errors import CheckpointError, printable
 from dcptool.state_dicts import flatten
 from dcptool.storage import CheckpointFiles

@@ -16,7 +16,8 @@ import math
 from typing import Protocol
 
 from dcptool import dtypes, models, selection
-from dcptool.engine.core import Chunk, ObjectInfo, OutObject, OutTensor, join_path
+from dcptool.engine.chunks import Chunk
+from dcptool.engine.core import ObjectInfo, OutObject, OutTensor, join_path
 from dcptool.errors import CheckpointError, UsageError, printable, option
 from dcptool.safe_pickle import TensorRef
 from dcptool.state_dicts import nest

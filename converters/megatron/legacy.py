@@ -26,7 +26,8 @@ from dcptool.converters.megatron.names import (
     LOCAL_SPEC_NAMES,
     NAME,
 )
-from dcptool.engine.core import Checkpoint, Chunk, ObjectInfo, TensorInfo
+from dcptool.engine.chunks import Chunk
+from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo
 from dcptool.errors import CheckpointError, printable
 from dcptool.safe_pickle import Record, TensorRef
 from dcptool.storage import CheckpointFiles

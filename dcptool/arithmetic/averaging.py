@@ -30,7 +30,8 @@ from dcptool import dtypes, formats, selection
 from dcptool.engine import regions
 from dcptool.planning import resharding
 from dcptool.planning.conversion import Conversion, plan_convert
-from dcptool.engine.core import Checkpoint, Computed, TensorInfo, float32_region, workspace
+from dcptool.engine.core import Checkpoint, Computed, TensorInfo, float32_region
+from dcptool.engine.reading import workspace
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import Sharding, OutputRequest
 from dcptool.options import MeshOptions

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dcptool import families, selection
-from dcptool.engine import core
+from dcptool.engine import chunks
 from dcptool.planning import lora
 from dcptool.checks import stats
 from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo
@@ -71,7 +71,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, include: str | None = None, *, wi
     """Everything inspect shows of ``checkpoint``; the tensors' values are read only ``with_stats``."""
     tensors, objects = stats.included(checkpoint.tensors, include), stats.included(checkpoint.objects, include)
     files = checkpoint.data_files()
-    ranks_recorded = any(core.ranks_recorded(t.chunks) for t in checkpoint.tensors.values())
+    ranks_recorded = any(chunks.ranks_recorded(t.chunks) for t in checkpoint.tensors.values())
     inferred = None
     if ranks_recorded:  # the planning layers, imported only for checkpoints that record their saving ranks
         from dcptool.planning import resharding

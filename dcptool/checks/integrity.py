@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcptool import encodings, formats
-from dcptool.engine.core import RAW, Checkpoint, TensorInfo, entry_problems
+from dcptool.engine.chunks import RAW
+from dcptool.engine.core import Checkpoint, TensorInfo, entry_problems
 from dcptool.errors import CheckpointError, UsageError, counted, printable
 
 # Why the values of tensors outside any record (safetensors) are not checked, and what does check them.

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from dcptool.engine import core
+from dcptool.engine import chunks
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import READING, SELECTION, grouped
@@ -114,7 +114,7 @@ def _lora_line(lora: dict) -> str:
 def _chunking(tensor) -> str:
     if len(tensor.chunks) == 1:
         return "1 chunk"
-    splits = core.chunk_splits(tensor.chunks, len(tensor.shape))
+    splits = chunks.chunk_splits(tensor.chunks, len(tensor.shape))
     split = " x ".join(f"{n} along dim {d}" for d, n in enumerate(splits) if n > 1)
     return f"{len(tensor.chunks)} chunks" + (f" ({split})" if split else "")
 

@@ -45,8 +45,17 @@ from typing import Any
 from dcptool import dtypes, encodings, safe_pickle
 from dcptool.errors import CheckpointError, UsageError, printable
 from dcptool.storage import CheckpointFiles
-from dcptool.torch_archive.reading import (FIELD_LIMIT, LOCAL_HEADER, TORCH_ARCHIVE, Archive, RawBytes,
-                                           archive_prefix, chunk_bytes, chunk_label, zip64_values)
+from dcptool.torch_archive.reading import (
+    FIELD_LIMIT,
+    LOCAL_HEADER,
+    TORCH_ARCHIVE,
+    Archive,
+    RawBytes,
+    archive_prefix,
+    chunk_bytes,
+    chunk_label,
+    zip64_values,
+)
 from dcptool.torch_archive.records import StoredData, check_crc
 
 ZSTD = "stream.zstd/1"  # ZStandard.get_descriptor() of torch 2.13

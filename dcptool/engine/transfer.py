@@ -30,10 +30,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
-from zlib_ng.zlib_ng import crc32, crc32_combine  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
+from zlib_ng.zlib_ng import (  # zlib-ng's CRC-32 runs at 17 GB/s, zlib's at 3
+    crc32,
+    crc32_combine,
+)
 
 from dcptool import dtypes, encodings
-from dcptool.engine.core import Checkpoint, Chunk, ChunkTable, Piece, is_contiguous, overlapping
+from dcptool.engine.chunks import Chunk, ChunkTable
+from dcptool.engine.core import Checkpoint, Piece
+from dcptool.engine.reading import is_contiguous, overlapping
 from dcptool.errors import CheckpointError
 from dcptool.sizes import check_memory_budget
 from dcptool.storage import OutputFiles, deferred_interrupts

@@ -1,6 +1,6 @@
 """Tensors computed from other tensors' chunks: renamed, selected, narrowed, stacked, concatenated, rows permuted.
 
-Each result is a ``TensorInfo`` whose chunks are views (``core.ChunkView``) of the source's chunks:
+Each result is a ``TensorInfo`` whose chunks are views (``chunks.ChunkView``) of the source's chunks:
 an affine map from the view chunk's elements to a stored chunk's. Nothing is read until the view
 is, and then every byte is read once, from where it is stored, so renaming between families (``dcptool.renaming``)
 costs planning, not copies, and keeps kernel copies, ``--max-memory`` and torchrun scale-out working.
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.engine.core import Checkpoint, Chunk, ChunkView, Computed, TensorInfo
+from dcptool.engine.chunks import Chunk, ChunkView
+from dcptool.engine.core import Checkpoint, Computed, TensorInfo
 from dcptool.errors import UsageError
 
 Path = tuple[str | int, ...]

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes
-from dcptool.engine.core import Checkpoint, Computed, TensorInfo, workspace
+from dcptool.engine.core import Checkpoint, Computed, TensorInfo
+from dcptool.engine.reading import workspace
 from dcptool.errors import UsageError, option
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv

@@ -26,7 +26,8 @@ import numpy as np
 from dcptool import dtypes, formats, models
 from dcptool.planning import plans
 from dcptool.planning.conversion import Conversion, Report, adapted
-from dcptool.engine.core import Checkpoint, ChunkTable, OutObject, OutTensor
+from dcptool.engine.chunks import ChunkTable
+from dcptool.engine.core import Checkpoint, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import FormatOptions, Sharding, OutputRequest
 from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str

@@ -411,7 +411,7 @@ def zip64_values(extra: bytes, sizes: tuple[int, int], header: int) -> tuple[int
 
 
 def chunk_bytes(archive, tensor, chunk) -> RawBytes:
-    """Where the elements of ``chunk`` (a ``core.Chunk`` of ``tensor``) are in ``archive`` (an ``Archive``, or
+    """Where the elements of ``chunk`` (a ``chunks.Chunk`` of ``tensor``) are in ``archive`` (an ``Archive``, or
     another with its ``load``, ``raw_bytes`` and ``where``), checked against the dtype and sizes the metadata
     gives them."""
     ref = archive.load()
