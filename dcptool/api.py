@@ -231,7 +231,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
 
 @_command
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
-              family: str = "auto", hf_experts: str = "per-expert", dtype: str | None = None,
+              family: str = "auto", family_options: dict | None = None, dtype: str | None = None,
               selection: Selection = Selection(), format_options: FormatOptions | None = None,
               lora: Lora | None = None, push: HubPush | None = None, reading: Reading = Reading(),
               writing: Writing = Writing()) -> Report:
@@ -240,7 +240,8 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
 
     Args:
         family: the naming family of the checkpoint's names (auto, hf, archon, torchtitan, megatron).
-        hf_experts: MoE experts as ``"per-expert"`` tensors or ``"fused"`` (transformers v5's).
+        family_options: the HF names' own options, by name (``{"hf_experts": "fused"}``: MoE experts as
+            transformers v5's fused tensors instead of one per expert), as ``families.options_for`` takes them.
         selection: ``prefix``: the wrapper of the model's keys (found by itself when None).
         format_options: hf's (``format_options("hf", max_shard_size="2GB")``).
         lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
@@ -269,7 +270,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     checkpoint, notes = _source(source, reading, config_dir, dtype)
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=selection.prefix, dtype=dtype,
                                         include=selection.include, exclude=selection.exclude, family=family,
-                                        hf_experts=hf_experts, format_options=format_options,
+                                        family_options=family_options, format_options=format_options,
                                         lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None)
     if reading.dequantize:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool.planning import quant
@@ -319,15 +320,15 @@ def reshard(source: str | Path, destination: str | Path, *, mesh: MeshOptions = 
 
 @_command
 def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions = MeshOptions(), family: str = "hf",
-              make_vocab_size_divisible_by: int | None = None, config_dir: str | Path | None = None,
+              family_options: dict | None = None, config_dir: str | Path | None = None,
               dtype: str | None = None, lora_folder: str | Path | None = None, reading: Reading = Reading(),
               writing: Writing = Writing()) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
     out for ``mesh``, under the names of the job that loads it (naming family ``family``: hf, archon, torchtitan).
     ``lora_folder``: a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads
-    (``get_model_state_dict``). ``family="megatron"`` writes Megatron-Core's torch_dist with Megatron-LM's
-    ``args``, the vocabulary padded to a multiple of ``make_vocab_size_divisible_by`` (Megatron-LM's default,
-    128) x ``mesh.tp``.
+    (``get_model_state_dict``). A family with a format of its own writes that (Megatron-Core's torch_dist, with
+    Megatron-LM's ``args``). ``family_options``: the family's own options by name, as the command line's flags
+    name them (``{"make_vocab_size_divisible_by": 64}``: the vocabulary padded to a multiple of 64 x ``mesh.tp``).
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.
@@ -347,7 +348,7 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
         raise UsageError(f"{option('lora_folder')} lays out a peft model of HF names for FSDP (data parallel): "
                          f"drop {option('family')}, {option('tp')}, {option('ep')} and {option('cp')}")
     sizes = mesh.sizes()
-    options = families.options_for(target, sizes, dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    options = families.options_for(target, sizes, dtype, **(family_options or {}))
     return _reshard(source, destination, MeshOptions(**target.output_mesh(sizes), plan=mesh.plan),
                     to=target.output_format or "dcp", family=family, config_dir=config_dir, dtype=dtype,
                     keep_rank_state=False, format_options=None, reading=dataclasses.replace(reading, format="hf"),

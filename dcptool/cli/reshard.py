@@ -79,7 +79,8 @@ def import_hf(
     from dcptool import api
 
     report = api.import_hf(source, destination, mesh=mesh, family=family,
-                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, config_dir=config_dir,
+                           family_options={"make_vocab_size_divisible_by": make_vocab_size_divisible_by},
+                           config_dir=config_dir,
                            dtype=dtype, lora_folder=lora_folder, reading=reading, writing=writing)
     _show(report, False)
 
