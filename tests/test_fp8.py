@@ -89,6 +89,12 @@ def test_import_hf_dequantize_to_sharded_dcp(fp8_model, tmp_path):
     check(read_dcp(tmp_path / "dcp", tmp_path), reference, torch.bfloat16)
 
 
+def test_reshard_dequantize_to_sharded_dcp(fp8_model, tmp_path):
+    folder, reference = fp8_model
+    dcptool("reshard", folder, tmp_path / "dcp", "--dequantize", "--dtype", "float32", "--dp", "2")
+    check(read_dcp(tmp_path / "dcp", tmp_path), reference, torch.float32, cast_all=True)
+
+
 def test_dequantize_without_block_size_is_refused(fp8_model, tmp_path):
     folder, _ = fp8_model
     config_dir = tmp_path / "config"

@@ -66,12 +66,18 @@ class LoadReport:
                 "missing_ranks": self.missing_ranks, "ranks": [vars(r) for r in self.ranks]}
 
 
-def _backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
+def _backend(requested: str, ranks: int) -> str:
+    """The process group's backend: ``auto`` is nccl where there are GPUs, else gloo; nccl without a GPU for each
+    of the ``ranks`` is refused before any process starts (its job could not start its process group)."""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    gpus = torch.cuda.device_count()
+    if requested == "nccl" and gpus < ranks:
+        raise UsageError(f"{option('backend', 'nccl')} needs a GPU for each of the job's {ranks} processes; this machine "
+                         f"has {gpus}: use {option('backend', 'gloo')}")
+    return requested
 
 
 def check_runnable(checkpoint: str | Path) -> None:
@@ -116,7 +122,7 @@ def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, 
                       config_dir=config_dir)
     raise_problems(planned)  # bad meshes are refused before any process starts
     mesh = planned.mesh
-    backend = _backend(load_on.backend)
+    backend = _backend(load_on.backend, mesh.world)
     with tempfile.TemporaryDirectory(prefix="dcptool-loadcheck-") as results:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={mesh.world}",
                    "-m", "dcptool.checks.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", load_on.plan,

@@ -30,7 +30,7 @@ def reshard(
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
-    reading: Reading = READING.only("format", "max_memory", "verify_records"),
+    reading: Reading = READING.only("format", "revision", "dequantize", "max_memory", "verify_records"),
     writing: Writing = WRITING,
 ) -> None:
     """Lay a checkpoint out for another mesh, exactly as a job with that mesh saves it with dcp.save.
