@@ -68,6 +68,8 @@ class Family:
 
     name: ClassVar[str]
     rank: ClassVar[int]  # its place in lists of families (the command line's choices): the lowest first
+    # Whose names these are and how they look, for the command line's help (``--adapter``).
+    description: ClassVar[str] = ""
     # The hub: the names every other family maps to and from (a mapping between two others may go through them),
     # a Hugging Face folder's. Names no table knows stay as they are in it.
     hub: ClassVar[bool] = False

@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 import typer
 
+from dcptool import families
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import (READING, SELECTION, WRITING, CastDtype, DtypeOption, FamilyOrAuto, OutputLocation,
@@ -25,7 +26,7 @@ def export_hf(
     selection: Selection = SELECTION,
     dtype: Optional[CastDtype] = DtypeOption,
     format_options: FormatOptions | None = format_options_of("hf", "max_shard_size").helped(max_shard_size="Largest safetensors file (default 5GB, the hub's)."),
-    family: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), hf, archon (AReaL Archon, torchtitan before 0.3), torchtitan (0.3 and later) or megatron (Megatron-Core); the output has HF names."),
+    family: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), " + families.described() + "; the output has HF names."),
     hf_experts: Literal["per-expert", "fused"] = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Then upload the export to this Hugging Face hub model repo (created if missing)."),
     private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),

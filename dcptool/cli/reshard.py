@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from dcptool import families
 from dcptool.cli import render
 from dcptool.cli.app import app
 from dcptool.cli.options import (FORMAT_OPTIONS, MESH, READING, WRITING, CastDtype, ConfigDirOption, DtypeOption,
@@ -56,7 +57,7 @@ def import_hf(
     source: str = typer.Argument(..., help="Hugging Face folder with safetensors (and index); a path, a URL or a hub repo ORG/NAME."),
     destination: OutputLocation = typer.Argument(..., parser=output_path, help="Output DCP folder; a path or a URL."),
     mesh: MeshOptions = MESH.helped(dp="FSDP shard degree of the job that will load it (default 1)."),
-    family: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: hf (keys as in the folder), archon (AReaL Archon: dcp.model.<name>, grouped experts), torchtitan (0.3 and later, keys at the top level) or megatron (Megatron-Core's torch_dist: stacked layers, fused qkv and gate/up, the vocabulary padded for --tp as Megatron-LM pads it, Megatron-LM's args in the common state)."),
+    family: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: " + families.described() + "."),
     make_vocab_size_divisible_by: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by", metavar="N", rich_help_panel="Megatron-Core (--adapter megatron)", help="With --adapter megatron: pad the vocabulary to a multiple of N x --tp, as Megatron-LM's option of that name does (default 128); written into args."),
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,

@@ -54,6 +54,12 @@ def names() -> list[str]:
     return list(all_families())
 
 
+def described(separator: str = ", ", last: str = " or ") -> str:
+    """Every family's name with its description, for the command line's help: ``hf (...), archon (...) or ...``."""
+    parts = [f"{family.name} ({family.description})" for family in all_families().values()]
+    return separator.join(parts[:-1]) + last + parts[-1] if len(parts) > 1 else "".join(parts)
+
+
 def get(name: str) -> Family:
     try:
         return all_families()[name]

@@ -10,6 +10,7 @@ from dcptool.family_interface import Family, StateLayout
 class Archon(Family):
     name = "archon"
     rank = 1
+    description = "AReaL Archon's: dcp.model.*, dcp.optim.*, wq/wk/wv/wo and w1/w2/w3, grouped experts"
     layout = StateLayout("AReaL's Archon engine", ("dcp", "model"), ("dcp", "optim"))
     detect_priority = 1  # names that torchtitan before 0.3 and Archon share read as Archon's
 

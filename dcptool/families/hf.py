@@ -28,6 +28,7 @@ class HfOptions:
 class Hf(Family):
     name = "hf"
     rank = 0
+    description = "Hugging Face's, as in a model folder; a checkpoint's layout kept"
     hub = True
     takes: ClassVar[tuple[str, ...]] = ("hf_experts",)
     experts_apart = True

@@ -10,6 +10,7 @@ from dcptool.family_interface import Family, StateLayout
 class Torchtitan(Family):
     name = "torchtitan"
     rank = 2
+    description = "torchtitan 0.3 and later: the model at the top level, optimizer.*, grouped experts"
     layout = StateLayout("torchtitan", (), ("optimizer",), ("lr_scheduler", "dataloader", "train_state"),
                          "start from it with checkpoint.initial_load_model_only, or list them in "
                          "checkpoint.exclude_from_loading")

@@ -47,6 +47,7 @@ class MegatronOptions:
 class Megatron(Family):
     name = "megatron"
     rank = 3
+    description = "Megatron-Core's torch_dist: stacked layers, fused qkv and gate/up, Megatron-LM's args"
     output_format = "megatron"  # its torch_dist folder, what its engine loads
     takes: ClassVar[tuple[str, ...]] = ("make_vocab_size_divisible_by",)
     more_than_others = "Megatron pads the vocabulary"
