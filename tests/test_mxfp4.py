@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from conftest import dcptool, oracle, read_dcp
 
 transformers = oracle("transformers")
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
+convert_moe_packed_tensors = oracle("transformers.integrations.mxfp4").convert_moe_packed_tensors
 
 # The E2M1 magnitudes, code 0 to 7 (OCP MX v1.0, table 5); bit 3 is the sign.
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -186,7 +186,7 @@ def test_regions_at_any_offset(every_code):
 
 
 def test_blocks_without_scales_or_of_another_shape_are_refused(every_code, tmp_path):
-    folder, state = every_code
+    _, state = every_code
     for case, change in [("no-scales", lambda s: s.pop("model.layers.0.mlp.experts.down_proj_scales")),
                          ("shape", lambda s: s.update({"model.layers.0.mlp.experts.down_proj_scales":
                                                        torch.zeros(3, 40, 4, dtype=torch.uint8)}))]:
