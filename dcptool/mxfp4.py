@@ -47,14 +47,9 @@ def decode(packed: np.ndarray, scales: np.ndarray, dtype: str, out: np.ndarray, 
     np.take(_pair_table(dtype), index, out=pairs, mode="clip")  # every index is in the table: no checks, no buffer
 
 
-def values(dtype: str) -> np.ndarray:
-    """The bits of ``dtype`` of every (scale, code): ``values(dtype)[scale, code]``, shape ``[256, 16]``
-    (read-only: it is shared)."""
-    return _values(dtype)
-
-
 @cache
 def _values(dtype: str) -> np.ndarray:
+    """The bits of ``dtype`` of every (scale, code), ``[256, 16]`` (read-only: it is shared)."""
     exponents = np.arange(256) - SCALE_BIAS
     with np.errstate(over="ignore"):  # beyond float32's range is inf, as torch's ldexp gives it
         exact = np.ldexp(E2M1[None, :], exponents[:, None].astype(np.int32)).astype(np.float32)
