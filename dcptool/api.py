@@ -204,7 +204,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
         destination: the output (a folder or a file, by format), which appears atomically.
         to: the output format; ``format_options`` its own options (``format_options("fsdp1", world_size=8)``).
         config_dir: the model's config folder (head counts, experts, tied embeddings), for ``family``.
-        reading: ``dequantize`` turns block-scaled float8 weights into ``dtype`` (default bfloat16) weights.
+        reading: ``dequantize`` turns block-scaled float8 weights and MXFP4 experts into ``dtype`` (default bfloat16).
 
     Returns:
         ``Report``: ``left_out`` lists what the format cannot hold, ``notes`` what renaming did or left out,
@@ -589,8 +589,8 @@ def _pair(a, b, selection: Selection, side_a: Side, side_b: Side, config_dir=Non
 
 
 def _source(source, reading: Reading, config_dir, dtype) -> tuple[Checkpoint, list[str]]:
-    """The source checkpoint (a hub repo at ``reading.revision``), its block-scaled float8 weights dequantized
-    to ``dtype`` where asked (``dcptool.planning.quant``), and notes on that."""
+    """The source checkpoint (a hub repo at ``reading.revision``), its block-scaled float8 weights and MXFP4 experts
+    dequantized to ``dtype`` where asked (``dcptool.planning.quant``), and notes on that."""
     source, = hub.with_revision(source, revision=reading.revision)
     checkpoint = formats.open_checkpoint(source, reading.format)
     if not reading.dequantize:

@@ -63,7 +63,8 @@ class Reading(Options):
         verify_records: check every record read (``torch.save`` archives: DCP chunks and objects, ``torch.save``
             and FSDP1 files) as torch would and its CRC-32s as its bytes pass; False reads them unchecked, for a
             caller who accepts the risk.
-        dequantize: block-scaled float8 weights become ``dtype`` (default bfloat16) weights as they are read.
+        dequantize: block-scaled float8 weights and MXFP4 experts become ``dtype`` (default bfloat16) tensors as they
+            are read.
         max_memory: the budget for data buffers (bytes, or text such as ``"1GiB"``); larger tensors move in pieces.
         progress: ``progress(total_bytes, label)`` returning a context manager that yields ``advance(n)``
             (the command line passes its progress bar).

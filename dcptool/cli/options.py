@@ -120,7 +120,7 @@ def _given(fields: dict[str, Any]) -> dict[str, Any]:
 READING = Group(lambda **fields: Reading(**fields, progress=render.progress), (
     Flag("format", "format", Optional[FormatName], typer.Option(None, "--from", help="Source format (detected when omitted).")),
     Flag("revision", "revision", Optional[str], typer.Option(None, "--revision", metavar="REV", help="Branch, tag or commit of a source that is a Hugging Face hub repo (ORG/NAME; or hf://ORG/NAME@REVISION).")),
-    Flag("dequantize", "dequantize", bool, typer.Option(False, "--dequantize", help="Turn block-scaled float8 weights (X.weight + X.weight_scale_inv, block size from config.json's quantization_config) into --dtype (default bfloat16); the scales are left out.")),
+    Flag("dequantize", "dequantize", bool, typer.Option(False, "--dequantize", help="Turn block-scaled float8 weights (X.weight + X.weight_scale_inv, block size from config.json's quantization_config) and MXFP4 experts (GPT-OSS's X_blocks + X_scales, as X) into --dtype (default bfloat16); the scales are left out.")),
     Flag("max_memory", "max_memory", str, typer.Option("256MiB", "--max-memory", help="Budget for data buffers; larger tensors move in pieces.")),
     Flag("verify_records", "verify_records", bool, typer.Option(False, "--no-verify-records", help="Read records (torch.save archives: DCP chunks and objects, torch.save and FSDP1 files) without checking their zip structure and CRC-32s, which dcptool checks by default and refuses a damaged one (exit 2); only for a user who accepts that damaged bytes are read or copied as they are."), negated=True),
 ))

@@ -6,7 +6,8 @@ is, and then every byte is read once, from where it is stored, so renaming betwe
 costs planning, not copies, and keeps kernel copies, ``--max-memory`` and torchrun scale-out working.
 
 >>> import numpy as np
->>> from dcptool.engine.core import Chunk, TensorInfo
+>>> from dcptool.engine.chunks import Chunk
+>>> from dcptool.engine.core import TensorInfo
 >>> w = TensorInfo(("w",), "float32", (4, 2, 3), [Chunk((0, 0, 0), (4, 2, 3), "f", 0, 96, "raw")])
 >>> expert = select(w, 0, 2, ("expert2",))
 >>> expert.shape, expert.chunks[0].view.start

@@ -399,6 +399,8 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
         why = "an adapter folder holds the adapter's weights only"
         return Conversion(checkpoint, "hf", tensors, [], {"adapter_config": lora.adapter_config}, notes, why)
     config = hf_config.export_config(config_dir, tensors, dtype, made_config)
+    config, dropped = hf_config.without_stale_quantization(config, tensors)
+    notes += dropped
     if config is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
                      f"give the model's config folder with {option('config_dir')}")

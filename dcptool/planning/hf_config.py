@@ -56,6 +56,20 @@ def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype
     return config | {"dtype": written, "torch_dtype": written} if written else config
 
 
+def without_stale_quantization(config: dict | None, tensors: list[OutTensor]) -> tuple[dict | None, list[str]]:
+    """``config`` without a ``quantization_config`` that no tensor of the export is quantized by (every one is a
+    float: a dequantized release, or a model trained from one, exported in bf16), and a note saying so; with it
+    when a tensor still is (float8 codes, integers packing codes such as MXFP4's blocks). Left in, transformers
+    would look for the quantized tensors, or quantize the weights again."""
+    quantization = (config or {}).get("quantization_config")
+    if quantization is None or any(t.dtype not in (*dtypes.CASTABLE, "float64") for t in tensors):
+        return config, []
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    note = (f"left out the config's quantization_config ({method or 'no quant_method'}): "
+            "no tensor of the export is quantized")
+    return {k: v for k, v in config.items() if k != "quantization_config"}, [note]
+
+
 def misfit(config: dict[str, Any], shapes: dict[str, Shape]) -> str | None:
     """The first way ``shapes`` (name -> shape) do not fit ``config``, as a phrase; None when they fit."""
     if not isinstance(config, dict):

@@ -1,13 +1,21 @@
-"""FP8 block dequantization (``--dequantize``): float8 weights with per-block scales become ``--dtype`` weights.
+"""Dequantization (``--dequantize``): block-scaled float8 weights and MXFP4 experts become ``--dtype`` tensors.
 
-DeepSeek-V3 and the Qwen3 FP8 releases store ``X.weight`` as ``float8_e4m3fn`` and ``X.weight_scale_inv``
+**FP8.** DeepSeek-V3 and the Qwen3 FP8 releases store ``X.weight`` as ``float8_e4m3fn`` and ``X.weight_scale_inv``
 as float32 of shape ``(ceil(rows / b0), ceil(cols / b1))``, one scale per ``b0 x b1`` block
 (``quantization_config.weight_block_size`` in config.json, ``[128, 128]`` in both). The value is
 ``(w.float() * scale broadcast per block).to(dtype)``, bitwise as torch computes it: fp8 decoded
 exactly to float32, one float32 multiply, then rounded to ``dtype`` as torch rounds.
 
-Nothing is materialized: a dequantized weight is a tensor whose regions are computed when read
-(``TensorInfo.transform``), a block row at a time, so every command streams it within ``--max-memory``.
+**MXFP4.** GPT-OSS's release stores its experts as ``X_blocks`` (uint8 ``[experts, rows, blocks, 16]``) and
+``X_scales`` (uint8 ``[experts, rows, blocks]``), ``quantization_config.quant_method: mxfp4`` (the format:
+``dcptool.mxfp4``). transformers dequantizes them (``convert_moe_packed_tensors``) into ``X``, the bf16 model's
+tensor, of shape ``[experts, 32 * blocks, rows]``: each expert's matrix transposed, so ``gate_up_proj`` is
+``[experts, hidden, 2 * intermediate]`` (gate and up columns interleaved, as stored) and ``down_proj``
+``[experts, intermediate, hidden]``. The values are the codes times their block's scale, rounded once to
+``dtype``, bitwise as transformers gives them.
+
+Nothing is materialized: a dequantized tensor is one whose regions are computed when read
+(``TensorInfo.transform``), so every command streams it within ``--max-memory``.
 
 >>> checkpoint, notes = dequantized(open_checkpoint("DeepSeek-V3"), "DeepSeek-V3", "bfloat16")   # doctest: +SKIP
 >>> checkpoint.tensors["model.layers.0.mlp.down_proj.weight"].dtype                              # doctest: +SKIP
@@ -22,12 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool import dtypes
+from dcptool import dtypes, mxfp4
 from dcptool.engine.core import Checkpoint, Computed, TensorInfo
 from dcptool.engine.reading import workspace
-from dcptool.errors import UsageError, option
+from dcptool.errors import CheckpointError, UsageError, option
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4: X_blocks and X_scales -> X
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,42 @@ class BlockDequant(Computed):
         return dtypes.cast(raw[0], self.scale.dtype, "float32").view(np.float32)
 
 
+@dataclass(frozen=True)
+class Mxfp4Dequant(Computed):
+    """How the regions of a dequantized MXFP4 tensor ``[experts, columns, rows]`` are computed from its
+    blocks ``[experts, rows, columns / 32, 16]`` and scales (a ``TensorInfo.transform``)."""
+
+    blocks: TensorInfo
+    scales: TensorInfo
+    dtype: str  # the output's
+    # per element: its share of the packed bytes, their scales and look-up indexes, the values before the transpose
+    work_bytes = 7
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        """Fill ``out`` (an unsigned view of ``dtype``, shape ``sizes``) with the region at ``offsets``: the
+        bytes of its columns in each of its rows decoded, then transposed into place."""
+        (expert, column, row), (experts, columns, rows) = offsets, sizes
+        if not (experts and columns and rows):
+            return
+        first_byte, end_byte = column // 2, (column + columns + 1) // 2  # the bytes holding the region's columns
+        first_block, end_block = first_byte // mxfp4.BYTES_PER_SCALE, -(-end_byte // mxfp4.BYTES_PER_SCALE)
+        blocks = workspace("mxfp4.blocks", (experts, rows, end_block - first_block, mxfp4.BYTES_PER_SCALE), np.uint8)
+        checkpoint.read_region(self.blocks, (expert, row, first_block, 0), blocks.shape, blocks, scratch, passing=True)
+        scales = workspace("mxfp4.scales", (experts, rows, end_block - first_block), np.uint8)
+        checkpoint.read_region(self.scales, (expert, row, first_block), scales.shape, scales, scratch, passing=True)
+        skip = first_byte - first_block * mxfp4.BYTES_PER_SCALE
+        packed = blocks.reshape(experts, rows, -1)[:, :, skip:skip + end_byte - first_byte]
+        # each byte's scale: that of the block it is in
+        byte_scales = workspace("mxfp4.byte_scales", packed.shape, np.uint8)
+        np.take(scales, np.arange(first_byte, end_byte) // mxfp4.BYTES_PER_SCALE - first_block, axis=2,
+                out=byte_scales)
+        itemsize = dtypes.dtype(self.dtype).itemsize
+        values = workspace("mxfp4.values", (experts, rows, 2 * packed.shape[2]), dtypes.raw_view_type(itemsize))
+        mxfp4.decode(packed, byte_scales, self.dtype, values, workspace("mxfp4.index", packed.shape, np.uint16))
+        start = column - 2 * first_byte
+        out[...] = values[:, :, start:start + columns].transpose(0, 2, 1)
+
+
 def block_size(config: dict | None, where: str) -> tuple[int, int]:
     """``quantization_config.weight_block_size`` of a config.json, checked."""
     quantization = (config or {}).get("quantization_config")
@@ -82,21 +127,31 @@ def block_size(config: dict | None, where: str) -> tuple[int, int]:
 
 def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
                 dtype: str | None) -> tuple[Checkpoint, list[str]]:
-    """The checkpoint with every block-scaled float8 weight as a ``dtype`` (default bfloat16) weight and
-    its scale left out, and notes saying so. ``config_dir`` (else the folder the reader found) holds the
-    config.json with the block size."""
-    from dcptool.selection import read_config
-
+    """The checkpoint with every block-scaled float8 weight and every MXFP4 tensor as a ``dtype`` (default
+    bfloat16) tensor, their scales left out, and notes saying so. ``config_dir`` (else the folder the reader
+    found) holds the config.json with the float8 block size."""
     dtype = dtype or "bfloat16"
+    checkpoint, notes = _float8_dequantized(checkpoint, config_dir, dtype)
+    checkpoint, more = _mxfp4_dequantized(checkpoint, dtype)
+    if not notes + more:
+        nothing = (f"{option('dequantize', True)}: no float8 weight with a {SCALE_SUFFIX} scale and no MXFP4 "
+                   f"{BLOCKS_SUFFIX}; nothing dequantized")
+        return checkpoint, [nothing]
+    return dataclasses.replace(checkpoint, info=checkpoint.info | {"dequantized": True}), notes + more
+
+
+def _float8_dequantized(checkpoint: Checkpoint, config_dir, dtype: str) -> tuple[Checkpoint, list[str]]:
     pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()
              if t.dtype in dtypes.FLOAT8 and key + SCALE_SUFFIX in checkpoint.tensors}
     if not pairs:
-        return checkpoint, [f"{option('dequantize', True)}: no float8 weight with a {SCALE_SUFFIX} scale; nothing dequantized"]
+        return checkpoint, []
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     where = f"{config_dir}/config.json" if config_dir is not None else str(checkpoint.root)
     if config_dir is None:
         raise UsageError(f"{checkpoint.root}: {option('dequantize', True)} needs the model's config.json (its "
                          f"quantization_config): give its folder with {option('config_dir')}")
+    from dcptool.selection import read_config
+
     block = block_size(read_config(config_dir), where)
     tensors = dict(checkpoint.tensors)
     for key, scale in pairs.items():
@@ -112,8 +167,67 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
              f"left out {len(pairs)} {SCALE_SUFFIX} scales: folded into their weights by {option('dequantize', True)}"]
     if left:
         notes.append(f"kept {len(left)} float8 tensors that have no {SCALE_SUFFIX} scale as they are: {left[0]}, ...")
-    info = checkpoint.info | {"dequantized": True}
-    return dataclasses.replace(checkpoint, tensors=tensors, info=info), notes
+    return dataclasses.replace(checkpoint, tensors=tensors), notes
+
+
+def _mxfp4_dequantized(checkpoint: Checkpoint, dtype: str) -> tuple[Checkpoint, list[str]]:
+    """Every uint8 ``X_blocks`` with its ``X_scales`` as ``X`` (``Mxfp4Dequant``), in the blocks' place."""
+    pairs = {}
+    for key, blocks in checkpoint.tensors.items():
+        if key.endswith(BLOCKS_SUFFIX) and blocks.dtype == "uint8":
+            name = key.removesuffix(BLOCKS_SUFFIX)
+            pairs[key] = (name, _mxfp4_scales(checkpoint, blocks, name))
+    if not pairs:
+        return checkpoint, []
+    scales_keys = {scales.key for _, scales in pairs.values()}
+    tensors = {}
+    for key, tensor in checkpoint.tensors.items():
+        if key in pairs:
+            name, scales = pairs[key]
+            experts, rows, count, _ = tensor.shape
+            path = tensor.path[:-1] + (str(tensor.path[-1]).removesuffix(BLOCKS_SUFFIX),)
+            tensors[name] = TensorInfo(path, dtype, (experts, count * mxfp4.ELEMENTS_PER_SCALE, rows),
+                                       _transposed_chunks(tensor), Mxfp4Dequant(tensor, scales, dtype))
+        elif key not in scales_keys:
+            tensors[key] = tensor
+    first = next(iter(pairs.values()))[0]
+    made = (f"dequantized {len(pairs)} MXFP4 tensors to {dtype}, each X{BLOCKS_SUFFIX} with its X{SCALES_SUFFIX} as X "
+            f"(each expert's matrix transposed, as transformers dequantizes them): {first}, ...")
+    left = (f"left out {len(pairs)} {BLOCKS_SUFFIX} and {len(pairs)} {SCALES_SUFFIX} tensors: folded into their "
+            f"dequantized tensors by {option('dequantize', True)}")
+    return dataclasses.replace(checkpoint, tensors=tensors), [made, left]
+
+
+def _mxfp4_scales(checkpoint: Checkpoint, blocks: TensorInfo, name: str) -> TensorInfo:
+    """The scales of MXFP4 ``blocks`` (of the tensor ``name``), checked against them; CheckpointError naming the
+    file where they are missing, of another shape, or where ``name`` is in the checkpoint as well."""
+    where = checkpoint.files.path(blocks.chunks[0].file) if len(blocks.chunks) else str(checkpoint.root)
+    scales = checkpoint.tensors.get(name + SCALES_SUFFIX)
+    if scales is None:
+        raise CheckpointError(f"{where}: {blocks.key} has no {name + SCALES_SUFFIX}: MXFP4 blocks cannot be "
+                              f"dequantized without their scales (drop {option('dequantize', True)} to copy them as stored)")
+    layout = (f"MXFP4 is uint8 blocks [experts, rows, blocks, {mxfp4.BYTES_PER_SCALE}] with uint8 scales "
+              "[experts, rows, blocks]")
+    if len(blocks.shape) != 4 or blocks.shape[3] != mxfp4.BYTES_PER_SCALE or scales.dtype != "uint8" \
+            or scales.shape != blocks.shape[:3]:
+        raise CheckpointError(f"{where}: {blocks.key} {list(blocks.shape)} and {scales.key} {scales.dtype}"
+                              f"{list(scales.shape)} do not fit: {layout}")
+    if name in checkpoint.tensors:
+        raise CheckpointError(f"{where}: holds both {name} and {blocks.key}: which one is the tensor?")
+    return scales
+
+
+def _transposed_chunks(blocks: TensorInfo) -> list:
+    """The chunks of the blocks as chunks of the dequantized tensor ``[experts, columns, rows]`` (a layout: the
+    values are computed); one chunk where a chunk splits the 16 bytes of a block."""
+    chunks = list(blocks.chunks)
+    if any(c.offsets[3] or c.sizes[3] != mxfp4.BYTES_PER_SCALE for c in chunks) or not chunks:
+        whole = (blocks.shape[0], blocks.shape[2] * mxfp4.ELEMENTS_PER_SCALE, blocks.shape[1])
+        return [dataclasses.replace(chunks[0], offsets=(0, 0, 0), sizes=whole, strides=None, view=None)] if chunks else []
+    width = mxfp4.ELEMENTS_PER_SCALE
+    return [dataclasses.replace(c, offsets=(c.offsets[0], c.offsets[2] * width, c.offsets[1]),
+                                sizes=(c.sizes[0], c.sizes[2] * width, c.sizes[1]), strides=None, view=None)
+            for c in chunks]
 
 
 def drop_quantization_config(config: dict | None) -> dict | None:
