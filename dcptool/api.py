@@ -48,6 +48,7 @@ from dcptool.storage import hub
 from dcptool.planning.conversion import Conversion, Report
 from dcptool.engine.core import Checkpoint
 from dcptool.errors import UsageError, option
+from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import FormatOptions, OutputRequest
 from dcptool.options import (LORA_MODES, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading, Selection,
                              Side, Tolerance, Writing)
@@ -65,8 +66,8 @@ if TYPE_CHECKING:
     from dcptool.checks.verification import Report as VerifyReport
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
-           "verify", "checksum", "check", "average", "diff", "format_options", "Reading", "Writing", "Selection",
-           "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
+           "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading", "Writing",
+           "Selection", "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
 
 
 def _command(command: Callable) -> Callable:
@@ -97,11 +98,16 @@ def _keywords(command: Callable) -> dict[str, str]:
 
 
 def _option_classes(annotation: str) -> list[type[Options]]:
-    """The option classes an annotation names (``MeshOptions | None``); ``FormatOptions`` stands for every format's."""
+    """The option classes an annotation names (``MeshOptions | None``); ``FormatOptions`` stands for every format's,
+    ``FamilyOptions`` for every naming family's."""
     named = [globals()[word] for word in re.findall(r"\w+", annotation)
              if isinstance(globals().get(word), type) and issubclass(globals()[word], Options)]
     if FormatOptions in named:
         named = [f.options for f in formats.all_formats().values() if f.options is not None]
+    if FamilyOptions in named:
+        from dcptool import families
+
+        named = [f.options_type for f in families.all_families().values() if f.options_type is not None]
     return named
 
 
@@ -124,6 +130,22 @@ def format_options(format: str, **values) -> FormatOptions | None:  # noqa: A002
         Fsdp1Options(world_size=2, keep_rank_state=False, optim_form='flat', model_values=None)
     """
     return formats.options(format, **values)
+
+
+def family_options(family: str, **values) -> FamilyOptions | None:
+    """The options of naming family ``family`` for the names a command writes, as ``export_hf`` (HF's) and
+    ``import_hf`` (its target family's) take them (``family_options=``): hf's ``hf_experts``, megatron's
+    ``make_vocab_size_divisible_by``. An option the family does not take is refused, naming the families that
+    take it; a family that takes none gives None.
+
+    Example:
+        >>> import dcptool
+        >>> dcptool.family_options("megatron", make_vocab_size_divisible_by=64)
+        MegatronFamilyOptions(make_vocab_size_divisible_by=64)
+    """
+    from dcptool import families
+
+    return families.given(family, **values)
 
 
 @_command
@@ -231,7 +253,7 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
 
 @_command
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
-              family: str = "auto", family_options: dict | None = None, dtype: str | None = None,
+              family: str = "auto", family_options: FamilyOptions | None = None, dtype: str | None = None,
               selection: Selection = Selection(), format_options: FormatOptions | None = None,
               lora: Lora | None = None, push: HubPush | None = None, reading: Reading = Reading(),
               writing: Writing = Writing()) -> Report:
@@ -240,8 +262,8 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
 
     Args:
         family: the naming family of the checkpoint's names (auto, hf, archon, torchtitan, megatron).
-        family_options: the HF names' own options, by name (``{"hf_experts": "fused"}``: MoE experts as
-            transformers v5's fused tensors instead of one per expert), as ``families.options_for`` takes them.
+        family_options: the HF names' own (``family_options("hf", hf_experts="fused")``: MoE experts as
+            transformers v5's fused tensors instead of one per expert).
         selection: ``prefix``: the wrapper of the model's keys (found by itself when None).
         format_options: hf's (``format_options("hf", max_shard_size="2GB")``).
         lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
@@ -320,15 +342,15 @@ def reshard(source: str | Path, destination: str | Path, *, mesh: MeshOptions = 
 
 @_command
 def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions = MeshOptions(), family: str = "hf",
-              family_options: dict | None = None, config_dir: str | Path | None = None,
+              family_options: FamilyOptions | None = None, config_dir: str | Path | None = None,
               dtype: str | None = None, lora_folder: str | Path | None = None, reading: Reading = Reading(),
               writing: Writing = Writing()) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
     out for ``mesh``, under the names of the job that loads it (naming family ``family``: hf, archon, torchtitan).
     ``lora_folder``: a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads
     (``get_model_state_dict``). A family with a format of its own writes that (Megatron-Core's torch_dist, with
-    Megatron-LM's ``args``). ``family_options``: the family's own options by name, as the command line's flags
-    name them (``{"make_vocab_size_divisible_by": 64}``: the vocabulary padded to a multiple of 64 x ``mesh.tp``).
+    Megatron-LM's ``args``). ``family_options``: that family's own (``family_options("megatron",
+    make_vocab_size_divisible_by=64)``: the vocabulary padded to a multiple of 64 x ``mesh.tp``).
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.
@@ -348,7 +370,7 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
         raise UsageError(f"{option('lora_folder')} lays out a peft model of HF names for FSDP (data parallel): "
                          f"drop {option('family')}, {option('tp')}, {option('ep')} and {option('cp')}")
     sizes = mesh.sizes()
-    options = families.options_for(target, sizes, dtype, **(family_options or {}))
+    options = families.options_for(target, sizes, dtype, family_options)
     return _reshard(source, destination, MeshOptions(**target.output_mesh(sizes), plan=mesh.plan),
                     to=target.output_format or "dcp", family=family, config_dir=config_dir, dtype=dtype,
                     keep_rank_state=False, format_options=None, reading=dataclasses.replace(reading, format="hf"),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from dcptool import models
 from dcptool.engine.core import TensorInfo
+from dcptool.options import Options
 
 if TYPE_CHECKING:
     from dcptool.renaming import Entry, Result
@@ -38,6 +39,13 @@ class StateLayout:
     optimizer: tuple[str, ...]
     also_loads: tuple[str, ...] = ()
     without_them: str = ""
+
+
+class FamilyOptions(Options):
+    """Base of a naming family's own options (a caller's choices for the names it writes): each family that takes
+    any declares a frozen dataclass of them in its module (``Family.options_type``), built by name through
+    ``dcptool.family_options("megatron", make_vocab_size_divisible_by=64)`` (``families.given``), which refuses
+    what the family does not take."""
 
 
 class Mapping(Protocol):
@@ -62,8 +70,8 @@ class Family:
 
     >>> class Plain(Family):
     ...     name, rank = "plain", 9
-    >>> Plain().layout is None, Plain().output_format, Plain().takes
-    (True, None, ())
+    >>> Plain().layout is None, Plain().output_format, Plain().options_type
+    (True, None, None)
     """
 
     name: ClassVar[str]
@@ -77,8 +85,8 @@ class Family:
     layout: ClassVar[StateLayout | None] = None
     # The format its engine loads, when it has one of its own (``import-hf`` writes it); None: DCP's.
     output_format: ClassVar[str | None] = None
-    # The commands' options it takes (their keyword names; ``options`` makes its options object of them).
-    takes: ClassVar[tuple[str, ...]] = ()
+    # The options a caller may give for the names it writes (``options`` makes what its mapping uses of them).
+    options_type: ClassVar[type[FamilyOptions] | None] = None
     # Among families whose tables name as many of a checkpoint's names, the one of the highest priority is it.
     detect_priority: ClassVar[int] = 0
     # Why its tensors hold rows no other family keeps (a padded vocabulary), or None: compared with another family,
@@ -115,9 +123,9 @@ class Family:
 
     # --- options and outputs ----------------------------------------------------------------------------------
 
-    def options(self, mesh: dict, dtype: str | None, **given) -> Any:
-        """Its options object for an output written for ``mesh`` (``dp``, ``tp``, ...) in ``dtype``, made of the
-        command's options it ``takes`` (``given``); None when it takes none."""
+    def options(self, mesh: dict, dtype: str | None, given: FamilyOptions | None) -> Any:
+        """What its mapping writes for: an output for ``mesh`` (``dp``, ``tp``, ...) in ``dtype``, with the caller's
+        ``given`` options (an ``options_type``, its defaults when None); None when it takes none."""
         return None
 
     def output_mesh(self, mesh: dict) -> dict:

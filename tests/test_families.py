@@ -94,13 +94,17 @@ def test_options_go_with_the_family_that_takes_them():
     mesh = {"dp": None, "tp": 2, "ep": 1, "etp": 1, "cp": 1, "dp_replicate": 1, "world_size": None}
     titan, mcore = families.get("torchtitan"), families.get("megatron")
     with pytest.raises(UsageError, match=r"make_vocab_size_divisible_by goes with family='megatron'"):
-        families.options_for(titan, mesh, None, make_vocab_size_divisible_by=64)
-    assert families.options_for(titan, mesh, None, make_vocab_size_divisible_by=None) is None
-    options = families.options_for(mcore, mesh, "bfloat16", make_vocab_size_divisible_by=64)
+        families.given("torchtitan", make_vocab_size_divisible_by=64)
+    assert families.given("torchtitan", make_vocab_size_divisible_by=None) is None
+    assert families.options_for(titan, mesh, None, None) is None
+    chosen = families.given("megatron", make_vocab_size_divisible_by=64)
+    options = families.options_for(mcore, mesh, "bfloat16", chosen)
     assert (options.tp, options.vocab_multiple, options.padded_multiple, options.dtype) == (2, 64, 128, "bfloat16")
     with pytest.raises(UsageError, match="make_vocab_size_divisible_by=0"):
-        families.options_for(mcore, mesh, None, make_vocab_size_divisible_by=0)
-    assert families.options_for(families.hub(), {}, None, hf_experts="fused").fused_experts
+        families.options_for(mcore, mesh, None, families.given("megatron", make_vocab_size_divisible_by=0))
+    with pytest.raises(UsageError, match="MegatronFamilyOptions goes with family='megatron', not family='hf'"):
+        families.options_for(families.hub(), {}, None, chosen)
+    assert families.options_for(families.hub(), {}, None, families.given("hf", hf_experts="fused")).fused_experts
 
 
 def test_a_family_says_which_meshes_its_output_takes():

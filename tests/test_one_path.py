@@ -34,7 +34,7 @@ CASES = [
     ("export-hf", ["--dtype", "bfloat16", "--max-shard-size", "30KB"],
      {"dtype": "bfloat16", "format_options": format_options("hf", max_shard_size="30KB")}),
     ("export-hf", ["--include", "norm", "--hf-experts", "fused", "--adapter", "hf"],
-     {"selection": Selection(include="norm"), "family_options": {"hf_experts": "fused"}, "family": "hf"}),
+     {"selection": Selection(include="norm"), "family_options": dcptool.family_options("hf", hf_experts="fused"), "family": "hf"}),
     ("export-hf", ["--config-dir", CONFIG, "--exclude", "xyz"], {"config_dir": CONFIG, "selection": Selection(exclude="xyz")}),
     ("reshard", ["--dp", "4", "--tp", "1"], {"mesh": MeshOptions(dp=4, tp=1)}),
     ("reshard", ["--dp", "1", "--tp", "2", "--dtype", "bfloat16", "--keep-rank-state", "--config-dir", CONFIG],

@@ -67,7 +67,7 @@ def export_hf(
         raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
     push = HubPush(push_to_hub, private=private, branch=push_branch, commit_message=commit_message) if push_to_hub else None
     report = api.export_hf(source, destination, config_dir=config_dir, family=family,
-                           family_options={"hf_experts": hf_experts},
+                           family_options=api.family_options(families.hub().name, hf_experts=hf_experts),
                            dtype=dtype, selection=selection, format_options=format_options,
                            lora=Lora(lora, config=lora_config, alpha=lora_alpha) if lora else None, push=push,
                            reading=reading, writing=writing)

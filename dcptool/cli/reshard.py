@@ -80,7 +80,7 @@ def import_hf(
     from dcptool import api
 
     report = api.import_hf(source, destination, mesh=mesh, family=family,
-                           family_options={"make_vocab_size_divisible_by": make_vocab_size_divisible_by},
+                           family_options=api.family_options(family, make_vocab_size_divisible_by=make_vocab_size_divisible_by),
                            config_dir=config_dir,
                            dtype=dtype, lora_folder=lora_folder, reading=reading, writing=writing)
     _show(report, False)

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from dcptool import models
 from dcptool.engine.core import Checkpoint, TensorInfo
 from dcptool.errors import UsageError, counted, option
-from dcptool.family_interface import Family, Mapping
+from dcptool.family_interface import Family, FamilyOptions, Mapping
 from dcptool.selection import model_wrapper, optimizer_root
 
 # The renaming machinery (dcptool.renaming, and views under it) is imported where it is used: the command line
@@ -94,15 +94,37 @@ def kind_of(names, family: Family, config: dict | None) -> str:
     return family.kind_of(list(names))
 
 
-def options_for(family: Family, mesh: dict, dtype: str | None, **given) -> Any:
-    """``family``'s options object for an output on ``mesh`` in ``dtype``, of the command's options ``given``
-    (None: not given); an option it does not take is refused, naming the families that take it."""
-    for name, value in given.items():
-        if value is not None and name not in family.takes:
-            takers = [option("family", other.name) for other in all_families().values() if name in other.takes]
-            raise UsageError(f"{option(name)} goes with {' or '.join(takers)}" if takers else
-                             f"{option(name)}: no naming family takes it")
-    return family.options(mesh, dtype, **{name: given[name] for name in family.takes if name in given})
+def given(name: str, **values) -> FamilyOptions | None:
+    """The options of family ``name`` set to ``values`` (None: not given), as ``dcptool.family_options`` builds them;
+    None for a family that takes none and none given. A value the family does not take is refused, naming the
+    families that take it.
+
+    >>> given("hf", hf_experts="fused")
+    HfFamilyOptions(hf_experts='fused')
+    >>> given("hf", make_vocab_size_divisible_by=64)
+    Traceback (most recent call last):
+    dcptool.errors.UsageError: make_vocab_size_divisible_by goes with family='megatron'
+    """
+    family = get(name)
+    taken = {f.name for f in fields(family.options_type)} if family.options_type else set()
+    for key, value in values.items():
+        if value is not None and key not in taken:
+            takers = [option("family", other.name) for other in all_families().values()
+                      if other.options_type and key in {f.name for f in fields(other.options_type)}]
+            raise UsageError(f"{option(key)} goes with {' or '.join(takers)}" if takers else
+                             f"{option(key)}: no naming family takes it")
+    chosen = {key: value for key, value in values.items() if key in taken and value is not None}
+    return family.options_type(**chosen) if family.options_type else None
+
+
+def options_for(family: Family, mesh: dict, dtype: str | None, chosen: FamilyOptions | None = None) -> Any:
+    """What ``family``'s mapping writes for: an output on ``mesh`` in ``dtype`` with the caller's ``chosen`` options
+    (``given``); options of another family are refused, naming it."""
+    if chosen is not None and not isinstance(chosen, family.options_type or ()):
+        owner = next((other.name for other in all_families().values() if isinstance(chosen, other.options_type or ())),
+                     None)
+        raise UsageError(f"{type(chosen).__name__} goes with {option('family', owner)}, not {option('family', family.name)}")
+    return family.options(mesh, dtype, chosen)
 
 
 def make_mapping(kind: str, source: Family, target: Family, config: dict | None, options: Any = None,
@@ -232,5 +254,5 @@ def _refuse_unmatched(unmatched: list[str], mapping: Mapping, hint: str) -> None
                          f"{mapping.source.name} name of a {mapping.kind} model: {shown} ({hint})")
 
 
-__all__ = ["AUTO", "Family", "Renamed", "all_families", "detect", "get", "hub", "kind_of", "make_mapping", "names",
-           "options_for", "rename", "untranslatable"]
+__all__ = ["AUTO", "Family", "FamilyOptions", "Renamed", "all_families", "detect", "get", "given", "hub", "kind_of",
+           "make_mapping", "names", "options_for", "rename", "untranslatable"]

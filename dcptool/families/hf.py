@@ -9,18 +9,24 @@ the layout it has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from dcptool.errors import UsageError, option
-from dcptool.family_interface import Family
+from dcptool.family_interface import Family, FamilyOptions
 
 EXPERT_FORMS = ("per-expert", "fused")
 
 
+@dataclass(frozen=True, kw_only=True)
+class HfFamilyOptions(FamilyOptions):
+    """A caller's choices for the HF names written: ``hf_experts``, MoE experts as ``"per-expert"`` tensors (as hub
+    checkpoints hold them) or ``"fused"`` (transformers v5's ``gate_up_proj`` / ``down_proj``)."""
+
+    hf_experts: str = "per-expert"
+
+
 @dataclass(frozen=True)
-class HfOptions:
-    """How HF names are written: ``fused_experts``, MoE experts as transformers v5's fused tensors (export-hf's
-    ``hf_experts="fused"``) instead of one tensor per expert."""
+class HfNaming:
+    """How HF names are written: ``fused_experts``, MoE experts as transformers v5's fused tensors."""
 
     fused_experts: bool = False
 
@@ -30,19 +36,20 @@ class Hf(Family):
     rank = 0
     description = "Hugging Face's, as in a model folder; a checkpoint's layout kept"
     hub = True
-    takes: ClassVar[tuple[str, ...]] = ("hf_experts",)
+    options_type = HfFamilyOptions
     experts_apart = True
     rope_halves = True
     predictions_after_main = True
     may_omit_tied_output = True
 
-    def options(self, mesh: dict, dtype: str | None, hf_experts: str | None = None) -> HfOptions:
-        if hf_experts not in (None, *EXPERT_FORMS):
-            raise UsageError(f"{option('hf_experts', hf_experts)}: choose {' or '.join(EXPERT_FORMS)}")
-        return HfOptions(fused_experts=hf_experts == "fused")
+    def options(self, mesh: dict, dtype: str | None, given: HfFamilyOptions | None) -> HfNaming:
+        experts = (given or HfFamilyOptions()).hf_experts
+        if experts not in EXPERT_FORMS:
+            raise UsageError(f"{option('hf_experts', experts)}: choose {' or '.join(EXPERT_FORMS)}")
+        return HfNaming(fused_experts=experts == "fused")
 
     def fused_experts(self, options) -> bool:
-        return isinstance(options, HfOptions) and options.fused_experts
+        return isinstance(options, HfNaming) and options.fused_experts
 
 
 FAMILY = Hf()

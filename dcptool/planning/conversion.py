@@ -30,6 +30,7 @@ from dcptool.planning import lora as lora_weights
 from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
 from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError, option
+from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import Format, FormatOptions, Output, OutputRequest
 from dcptool.sizes import DEFAULT_MAX_MEMORY
 from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
@@ -64,13 +65,12 @@ class Report:
 
 def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = None, prefix: str | None = None,
                       dtype: str | None = None, include: str | None = None, exclude: str | None = None,
-                      family: str = "auto", family_options: dict | None = None, lora: LoraRequest | None = None):
+                      family: str = "auto", family_options: FamilyOptions | None = None, lora: LoraRequest | None = None):
     """The model weights to export under their HF names, the config folder to copy (or None), notes, and the
     config.json made from a Megatron-LM run's args when no config folder is given (or None).
 
     ``family`` is the naming family of the checkpoint's names (``auto``: detected; see ``dcptool.families``);
-    other families' names become HF's, written with the hub family's ``family_options`` (by name, as
-    ``families.options_for`` takes them). ``include`` / ``exclude`` match the names as saved.
+    other families' names become HF's, written with the hub family's ``family_options``. ``include`` / ``exclude`` match the names as saved.
     Without ``config_dir`` the config folder the reader found (``info["hf_config_dir"]``, e.g. verl's
     ``huggingface/``) is used; a config that ties the output to the embedding drops the output weight, which
     transformers recreates from the embedding.
@@ -101,7 +101,7 @@ def hf_export_entries(checkpoint: Checkpoint, config_dir: str | Path | None = No
     adapter_folder = bool(found is not None and found.targets) and lora.mode == "adapter"
     renamed = families.rename(named, hub.name, source=family,
                               config=read_config(config_dir) if config_dir is not None else None,
-                              run=checkpoint.info, options=families.options_for(hub, {}, dtype, **(family_options or {})),
+                              run=checkpoint.info, options=families.options_for(hub, {}, dtype, family_options),
                               where=str(checkpoint.root), hint=f"leave them out with {option('exclude')}",
                               make_config=config_dir is None, without_tied=not adapter_folder)
     named, mapping, notes = renamed.entries, renamed.mapping, notes + renamed.notes
@@ -383,7 +383,7 @@ def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None 
 
 def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
                    dtype: str | None = None, include: str | None = None, exclude: str | None = None,
-                   family: str = "auto", family_options: dict | None = None,
+                   family: str = "auto", family_options: FamilyOptions | None = None,
                    format_options: FormatOptions | None = None, lora: LoraRequest | None = None) -> Conversion:
     """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files;
     with ``lora.mode == "adapter"``, a PEFT adapter folder instead. ``format_options``: the hf format's.

@@ -499,7 +499,7 @@ def with_adapter(base: Checkpoint, adapter: Checkpoint, config: dict | None) -> 
     if any(name.startswith(owner + ".0.") for owner in wrapped for name in weights):  # experts one per tensor
         hub = families.hub()  # fused, as the peft model holds them
         weights = families.rename(weights, hub.name, source=hub.name, config=config, where=str(base.root),
-                                  options=families.options_for(hub, {}, None, hf_experts="fused"),
+                                  options=families.options_for(hub, {}, None, families.given(hub.name, hf_experts="fused")),
                                   hint="weights of the base model that its kind's table does not name").entries
     for tie in models.active_ties(config):
         if tie.output.hf not in weights and tie.embedding.hf in weights:

@@ -10,22 +10,30 @@ torch_dist checkpoint, which Megatron reshards as it loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from dcptool import models
 from dcptool.engine.core import ObjectInfo, TensorInfo
 from dcptool.errors import UsageError, counted, option
-from dcptool.family_interface import Family
+from dcptool.family_interface import Family, FamilyOptions
 
 # Its layers, args and mapping are imported where they are used: the command line lists the families as it starts.
 if TYPE_CHECKING:
     from dcptool.families.megatron.mapping import MegatronMapping
     from dcptool.renaming import Entry
 
-__all__ = ["FAMILY", "Megatron", "MegatronOptions"]
+__all__ = ["FAMILY", "Megatron", "MegatronFamilyOptions", "MegatronOptions"]
 
 # Megatron-LM's default make_vocab_size_divisible_by: the vocabulary is padded to a multiple of it x TP.
 VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronFamilyOptions(FamilyOptions):
+    """A caller's choices for the Megatron-Core checkpoint written: ``make_vocab_size_divisible_by``, the multiple
+    (times the tensor parallelism) its vocabulary is padded to, Megatron-LM's option of that name (default 128)."""
+
+    make_vocab_size_divisible_by: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class Megatron(Family):
     rank = 3
     description = "Megatron-Core's torch_dist: stacked layers, fused qkv and gate/up, Megatron-LM's args"
     output_format = "megatron"  # its torch_dist folder, what its engine loads
-    takes: ClassVar[tuple[str, ...]] = ("make_vocab_size_divisible_by",)
+    options_type = MegatronFamilyOptions
     more_than_others = "Megatron pads the vocabulary"
     slots_before_names = True
 
@@ -69,9 +77,9 @@ class Megatron(Family):
     def names_kind(self, kind: models.ModelKind) -> bool:
         return bool(kind.megatron)
 
-    def options(self, mesh: dict, dtype: str | None, make_vocab_size_divisible_by: int | None = None) -> MegatronOptions:
+    def options(self, mesh: dict, dtype: str | None, given: MegatronFamilyOptions | None) -> MegatronOptions:
         """Megatron reshards global tensors as it loads: the mesh's tp sizes its vocabulary padding."""
-        multiple = make_vocab_size_divisible_by
+        multiple = (given or MegatronFamilyOptions()).make_vocab_size_divisible_by
         if multiple is not None and multiple < 1:
             raise UsageError(f"{option('make_vocab_size_divisible_by', multiple)}: the vocabulary is padded to a "
                              "multiple of a positive number")
