@@ -4,8 +4,8 @@ A naming family is how one kind of training job names a model's weights and keep
 Face's names, an engine's own (grouped experts, interleaved RoPE rows, stacked layers), where its job keeps
 model and optimizer. A family module defines ``FAMILY``, an instance of a ``Family`` subclass;
 ``dcptool.families`` finds them by listing the package, and it alone imports them. Everything else asks a
-family what it declares (its layout, the format it writes to, the options it takes, how its names lay tensors
-out) and never compares a family's name.
+family what it declares (where its engine keeps its state, the format it writes to, the options it takes, how
+its names lay tensors out) and never compares a family's name.
 
 By default a family's names are a column of the model kinds' rows (``models.Row``): ``dcptool.renaming``
 maps between such families row by row. A family whose tensors are no row of one tensor each (Megatron-Core's
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class StateLayout:
+class EngineState:
     """Where a family's training job keeps its state in the dict it hands ``dcp.save`` and ``dcp.load``:
     the path of the model's weights (``()``: at the top level) and of its flattened optimizer state
     (``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``: ``state.<fqn>.exp_avg``,
@@ -70,7 +70,7 @@ class Family:
 
     >>> class Plain(Family):
     ...     name, rank = "plain", 9
-    >>> Plain().layout is None, Plain().output_format, Plain().options_type
+    >>> Plain().engine_state is None, Plain().output_format, Plain().options_type
     (True, None, None)
     """
 
@@ -82,7 +82,7 @@ class Family:
     # a Hugging Face folder's. Names no table knows stay as they are in it.
     hub: ClassVar[bool] = False
     # Where its engine keeps model and optimizer (an output in its names is laid out so); None: as the source has them.
-    layout: ClassVar[StateLayout | None] = None
+    engine_state: ClassVar[EngineState | None] = None
     # The format its engine loads, when it has one of its own (``import-hf`` writes it); None: DCP's.
     output_format: ClassVar[str | None] = None
     # The options a caller may give for the names it writes (``options`` makes what its mapping uses of them).

@@ -6,7 +6,7 @@ RoPE-interleaved q/k rows). ``TableMapping`` turns entries of one family into an
 source's chunks (``dcptool.engine.views``), so renaming costs planning, not bytes; what each family's names do
 (experts apart or grouped, q/k rows in halves or pairs) is what it declares (``family_interface.Family``).
 ``convert_state`` renames a whole training state: optimizer state follows its parameter, and each family
-says what of its engine's own state goes or is made; ``in_layout`` moves the entries to where the target's
+says what of its engine's own state goes or is made; ``in_engine_state`` moves the entries to where the target's
 engine keeps them. The families themselves and the one entry point are ``dcptool.families``.
 
 >>> mapping = TableMapping("qwen3_moe", archon, hf, config={})                          # doctest: +SKIP
@@ -393,9 +393,9 @@ def with_path(entry: Entry, path: tuple) -> Entry:
     return ObjectInfo(path, entry.blob, entry.value)
 
 
-def in_layout(entries: dict[str, Entry], model_root: tuple[str, ...] | None, optimizer_root: tuple[str, ...] | None,
-              layout) -> tuple[dict[str, Entry], list[str]]:
-    """``entries`` moved to where ``layout``'s job keeps them, and notes on what that job does not load.
+def in_engine_state(entries: dict[str, Entry], model_root: tuple[str, ...] | None,
+                    optimizer_root: tuple[str, ...] | None, engine) -> tuple[dict[str, Entry], list[str]]:
+    """``entries`` moved to where ``engine``'s job keeps them (an ``EngineState``), and notes on what it does not load.
 
     The model's entries are those under ``model_root`` (None: the tensors at the top level that are no
     other state), the optimizer's those under ``optimizer_root``; each keeps the rest of its path
@@ -407,24 +407,24 @@ def in_layout(entries: dict[str, Entry], model_root: tuple[str, ...] | None, opt
     for entry in entries.values():
         path = entry.path
         if optimizer_root and len(path) > len(optimizer_root) and path[: len(optimizer_root)] == optimizer_root:
-            path = layout.optimizer + path[len(optimizer_root):]
+            path = engine.optimizer + path[len(optimizer_root):]
         elif model_root and len(path) > len(model_root) and path[: len(model_root)] == model_root:
-            path = layout.model + path[len(model_root):]
+            path = engine.model + path[len(model_root):]
         elif model_root is None and isinstance(entry, TensorInfo) and str(path[0]) not in NON_MODEL_ROOTS:
-            path = layout.model + path
+            path = engine.model + path
         else:
             others.add(str(path[0]))
         key = join_path(path)
         if key in moved:
-            raise UsageError(f"{key}: two entries of the source land on this key in {layout.engine}'s layout")
+            raise UsageError(f"{key}: two entries of the source land on this key where {engine.engine} keeps them")
         moved[key] = with_path(entry, path)
     notes = []
-    missing = [root for root in layout.also_loads if root not in others]
+    missing = [root for root in engine.also_loads if root not in others]
     if missing:
-        notes.append(f"{layout.engine} also loads {', '.join(missing)} when it resumes, and the source holds "
-                     f"none: {layout.without_them}")
-    roots = {path[0] for path in (layout.model, layout.optimizer) if path}
-    kept = sorted(others - set(layout.also_loads) - roots)
+        notes.append(f"{engine.engine} also loads {', '.join(missing)} when it resumes, and the source holds "
+                     f"none: {engine.without_them}")
+    roots = {path[0] for path in (engine.model, engine.optimizer) if path}
+    kept = sorted(others - set(engine.also_loads) - roots)
     if kept:
-        notes.append(f"kept {', '.join(kept)} as saved: {layout.engine} does not load them")
+        notes.append(f"kept {', '.join(kept)} as saved: {engine.engine} does not load them")
     return moved, notes

@@ -124,7 +124,7 @@ def _mapped_onto(kept: Side, mapped: Side, kept_family, mapped_family, label: st
 
 
 @dataclass
-class KeyLayout:
+class StateRoots:
     """Where a checkpoint keeps its model part and its optimizer state: the path parts above each
     (``("dcp", "model")``, ``()`` for the top level), and whether it holds anything beside the model."""
 
@@ -145,15 +145,15 @@ class KeyLayout:
 _TRAINING_ROOTS = selection.OPTIMIZER_ROOTS | selection.NON_MODEL_ROOTS
 
 
-def layout_of(checkpoint: Checkpoint) -> KeyLayout:
-    """``checkpoint``'s layout (``selection.model_part`` finds the model part)."""
+def roots_of(checkpoint: Checkpoint) -> StateRoots:
+    """Where ``checkpoint`` keeps its model part and optimizer state (``selection.model_part`` finds the model part)."""
     # A flat torch.save of a whole training state ({"dcp.optim.state.w.exp_avg": ...}) is no model only.
     training_keys = any(_TRAINING_ROOTS & set(key.split(".")) for key in checkpoint.tensors)
-    return KeyLayout(selection.model_wrapper(checkpoint) or (), selection.optimizer_root(checkpoint),
+    return StateRoots(selection.model_wrapper(checkpoint) or (), selection.optimizer_root(checkpoint),
                      not _outside_model(checkpoint) and not training_keys)
 
 
-def _layout_difference(a: KeyLayout, b: KeyLayout) -> str | None:
+def _roots_difference(a: StateRoots, b: StateRoots) -> str | None:
     """"A has model at `model.`, B at top level": the parts of two layouts that differ, or None."""
     parts = " ".join(p for p, differs in (("model", a.model != b.model), ("optimizer", a.optimizer != b.optimizer))
                      if differs and (p == "model" or None not in (a.optimizer, b.optimizer)))
@@ -163,21 +163,21 @@ def _layout_difference(a: KeyLayout, b: KeyLayout) -> str | None:
     return f"A has {a.describe(parts)}, B {said_b}"  # "A has model at `model.`, B at top level"
 
 
-def normalized(checkpoint: Checkpoint, layout: KeyLayout) -> tuple[dict[str, TensorInfo], dict[str, ObjectInfo]]:
+def normalized(checkpoint: Checkpoint, roots: StateRoots) -> tuple[dict[str, TensorInfo], dict[str, ObjectInfo]]:
     """Every entry under the name it would have in a torchtitan layout: model weights at the top level, the
     optimizer under ``optimizer.``, the rest as it is (less a wrapper shared with the model, AReaL's ``dcp.``);
     two training checkpoints of different layouts compare entry for entry under these names."""
     tensors = selection.model_part(checkpoint)
     objects = selection.model_part(checkpoint, entries=checkpoint.objects)
     model = {id(e) for e in [*tensors.values(), *objects.values()]}
-    parent = layout.model[:-1]
+    parent = roots.model[:-1]
     for entries, named in ((checkpoint.tensors, tensors), (checkpoint.objects, objects)):
         for entry in entries.values():
             if id(entry) in model:
                 continue
             path = entry.path[len(parent):] if entry.path[:len(parent)] == parent else entry.path
-            if layout.optimizer is not None and tuple(entry.path[:len(layout.optimizer)]) == layout.optimizer:
-                path = ("optimizer", *entry.path[len(layout.optimizer):])
+            if roots.optimizer is not None and tuple(entry.path[:len(roots.optimizer)]) == roots.optimizer:
+                path = ("optimizer", *entry.path[len(roots.optimizer):])
             named[join_path(path)] = entry
     return tensors, objects
 
@@ -224,7 +224,7 @@ def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | 
     pairing = Pairing(select_side(checkpoint_a, prefix_a, include, exclude),
                       select_side(checkpoint_b, prefix_b, include, exclude))
     if not (prefix_a or prefix_b):
-        layout_a, layout_b = layout_of(checkpoint_a), layout_of(checkpoint_b)
+        layout_a, layout_b = roots_of(checkpoint_a), roots_of(checkpoint_b)
         if layout_a.model_only != layout_b.model_only:  # a training state against its export: its model part
             training_a = layout_b.model_only
             pairing.a = select_side(checkpoint_a, AUTO if training_a else None, include, exclude)
@@ -232,14 +232,14 @@ def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | 
             pairing.left_out = _outside_model(checkpoint_a if training_a else checkpoint_b)
             pairing.left_out_why = f"{'B' if training_a else 'A'} holds a model only"
             if checkpoint_a.format == checkpoint_b.format:  # not an export: a job loads both, the model where it sits
-                pairing.layout = _layout_difference(layout_a, layout_b)
+                pairing.layout = _roots_difference(layout_a, layout_b)
         elif layout_a != layout_b:
             normalized_a = _side(checkpoint_a, *normalized(checkpoint_a, layout_a), include, exclude)
             normalized_b = _side(checkpoint_b, *normalized(checkpoint_b, layout_b), include, exclude)
             if _shared(normalized_a, normalized_b) > _shared(pairing.a, pairing.b):
                 pairing.a, pairing.b = normalized_a, normalized_b
                 exported = layout_a.model_only and checkpoint_a.format != checkpoint_b.format  # {"model": ...} vs HF
-                pairing.layout = None if exported else _layout_difference(layout_a, layout_b)
+                pairing.layout = None if exported else _roots_difference(layout_a, layout_b)
     else:
         pairing.left_out = [*(_outside_model(checkpoint_a, prefix_a) if prefix_a else []),
                             *(_outside_model(checkpoint_b, prefix_b) if prefix_b else [])]

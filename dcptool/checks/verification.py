@@ -31,7 +31,7 @@ from dcptool.planning import conversion
 from dcptool.engine.core import Checkpoint
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Sharding, OutputRequest
-from dcptool.checks.pairing import Side, layout_of, normalized
+from dcptool.checks.pairing import Side, normalized, roots_of
 from dcptool.engine.regions import BLOCK, RegionReader, buffer_size
 from dcptool.sizes import DEFAULT_MAX_MEMORY
 from dcptool.state_dicts import plain_data
@@ -349,10 +349,10 @@ def roundtrip(source: str | Path, via: str, *, source_format: str | None = None,
         # Non-tensor entries compare as the source has them (a format that restructures them must give them
         # back), under names that do not depend on where the model sits (an fsdp1 folder keeps no `dcp.`).
         carried = {id(entry) for obj in objects for entry in (obj.source, *obj.merged)}
-        source_objects = normalized(checkpoint, layout_of(checkpoint))[1]
+        source_objects = normalized(checkpoint, roots_of(checkpoint))[1]
         expected = Side(checkpoint, {t.key: t.source for t in tensors},
                         {k: e for k, e in source_objects.items() if id(e) in carried}, f"{checkpoint.root} ({checkpoint.format})")
-        result = Side(back, dict(back.tensors), normalized(back, layout_of(back))[1],
+        result = Side(back, dict(back.tensors), normalized(back, roots_of(back))[1],
                       f"{checkpoint.format} -> {via} -> {checkpoint.format}")
         try:
             report = compare_sides(expected, result, max_memory=max_memory, **options)

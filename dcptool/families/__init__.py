@@ -13,7 +13,7 @@ no table knows, and gives the entries back with the config, the notes and a conf
 
 >>> sorted(names())
 ['archon', 'hf', 'megatron', 'torchtitan']
->>> get("torchtitan").layout.optimizer, get("hf").layout
+>>> get("torchtitan").engine_state.optimizer, get("hf").engine_state
 (('optimizer',), None)
 >>> renamed = rename({"layers.0.attention.wq.weight": wq}, "hf", config=qwen3_config)     # doctest: +SKIP
 >>> list(renamed.entries), renamed.notes                                                 # doctest: +SKIP
@@ -185,7 +185,7 @@ def rename(weights: dict[str, Entry], to: str | None = None, *, source: str = AU
         where: the checkpoint, named in refusals; ``hint``: what a refusal of unknown names suggests.
         state: the checkpoint whose whole training state follows its weights (optimizer state renamed with them,
             what only the source's engine keeps left out, what the target's needs made), moved to where the
-            target's engine keeps it (``Family.layout``); None: only ``weights`` are renamed.
+            target's engine keeps it (``Family.engine_state``); None: only ``weights`` are renamed.
         make_config: also make a config.json from what ``run`` says (``Renamed.made_config``).
         without_tied: leave out output weights the config ties to the embedding (an HF folder's files have none).
         compare_with: the weights (of another family) the renamed ones will be compared with.
@@ -197,7 +197,7 @@ def rename(weights: dict[str, Entry], to: str | None = None, *, source: str = AU
     Example:
         >>> renamed = rename(model_part(checkpoint), "hf", config=config, where="step-100")   # doctest: +SKIP
     """
-    from dcptool.renaming import convert_state, in_layout
+    from dcptool.renaming import convert_state, in_engine_state
 
     names = list(weights)
     family = detect(names) if source == AUTO else get(source)
@@ -220,8 +220,9 @@ def rename(weights: dict[str, Entry], to: str | None = None, *, source: str = AU
         _refuse_unmatched(result.unmatched, mapping, hint)
         renamed.entries = result.entries if state is not None else {n: e for n, (e, _) in result.entries.items()}
         renamed.notes += [f"left out {line}" for line in result.dropped] + [f"made {line}" for line in result.made]
-    if state is not None and to is not None and target.layout is not None:
-        renamed.entries, lines = in_layout(renamed.entries, model_wrapper(state), optimizer_root(state), target.layout)
+    if state is not None and to is not None and target.engine_state is not None:
+        renamed.entries, lines = in_engine_state(renamed.entries, model_wrapper(state), optimizer_root(state),
+                                                 target.engine_state)
         renamed.notes += lines
         renamed.laid_out = True
     if without_tied and target is not None:  # transformers recreates a tied output from the embedding

@@ -4,14 +4,14 @@ model's keys at the top level beside ``optimizer``, ``lr_scheduler``, ``dataload
 
 from __future__ import annotations
 
-from dcptool.family_interface import Family, StateLayout
+from dcptool.family_interface import Family, EngineState
 
 
 class Torchtitan(Family):
     name = "torchtitan"
     rank = 2
     description = "torchtitan 0.3 and later: the model at the top level, optimizer.*, grouped experts"
-    layout = StateLayout("torchtitan", (), ("optimizer",), ("lr_scheduler", "dataloader", "train_state"),
+    engine_state = EngineState("torchtitan", (), ("optimizer",), ("lr_scheduler", "dataloader", "train_state"),
                          "start from it with checkpoint.initial_load_model_only, or list them in "
                          "checkpoint.exclude_from_loading")
 

@@ -188,7 +188,7 @@ def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
             config_dir: str | Path | None = None, options=None) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
-    layout (``Family.layout``: where its job keeps model and optimizer), and notes.
+    layout (``Family.engine_state``: where its job keeps model and optimizer), and notes.
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
     family keeps them (views of the same bytes); other entries keep their keys. ``options``: the target
