@@ -10,8 +10,8 @@ every tensor Megatron saves); dcptool's export of the save is the transformers f
 ``from_pretrained`` gives its logits; dcptool's import (made for TP=2) is loaded by Megatron's own
 ``dist_checkpointing.load`` at TP=2 x EP=2 (the experts split over both) in one job, holding the same weights,
 with the ``_extra_state`` objects Megatron's own save has, and Megatron's forward of it gives transformers' logits
-(this also checks the mapping: MLA's rope rows, the router's bias and scaling). transformers runs no prediction layer, so the MTP layer is checked by names,
-shapes and values only. Needs megatron-core (skipped without it).
+(this also checks the mapping: MLA's rope rows, the router's bias and scaling). transformers runs no prediction
+layer, so the MTP layer is checked by names, shapes and values only. Needs megatron-core (skipped without it).
 """
 
 from __future__ import annotations

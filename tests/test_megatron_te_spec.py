@@ -75,7 +75,8 @@ def norm_names(layer) -> dict[str, str]:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.identity_op import IdentityOp
 
-    fused_linears = [provider.column_parallel_layer_norm_linear() for provider in (LocalSpecProvider(), TESpecProvider())]
+    providers = (LocalSpecProvider(), TESpecProvider())
+    fused_linears = [provider.column_parallel_layer_norm_linear() for provider in providers]
     names = {}
     for norm, reader in NORMS.items():
         module = module_at(layer, norm)
@@ -117,8 +118,8 @@ def layer_specs(hf_config: dict, transformer_engine: bool) -> tuple[list, object
 
 
 def spec_renaming(hf_config: dict):
-    """``rename(key)``: a key the local spec saves, as Transformer Engine's spec saves it; and the modules of
-    norms TE's spec keeps apart, by layer prefix kind (``decoder.layers.{i}.``, ``mtp.layers.{n}.transformer_layer.``)."""
+    """``rename(key)``: a key the local spec saves, as Transformer Engine's spec saves it; and the modules of the
+    norms TE's spec keeps apart, in each decoder layer and in the prediction layers' decoder layer."""
     local, local_mtp = layer_specs(hf_config, transformer_engine=False)
     te, te_mtp = layer_specs(hf_config, transformer_engine=True)
 

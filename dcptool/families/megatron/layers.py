@@ -290,7 +290,8 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, options: MegatronOptio
         layers.setdefault(int(match[1]), {})[match[2]] = (entry, name)
     heads = _hf_heads(config, where) if any("self_attn.k_proj.weight" in inner for inner in layers.values()) else None
     _predictions_from_hf(kind, layers, config, heads, options.spec, result)
-    built = {layer: _layer_from_hf(kind, inner, heads, options.spec, result) for layer, inner in sorted(layers.items())}
+    built = {layer: _layer_from_hf(kind, inner, heads, options.spec, result)
+             for layer, inner in sorted(layers.items())}
     names = [set(tensors) for tensors in built.values()]
     uniform = bool(names) and all(n == names[0] for n in names) and sorted(built) == list(range(len(built)))
     if uniform:
