@@ -328,7 +328,8 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
     ``lora_folder``: a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads
     (``get_model_state_dict``). A family with a format of its own writes that (Megatron-Core's torch_dist, with
     Megatron-LM's ``args``). ``family_options``: the family's own options by name, as the command line's flags
-    name them (``{"make_vocab_size_divisible_by": 64}``: the vocabulary padded to a multiple of 64 x ``mesh.tp``).
+    name them (``{"make_vocab_size_divisible_by": 64}``: the vocabulary padded to a multiple of 64 x ``mesh.tp``;
+    ``{"megatron_spec": "te"}``: the names Transformer Engine's layer spec saves).
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.

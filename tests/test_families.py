@@ -101,6 +101,10 @@ def test_options_go_with_the_family_that_takes_them():
     with pytest.raises(UsageError, match="make_vocab_size_divisible_by=0"):
         families.options_for(mcore, mesh, None, make_vocab_size_divisible_by=0)
     assert families.options_for(families.hub(), {}, None, hf_experts="fused").fused_experts
+    assert families.options_for(mcore, mesh, None).spec == "local"
+    assert families.options_for(mcore, mesh, None, megatron_spec="te").spec == "te"
+    with pytest.raises(UsageError, match="megatron_spec='fused': choose local or te"):
+        families.options_for(mcore, mesh, None, megatron_spec="fused")
 
 
 def test_a_family_says_which_meshes_its_output_takes():
