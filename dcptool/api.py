@@ -350,7 +350,8 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
     ``lora_folder``: a PEFT adapter folder put on the model, under the names an FSDP job of the peft model loads
     (``get_model_state_dict``). A family with a format of its own writes that (Megatron-Core's torch_dist, with
     Megatron-LM's ``args``). ``family_options``: that family's own (``family_options("megatron",
-    make_vocab_size_divisible_by=64)``: the vocabulary padded to a multiple of 64 x ``mesh.tp``).
+    make_vocab_size_divisible_by=64, megatron_spec="te")``: the vocabulary padded to a multiple of 64 x ``mesh.tp``,
+    under the names Transformer Engine's layer spec saves).
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.

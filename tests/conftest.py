@@ -268,7 +268,7 @@ def megatron_load(checkpoint: Path, model: Path, out: Path, *options) -> dict:
 
     given = dict(zip(options[::2], options[1::2]))
     tp, pp, ep = (int(given.pop(flag, 1)) for flag in ("--tp", "--pp", "--ep"))  # 1 unless given
-    ranks = tp * pp * max(1, ep // tp)  # experts borrow data-parallel ranks
+    ranks = tp * pp * ep  # experts borrow data-parallel ranks: ep x expert TP (= tp) x pp of them
     run_job(ranks, "load", checkpoint, "--model", model, "--out", out, "--tp", tp, "--pp", pp, "--ep", ep,
             *(str(item) for pair in given.items() for item in pair), module=MEGATRON_JOBS, timeout=600)
     return torch.load(out, weights_only=True)

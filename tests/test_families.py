@@ -105,6 +105,10 @@ def test_options_go_with_the_family_that_takes_them():
     with pytest.raises(UsageError, match="MegatronFamilyOptions goes with family='megatron', not family='hf'"):
         families.options_for(families.hub(), {}, None, chosen)
     assert families.options_for(families.hub(), {}, None, families.given("hf", hf_experts="fused")).fused_experts
+    assert families.options_for(mcore, mesh, None).spec == "local"
+    assert families.options_for(mcore, mesh, None, families.given("megatron", megatron_spec="te")).spec == "te"
+    with pytest.raises(UsageError, match="megatron_spec='fused': choose local or te"):
+        families.options_for(mcore, mesh, None, families.given("megatron", megatron_spec="fused"))
 
 
 def test_a_family_says_which_meshes_its_output_takes():

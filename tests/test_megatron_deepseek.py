@@ -7,11 +7,11 @@ with a sigmoid router, its score bias and scaling, a shared expert) with one mul
 through ``harness.megatron_deepseek`` (a mapping written apart from dcptool's tables), and is saved by Megatron
 itself at EP=2 in one gloo job. Oracles: the weights Megatron saves are the mapping's (so the mapping names
 every tensor Megatron saves); dcptool's export of the save is the transformers folder, bitwise, and
-``from_pretrained`` gives its logits; dcptool's import is loaded by Megatron's own ``dist_checkpointing.load``
-at TP=2 in one job, holding the same weights, with the ``_extra_state`` objects Megatron's own save has, and
-Megatron's forward of it gives transformers' logits (this also checks the mapping: MLA's rope rows, the
-router's bias and scaling). transformers runs no prediction layer, so the MTP layer is checked by names,
-shapes and values only. Needs megatron-core (skipped without it).
+``from_pretrained`` gives its logits; dcptool's import (made for TP=2) is loaded by Megatron's own
+``dist_checkpointing.load`` at TP=2 x EP=2 (the experts split over both) in one job, holding the same weights,
+with the ``_extra_state`` objects Megatron's own save has, and Megatron's forward of it gives transformers' logits
+(this also checks the mapping: MLA's rope rows, the router's bias and scaling). transformers runs no prediction
+layer, so the MTP layer is checked by names, shapes and values only. Needs megatron-core (skipped without it).
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def test_export_of_megatrons_deepseek_save(deepseek_run, tmp_path):
 
 def test_megatron_loads_dcptools_deepseek_import(deepseek_run, tmp_path):
     """import-hf --adapter megatron of the transformers folder (prediction layer included; HF's copies of the
-    embedding and head noted as left out), loaded by Megatron's dist_checkpointing.load at TP=2: the weights
-    of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward."""
+    embedding and head noted as left out), loaded by Megatron's dist_checkpointing.load at TP=2 x EP=2: the
+    weights of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward."""
     hf, run, _ = deepseek_run
     imported = tmp_path / "imported"
     result = dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", "2")
@@ -102,7 +102,8 @@ def test_megatron_loads_dcptools_deepseek_import(deepseek_run, tmp_path):
     assert extra_states(imported) == extra_states(run / "iter_0000100")
     tokens = tmp_path / "tokens.pt"
     torch.save(TOKENS, tokens)
-    loaded = megatron_load(imported, run / "model.json", tmp_path / "loaded.pt", "--tp", 2, "--tokens", tokens)
+    loaded = megatron_load(imported, run / "model.json", tmp_path / "loaded.pt", "--tp", 2, "--ep", 2,
+                           "--tokens", tokens)
     mapped = expected(hf)
     assert loaded.keys() - {"__logits__"} == mapped.keys()
     for key, tensor in mapped.items():

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 
@@ -14,6 +14,7 @@ from dcptool.cli.options import (FORMAT_OPTIONS, MESH, READING, WRITING, CastDty
                                  Family, LaidOutFormat, OutputLocation, TargetFamilyOption, grouped)
 from dcptool.cli.render import shown
 from dcptool.format_interface import FormatOptions
+from dcptool.models import MEGATRON_SPECS
 from dcptool.options import MeshOptions, Reading, Writing
 from dcptool.storage import output_path
 
@@ -59,6 +60,7 @@ def import_hf(
     mesh: MeshOptions = MESH.helped(dp="FSDP shard degree of the job that will load it (default 1)."),
     family: Family = typer.Option("hf", "--adapter", help="Names of the job that will load it: " + families.described() + "."),
     make_vocab_size_divisible_by: Optional[int] = typer.Option(None, "--make-vocab-size-divisible-by", metavar="N", rich_help_panel="Megatron-Core (--adapter megatron)", help="With --adapter megatron: pad the vocabulary to a multiple of N x --tp, as Megatron-LM's option of that name does (default 128); written into args."),
+    megatron_spec: Optional[Literal[MEGATRON_SPECS]] = typer.Option(None, "--megatron-spec", rich_help_panel="Megatron-Core (--adapter megatron)", help="With --adapter megatron: the names of the layer spec the run that loads it is built with: local (--transformer-impl local; the default) or te (Transformer Engine's, Megatron-LM's default --transformer-impl transformer_engine: MoE layers keep pre_mlp_layernorm, MLA's q/kv norms go into linear_q_up_proj / linear_kv_up_proj); written into args as transformer_impl."),
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,
     lora_folder: Optional[str] = typer.Option(None, "--lora-adapter", metavar="ADAPTER_DIR", help="A PEFT adapter folder to put on the model: the output holds the peft model's state dict (base_layer, lora_A/B.default, ...), as an FSDP job of that model loads it with dcp.load."),
@@ -74,13 +76,15 @@ def import_hf(
       [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-archon --adapter archon --dp 8 --ep 8[/cyan]
       [cyan]dcptool import-hf Llama-3.1-8B llama-titan --adapter torchtitan --dp 4 --tp 2[/cyan]
       [cyan]dcptool import-hf Qwen3-30B-A3B qwen3-moe-mcore --adapter megatron --tp 2 --make-vocab-size-divisible-by 64[/cyan]
+      [cyan]dcptool import-hf DeepSeek-V3 dsv3-mcore --adapter megatron --megatron-spec te[/cyan]   (for a Transformer Engine run)
       [cyan]dcptool import-hf Qwen/Qwen3-8B qwen3-dcp --revision main[/cyan]   (a hub repo, through the hub cache)
       [cyan]dcptool import-hf Qwen3-8B lora-resume --lora-adapter my-adapter --dp 8[/cyan]   (resume a LoRA run)
     """
     from dcptool import api
 
     report = api.import_hf(source, destination, mesh=mesh, family=family,
-                           family_options=api.family_options(family, make_vocab_size_divisible_by=make_vocab_size_divisible_by),
+                           family_options=api.family_options(family, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                                             megatron_spec=megatron_spec),
                            config_dir=config_dir,
                            dtype=dtype, lora_folder=lora_folder, reading=reading, writing=writing)
     _show(report, False)

@@ -25,6 +25,7 @@ from functools import cache
 from dcptool.models import common
 from dcptool.models.kind import (
     FAMILIES,
+    MEGATRON_SPECS,
     Divisor,
     MegatronName,
     ModelKind,
@@ -34,7 +35,8 @@ from dcptool.models.kind import (
     Tie,
 )
 
-__all__ = ["FAMILIES", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of", "text_config", "parallel_divisors",
+__all__ = ["FAMILIES", "MEGATRON_SPECS", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of",
+           "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
            "peft_trainable"]
 

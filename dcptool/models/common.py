@@ -240,9 +240,12 @@ def moe_kind_fields(expert_fields: tuple[str, ...]) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Megatron-Core's names (megatron-core 0.19: gpt_layer_specs.py, attention.py, mlp.py, moe/). The layer
-# norms are fused into the next linear layer (``layer_norm_weight``) by the local and TE specs alike
-# (the local spec's ``sharded_state_dict_keys_map``); specs that keep them apart save ``input_layernorm``
-# and ``pre_mlp_layernorm``. Where two Megatron names hold one HF tensor, the first is what dcptool writes.
+# norms are saved under the next linear layer's name (``layer_norm_weight``): Transformer Engine's spec fuses
+# them into that layer (TELayerNormColumnParallelLinear), and the local spec keeps them apart but saves them
+# under those names (its ``sharded_state_dict_keys_map``), so that both specs load each other's checkpoints.
+# Apart from that: a MoE layer of the TE spec has no linear_fc1 to fuse into and keeps its ``pre_mlp_layernorm``,
+# which the local spec still saves as ``mlp.linear_fc1.layer_norm_weight``. Where two Megatron names hold one HF
+# tensor, what dcptool writes is the first that the layer spec asked for saves (``MegatronName.saved_by``).
 
 # Outside the decoder layers: Megatron name -> HF name. Megatron pads the embedding's and the output's
 # rows to a multiple of make_vocab_size_divisible_by x TP.
@@ -257,7 +260,8 @@ def megatron_attention(biases: bool = False, qk_norms: bool = False) -> list[Meg
     """Grouped-query attention: q, k and v in one ``linear_qkv``, the input norm fused into it."""
     qkv = ("q", "k", "v")
     names = [MegatronName("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",)),
-             MegatronName("input_layernorm.weight", ("input_layernorm.weight",)),
+             # the local spec's module name, as its plain state dict (Megatron-LM's legacy files) holds it
+             MegatronName("input_layernorm.weight", ("input_layernorm.weight",), saved_by=()),
              MegatronName("self_attention.linear_qkv.weight", tuple(f"self_attn.{p}_proj.weight" for p in qkv), "qkv"),
              MegatronName("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",))]
     if biases:
@@ -269,9 +273,11 @@ def megatron_attention(biases: bool = False, qk_norms: bool = False) -> list[Meg
 
 
 def megatron_mlp_norm() -> list[MegatronName]:
-    """The norm before the MLP: fused into a dense ``linear_fc1`` (and, by the local spec, into MoE layers' too)."""
-    return [MegatronName("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",)),
-            MegatronName("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",))]
+    """The norm before the MLP: fused into a dense ``linear_fc1``; a MoE layer of the TE spec keeps it apart
+    (the local spec names it as fused there too)."""
+    return [MegatronName("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",),
+                         saved_by=("local", "te:dense")),
+            MegatronName("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), saved_by=("te:moe",))]
 
 
 def megatron_dense_mlp(megatron: str = "mlp", hf: str = "mlp") -> list[MegatronName]:

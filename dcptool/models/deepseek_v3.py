@@ -42,20 +42,27 @@ MTP = [
 
 
 # Megatron-Core's MLA (multi_latent_attention.py): the same projections, rows in HF's order (its RoPE
-# takes the interleaved rope dims apart itself). The local spec keeps q/kv norms apart, TE's fuses them
-# into the up projections; the local MLA spec keeps input_layernorm and pre_mlp_layernorm apart too.
-# Dense first layers make the layers non-uniform: Megatron saves them per layer. Checked against
-# megatron-core 0.19.2's own save (tests/test_megatron_deepseek.py).
+# takes the interleaved rope dims apart itself). The MLA specs have no sharded_state_dict_keys_map: the local
+# spec saves its input_layernorm, q/kv norms and pre_mlp_layernorm apart; TE's keeps input_layernorm apart,
+# fuses the q/kv norms into the up projections, and the norm before the MLP into a dense layer's linear_fc1
+# (a MoE layer keeps pre_mlp_layernorm). Dense first layers make the layers non-uniform: Megatron saves them
+# per layer. Checked against megatron-core 0.19.2's own save (tests/test_megatron_deepseek.py) and its specs
+# (tests/test_megatron_te_spec.py).
 MEGATRON = (
     MegatronName("input_layernorm.weight", ("input_layernorm.weight",)),
-    *[MegatronName(f"self_attention.{megatron}", (f"self_attn.{hf}",)) for megatron, hf in (
-        ("linear_q_proj.weight", "q_proj.weight"), ("linear_q_down_proj.weight", "q_a_proj.weight"),
-        ("q_layernorm.weight", "q_a_layernorm.weight"), ("linear_q_up_proj.layer_norm_weight", "q_a_layernorm.weight"),
-        ("linear_q_up_proj.weight", "q_b_proj.weight"), ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
-        ("kv_layernorm.weight", "kv_a_layernorm.weight"), ("linear_kv_up_proj.layer_norm_weight", "kv_a_layernorm.weight"),
-        ("linear_kv_up_proj.weight", "kv_b_proj.weight"), ("linear_proj.weight", "o_proj.weight"))],
-    MegatronName("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
-    MegatronName("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",)),
+    *[MegatronName(f"self_attention.{megatron}", (f"self_attn.{hf}",), saved_by=specs) for megatron, hf, specs in (
+        ("linear_q_proj.weight", "q_proj.weight", ("local", "te")),
+        ("linear_q_down_proj.weight", "q_a_proj.weight", ("local", "te")),
+        ("q_layernorm.weight", "q_a_layernorm.weight", ("local",)),
+        ("linear_q_up_proj.layer_norm_weight", "q_a_layernorm.weight", ("te",)),
+        ("linear_q_up_proj.weight", "q_b_proj.weight", ("local", "te")),
+        ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight", ("local", "te")),
+        ("kv_layernorm.weight", "kv_a_layernorm.weight", ("local",)),
+        ("linear_kv_up_proj.layer_norm_weight", "kv_a_layernorm.weight", ("te",)),
+        ("linear_kv_up_proj.weight", "kv_b_proj.weight", ("local", "te")),
+        ("linear_proj.weight", "o_proj.weight", ("local", "te")))],
+    MegatronName("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), saved_by=("local", "te:moe")),
+    MegatronName("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",), saved_by=("te:dense",)),
     *common.megatron_dense_mlp(),
     *common.megatron_routed_experts(expert_bias="mlp.gate.e_score_correction_bias"),
     *common.megatron_dense_mlp("mlp.shared_experts", "mlp.shared_experts"),

@@ -41,6 +41,13 @@ class Row:
         return getattr(self, family)
 
 
+# Megatron-Core's layer specs (gpt_layer_specs.py) whose names dcptool writes: the local spec
+# (``get_gpt_layer_local_spec``, Megatron-LM's ``--transformer-impl local``) and Transformer Engine's
+# (``get_gpt_layer_with_transformer_engine_spec``, ``--transformer-impl transformer_engine``, its default). Each is
+# built for a dense layer or a MoE layer (``num_experts``), and some names differ between the two.
+MEGATRON_SPECS = ("local", "te")
+
+
 @dataclass(frozen=True)
 class MegatronName:
     """One Megatron-Core tensor of a decoder layer (``megatron``: its name after ``decoder.layers.`` or
@@ -50,11 +57,19 @@ class MegatronName:
     ``[groups, (q_per_group + 2) x head_dim, ...]``), ``halves`` (gate and up stacked on dim 0, Megatron's
     SwiGLU ``linear_fc1``), ``experts`` (``[E, ...]``, one HF tensor per expert ``{E}``) and
     ``expert_halves`` (``[E, gate; up, ...]``).
+    ``saved_by``: the layer specs (``MEGATRON_SPECS``) that save the tensor under this name, in every layer
+    (``"te"``) or in their dense or MoE layers only (``"te:dense"``, ``"te:moe"``); none: a name dcptool reads
+    but does not write. Every name is read, whichever spec saved it.
     """
 
     megatron: str
     hf: tuple[str, ...]
     how: str = "plain"
+    saved_by: tuple[str, ...] = MEGATRON_SPECS
+
+    def saved(self, spec: str, moe: bool) -> bool:
+        """Whether layer spec ``spec`` saves this name in a MoE layer (``moe``) or a dense one."""
+        return spec in self.saved_by or f"{spec}:{'moe' if moe else 'dense'}" in self.saved_by
 
 
 @dataclass(frozen=True)

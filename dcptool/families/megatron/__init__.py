@@ -31,20 +31,25 @@ VOCAB_MULTIPLE = 128
 @dataclass(frozen=True, kw_only=True)
 class MegatronFamilyOptions(FamilyOptions):
     """A caller's choices for the Megatron-Core checkpoint written: ``make_vocab_size_divisible_by``, the multiple
-    (times the tensor parallelism) its vocabulary is padded to, Megatron-LM's option of that name (default 128)."""
+    (times the tensor parallelism) its vocabulary is padded to, Megatron-LM's option of that name (default 128);
+    ``megatron_spec``, the layer spec of the run that loads it, whose names it holds (``local``, the default, or
+    ``te``: Transformer Engine's)."""
 
     make_vocab_size_divisible_by: int | None = None
+    megatron_spec: str | None = None
 
 
 @dataclass(frozen=True)
 class MegatronOptions:
     """What a Megatron-Core checkpoint dcptool writes is made for: the tensor parallelism and multiple
-    (``vocab_multiple``, Megatron-LM's ``--make-vocab-size-divisible-by``) its vocabulary is padded for, and the
-    dtype its weights are written in (None: the source's)."""
+    (``vocab_multiple``, Megatron-LM's ``--make-vocab-size-divisible-by``) its vocabulary is padded for, the
+    dtype its weights are written in (None: the source's), and the layer spec whose names it holds (``spec``:
+    ``local`` or ``te``, Transformer Engine's; ``models.kind.MEGATRON_SPECS``)."""
 
     tp: int = 1
     vocab_multiple: int = VOCAB_MULTIPLE
     dtype: str | None = None
+    spec: str = "local"
 
     @property
     def padded_multiple(self) -> int:
@@ -79,11 +84,15 @@ class Megatron(Family):
 
     def options(self, mesh: dict, dtype: str | None, given: MegatronFamilyOptions | None) -> MegatronOptions:
         """Megatron reshards global tensors as it loads: the mesh's tp sizes its vocabulary padding."""
-        multiple = (given or MegatronFamilyOptions()).make_vocab_size_divisible_by
+        given = given or MegatronFamilyOptions()
+        multiple, megatron_spec = given.make_vocab_size_divisible_by, given.megatron_spec
         if multiple is not None and multiple < 1:
             raise UsageError(f"{option('make_vocab_size_divisible_by', multiple)}: the vocabulary is padded to a "
                              "multiple of a positive number")
-        return MegatronOptions(mesh.get("tp") or 1, multiple or VOCAB_MULTIPLE, dtype)
+        if megatron_spec not in (None, *models.MEGATRON_SPECS):
+            raise UsageError(f"{option('megatron_spec', megatron_spec)}: choose "
+                             f"{' or '.join(models.MEGATRON_SPECS)} (the layer spec of the run that loads it)")
+        return MegatronOptions(mesh.get("tp") or 1, multiple or VOCAB_MULTIPLE, dtype, megatron_spec or "local")
 
     def output_mesh(self, mesh: dict) -> dict:
         """One checkpoint of global tensors, which Megatron reshards as it loads."""
@@ -146,21 +155,30 @@ class Megatron(Family):
     def made_state(self, mapping: MegatronMapping, weights: dict[str, Entry], out: dict[str, Entry]) -> list[str]:
         """Megatron-LM's ``iteration`` (0) and, for the kinds they describe, its ``args`` for a checkpoint made from
         another family, as its own HF conversion writes them (the Megatron format puts them in the common state),
-        unless the source has its own."""
+        unless the source has its own; for Transformer Engine's layer spec, the ``_extra_state`` objects of the
+        norms it keeps apart (``layers.te_norm_states``; the linear layers' the Megatron format adds)."""
         from dcptool.families.megatron import args as run_args
+        from dcptool.families.megatron import layers
         from dcptool.safe_pickle import record
 
+        lines = []
+        if mapping.output.spec == "te":
+            states = layers.te_norm_states(weights)
+            out.update((key, state) for key, state in states.items() if key not in out)
+            lines.append(f"{counted(len(states), 'empty _extra_state object')} of the norms Transformer Engine's "
+                         "spec keeps apart (its RMSNorm's FP8 state)")
         if "args" in out:
-            return []
+            return lines
         out["iteration"] = ObjectInfo(("iteration",), value=0)
         args = run_args.run_args(mapping.model, mapping.config, weights, mapping.output)
         if args is None:
-            return [(f"iteration 0; no args: dcptool writes them for {', '.join(run_args.args_kinds())} given the "
-                     "model's config.json")]
+            return [*lines, (f"iteration 0; no args: dcptool writes them for {', '.join(run_args.args_kinds())} "
+                             "given the model's config.json")]
         out["args"] = ObjectInfo(("args",), value=record("argparse.Namespace", args))
-        return [(f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "
-                 f"{args['padded_vocab_size']}, make_vocab_size_divisible_by {args['make_vocab_size_divisible_by']}), "
-                 "iteration 0")]
+        return [*lines, (f"args: {len(args)} fields of Megatron-LM's arguments from the config (padded_vocab_size "
+                         f"{args['padded_vocab_size']}, make_vocab_size_divisible_by "
+                         f"{args['make_vocab_size_divisible_by']}, transformer_impl {args['transformer_impl']}), "
+                         "iteration 0")]
 
 
 FAMILY = Megatron()

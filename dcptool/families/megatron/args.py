@@ -16,6 +16,9 @@ from dcptool.safe_pickle.allowlist import Name
 if TYPE_CHECKING:
     from dcptool.families.megatron import MegatronOptions
 
+# Megatron-LM's --transformer-impl of each layer spec whose names dcptool writes (models.kind.MEGATRON_SPECS).
+TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
+
 # Megatron-LM's args (megatron/training/arguments.py) -> the HF config fields taking its tensors apart needs.
 _ARGS = {"num_attention_heads": "num_attention_heads", "kv_channels": "head_dim", "hidden_size": "hidden_size",
          "num_layers": "num_hidden_layers", "vocab_size": "vocab_size", "num_experts": "num_experts"}
@@ -70,7 +73,8 @@ def rope_base(config: dict) -> float | None:
 def run_args(kind: ModelKind, config: dict, built: dict, options: MegatronOptions) -> dict | None:
     """The ``args`` Megatron-LM's own HF conversion (tools/checkpoint ``loader_*hf*`` and ``saver_mcore``) writes
     for the model of ``config`` whose tensors in Megatron's names are ``built``: the fields dcptool can state
-    exactly (the layout written is one rank's: TP for the vocabulary padding, PP and EP 1); None for a kind
+    exactly (the layout written is one rank's: TP for the vocabulary padding, PP and EP 1; the layer spec whose
+    names it holds as ``transformer_impl``); None for a kind
     args do not describe, a config without the fields, scaled RoPE or another activation than SiLU.
     Megatron-LM's ``check_checkpoint_args`` compares some on load, so a field is written right or not at all."""
     config = models.text_config(config)
@@ -98,6 +102,7 @@ def run_args(kind: ModelKind, config: dict, built: dict, options: MegatronOption
                 qk_layernorm="self_attention.q_layernorm.weight" in names,
                 untie_embeddings_and_output_weights="output_layer.weight" in built,
                 position_embedding_type="rope", tokenizer_type="HuggingFaceTokenizer", ckpt_format="torch_dist",
+                transformer_impl=TRANSFORMER_IMPL[options.spec],
                 params_dtype=Name(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16")
     args["rotary_base"] = int(base)
     experts = kind.expert_count(config)

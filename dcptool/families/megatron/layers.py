@@ -45,6 +45,7 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 SHARDED_OBJECT = re.compile(r"/shard_[\d.]+_[\d.]+$")
 # The distributed optimizer's dp_reshardable buckets (distrib_optimizer.py): 1-D, a DDP bucket's parameters flat.
 DP_BUCKET = re.compile(r"(^|\.)distributed\.dp_group_idx_\d+\.")
+EXPERT_HOWS = ("experts", "expert_halves")  # how a MegatronName holds routed experts
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _main_layers(entries: dict, config: dict, where: str) -> int:
 def _parts(spec: MegatronName, tensor, heads: Heads | None, name: str):
     """``(HF name in the layer, view)`` of every HF tensor one layer's Megatron tensor holds."""
     if _scalar(tensor):
-        if spec.how in ("experts", "expert_halves"):
+        if spec.how in EXPERT_HOWS:
             raise UsageError(f"{name}: per-expert state that is no tensor cannot be split per expert")
         return [(hf, tensor) for hf in spec.hf]
     if spec.how == "plain":
@@ -268,7 +269,8 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, options: MegatronOptio
     """HF-named ``entries`` (per expert or transformers v5's fused experts) in Megatron's names: layers
     stacked (per layer where the layers are not uniform), q/k/v grouped into ``linear_qkv``, gate and up
     into ``linear_fc1``, experts into ``[E, ...]``, the vocabulary padded with zero rows to a multiple of
-    ``options``' make_vocab_size_divisible_by x tp, as Megatron-LM pads it."""
+    ``options``' make_vocab_size_divisible_by x tp, as Megatron-LM pads it; the norms under the names
+    ``options``' layer spec saves them by."""
     result = Result()
     hf_outside = {hf: megatron for megatron, hf in common.MEGATRON_OUTSIDE.items()}
     layers: dict[int, dict[str, TensorInfo]] = {}
@@ -287,8 +289,9 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, options: MegatronOptio
             continue
         layers.setdefault(int(match[1]), {})[match[2]] = (entry, name)
     heads = _hf_heads(config, where) if any("self_attn.k_proj.weight" in inner for inner in layers.values()) else None
-    _predictions_from_hf(kind, layers, config, heads, result)
-    built = {layer: _layer_from_hf(kind, inner, heads, result) for layer, inner in sorted(layers.items())}
+    _predictions_from_hf(kind, layers, config, heads, options.spec, result)
+    built = {layer: _layer_from_hf(kind, inner, heads, options.spec, result)
+             for layer, inner in sorted(layers.items())}
     names = [set(tensors) for tensors in built.values()]
     uniform = bool(names) and all(n == names[0] for n in names) and sorted(built) == list(range(len(built)))
     if uniform:
@@ -306,17 +309,19 @@ def from_hf(kind: ModelKind, entries: dict, config: dict, options: MegatronOptio
     return result
 
 
-def _predictions_from_hf(kind: ModelKind, layers: dict, config: dict, heads: Heads | None, result: Result) -> None:
+def _predictions_from_hf(kind: ModelKind, layers: dict, config: dict, heads: Heads | None, layer_spec: str,
+                         result: Result) -> None:
     """The prediction layers of ``layers`` (HF's layers after the config's ``num_hidden_layers``, taken out of
     ``layers``) as ``mtp.layers.{n}``."""
     main = config.get("num_hidden_layers")
     if kind.megatron_mtp is None or not isinstance(main, int):
         return
     for layer in [layer for layer in layers if layer >= main]:
-        _prediction_from_hf(kind, f"mtp.layers.{layer - main}.", layers.pop(layer), heads, result)
+        _prediction_from_hf(kind, f"mtp.layers.{layer - main}.", layers.pop(layer), heads, layer_spec, result)
 
 
-def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads | None, result: Result) -> None:
+def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads | None, layer_spec: str,
+                        result: Result) -> None:
     """One prediction layer as ``prefix`` (``mtp.layers.{n}.``): its decoder layer under ``transformer_layer.``,
     its own tensors beside; HF's copies of the embedding and head are not written (Megatron's prediction
     layers share the main ones)."""
@@ -329,20 +334,25 @@ def _prediction_from_hf(kind: ModelKind, prefix: str, inner: dict, heads: Heads 
             _, name = inner.pop(shared)
             result.dropped.append(f"{name} (Megatron's prediction layers use the main {mains[0]}; this copy is "
                                   f"not written)")
-    for megatron, (tensor, first) in _layer_from_hf(kind, inner, heads, result).items():
+    for megatron, (tensor, first) in _layer_from_hf(kind, inner, heads, layer_spec, result).items():
         target = prefix + MTP_DECODER + megatron
         result.entries[target] = (_named(tensor, target), first)
 
 
-def _layer_from_hf(kind: ModelKind, inner: dict, heads: Heads | None, result: Result) -> dict:
-    """One layer's Megatron tensors (name -> (view, first HF name)) from its HF tensors; what fits no row is unmatched."""
+def _layer_from_hf(kind: ModelKind, inner: dict, heads: Heads | None, layer_spec: str, result: Result) -> dict:
+    """One layer's Megatron tensors (name -> (view, first HF name)) from its HF tensors, under the names
+    ``layer_spec`` saves in a layer of its kind (dense, or MoE: one with routed experts); what fits no row is
+    unmatched."""
     used: set[str] = set()
     built = {}
     fused = _fused_experts(inner)
+    moe = bool(fused) or any(spec.how in EXPERT_HOWS and all(hf.replace("{E}", "0") in inner for hf in spec.hf)
+                             for spec in kind.megatron)
     for spec in kind.megatron:
-        if not spec.hf or spec.hf[0] in used:  # a second Megatron name of the same HF tensor (layout of another spec)
+        # a name this layer spec does not save (another spec's), or a second name of an HF tensor already placed
+        if not spec.hf or not spec.saved(layer_spec, moe) or spec.hf[0] in used:
             continue
-        if spec.how in ("experts", "expert_halves"):
+        if spec.how in EXPERT_HOWS:
             found = _experts_from_hf(spec, inner, fused, used)
         else:
             parts = [inner.get(hf) for hf in spec.hf]
@@ -409,6 +419,30 @@ def _hf_heads(config: dict, where: str) -> Heads:
     if heads % groups or not dim:
         raise UsageError(f"{where}: {heads} attention heads do not split into {groups} key/value heads (config.json)")
     return Heads(heads, groups, dim)
+
+
+# A norm Transformer Engine's spec keeps as a module of its own (TENorm: input_layernorm of MLA, pre_mlp_layernorm
+# of MoE layers, q/k layernorm, final_layernorm, a prediction layer's enorm / hnorm): its weight's name.
+_NORM_WEIGHT = re.compile(r"^(.*norm)\.weight$")
+
+
+def te_norm_states(weights: dict) -> dict[str, ObjectInfo]:
+    """The ``_extra_state`` objects of the norms among ``weights`` (Megatron names) that Transformer Engine's spec
+    keeps apart: its RMSNorm is an operation with extra state (its FP8 recipe) since TE 2.0, which Megatron saves
+    and loads as a ShardedObject per layer, ``<module>._extra_state/shard_{layer}_{L}`` (``shard_0_1`` for a module
+    saved once). Empty (``[None]``, which TE's ``set_extra_state`` skips), as the linear layers' of an import;
+    a run whose TE has no such state does not ask for them, and its load leaves them unread."""
+    states = {}
+    for name, tensor in weights.items():
+        norm = _NORM_WEIGHT.match(name)
+        if norm is None or _scalar(tensor):
+            continue
+        stacked = (match := LAYER.match(name)) is not None and match[1] is None
+        layers = tensor.shape[0] if stacked else 1
+        for layer in range(layers):
+            key = f"{norm[1]}._extra_state/shard_{layer}_{layers}"  # ShardedObject.unique_key (SHARDED_OBJECT)
+            states[key] = ObjectInfo((key,), value=[None])
+    return states
 
 
 def padded_vocab(tensor: TensorInfo, multiple: int) -> TensorInfo:
