@@ -104,6 +104,8 @@ class ModelKind:
     ``args_config``: the fields of its HF config.json that Megatron-LM's ``args`` do not say (its class,
     biases it never has), for a kind whose whole model ``args`` describe (a SwiGLU decoder with RMSNorm and
     RoPE, experts routed by softmax); None: args and config.json are not made from each other.
+    ``architecture_of``: the kind whose architecture, and so every table, this one is, under a config of its own
+    (Kimi-K2: DeepSeek-V3's); names alone tell that kind, and only a config names this one.
     """
 
     name: str
@@ -118,6 +120,7 @@ class ModelKind:
     megatron: tuple[MegatronName, ...] = ()
     megatron_mtp: MegatronMTP | None = None
     args_config: dict | None = None
+    architecture_of: str | None = None
 
     def expert_count(self, config: dict) -> int | None:
         """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""

@@ -186,14 +186,15 @@ def mtp_hf_weights(hf: dict[str, torch.Tensor], config: dict, seed: int) -> dict
     return out
 
 
-def save_hf_with_mtp(folder: Path, seed: int, **overrides) -> Path:
-    """harness.family_models' tiny DeepSeek-V3 (``save_hf``), its safetensors file given the prediction
-    layers of ``num_nextn_predict_layers`` (transformers builds none)."""
+def save_hf_with_mtp(folder: Path, seed: int, kind: str = "deepseek_v3", **overrides) -> Path:
+    """harness.family_models' tiny DeepSeek-V3 (``save_hf``; or ``kind``, GLM-4.5's release lays its prediction
+    layers out the same), its safetensors file given the prediction layers of ``num_nextn_predict_layers``
+    (transformers builds none)."""
     from safetensors.torch import save_file
 
     from harness.family_models import load_hf_state, read_config, save_hf
 
-    save_hf("deepseek_v3", folder, seed=seed, **overrides)
+    save_hf(kind, folder, seed=seed, **overrides)
     state = load_hf_state(folder)
     state.update(mtp_hf_weights(state, read_config(folder), seed + 1))
     for file in folder.glob("*.safetensors"):
