@@ -16,14 +16,16 @@ common state: ``args`` Namespace, ``iteration``, ``checkpoint_version`` ...; or,
 legacy per-rank ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``), ``RUN/latest_checkpointed_iteration.txt``,
 ``RUN/model.json`` (the model's options), and beside the run ``RUN.reference/full.pt`` (every weight, whole, by
 its torch_dist key: stacked ``decoder.layers.X`` of ``[L, ...]``; outside the run, which lists only iterations). ``--weights FILE`` loads such a file of whole
-weights into the model before saving (the model's own random init otherwise).
+weights into the model before saving (the model's own random init otherwise); ``--tokens FILE`` (pipeline size 1)
+writes the logits of the model's forward before saving to ``RUN.reference/logits.pt`` (``logits``' dict: with the
+prediction layers' too, for a model that has them).
 
 ``--vpp N`` gives each pipeline stage N model chunks (``model0``, ``model1`` ... in the state dict, as Megatron-LM
 keeps virtual pipeline stages). ``load CKPT`` builds the model of ``--model`` (model.json; ``--tp/--pp/--ep/--vpp``
 override its layout), loads CKPT
 with ``dist_checkpointing.load`` and writes every weight, whole, to ``--out`` (torch.save, by torch_dist key);
 ``--tokens FILE`` (a torch.save of int64 ``[batch, seq]``, pipeline size 1 only) adds the logits of a forward
-pass as ``__logits__``.
+pass as ``__logits__`` (and the prediction layers' as ``__mtp_logits__``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ MODEL_DEFAULTS = {
     "tp": 1, "pp": 1, "ep": 1, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
     "experts": 0, "moe_ffn": 32, "topk": 2, "grouped_gemm": False, "qk_layernorm": False, "qkv_bias": False,
     "vocab": 100, "divisible_by": 16, "padded_vocab": 0, "tied": False, "seq_len": 64, "rope_base": 10000.0,
-    "eps": 1e-6, "deepseek_config": "", "mtp_layers": 0, "pre_softmax": False, "shared_ffn": 0, "shared_gate": False,
+    "eps": 1e-6, "kv_channels": 0, "hf_config": "", "mtp_layers": 0, "pre_softmax": False, "shared_ffn": 0, "shared_gate": False,
 }
 ITERATION = 100
 
@@ -108,17 +110,19 @@ def chunk_key(number: int, chunks: list) -> str:
 
 def build(model: dict) -> list:
     """The GPTModel chunks of ``model`` on this rank (one per virtual stage of its pipeline stage), float32,
-    initialized from a fixed seed. ``deepseek_config`` (an HF DeepSeek-V3 config.json): that model
-    (harness.megatron_deepseek: latent attention, MoE, ``mtp_layers`` prediction layers) instead."""
+    initialized from a fixed seed. ``hf_config`` (an HF config.json of DeepSeek-V3 or GLM-4.5 MoE): that model
+    (harness.megatron_deepseek: latent attention, MoE; harness.megatron_glm: partial RoPE, q/k/v biases, MoE;
+    both with ``mtp_layers`` prediction layers) instead."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
 
-    if model["deepseek_config"]:
-        from harness.megatron_deepseek import gpt_model
+    if model["hf_config"]:
+        from harness import megatron_deepseek, megatron_glm
 
+        config = json.loads(Path(model["hf_config"]).read_text())
+        gpt_model = {"deepseek_v3": megatron_deepseek, "glm4_moe": megatron_glm}[config["model_type"]].gpt_model
         torch.manual_seed(1234 + parallel_state.get_pipeline_model_parallel_rank())
-        return [gpt_model(json.loads(Path(model["deepseek_config"]).read_text()), padded_vocab(model),
-                          model["mtp_layers"], tensor_model_parallel_size=model["tp"],
+        return [gpt_model(config, padded_vocab(model), model["mtp_layers"], tensor_model_parallel_size=model["tp"],
                           pipeline_model_parallel_size=model["pp"], expert_model_parallel_size=model["ep"])]
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -127,7 +131,8 @@ def build(model: dict) -> list:
     moe = model["experts"] > 0
     config = TransformerConfig(
         num_layers=model["num_layers"], hidden_size=model["hidden"], num_attention_heads=model["heads"],
-        num_query_groups=model["kv_groups"], ffn_hidden_size=model["ffn"], use_cpu_initialization=True,
+        num_query_groups=model["kv_groups"], kv_channels=model["kv_channels"] or None, ffn_hidden_size=model["ffn"],
+        use_cpu_initialization=True,
         normalization="RMSNorm", layernorm_epsilon=model["eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=model["qkv_bias"], qk_layernorm=model["qk_layernorm"],
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
@@ -171,7 +176,7 @@ def run_args(model: dict, checkpoint_format: str):
         data_parallel_size=world // (model["tp"] * model["pp"]), world_size=world,
         num_layers=model["num_layers"], hidden_size=model["hidden"], ffn_hidden_size=model["ffn"],
         num_attention_heads=model["heads"], group_query_attention=model["kv_groups"] != model["heads"],
-        num_query_groups=model["kv_groups"], kv_channels=model["hidden"] // model["heads"],
+        num_query_groups=model["kv_groups"], kv_channels=model["kv_channels"] or model["hidden"] // model["heads"],
         num_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if model["experts"] else None,
         moe_router_topk=model["topk"], moe_router_pre_softmax=model["pre_softmax"], moe_grouped_gemm=model["grouped_gemm"],
         moe_shared_expert_intermediate_size=model["shared_ffn"] or None, moe_shared_expert_gate=model["shared_gate"],
@@ -301,6 +306,8 @@ def cmd_save(args) -> int:
     chunks = build(model)
     if args.weights:
         fill(chunks, torch.load(args.weights, weights_only=True))
+    if args.tokens:  # the model's forward before it is saved: every rank runs it, rank 0 keeps the logits
+        before = logits(chunks[0], torch.load(args.tokens, weights_only=True), parallel_state)
     run = Path(args.run)
     folder = iteration_folder(run, ITERATION)
     state = common_state(model, args.format)
@@ -329,6 +336,8 @@ def cmd_save(args) -> int:
         (run / "model.json").write_text(json.dumps(model, indent=1))
         reference_dir(run).mkdir(exist_ok=True)
         torch.save(full, reference_dir(run) / "full.pt")
+        if args.tokens:
+            torch.save(before, reference_dir(run) / "logits.pt")
     return 0
 
 
@@ -348,15 +357,17 @@ def cmd_load(args) -> int:
     if args.tokens:  # every rank runs the forward; rank 0 keeps the logits
         out = logits(chunks[0], torch.load(args.tokens, weights_only=True), parallel_state)
     if dist.get_rank() == 0:
-        torch.save({**full, "__logits__": out} if args.tokens else full, args.out)
+        torch.save({**full, **out} if args.tokens else full, args.out)
     return 0
 
 
-def logits(gpt, tokens: torch.Tensor, parallel_state) -> torch.Tensor:
-    """The model's logits ``[batch, seq, vocab]`` for ``tokens`` (pipeline size 1): causal, no padding."""
+def logits(gpt, tokens: torch.Tensor, parallel_state) -> dict[str, torch.Tensor]:
+    """The model's logits ``[batch, seq, vocab]`` for ``tokens`` (pipeline size 1; causal, no padding) as
+    ``__logits__``; a model with prediction layers adds theirs as ``__mtp_logits__`` ``[layers, batch, seq, vocab]``
+    (the first's position i predicts token i + 2 from token i + 1 and the main model's hidden state i; past the
+    input, Megatron fills the tokens with 0)."""
     import contextlib
 
-    import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1, "--tokens needs a pipeline size of 1"
@@ -366,11 +377,25 @@ def logits(gpt, tokens: torch.Tensor, parallel_state) -> torch.Tensor:
     batch, seq = tokens.shape
     positions = torch.arange(seq).expand(batch, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    predictions = []  # the prediction layers' hidden states [seq, batch, hidden], after the main ones
+    if getattr(gpt, "mtp", None) is not None:
+        gpt.mtp.register_forward_hook(lambda module, inputs, output: predictions.append(output))
     with torch.no_grad():
-        out = gpt(tokens, positions, mask)  # [batch, seq, vocab / tp]
+        out = {"__logits__": tp_gathered(gpt(tokens, positions, mask), parallel_state)}  # [batch, seq, vocab / tp]
+        if predictions:
+            out["__mtp_logits__"] = torch.stack([
+                tp_gathered(gpt.output_layer(hidden)[0].transpose(0, 1), parallel_state)
+                for hidden in torch.chunk(predictions[0], 1 + gpt.config.mtp_num_layers)[1:]])
+    return out
+
+
+def tp_gathered(out: torch.Tensor, parallel_state) -> torch.Tensor:
+    """Logits ``[..., vocab / tp]`` of every tensor-parallel rank joined: ``[..., vocab]``."""
+    import torch.distributed as dist
+
     group = parallel_state.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, out.contiguous(), group=group)
+    dist.all_gather(parts, out.detach().contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -388,6 +413,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist")
     p.add_argument("--optimizer", action="store_true", help="save the optimizer in fully_reshardable form")
     p.add_argument("--weights", help="torch.save of whole weights by torch_dist key, loaded before saving")
+    p.add_argument("--tokens", help="torch.save of int64 tokens [batch, seq]: their logits before saving, in "
+                                    "RUN.reference/logits.pt")
     p.set_defaults(func=cmd_save)
     p = sub.add_parser("load", help="dist_checkpointing.load a torch_dist folder and write its whole weights")
     p.add_argument("ckpt")
