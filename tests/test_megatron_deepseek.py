@@ -24,7 +24,11 @@ import pytest
 import torch
 from conftest import dcptool, megatron_load
 from harness.family_models import load_hf_state, read_config
-from harness.megatron_deepseek import checkpoint_weights, main_and_mtp_logits, save_hf_with_mtp
+from harness.megatron_deepseek import (
+    checkpoint_weights,
+    main_and_mtp_logits,
+    save_hf_with_mtp,
+)
 from harness.megatron_weights import padded_vocab
 from harness.runtime import reference_dir
 

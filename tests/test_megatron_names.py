@@ -217,6 +217,35 @@ def test_deepseek_v3_round_trip(tmp_path):
     assert all(torch.equal(source[k], exported[k]) for k in source)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_glm4_moe_round_trip(qk_norm, tmp_path):
+    """GLM-4.5 MoE (q/k/v biases, optional q/k norms, a dense first layer, the router's score bias, shared experts,
+    a prediction layer in the released names): HF -> Megatron names -> HF, per-expert and fused, bitwise; the
+    names alone say glm4_moe (without q/k norms too, where Qwen2-MoE's table names as many: its has no HF place
+    for the router's bias, which Megatron keeps only for a sigmoid router). Megatron's own save of it:
+    tests/test_megatron_glm.py."""
+    hf = save_hf_with_mtp(tmp_path / "hf", seed=3, kind="glm4_moe", num_nextn_predict_layers=1, use_qk_norm=qk_norm)
+    mcore, export, fused = tmp_path / "mcore", tmp_path / "export", tmp_path / "fused"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron", "--tp", "2")
+    keys = set(json.loads(dcptool("inspect", mcore, "--json").stdout)["tensors"])
+    assert {"decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_qkv.bias",
+            "decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+            "mtp.layers.0.eh_proj.weight", "mtp.layers.0.transformer_layer.mlp.router.expert_bias"} <= keys
+    assert ("decoder.layers.1.self_attention.q_layernorm.weight" in keys) == qk_norm
+    assert "names: megatron (glm4_moe)" in dcptool("inspect", mcore).stdout
+    result = dcptool("export-hf", mcore, export, "--config-dir", hf)
+    assert "names: megatron (glm4_moe), written as hf" in result.stdout + result.stderr
+    source = load_hf_state(hf)
+    assert load_hf_state(export).keys() == source.keys()
+    assert "compared bitwise" in dcptool("verify", export, hf).stdout
+    dcptool("export-hf", mcore, fused, "--config-dir", hf, "--hf-experts", "fused")
+    gate_up = load_hf_state(fused)["model.layers.2.mlp.experts.gate_up_proj"]  # the prediction layer's experts
+    assert torch.equal(gate_up[1], torch.cat([source["model.layers.2.mlp.experts.1.gate_proj.weight"],
+                                              source["model.layers.2.mlp.experts.1.up_proj.weight"]]))
+    refused = dcptool("import-hf", hf, tmp_path / "titan", "--adapter", "torchtitan", check=False)
+    assert refused.returncode == 2 and "glm4_moe has no torchtitan names" in refused.stderr, refused.stderr
+
+
 def test_qwen2_moe_round_trip(hf_models, tmp_path):
     """Qwen2-MoE (q/k/v biases, routed experts, a shared expert and its sigmoid gate): HF -> Megatron names ->
     HF, per-expert and fused; transformers' logits of the export are the source's. Archon and torchtitan have

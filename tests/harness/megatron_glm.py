@@ -71,7 +71,10 @@ def gpt_model(config: dict, vocab_rows: int, mtp_layers: int = 0, **parallel) ->
     vocabulary ``vocab_rows``; megatron's model-parallel state must be initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     transformer = transformer_config(config, mtp_layers, **parallel)
     block = get_gpt_decoder_block_spec(transformer, use_transformer_engine=False, normalization="RMSNorm")
