@@ -32,6 +32,10 @@ from harness.runtime import reference_dir
 TOKENS = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
 MTP_LAYERS = 1
 ITERATION = "iter_0000100"
+# What a GLM-4.5 config.json says that Megatron-LM's args state in their own fields.
+GLM_FIELDS = ("attention_bias", "use_qk_norm", "head_dim", "first_k_dense_replace", "n_shared_experts",
+              "routed_scaling_factor", "num_nextn_predict_layers", "norm_topk_prob", "n_routed_experts",
+              "moe_intermediate_size", "intermediate_size", "num_key_value_heads")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,13 @@ def assert_logits(got: dict[str, torch.Tensor], folder) -> None:
     torch.testing.assert_close(got["__mtp_logits__"][0, :, :-1, :vocab], predicted, rtol=1e-5, atol=1e-5)
 
 
+def common_state(folder) -> dict:
+    """The common state of a torch_dist folder as Megatron reads it (``dist_checkpointing.load_common_state_dict``)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(folder)
+
+
 def extra_states(folder) -> set[str]:
     return {key for key in json.loads(dcptool("inspect", folder, "--json").stdout)["objects"]
             if "._extra_state/" in key}
@@ -87,7 +98,9 @@ def test_megatrons_glm_forward_and_save(glm_run):
 
 def test_export_of_megatrons_glm_save(glm_run, tmp_path):
     """export-hf of Megatron's save is the transformers folder bitwise, prediction layer included in GLM-4.5's
-    released names (its embedding and head copies from Megatron's shared ones), and gives its logits."""
+    released names (its embedding and head copies from Megatron's shared ones), and gives its logits; so does it
+    without --config-dir, with a config.json made from the run's Megatron-LM args (partial RoPE, the dense first
+    layer of moe_layer_freq, the sigmoid router, its scaling, the shared expert, the prediction layer)."""
     hf, run, _ = glm_run
     export = tmp_path / "export"
     result = dcptool("export-hf", run / ITERATION, export, "--config-dir", hf)
@@ -99,15 +112,25 @@ def test_export_of_megatrons_glm_save(glm_run, tmp_path):
     for key in source:
         assert torch.equal(source[key], exported[key]), key
     assert read_config(export)["model_type"] == "glm4_moe"
-    for ours, theirs in zip(main_and_mtp_logits(export, TOKENS), main_and_mtp_logits(hf, TOKENS)):
+    expected_logits = main_and_mtp_logits(hf, TOKENS)
+    for ours, theirs in zip(main_and_mtp_logits(export, TOKENS), expected_logits):
         assert torch.equal(ours, theirs)
     assert "compared bitwise" in dcptool("verify", run / ITERATION, export).stdout
+
+    from_args = tmp_path / "from-args"  # no --config-dir: config.json made from the run's Megatron-LM args
+    result = dcptool("export-hf", run / ITERATION, from_args)
+    assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+    made = read_config(from_args)
+    assert {name: made[name] for name in GLM_FIELDS} == {name: read_config(hf)[name] for name in GLM_FIELDS}
+    for ours, theirs in zip(main_and_mtp_logits(from_args, TOKENS), expected_logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
 def test_megatron_loads_dcptools_glm_import(glm_run, tmp_path):
     """import-hf --adapter megatron of the transformers folder (prediction layer included; HF's copies of the
     embedding and head noted as left out), loaded by Megatron's dist_checkpointing.load at TP=1 x EP=2: the weights
-    of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward."""
+    of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward. The
+    Megatron-LM args it writes are those of Megatron's own save (but for its parallel layout)."""
     hf, run, tokens = glm_run
     imported = tmp_path / "imported"
     result = dcptool("import-hf", hf, imported, "--adapter", "megatron")
@@ -115,6 +138,12 @@ def test_megatron_loads_dcptools_glm_import(glm_run, tmp_path):
     assert "names: hf (glm4_moe), written as megatron" in out
     assert "left out model.layers.2.embed_tokens.weight (Megatron's prediction layers use the main" in out
     assert extra_states(imported) == extra_states(run / ITERATION)
+    written, saved = (vars(common_state(folder)["args"]) for folder in (imported, run / ITERATION))
+    both = {name for name in written.keys() & saved.keys() if not name.endswith("parallel_size")}
+    assert {"rotary_percent", "moe_layer_freq", "moe_router_score_function", "moe_router_enable_expert_bias",
+            "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "mtp_num_layers", "kv_channels",
+            "add_qkv_bias", "qk_layernorm", "num_experts", "padded_vocab_size"} <= both
+    assert {name: written[name] for name in both} == {name: saved[name] for name in both}
     loaded = megatron_load(imported, run / "model.json", tmp_path / "loaded.pt", "--tp", 1, "--ep", 2,
                            "--tokens", tokens)
     mapped = expected(hf)

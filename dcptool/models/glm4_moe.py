@@ -14,7 +14,7 @@ as a Qwen decoder's, the router's bias and the shared experts besides.
 from dataclasses import replace
 
 from dcptool.models import common
-from dcptool.models.kind import ModelKind, Row
+from dcptool.models.kind import ArgsFields, ModelKind, Row
 
 # transformers v5 reads n_routed_experts as num_local_experts.
 EXPERT_FIELDS = ("n_routed_experts", "num_local_experts")
@@ -59,4 +59,10 @@ KIND = ModelKind(
     extra_layers="num_nextn_predict_layers",
     megatron=MEGATRON,
     megatron_mtp=common.MEGATRON_RELEASED_MTP,
+    # Megatron-LM's args of a GLM-4.5 run (Megatron-Bridge's GLM-4.5 model): its routing in one group
+    args_config={"architectures": ["Glm4MoeForCausalLM"], "n_group": 1, "topk_group": 1},
+    args_fields=ArgsFields(qkv_bias="attention_bias", qk_norm="use_qk_norm", partial_rotary="partial_rotary_factor",
+                           dense_layers="first_k_dense_replace", shared_experts="n_shared_experts",
+                           routed_scaling="routed_scaling_factor", predictions="num_nextn_predict_layers",
+                           sigmoid_router=True),
 )

@@ -159,9 +159,21 @@ def build(model: dict) -> list:
                      rotary_base=model["rope_base"], vp_stage=stage) for stage in stages]
 
 
-def run_args(model: dict, checkpoint_format: str):
+# The args of a model built from an HF config (hf_config), read off its TransformerConfig: Megatron-LM's
+# core_transformer_config_from_args gives these config fields the args' names, or (the second) its own.
+CONFIG_ARGS = {name: name for name in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "add_qkv_bias", "qk_layernorm", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "mtp_num_layers",
+    "multi_latent_attention")} | {
+    "num_experts": "num_moe_experts", "norm_epsilon": "layernorm_epsilon"}
+
+
+def run_args(model: dict, checkpoint_format: str, gpt=None):
     """The ``args`` Namespace Megatron-LM keeps in a checkpoint (the fields a reader of the run looks at, with
-    Megatron's enums), as ``megatron/training/arguments.py`` names them."""
+    Megatron's enums), as ``megatron/training/arguments.py`` names them; of a model built from an HF config, those
+    its GPTModel ``gpt`` was built with (its TransformerConfig, rotary_percent and rotary_base)."""
     from argparse import Namespace
 
     import torch.distributed as dist
@@ -169,7 +181,7 @@ def run_args(model: dict, checkpoint_format: str):
     from megatron.core.transformer.enums import AttnBackend
 
     world = dist.get_world_size()
-    return Namespace(
+    args = Namespace(
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
         expert_model_parallel_size=model["ep"], expert_tensor_parallel_size=model["tp"],
         virtual_pipeline_model_parallel_size=virtual(model), context_parallel_size=1,
@@ -189,6 +201,13 @@ def run_args(model: dict, checkpoint_format: str):
         params_dtype=torch.float32, bf16=False, fp16=False, ckpt_format=checkpoint_format,
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
         iteration=ITERATION, consumed_train_samples=ITERATION * 8, transformer_impl="local")
+    if model["hf_config"] and gpt is not None:
+        built = gpt.config
+        for name, field in CONFIG_ARGS.items():
+            setattr(args, name, getattr(built, field))
+        args.group_query_attention = built.num_query_groups != built.num_attention_heads
+        args.rotary_percent, args.rotary_base = gpt.rotary_percent, gpt.rotary_base
+    return args
 
 
 def rng_state():
@@ -249,11 +268,11 @@ def gather_full(chunks: list) -> dict[str, torch.Tensor] | None:
     return dict(sorted(full.items()))
 
 
-def common_state(model: dict, checkpoint_format: str) -> dict:
+def common_state(model: dict, checkpoint_format: str, gpt=None) -> dict:
     """What Megatron-LM's ``generate_state_dict`` puts beside the model: the common state and per-rank objects."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: F401 (the scheduler's fields)
 
-    return {"args": run_args(model, checkpoint_format), "checkpoint_version": 3.0, "iteration": ITERATION,
+    return {"args": run_args(model, checkpoint_format, gpt), "checkpoint_version": 3.0, "iteration": ITERATION,
             "opt_param_scheduler": {"max_lr": 3e-4, "min_lr": 3e-5, "lr_warmup_steps": 10, "num_steps": ITERATION * 8,
                                     "lr_decay_style": "cosine", "lr_decay_steps": 1000},
             "num_floating_point_operations_so_far": 12345.0,
@@ -310,7 +329,7 @@ def cmd_save(args) -> int:
         before = logits(chunks[0], torch.load(args.tokens, weights_only=True), parallel_state)
     run = Path(args.run)
     folder = iteration_folder(run, ITERATION)
-    state = common_state(model, args.format)
+    state = common_state(model, args.format, chunks[0])
     if args.format == "torch_dist":
         state.update({chunk_key(i, chunks): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)})
         state.update(sharded_objects(model))
