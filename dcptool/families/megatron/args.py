@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from dcptool import models
 from dcptool.engine.core import TensorInfo
 from dcptool.errors import option
-from dcptool.families.megatron.layers import LAYER
+from dcptool.families.megatron.layers import LAYER, MTP_LAYER
 from dcptool.models.kind import ArgsFields, ModelKind
 from dcptool.safe_pickle.allowlist import Name
 
@@ -84,7 +84,7 @@ def _needed(fields: ArgsFields) -> dict:
     return needed
 
 
-def dense_layers(moe_layer_freq, layers: int) -> int | None:
+def _dense_layers(moe_layer_freq, layers: int) -> int | None:
     """The dense first layers of Megatron-LM's ``moe_layer_freq`` (1: none; a list [0] x k + [1] x the rest: k);
     None for any other pattern."""
     if isinstance(moe_layer_freq, int) and not isinstance(moe_layer_freq, bool):
@@ -106,7 +106,7 @@ def _config_fields(fields: ArgsFields, args: dict) -> tuple[dict, list[str]]:
     if fields.partial_rotary:
         config[fields.partial_rotary] = args["rotary_percent"]
     if fields.dense_layers:
-        dense = dense_layers(args["moe_layer_freq"], args.get("num_layers"))
+        dense = _dense_layers(args["moe_layer_freq"], args.get("num_layers"))
         if dense is None:
             differ.append("moe_layer_freq")
         else:
@@ -125,8 +125,9 @@ def _config_fields(fields: ArgsFields, args: dict) -> tuple[dict, list[str]]:
 
 
 def _stated_args(fields: ArgsFields, config: dict) -> dict | None:
-    """The args a config's ``fields`` (``ArgsFields``) state; None where one is absent or Megatron has no such
-    model (a sigmoid router that does not normalise its top k, or routes in groups)."""
+    """The args a config's ``fields`` (``ArgsFields``) state (but its prediction layers, which the tensors written
+    count); None where one is absent or Megatron has no such model (a sigmoid router that does not normalise its
+    top k, or routes in groups)."""
     args = {}
     try:
         if fields.partial_rotary:  # transformers 5 keeps it in rope_parameters, 4 at the top level
@@ -142,8 +143,6 @@ def _stated_args(fields: ArgsFields, config: dict) -> dict | None:
                 config[fields.shared_experts]) or None
         if fields.routed_scaling:
             args["moe_router_topk_scaling_factor"] = float(config[fields.routed_scaling])
-        if fields.predictions:
-            args["mtp_num_layers"] = int(config.get(fields.predictions) or 0) or None
     except (KeyError, TypeError, ValueError):
         return None
     if fields.sigmoid_router:  # Megatron normalises a sigmoid router's top k (more than one), in one group here
@@ -199,6 +198,8 @@ def run_args(kind: ModelKind, config: dict, built: dict, options: MegatronOption
         if not kind.args_fields.sigmoid_router:
             # HF's top-k of every expert's softmax, renormalised = Megatron's softmax of the top-k logits
             args["moe_router_pre_softmax"] = not config.get("norm_topk_prob", False)
+    if kind.args_fields.predictions:  # those written (the config may count some the source lacks)
+        args["mtp_num_layers"] = len({match[1] for name in built if (match := MTP_LAYER.match(name))}) or None
     args.update(stated)
     return {name: value for name, value in args.items() if value is not None}
 
