@@ -69,8 +69,9 @@ def table_score(family, names) -> int:
 
 def table_kind(family, names) -> str:
     """The model kind whose table in ``family``'s column names the most of ``names``, the one with the fewest
-    rows among equals (a dense Qwen3 fits Qwen3-MoE's table too, Llama's names Qwen2's and Qwen3's)."""
-    kinds = models.kinds()
+    rows among equals (a dense Qwen3 fits Qwen3-MoE's table too, Llama's names Qwen2's and Qwen3's); a kind that is
+    another's architecture under its own config (Kimi-K2) is told by its config only."""
+    kinds = {name: kind for name, kind in models.kinds().items() if kind.architecture_of is None}
     shapes = [_NUMBER.sub("#", name) for name in names]
     scores = {kind: sum(shape in _index(kind, family) for shape in shapes) for kind in kinds}
     return max(kinds, key=lambda kind: (scores[kind], -len(kinds[kind].rows)))

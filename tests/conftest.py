@@ -261,7 +261,7 @@ def megatron_load(checkpoint: Path, model: Path, out: Path, *options) -> dict:
     """Megatron's own ``dist_checkpointing.load`` of a torch_dist folder into the GPTModel of ``model`` (a run's
     model.json) at the layout of ``options`` (``"--tp", 2, "--ep", 2``, each 1 unless given; ``"--tokens", FILE``
     adds logits): every
-    weight, whole, by torch_dist key (and ``__logits__``)."""
+    weight, whole, by torch_dist key (and ``__logits__``, ``__mtp_logits__`` for a model with prediction layers)."""
     import torch
 
     from jobs import MEGATRON_JOBS, run_job

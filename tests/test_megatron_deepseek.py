@@ -10,19 +10,26 @@ every tensor Megatron saves); dcptool's export of the save is the transformers f
 ``from_pretrained`` gives its logits; dcptool's import (made for TP=2) is loaded by Megatron's own
 ``dist_checkpointing.load`` at TP=2 x EP=2 (the experts split over both) in one job, holding the same weights,
 with the ``_extra_state`` objects Megatron's own save has, and Megatron's forward of it gives transformers' logits
-(this also checks the mapping: MLA's rope rows, the router's bias and scaling). transformers runs no prediction
-layer, so the MTP layer is checked by names, shapes and values only. Needs megatron-core (skipped without it).
+(this also checks the mapping: MLA's rope rows, the router's bias and scaling), its prediction layer's those of
+transformers' ``MtpModel`` (the MTP layer as transformers loads it from DeepSeek's released names for speculative
+decoding). Kimi-K2 (DeepSeek-V3's architecture under a config of its own) is checked on the same save. Needs
+megatron-core (skipped without it).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from conftest import dcptool, megatron_load
 from harness.family_models import load_hf_state, read_config
-from harness.megatron_deepseek import checkpoint_weights, save_hf_with_mtp
+from harness.megatron_deepseek import (
+    checkpoint_weights,
+    main_and_mtp_logits,
+    save_hf_with_mtp,
+)
 from harness.megatron_weights import padded_vocab
 from harness.runtime import reference_dir
 
@@ -39,7 +46,7 @@ def deepseek_run(megatron_runs, tmp_path_factory):
     weights = root / "weights.pt"
     torch.save(checkpoint_weights(load_hf_state(hf), config, padded_vocab(config["vocab_size"], 1), MTP_LAYERS),
                weights)
-    options = ["--deepseek-config", hf / "config.json", "--mtp-layers", MTP_LAYERS, "--ep", 2,
+    options = ["--hf-config", hf / "config.json", "--mtp-layers", MTP_LAYERS, "--ep", 2,
                "--num-layers", config["num_hidden_layers"], "--hidden", config["hidden_size"],
                "--heads", config["num_attention_heads"], "--kv-groups", config["num_attention_heads"],
                "--experts", config["n_routed_experts"], "--vocab", config["vocab_size"], "--divisible-by", 128,
@@ -93,7 +100,8 @@ def test_export_of_megatrons_deepseek_save(deepseek_run, tmp_path):
 def test_megatron_loads_dcptools_deepseek_import(deepseek_run, tmp_path):
     """import-hf --adapter megatron of the transformers folder (prediction layer included; HF's copies of the
     embedding and head noted as left out), loaded by Megatron's dist_checkpointing.load at TP=2 x EP=2: the
-    weights of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward."""
+    weights of Megatron's own save, the same _extra_state objects, and transformers' logits from its forward, its
+    prediction layer's those of transformers' MtpModel."""
     hf, run, _ = deepseek_run
     imported = tmp_path / "imported"
     result = dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", "2")
@@ -105,8 +113,53 @@ def test_megatron_loads_dcptools_deepseek_import(deepseek_run, tmp_path):
     loaded = megatron_load(imported, run / "model.json", tmp_path / "loaded.pt", "--tp", 2, "--ep", 2,
                            "--tokens", tokens)
     mapped = expected(hf)
-    assert loaded.keys() - {"__logits__"} == mapped.keys()
+    assert loaded.keys() - {"__logits__", "__mtp_logits__"} == mapped.keys()
     for key, tensor in mapped.items():
         assert torch.equal(loaded[key], tensor), key
     vocab = read_config(hf)["vocab_size"]
-    torch.testing.assert_close(loaded["__logits__"][..., :vocab], transformers_logits(hf), rtol=1e-5, atol=1e-5)
+    main, predicted = main_and_mtp_logits(hf, TOKENS)
+    torch.testing.assert_close(loaded["__logits__"][..., :vocab], main, rtol=1e-5, atol=1e-5)
+    # the prediction layer's last position predicts a token past the input
+    torch.testing.assert_close(loaded["__mtp_logits__"][0, :, :-1, :vocab], predicted, rtol=1e-5, atol=1e-5)
+
+
+def kimi_k2(hf, folder):
+    """The DeepSeek-V3 folder under Kimi-K2's config: model_type kimi_k2, architectures DeepseekV3ForCausalLM,
+    DeepSeek-V3's fields (as the release ships it; transformers has no class of its own for it)."""
+    shutil.copytree(hf, folder)
+    config = read_config(folder) | {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def test_kimi_k2_is_deepseek_v3_under_its_own_config(deepseek_run, tmp_path):
+    """A Kimi-K2 config.json: export-hf of Megatron's DeepSeek-V3 save names the kind kimi_k2, writes the same
+    tensors bitwise and keeps the config's model_type, and DeepSeek-V3's transformers model of that config gives
+    the source's logits (transformers' own loader knows no kimi_k2: it takes the config's fields as DeepSeek-V3's);
+    import-hf --adapter megatron writes the tensors and _extra_state objects of Megatron's own save (which its
+    load takes, test_megatron_loads_dcptools_deepseek_import). Without the config, names say deepseek_v3."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    hf, run, _ = deepseek_run
+    kimi = kimi_k2(hf, tmp_path / "kimi")
+    export = tmp_path / "export"
+    result = dcptool("export-hf", run / "iter_0000100", export, "--config-dir", kimi)
+    assert "names: megatron (kimi_k2), written as hf" in result.stdout + result.stderr
+    source, exported = load_hf_state(hf), load_hf_state(export)
+    assert source.keys() == exported.keys()
+    assert all(torch.equal(source[key], exported[key]) for key in source)
+    assert read_config(export)["model_type"] == "kimi_k2"
+    fields = {key: value for key, value in read_config(export).items() if key != "model_type"}
+    model = DeepseekV3ForCausalLM.from_pretrained(export, config=DeepseekV3Config.from_dict(fields),
+                                                  attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    assert torch.equal(logits, transformers_logits(hf))
+
+    imported = tmp_path / "imported"
+    result = dcptool("import-hf", kimi, imported, "--adapter", "megatron")
+    assert "names: hf (kimi_k2), written as megatron" in result.stdout + result.stderr
+    run_state = "^(rng_state|rerun_state_machine_state|common_state)/"  # the run's, not the model's
+    assert "compared bitwise" in dcptool("verify", imported, run / "iter_0000100", "--exclude", run_state).stdout
+    assert extra_states(imported) == extra_states(run / "iter_0000100")
+    assert "names: megatron (deepseek_v3)" in dcptool("inspect", imported).stdout

@@ -217,6 +217,74 @@ def test_deepseek_v3_round_trip(tmp_path):
     assert all(torch.equal(source[k], exported[k]) for k in source)
 
 
+@pytest.mark.parametrize("qk_norm, rotary", [(True, 0.5), (False, 0.25)])
+def test_glm4_moe_round_trip(qk_norm, rotary, tmp_path):
+    """GLM-4.5 MoE (q/k/v biases, optional q/k norms, a dense first layer, the router's score bias, shared experts,
+    a prediction layer in the released names): HF -> Megatron names -> HF, per-expert and fused, bitwise; the
+    names alone say glm4_moe (without q/k norms too, where Qwen2-MoE's table names as many: its has no HF place
+    for the router's bias, which Megatron keeps only for a sigmoid router). The import's Megatron-LM args make
+    the export's config.json without --config-dir, which gives the source's logits. Megatron's own save of it:
+    tests/test_megatron_glm.py."""
+    from transformers import AutoModelForCausalLM
+
+    hf = save_hf_with_mtp(tmp_path / "hf", seed=3, kind="glm4_moe", num_nextn_predict_layers=1, use_qk_norm=qk_norm,
+                          partial_rotary_factor=rotary)
+    mcore, export, fused = tmp_path / "mcore", tmp_path / "export", tmp_path / "fused"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron", "--tp", "2")
+    keys = set(json.loads(dcptool("inspect", mcore, "--json").stdout)["tensors"])
+    assert {"decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.self_attention.linear_qkv.bias",
+            "decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+            "mtp.layers.0.eh_proj.weight", "mtp.layers.0.transformer_layer.mlp.router.expert_bias"} <= keys
+    assert ("decoder.layers.1.self_attention.q_layernorm.weight" in keys) == qk_norm
+    assert "names: megatron (glm4_moe)" in dcptool("inspect", mcore).stdout
+    result = dcptool("export-hf", mcore, export, "--config-dir", hf)
+    assert "names: megatron (glm4_moe), written as hf" in result.stdout + result.stderr
+    source = load_hf_state(hf)
+    assert load_hf_state(export).keys() == source.keys()
+    assert "compared bitwise" in dcptool("verify", export, hf).stdout
+    dcptool("export-hf", mcore, fused, "--config-dir", hf, "--hf-experts", "fused")
+    gate_up = load_hf_state(fused)["model.layers.2.mlp.experts.gate_up_proj"]  # the prediction layer's experts
+    assert torch.equal(gate_up[1], torch.cat([source["model.layers.2.mlp.experts.1.gate_proj.weight"],
+                                              source["model.layers.2.mlp.experts.1.up_proj.weight"]]))
+    refused = dcptool("import-hf", hf, tmp_path / "titan", "--adapter", "torchtitan", check=False)
+    assert refused.returncode == 2 and "glm4_moe has no torchtitan names" in refused.stderr, refused.stderr
+    from_args = tmp_path / "from-args"
+    result = dcptool("export-hf", mcore, from_args)
+    assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+    assert "compared bitwise" in dcptool("verify", from_args, hf).stdout
+    ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        source, made = (AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()(ids).logits
+                        for folder in (hf, from_args))
+    torch.testing.assert_close(made, source, rtol=1e-6, atol=1e-6)
+
+
+def test_glm4_moe_args_it_cannot_describe(tmp_path):
+    """A GLM-4.5 run's args whose model its config.json cannot state (MoE layers that are not all after the dense
+    ones, shared experts not a whole number of routed experts' size, a softmax router, routing in groups) make no
+    config.json, in a line naming them; a config Megatron has no such model for (a sigmoid router whose top k is
+    not normalised) writes no args."""
+    from dcptool.families.megatron import args as megatron_args
+
+    hf = save_hf_with_mtp(tmp_path / "hf", seed=3, kind="glm4_moe", num_nextn_predict_layers=1)
+    mcore = tmp_path / "mcore"
+    dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    written = vars(common_state(mcore)["args"])
+    made, _ = megatron_args.hf_config_from_args("glm4_moe", written)
+    assert made is not None and made["first_k_dense_replace"] == 1 and made["n_shared_experts"] == 1
+    for field, value in (("moe_layer_freq", [1, 0]), ("moe_shared_expert_intermediate_size", 48),
+                         ("moe_router_score_function", "softmax"), ("moe_router_num_groups", 2)):
+        made, line = megatron_args.hf_config_from_args("glm4_moe", {**written, field: value})
+        assert made is None and f"args {field} describe a model that config.json of glm4_moe does not" in line
+    unnormalised = tmp_path / "unnormalised"
+    config = read_config(hf) | {"norm_topk_prob": False}
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config))
+    result = dcptool("import-hf", hf, unnormalised, "--adapter", "megatron", "--config-dir", tmp_path / "config")
+    assert "no args" in result.stdout + result.stderr
+    assert "args" not in common_state(unnormalised)
+
+
 def test_qwen2_moe_round_trip(hf_models, tmp_path):
     """Qwen2-MoE (q/k/v biases, routed experts, a shared expert and its sigmoid gate): HF -> Megatron names ->
     HF, per-expert and fused; transformers' logits of the export are the source's. Archon and torchtitan have

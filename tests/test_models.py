@@ -25,6 +25,11 @@ def _variants() -> list[tuple[str, dict]]:
             found.append((f"{name}+no_qkv_bias", {**config, "qkv_bias": False}))
         if kind == "deepseek_v3":
             found.append((f"{name}+no_q_lora", {**config, "q_lora_rank": None, "first_k_dense_replace": 0}))
+            # Kimi-K2: DeepSeek-V3's fields under its own model_type (transformers builds DeepSeek-V3's model)
+            found.append(("kimi_k2", {**config, "model_type": "kimi_k2"}))
+        if kind == "glm4_moe":
+            found += [(f"{name}+no_qk_norm", {**config, "use_qk_norm": False, "attention_bias": False}),
+                      (f"{name}+no_dense_layer", {**config, "first_k_dense_replace": 0, "n_shared_experts": 2})]
     return found
 
 
@@ -32,7 +37,8 @@ def meta_weights(config: dict) -> dict[str, tuple[int, ...]]:
     """The names and shapes of every weight transformers saves for ``config``: the model built on the meta device."""
     torch, transformers = oracle("torch"), oracle("transformers")
     fields = {key: value for key, value in config.items() if key != "model_type"}
-    settings = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    architecture = models.kind_of(config).architecture_of or config["model_type"]  # no class of Kimi-K2's own
+    settings = transformers.AutoConfig.for_model(architecture, **fields)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(settings)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -51,7 +57,8 @@ def test_table_matches_the_meta_model(name, config):
 
 
 def test_every_kind_is_one_module():
-    assert sorted(models.kinds()) == ["deepseek_v3", "llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
+    assert sorted(models.kinds()) == ["deepseek_v3", "glm4_moe", "kimi_k2", "llama", "qwen2", "qwen2_moe", "qwen3",
+                                      "qwen3_moe"]
     for kind in models.kinds().values():
         assert type(kind).__module__ == "dcptool.models.kind"
         assert {"hf", "torchtitan"} <= set(kind.tp_rules), kind.name
@@ -61,13 +68,14 @@ def test_every_kind_is_one_module():
                                           if any(row.name(family) for row in models.kinds()[kind].rows)])
 def test_kind_detected_from_its_names(kind, family):
     """Without a config, a checkpoint's names tell its kind: the smallest table that names them all (in the
-    families that have the kind: Qwen2-MoE has HF names only)."""
+    families that have the kind: Qwen2-MoE and GLM-4.5 have HF names only); a kind that is another's
+    architecture (Kimi-K2) is told as that one."""
     names = []
     for row in models.kinds()[kind].rows:
         name = row.name(family)
         if name and not row.mtp and not name.endswith(("inv_freq", "freqs_cis")):
             names.append(name.replace("{L}", "1").replace("{E}", "0"))
-    assert families.kind_of(names, families.get(family), None) == kind
+    assert families.kind_of(names, families.get(family), None) == (models.kinds()[kind].architecture_of or kind)
 
 
 def test_answers_for_every_kind():

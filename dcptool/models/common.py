@@ -6,10 +6,12 @@ Row columns: Hugging Face, AReaL Archon (= torchtitan before 0.3), torchtitan 0.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Callable
 
 from dcptool.models.kind import (
     Divisor,
+    MegatronMTP,
     MegatronName,
     ModelKind,
     PlanRule,
@@ -76,6 +78,22 @@ RECOMPUTED = (
     Row("model.rotary_emb.inv_freq", None, None),
     Row(None, "freqs_cis", "freqs_cis"),
 )
+
+
+def released_mtp_rows(layer: list[Row]) -> list[Row]:
+    """A multi-token-prediction layer as DeepSeek-V3's release holds it (GLM-4.5's the same), numbered after the
+    main layers (``model.layers.{num_hidden_layers + n}``): a decoder layer of ``layer``'s rows, norms of the
+    embedding and the hidden state and their projection, the norm before the head, and copies of the embedding
+    and head (the main ones serve: left out of other families). torchtitan 0.3 names them ``mtp_layers.{L}``
+    where it names the decoder layer; Archon names none."""
+    own = (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("shared_head.norm", "mtp_norm"))
+    return [
+        *[replace(row, archon=None, torchtitan=row.torchtitan and "mtp_" + row.torchtitan, mtp=True) for row in layer],
+        *[Row(f"model.layers.{{L}}.{hf}.weight", None, f"mtp_layers.{{L}}.{titan}.weight", mtp=True)
+          for hf, titan in own],
+        Row("model.layers.{L}.embed_tokens.weight", None, None, mtp=True),
+        Row("model.layers.{L}.shared_head.head.weight", None, None, mtp=True),
+    ]
 
 
 def dense_decoder_rows(rope: bool = False, biases: bool = False, qk_norms: bool = False) -> list[Row]:
@@ -300,6 +318,18 @@ def megatron_routed_experts(expert_bias: str | None) -> list[MegatronName]:
 def megatron_decoder(biases: bool = False, qk_norms: bool = False) -> tuple[MegatronName, ...]:
     """A dense Llama-shaped decoder layer in Megatron's names."""
     return (*megatron_attention(biases, qk_norms), *megatron_mlp_norm(), *megatron_dense_mlp())
+
+
+# Megatron-Core's multi-token prediction (multi_token_prediction.py): mtp.layers.{n}.transformer_layer.X (the
+# decoder layer, named as the kind's table names it) and these of its own; it feeds [enorm(embedding);
+# hnorm(hidden)] to eh_proj, as DeepSeek-V3's and GLM-4.5's released MTP layers do. HF's layer repeats the
+# embedding and the head, which Megatron's prediction layers share with the main model.
+MEGATRON_RELEASED_MTP = MegatronMTP(
+    own=tuple(MegatronName(f"{megatron}.weight", (f"{hf}.weight",)) for megatron, hf in (
+        ("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_layernorm", "shared_head.norm"))),
+    shared=(("embed_tokens.weight", ("model.embed_tokens.weight",)),
+            ("shared_head.head.weight", ("lm_head.weight", "model.embed_tokens.weight"))),
+)
 
 
 # ---------------------------------------------------------------------------------------------

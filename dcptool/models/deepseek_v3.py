@@ -6,10 +6,8 @@ layer 61 of the 671B model) are torchtitan 0.3's ``mtp_layers`` and Megatron-Cor
 Archon names have none, and transformers ignores them.
 """
 
-from dataclasses import replace
-
 from dcptool.models import common
-from dcptool.models.kind import MegatronMTP, MegatronName, ModelKind, Row
+from dcptool.models.kind import MegatronName, ModelKind, Row
 
 # transformers v5 reads n_routed_experts as num_local_experts.
 EXPERT_FIELDS = ("n_routed_experts", "num_local_experts")
@@ -29,16 +27,9 @@ LAYER = [
         "layers.{L}.moe.expert_bias_E"),
 ]
 
-# A prediction layer is a decoder layer, plus norms of the embedding and hidden state and their
-# projection; HF also repeats the embedding and head there (the main ones serve: left out).
-MTP = [
-    *[replace(row, archon=None, torchtitan="mtp_" + row.torchtitan, mtp=True) for row in LAYER],
-    *[Row(f"model.layers.{{L}}.{hf}.weight", None, f"mtp_layers.{{L}}.{titan}.weight", mtp=True)
-      for hf, titan in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
-                        ("shared_head.norm", "mtp_norm"))],
-    Row("model.layers.{L}.embed_tokens.weight", None, None, mtp=True),
-    Row("model.layers.{L}.shared_head.head.weight", None, None, mtp=True),
-]
+# A prediction layer is a decoder layer, plus norms of the embedding and hidden state and their projection;
+# HF also repeats the embedding and head there.
+MTP = common.released_mtp_rows(LAYER)
 
 
 # Megatron-Core's MLA (multi_latent_attention.py): the same projections, rows in HF's order (its RoPE
@@ -69,16 +60,8 @@ MEGATRON = (
 )
 
 
-# Megatron-Core's multi-token prediction (multi_token_prediction.py): mtp.layers.{n}.transformer_layer.X
-# (the decoder layer, named as above) and these of its own; it feeds [enorm(embedding); hnorm(hidden)] to
-# eh_proj, as DeepSeek's released MTP module does. HF's layer repeats the embedding and the head, which
-# Megatron's prediction layers share with the main model.
-MEGATRON_MTP = MegatronMTP(
-    own=tuple(MegatronName(f"{megatron}.weight", (f"{hf}.weight",)) for megatron, hf in (
-        ("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_layernorm", "shared_head.norm"))),
-    shared=(("embed_tokens.weight", ("model.embed_tokens.weight",)),
-            ("shared_head.head.weight", ("lm_head.weight", "model.embed_tokens.weight"))),
-)
+# Megatron-Core's multi-token prediction layers: a decoder layer named as above, and its own tensors.
+MEGATRON_MTP = common.MEGATRON_RELEASED_MTP
 
 
 def hf_weights(config: dict, fused: bool) -> dict:

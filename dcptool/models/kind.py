@@ -85,6 +85,28 @@ class MegatronMTP:
 
 
 @dataclass(frozen=True)
+class ArgsFields:
+    """The fields of a kind's HF config that Megatron-LM's ``args`` state beyond those of a SwiGLU decoder with
+    RMSNorm, RoPE on whole heads and experts routed by softmax (``ModelKind.args_fields``): each the config field
+    that is an args field, None where the kind has no such thing. ``qkv_bias``: ``add_qkv_bias``; ``qk_norm``:
+    ``qk_layernorm``; ``partial_rotary``: ``rotary_percent``; ``dense_layers``: the dense first layers of
+    ``moe_layer_freq`` ([0] x k + [1] x the rest); ``shared_experts``: ``moe_shared_expert_intermediate_size`` in
+    experts of ``moe_intermediate_size`` (no gate); ``routed_scaling``: ``moe_router_topk_scaling_factor``;
+    ``predictions``: ``mtp_num_layers``. ``sigmoid_router``: the router scores by sigmoid with an expert bias
+    (``moe_router_score_function``, ``moe_router_enable_expert_bias``) and normalises its top k (HF's
+    ``norm_topk_prob``), in one group."""
+
+    qkv_bias: str | None = None
+    qk_norm: str | None = None
+    partial_rotary: str | None = None
+    dense_layers: str | None = None
+    shared_experts: str | None = None
+    routed_scaling: str | None = None
+    predictions: str | None = None
+    sigmoid_router: bool = False
+
+
+@dataclass(frozen=True)
 class Tie:
     """An output weight that is the embedding when the config's ``flag`` is set (HF then saves no output weight)."""
 
@@ -118,7 +140,10 @@ class ModelKind:
     Megatron table); ``megatron_mtp``: its prediction layers' in Megatron-Core's (none: not mapped).
     ``args_config``: the fields of its HF config.json that Megatron-LM's ``args`` do not say (its class,
     biases it never has), for a kind whose whole model ``args`` describe (a SwiGLU decoder with RMSNorm and
-    RoPE, experts routed by softmax); None: args and config.json are not made from each other.
+    RoPE, experts routed by softmax, or more as ``args_fields`` say); None: args and config.json are not made from
+    each other. ``args_fields``: the config fields args state beyond those (``ArgsFields``).
+    ``architecture_of``: the kind whose architecture, and so every table, this one is, under a config of its own
+    (Kimi-K2: DeepSeek-V3's); names alone tell that kind, and only a config names this one.
     """
 
     name: str
@@ -133,6 +158,8 @@ class ModelKind:
     megatron: tuple[MegatronName, ...] = ()
     megatron_mtp: MegatronMTP | None = None
     args_config: dict | None = None
+    args_fields: ArgsFields = ArgsFields()
+    architecture_of: str | None = None
 
     def expert_count(self, config: dict) -> int | None:
         """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""

@@ -62,6 +62,12 @@ HF_ONLY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("qwen2_moe", {**_DENSE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1,
                                 "mlp_only_layers": []}),
+    # GLM-4.5's shape: head_dim apart from hidden / heads, RoPE on half of each head, q/k/v biases, q/k norms, a
+    # dense first layer, then routed experts (a sigmoid router with its score bias, scaled) beside a shared one
+    "glm4_moe": ("glm4_moe", {**_DENSE, "head_dim": 32, "attention_bias": True, "use_qk_norm": True,
+                              "partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                              "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1}),
 }
 
 # ---------------------------------------------------------------------------

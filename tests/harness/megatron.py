@@ -16,14 +16,16 @@ common state: ``args`` Namespace, ``iteration``, ``checkpoint_version`` ...; or,
 legacy per-rank ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``), ``RUN/latest_checkpointed_iteration.txt``,
 ``RUN/model.json`` (the model's options), and beside the run ``RUN.reference/full.pt`` (every weight, whole, by
 its torch_dist key: stacked ``decoder.layers.X`` of ``[L, ...]``; outside the run, which lists only iterations). ``--weights FILE`` loads such a file of whole
-weights into the model before saving (the model's own random init otherwise).
+weights into the model before saving (the model's own random init otherwise); ``--tokens FILE`` (pipeline size 1)
+writes the logits of the model's forward before saving to ``RUN.reference/logits.pt`` (``logits``' dict: with the
+prediction layers' too, for a model that has them).
 
 ``--vpp N`` gives each pipeline stage N model chunks (``model0``, ``model1`` ... in the state dict, as Megatron-LM
 keeps virtual pipeline stages). ``load CKPT`` builds the model of ``--model`` (model.json; ``--tp/--pp/--ep/--vpp``
 override its layout), loads CKPT
 with ``dist_checkpointing.load`` and writes every weight, whole, to ``--out`` (torch.save, by torch_dist key);
 ``--tokens FILE`` (a torch.save of int64 ``[batch, seq]``, pipeline size 1 only) adds the logits of a forward
-pass as ``__logits__``.
+pass as ``__logits__`` (and the prediction layers' as ``__mtp_logits__``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ MODEL_DEFAULTS = {
     "tp": 1, "pp": 1, "ep": 1, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
     "experts": 0, "moe_ffn": 32, "topk": 2, "grouped_gemm": False, "qk_layernorm": False, "qkv_bias": False,
     "vocab": 100, "divisible_by": 16, "padded_vocab": 0, "tied": False, "seq_len": 64, "rope_base": 10000.0,
-    "eps": 1e-6, "deepseek_config": "", "mtp_layers": 0, "pre_softmax": False, "shared_ffn": 0, "shared_gate": False,
+    "eps": 1e-6, "kv_channels": 0, "hf_config": "", "mtp_layers": 0, "pre_softmax": False, "shared_ffn": 0, "shared_gate": False,
 }
 ITERATION = 100
 
@@ -108,17 +110,19 @@ def chunk_key(number: int, chunks: list) -> str:
 
 def build(model: dict) -> list:
     """The GPTModel chunks of ``model`` on this rank (one per virtual stage of its pipeline stage), float32,
-    initialized from a fixed seed. ``deepseek_config`` (an HF DeepSeek-V3 config.json): that model
-    (harness.megatron_deepseek: latent attention, MoE, ``mtp_layers`` prediction layers) instead."""
+    initialized from a fixed seed. ``hf_config`` (an HF config.json of DeepSeek-V3 or GLM-4.5 MoE): that model
+    (harness.megatron_deepseek: latent attention, MoE; harness.megatron_glm: partial RoPE, q/k/v biases, MoE;
+    both with ``mtp_layers`` prediction layers) instead."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
 
-    if model["deepseek_config"]:
-        from harness.megatron_deepseek import gpt_model
+    if model["hf_config"]:
+        from harness import megatron_deepseek, megatron_glm
 
+        config = json.loads(Path(model["hf_config"]).read_text())
+        gpt_model = {"deepseek_v3": megatron_deepseek, "glm4_moe": megatron_glm}[config["model_type"]].gpt_model
         torch.manual_seed(1234 + parallel_state.get_pipeline_model_parallel_rank())
-        return [gpt_model(json.loads(Path(model["deepseek_config"]).read_text()), padded_vocab(model),
-                          model["mtp_layers"], tensor_model_parallel_size=model["tp"],
+        return [gpt_model(config, padded_vocab(model), model["mtp_layers"], tensor_model_parallel_size=model["tp"],
                           pipeline_model_parallel_size=model["pp"], expert_model_parallel_size=model["ep"])]
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -127,7 +131,8 @@ def build(model: dict) -> list:
     moe = model["experts"] > 0
     config = TransformerConfig(
         num_layers=model["num_layers"], hidden_size=model["hidden"], num_attention_heads=model["heads"],
-        num_query_groups=model["kv_groups"], ffn_hidden_size=model["ffn"], use_cpu_initialization=True,
+        num_query_groups=model["kv_groups"], kv_channels=model["kv_channels"] or None, ffn_hidden_size=model["ffn"],
+        use_cpu_initialization=True,
         normalization="RMSNorm", layernorm_epsilon=model["eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=model["qkv_bias"], qk_layernorm=model["qk_layernorm"],
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
@@ -154,9 +159,21 @@ def build(model: dict) -> list:
                      rotary_base=model["rope_base"], vp_stage=stage) for stage in stages]
 
 
-def run_args(model: dict, checkpoint_format: str):
+# The args of a model built from an HF config (hf_config), read off its TransformerConfig: Megatron-LM's
+# core_transformer_config_from_args gives these config fields the args' names, or (the second) its own.
+CONFIG_ARGS = {name: name for name in (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "add_qkv_bias", "qk_layernorm", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq", "mtp_num_layers",
+    "multi_latent_attention")} | {
+    "num_experts": "num_moe_experts", "norm_epsilon": "layernorm_epsilon"}
+
+
+def run_args(model: dict, checkpoint_format: str, gpt=None):
     """The ``args`` Namespace Megatron-LM keeps in a checkpoint (the fields a reader of the run looks at, with
-    Megatron's enums), as ``megatron/training/arguments.py`` names them."""
+    Megatron's enums), as ``megatron/training/arguments.py`` names them; of a model built from an HF config, those
+    its GPTModel ``gpt`` was built with (its TransformerConfig, rotary_percent and rotary_base)."""
     from argparse import Namespace
 
     import torch.distributed as dist
@@ -164,14 +181,14 @@ def run_args(model: dict, checkpoint_format: str):
     from megatron.core.transformer.enums import AttnBackend
 
     world = dist.get_world_size()
-    return Namespace(
+    args = Namespace(
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
         expert_model_parallel_size=model["ep"], expert_tensor_parallel_size=model["tp"],
         virtual_pipeline_model_parallel_size=virtual(model), context_parallel_size=1,
         data_parallel_size=world // (model["tp"] * model["pp"]), world_size=world,
         num_layers=model["num_layers"], hidden_size=model["hidden"], ffn_hidden_size=model["ffn"],
         num_attention_heads=model["heads"], group_query_attention=model["kv_groups"] != model["heads"],
-        num_query_groups=model["kv_groups"], kv_channels=model["hidden"] // model["heads"],
+        num_query_groups=model["kv_groups"], kv_channels=model["kv_channels"] or model["hidden"] // model["heads"],
         num_experts=model["experts"] or None, moe_ffn_hidden_size=model["moe_ffn"] if model["experts"] else None,
         moe_router_topk=model["topk"], moe_router_pre_softmax=model["pre_softmax"], moe_grouped_gemm=model["grouped_gemm"],
         moe_shared_expert_intermediate_size=model["shared_ffn"] or None, moe_shared_expert_gate=model["shared_gate"],
@@ -184,6 +201,13 @@ def run_args(model: dict, checkpoint_format: str):
         params_dtype=torch.float32, bf16=False, fp16=False, ckpt_format=checkpoint_format,
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto,
         iteration=ITERATION, consumed_train_samples=ITERATION * 8, transformer_impl="local")
+    if model["hf_config"] and gpt is not None:
+        built = gpt.config
+        for name, field in CONFIG_ARGS.items():
+            setattr(args, name, getattr(built, field))
+        args.group_query_attention = built.num_query_groups != built.num_attention_heads
+        args.rotary_percent, args.rotary_base = gpt.rotary_percent, gpt.rotary_base
+    return args
 
 
 def rng_state():
@@ -244,11 +268,11 @@ def gather_full(chunks: list) -> dict[str, torch.Tensor] | None:
     return dict(sorted(full.items()))
 
 
-def common_state(model: dict, checkpoint_format: str) -> dict:
+def common_state(model: dict, checkpoint_format: str, gpt=None) -> dict:
     """What Megatron-LM's ``generate_state_dict`` puts beside the model: the common state and per-rank objects."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: F401 (the scheduler's fields)
 
-    return {"args": run_args(model, checkpoint_format), "checkpoint_version": 3.0, "iteration": ITERATION,
+    return {"args": run_args(model, checkpoint_format, gpt), "checkpoint_version": 3.0, "iteration": ITERATION,
             "opt_param_scheduler": {"max_lr": 3e-4, "min_lr": 3e-5, "lr_warmup_steps": 10, "num_steps": ITERATION * 8,
                                     "lr_decay_style": "cosine", "lr_decay_steps": 1000},
             "num_floating_point_operations_so_far": 12345.0,
@@ -301,9 +325,11 @@ def cmd_save(args) -> int:
     chunks = build(model)
     if args.weights:
         fill(chunks, torch.load(args.weights, weights_only=True))
+    if args.tokens:  # the model's forward before it is saved: every rank runs it, rank 0 keeps the logits
+        before = logits(chunks[0], torch.load(args.tokens, weights_only=True), parallel_state)
     run = Path(args.run)
     folder = iteration_folder(run, ITERATION)
-    state = common_state(model, args.format)
+    state = common_state(model, args.format, chunks[0])
     if args.format == "torch_dist":
         state.update({chunk_key(i, chunks): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)})
         state.update(sharded_objects(model))
@@ -329,6 +355,8 @@ def cmd_save(args) -> int:
         (run / "model.json").write_text(json.dumps(model, indent=1))
         reference_dir(run).mkdir(exist_ok=True)
         torch.save(full, reference_dir(run) / "full.pt")
+        if args.tokens:
+            torch.save(before, reference_dir(run) / "logits.pt")
     return 0
 
 
@@ -348,15 +376,17 @@ def cmd_load(args) -> int:
     if args.tokens:  # every rank runs the forward; rank 0 keeps the logits
         out = logits(chunks[0], torch.load(args.tokens, weights_only=True), parallel_state)
     if dist.get_rank() == 0:
-        torch.save({**full, "__logits__": out} if args.tokens else full, args.out)
+        torch.save({**full, **out} if args.tokens else full, args.out)
     return 0
 
 
-def logits(gpt, tokens: torch.Tensor, parallel_state) -> torch.Tensor:
-    """The model's logits ``[batch, seq, vocab]`` for ``tokens`` (pipeline size 1): causal, no padding."""
+def logits(gpt, tokens: torch.Tensor, parallel_state) -> dict[str, torch.Tensor]:
+    """The model's logits ``[batch, seq, vocab]`` for ``tokens`` (pipeline size 1; causal, no padding) as
+    ``__logits__``; a model with prediction layers adds theirs as ``__mtp_logits__`` ``[layers, batch, seq, vocab]``
+    (the first's position i predicts token i + 2 from token i + 1 and the main model's hidden state i; past the
+    input, Megatron fills the tokens with 0)."""
     import contextlib
 
-    import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1, "--tokens needs a pipeline size of 1"
@@ -366,11 +396,25 @@ def logits(gpt, tokens: torch.Tensor, parallel_state) -> torch.Tensor:
     batch, seq = tokens.shape
     positions = torch.arange(seq).expand(batch, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    predictions = []  # the prediction layers' hidden states [seq, batch, hidden], after the main ones
+    if getattr(gpt, "mtp", None) is not None:
+        gpt.mtp.register_forward_hook(lambda module, inputs, output: predictions.append(output))
     with torch.no_grad():
-        out = gpt(tokens, positions, mask)  # [batch, seq, vocab / tp]
+        out = {"__logits__": tp_gathered(gpt(tokens, positions, mask), parallel_state)}  # [batch, seq, vocab / tp]
+        if predictions:
+            out["__mtp_logits__"] = torch.stack([
+                tp_gathered(gpt.output_layer(hidden)[0].transpose(0, 1), parallel_state)
+                for hidden in torch.chunk(predictions[0], 1 + gpt.config.mtp_num_layers)[1:]])
+    return out
+
+
+def tp_gathered(out: torch.Tensor, parallel_state) -> torch.Tensor:
+    """Logits ``[..., vocab / tp]`` of every tensor-parallel rank joined: ``[..., vocab]``."""
+    import torch.distributed as dist
+
     group = parallel_state.get_tensor_model_parallel_group()
     parts = [torch.empty_like(out) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, out.contiguous(), group=group)
+    dist.all_gather(parts, out.detach().contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -388,6 +432,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--format", choices=("torch_dist", "torch"), default="torch_dist")
     p.add_argument("--optimizer", action="store_true", help="save the optimizer in fully_reshardable form")
     p.add_argument("--weights", help="torch.save of whole weights by torch_dist key, loaded before saving")
+    p.add_argument("--tokens", help="torch.save of int64 tokens [batch, seq]: their logits before saving, in "
+                                    "RUN.reference/logits.pt")
     p.set_defaults(func=cmd_save)
     p = sub.add_parser("load", help="dist_checkpointing.load a torch_dist folder and write its whole weights")
     p.add_argument("ckpt")

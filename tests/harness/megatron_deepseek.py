@@ -33,8 +33,10 @@ model, in DeepSeek's released names (``model.layers.{L+n}.*``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -186,17 +188,39 @@ def mtp_hf_weights(hf: dict[str, torch.Tensor], config: dict, seed: int) -> dict
     return out
 
 
-def save_hf_with_mtp(folder: Path, seed: int, **overrides) -> Path:
-    """harness.family_models' tiny DeepSeek-V3 (``save_hf``), its safetensors file given the prediction
-    layers of ``num_nextn_predict_layers`` (transformers builds none)."""
+def save_hf_with_mtp(folder: Path, seed: int, kind: str = "deepseek_v3", **overrides) -> Path:
+    """harness.family_models' tiny DeepSeek-V3 (``save_hf``; or ``kind``, GLM-4.5's release lays its prediction
+    layers out the same), its safetensors file given the prediction layers of ``num_nextn_predict_layers``
+    (transformers builds none)."""
     from safetensors.torch import save_file
 
     from harness.family_models import load_hf_state, read_config, save_hf
 
-    save_hf("deepseek_v3", folder, seed=seed, **overrides)
+    save_hf(kind, folder, seed=seed, **overrides)
     state = load_hf_state(folder)
     state.update(mtp_hf_weights(state, read_config(folder), seed + 1))
     for file in folder.glob("*.safetensors"):
         file.unlink()
     save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+def main_and_mtp_logits(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits of an HF folder's main model and of its first prediction layer for ``tokens``:
+    ``MtpModel``, which reads the layer after the main ones in DeepSeek-V3's (and GLM-4.5's) released names for
+    speculative decoding. It finds that layer by the released models' layer numbers (61; 46, 92), so it is told
+    the tiny model's. Position i of the prediction predicts token i + 2 from token i + 1 and the main model's last
+    hidden state i (Megatron's convention too)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    layer = model.config.num_hidden_layers
+    with mock.patch.object(MtpModel, "get_mtp_weights_regex", staticmethod(
+            lambda main: re.compile(rf"^model\.layers\.{layer}\."))):
+        mtp = MtpModel.from_pretrained(model).eval()
+    positions = torch.arange(1, tokens.shape[1]).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state[:, :-1]
+        predicted = mtp._project_to_logits(mtp.forward_layer(0, hidden, positions, None, input_ids=tokens[:, 1:]))
+        return model(tokens).logits, predicted

@@ -67,12 +67,22 @@ def is_megatron(names) -> bool:
 
 
 def kind_of(names) -> str | None:
-    """The model kind whose Megatron table names the most of ``names``, the smallest table among equals
-    (a dense Qwen3 fits Qwen3-MoE's too); None when no table names any decoder tensor."""
+    """The model kind whose Megatron table names the most of ``names``; among equals, one that has an HF place for
+    each of them, then the smallest table (a dense Qwen3 fits Qwen3-MoE's too); None when no table names any
+    decoder tensor. (The router's expert bias, which Megatron keeps only for a sigmoid router, is HF's for
+    GLM-4.5 and DeepSeek-V3, and nothing for the softmax-routed Qwen MoEs.) A kind that is another's
+    architecture under its own config (Kimi-K2) is told by its config only."""
     suffixes = {match[2] for name in names if (match := LAYER.match(name))}
-    tables = {name: {m.megatron for m in kind.megatron} for name, kind in models.kinds().items() if kind.megatron}
-    best = max(tables, key=lambda name: (len(suffixes & tables[name]), suffixes <= tables[name], -len(tables[name])))
-    return best if suffixes & tables[best] else None
+    tables = {name: {m.megatron: m.hf for m in kind.megatron} for name, kind in models.kinds().items()
+              if kind.megatron and kind.architecture_of is None}
+
+    def fit(name: str) -> tuple:
+        table = tables[name]
+        named = suffixes & table.keys()
+        return len(named), suffixes <= table.keys(), all(table[s] for s in named), -len(table)
+
+    best = max(tables, key=fit)
+    return best if suffixes & tables[best].keys() else None
 
 
 def unknown_kind(names) -> UsageError:
