@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,13 @@ def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: boo
     return result
 
 
+# The files of a model folder that make weights usable by transformers (the model's config, its generation config
+# and tokenizer): what export-hf writes beside the weights, and what every output keeps for later commands.
+CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "chat_template.jinja", "chat_template.json", "preprocessor_config.json"]
+
+
 def read_config(config_dir: str | Path) -> dict:
     """The ``config.json`` of a model folder (a path or a URL); a missing or broken file is a usage error naming it."""
     files = CheckpointFiles(config_dir)
@@ -129,3 +137,50 @@ def config_beside(root: str | Path) -> Path | None:
     folder = Path(root) if Path(root).is_dir() else Path(root).parent
     return next((place for place in (folder, folder / "huggingface", folder.parent, folder.parent / "huggingface")
                  if (place / "config.json").is_file()), None)
+
+
+@dataclass
+class ModelConfig:
+    """The model's config that an output keeps: ``folder``'s config.json, generation config and tokenizer files
+    (``CONFIG_FILES``), with ``config`` written as config.json instead of the folder's where given (fields the
+    command changed; one made from a training run's args, ``folder`` None, said by ``made_from``).
+
+    >>> ModelConfig(None, {"model_type": "llama"}, made_from="the run's args").files()
+    {'config.json': 29}
+    """
+
+    folder: str | Path | None
+    config: dict | None = None
+    made_from: str = ""
+
+    def files(self) -> dict[str, int]:
+        """The files written, with their sizes in bytes."""
+        found = {"config.json": len(self._config_bytes())} if self.config is not None else {}
+        if self.folder is not None:
+            files = CheckpointFiles(self.folder)
+            try:
+                found |= {name: files.size(name) for name in CONFIG_FILES if name not in found and files.is_file(name)}
+            finally:
+                files.close()
+        return dict(sorted(found.items(), key=lambda item: CONFIG_FILES.index(item[0])))
+
+    def write(self, folder: Path) -> None:
+        """Write the files into ``folder`` (made if missing)."""
+        folder.mkdir(exist_ok=True)
+        files = CheckpointFiles(self.folder) if self.folder is not None else None
+        try:
+            for name in self.files():
+                made = name == "config.json" and self.config is not None
+                (folder / name).write_bytes(self._config_bytes() if made else files.read_all(name))
+        finally:
+            if files is not None:
+                files.close()
+
+    def describe(self) -> str:
+        """Where it comes from, for a note: the config folder's config.json, or what made it."""
+        if self.folder is None:
+            return f"made from {self.made_from}"
+        return str(CheckpointFiles(self.folder).path("config.json"))
+
+    def _config_bytes(self) -> bytes:
+        return (json.dumps(self.config, indent=2) + "\n").encode()

@@ -276,7 +276,7 @@ def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(s
     run_cli("convert", soup, renamed, "--to", "dcp", "--adapter", "archon", "--config-dir", config)
     stored = formats.open_checkpoint(renamed)
     planned = averaging.plan_average([formats.open_checkpoint(step1), formats.open_checkpoint(step2)], None)
-    computed, _ = conversion.adapted(planned.conversion.checkpoint, "archon", config_dir=config)
+    computed, _, _ = conversion.adapted(planned.conversion.checkpoint, "archon", config_dir=config)
     weights = [k for k, t in computed.tensors.items() if t.transform is not None]
     assert any("wq" in k for k in weights) and len(weights) == planned.averaged
     for key in weights:

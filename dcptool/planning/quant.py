@@ -113,9 +113,3 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
         notes.append(f"kept {len(left)} float8 tensors that have no {SCALE_SUFFIX} scale as they are: {left[0]}, ...")
     info = checkpoint.info | {"dequantized": True}
     return dataclasses.replace(checkpoint, tensors=tensors, info=info), notes
-
-
-def drop_quantization_config(config: dict | None) -> dict | None:
-    """The config.json of a dequantized export: without ``quantization_config``, which would make
-    transformers quantize the weights again."""
-    return None if config is None else {k: v for k, v in config.items() if k != "quantization_config"}
