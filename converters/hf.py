@@ -18,7 +18,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from dcptool import dtypes
 from dcptool.engine.core import Checkpoint, Chunk, Piece, TensorInfo
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
-                            shape_problem, utf8_problem, option)
+                            shape_problem, utf8_problem)
 from dcptool.format_interface import Format, FormatOptions
 from dcptool.sizes import parse_size
 from dcptool.storage import CheckpointFiles, OutputFiles

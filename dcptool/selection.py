@@ -146,7 +146,7 @@ class ModelConfig:
     command changed; one made from a training run's args, ``folder`` None, said by ``made_from``).
 
     >>> ModelConfig(None, {"model_type": "llama"}, made_from="the run's args").files()
-    {'config.json': 29}
+    {'config.json': 28}
     """
 
     folder: str | Path | None
