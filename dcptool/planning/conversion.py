@@ -213,15 +213,17 @@ def kept_config(checkpoint: Checkpoint, config_dir: str | Path | None = None, ma
     """The model's config an output of ``checkpoint`` keeps (``Conversion.keep_config``): the one the command
     used, ``config_dir``'s, else the one the checkpoint comes with (``selection.config_folder``), else ``made``
     (from its training run's args), with what the command changes said in it: ``dtype`` (a cast), no
-    ``quantization_config`` once float8 weights are dequantized. None where there is none."""
+    ``quantization_config`` once float8 weights are dequantized; and a peft model's ``adapter_config.json``
+    (``lora.config_file``). None where there is none."""
     folder = config_dir or config_folder(checkpoint)
     if folder is None and made is None:
         return None
     config = read_config(folder) if folder is not None else made
     changed = _as_dequantized(config, checkpoint) | ({"dtype": dtype, "torch_dtype": dtype} if dtype else {})
+    adapter = lora_weights.config_file(checkpoint) if lora_weights.is_peft(model_part(checkpoint)) else None
     if folder is None:
-        return ModelConfig(None, changed, made_from="what the checkpoint says of its training run")
-    return ModelConfig(folder, changed if changed != config else None)
+        return ModelConfig(None, changed, made_from="what the checkpoint says of its training run", adapter=adapter)
+    return ModelConfig(folder, changed if changed != config else None, adapter=adapter)
 
 
 def _as_dequantized(config: dict, checkpoint: Checkpoint) -> dict:
