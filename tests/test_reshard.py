@@ -232,6 +232,8 @@ def test_the_config_travels_with_the_output(loads, checkpoints, tmp_path):
     mesh loads the result (its dcp.load reads a folder holding config.json); tp 8 is refused by those counts,
     named in the kept file; without the file, tp 4 is refused. convert keeps it too, where each format keeps it,
     and no format's detection is misled by it."""
+    import torch.distributed.checkpoint as dcp
+
     loaded = loads["config-travels"].checked()
     _, reference = checkpoints("wide_dp2_tp2")
     tp2 = loaded.out.parent / "tp2"
@@ -258,6 +260,10 @@ def test_the_config_travels_with_the_output(loads, checkpoints, tmp_path):
         else:  # one file: nothing beside it, and a line saying so
             assert sorted(p.name for p in tmp_path.glob("state*")) == ["state.pt"]
             assert "a torch output is one file; give it to later commands with --config-dir" in result.stderr
+    full = load_reference(reference)  # torch's HF-storage reader loads a folder holding the config
+    model = {key: torch.empty_like(value) for key, value in full.items() if key.startswith("model.")}
+    dcp.load(model, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path / "hf-dcp")), no_dist=True)
+    assert all(torch.equal(model[key], full[key]) for key in model)
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
