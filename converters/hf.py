@@ -19,7 +19,7 @@ from dcptool import dtypes
 from dcptool.engine.chunks import Chunk
 from dcptool.engine.core import Checkpoint, Piece, TensorInfo
 from dcptool.errors import (SIZE_LIMIT, CheckpointError, UsageError, file_name_problem, json_kind, parse_json, printable,
-                            shape_problem, utf8_problem, option)
+                            shape_problem, utf8_problem)
 from dcptool.format_interface import Format, FormatOptions
 from dcptool.sizes import parse_size
 from dcptool.storage import CheckpointFiles, OutputFiles
@@ -30,10 +30,6 @@ ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json
 MAX_HEADER = 100 * 2**20  # safetensors itself refuses larger headers
 MAX_SHARD_SIZE = "5GB"  # the largest safetensors file by default: the hub's
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # the __metadata__ entry of torch's HF-storage DCP files
-# Files that make an export usable by transformers, copied from --config-dir.
-CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                "chat_template.jinja", "chat_template.json", "preprocessor_config.json"]
 
 
 def detect(files: CheckpointFiles) -> bool:
@@ -68,10 +64,7 @@ def read(files: CheckpointFiles) -> Checkpoint:
                 raise CheckpointError(f"{files.path(name)}: tensor {printable(key)} is also in "
                                       f"{tensors[key].chunks[0].file}{chunks}")
             tensors[key] = tensor
-    info = {"files": len(names)}
-    if files.is_file("config.json"):  # a model folder: its config is checked by reshard and copied by export-hf
-        info["hf_config_dir"] = files.root
-    checkpoint = Checkpoint(NAME, files.location, files, tensors, {}, info)
+    checkpoint = Checkpoint(NAME, files.location, files, tensors, {}, {"files": len(names)})
     checkpoint.validate()
     return checkpoint
 
@@ -225,11 +218,9 @@ class SafetensorsFiles:
 class Writer(SafetensorsFiles):
     """Writes safetensors shards of at most ``max_shard_size`` (the hub's split: greedy, in key order)."""
 
-    def __init__(self, folder: Path, max_shard_size: int | str = MAX_SHARD_SIZE, config_dir: str | Path | None = None,
-                 config: dict | None = None, adapter_config: dict | None = None):
-        self.folder, self.config_dir = folder, config_dir
+    def __init__(self, folder: Path, max_shard_size: int | str = MAX_SHARD_SIZE, adapter_config: dict | None = None):
+        self.folder = folder
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")  # the hub's split gets bytes
-        self.config = config  # config.json as written (export-hf sets its dtype); None: copied as it is, if any
         # A PEFT adapter folder instead (export-hf --lora adapter): one adapter_model.safetensors, and this as
         # adapter_config.json (peft loads no shards).
         self.adapter_config = adapter_config
@@ -248,7 +239,8 @@ class Writer(SafetensorsFiles):
         return self.lay_out({name: [_whole(by_key[k]) for k in keys] for name, keys in split.filename_to_tensors.items()})
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
-        """Write the index (when sharded) and copy the config; returns the objects safetensors cannot hold."""
+        """Write the index (when sharded); returns the objects safetensors cannot hold. (The model's config is
+        written beside the weights as every output keeps it: ``Format.config_home``.)"""
         if self.adapter_config is not None:
             (self.folder / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=2) + "\n")
             return [o.key for o in objects]
@@ -256,26 +248,7 @@ class Writer(SafetensorsFiles):
             weight_map = dict(sorted((piece.tensor.key, name) for piece, (name, _) in self._place.items()))
             index = {"metadata": {"total_size": sum(self.files().values())}, "weight_map": weight_map}
             (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        if self.config_dir:
-            copy_config(self.config_dir, self.folder, self.config)
-        elif self.config is not None:  # made without a config folder (from a Megatron-LM run's args)
-            (self.folder / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
         return [o.key for o in objects]
-
-
-def copy_config(config_dir: str | Path, folder: Path, config: dict | None = None) -> list[str]:
-    """Copy the model config, generation config and tokenizer files that sit in ``config_dir`` (a path or a URL);
-    ``config``, when given, is written as config.json instead of the folder's."""
-    files = CheckpointFiles(config_dir)
-    if not files.is_file("config.json"):
-        raise UsageError(f"{config_dir}: no config.json ({option('config_dir')} must hold the model's Hugging Face config)")
-    copied = [name for name in CONFIG_FILES if files.is_file(name)]
-    for name in copied:
-        if name == "config.json" and config is not None:
-            (folder / name).write_text(json.dumps(config, indent=2) + "\n")
-        else:
-            (folder / name).write_bytes(files.read_all(name))
-    return copied
 
 
 def _whole(tensor):

@@ -139,6 +139,7 @@ class TorchSave(Format):
     name = NAME
     title = "torch.save"
     writes_folder = False
+    config_home = None  # one file: the config cannot travel inside it
 
     detect = staticmethod(detect)
     read = staticmethod(read)

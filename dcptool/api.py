@@ -294,10 +294,6 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
                                         include=selection.include, exclude=selection.exclude, family=family,
                                         family_options=family_options, format_options=format_options,
                                         lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None)
-    if reading.dequantize:  # a quantization_config left in would make transformers quantize the weights again
-        from dcptool.planning import quant
-
-        planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))
     planned.notes += notes
     report = _run(planned, destination, reading, writing)
     if push is not None and not writing.dry_run:

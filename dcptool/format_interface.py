@@ -117,6 +117,9 @@ class Format(ABC):
     title: ClassVar[str]  # what it is, in a few words (``dcptool --help`` lists every format's)
     writes_folder: ClassVar[bool] = True  # its output is a folder, else one file
     completes: ClassVar[tuple[str, ...]] = ()  # files uploaded last: without them the output is no checkpoint
+    # Where its outputs keep the model's config (config.json, generation config, tokenizer files) for later commands:
+    # a folder inside the output, "" for the output folder itself; None where the output is one file.
+    config_home: ClassVar[str | None] = ""
     # Formats whose folders this one's are a kind of (a Megatron torch_dist folder is a DCP folder): when both
     # recognize a checkpoint, this one reads it.
     refines: ClassVar[tuple[str, ...]] = ()

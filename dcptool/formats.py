@@ -130,7 +130,12 @@ def open_checkpoint(path: str | Path, format: str | None = None) -> Checkpoint:
     """
     files = _files_at(path)
     files.verify_records = _VERIFY_RECORDS.get()
-    return get(format or _format_of(files)).read(files)
+    checkpoint = get(format or _format_of(files)).read(files)
+    if "hf_config_dir" not in checkpoint.info and files.is_file(CONFIG):
+        # The model's config in the checkpoint's own folder (where a model folder keeps it, and every output of
+        # dcptool's but a single file: Format.config_home): what later commands use without --config-dir.
+        checkpoint.info["hf_config_dir"] = files.root
+    return checkpoint
 
 
 _VERIFY_RECORDS: contextvars.ContextVar[bool] = contextvars.ContextVar("dcptool_verify_records", default=True)
@@ -164,6 +169,7 @@ _RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt$
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _NUMBER = re.compile(r"\d+")
 SHOWN_INSIDE = 5  # checkpoints named when a folder of checkpoints is given
+CONFIG = "config.json"  # a model's Hugging Face config
 
 
 def wrong_path(path: str | Path, files: CheckpointFiles, unrecognized: bool = False) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,14 @@ def out_tensors(named: dict[str, TensorInfo], dtype: str | None, keep_paths: boo
     return result
 
 
+# The files of a model folder that make weights usable by transformers (the model's config, its generation config
+# and tokenizer): what export-hf writes beside the weights, and what every output keeps for later commands.
+CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "chat_template.jinja", "chat_template.json", "preprocessor_config.json"]
+ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter's settings (lora_alpha, target modules)
+
+
 def read_config(config_dir: str | Path) -> dict:
     """The ``config.json`` of a model folder (a path or a URL); a missing or broken file is a usage error naming it."""
     files = CheckpointFiles(config_dir)
@@ -129,3 +138,60 @@ def config_beside(root: str | Path) -> Path | None:
     folder = Path(root) if Path(root).is_dir() else Path(root).parent
     return next((place for place in (folder, folder / "huggingface", folder.parent, folder.parent / "huggingface")
                  if (place / "config.json").is_file()), None)
+
+
+@dataclass
+class ModelConfig:
+    """The model's config that an output keeps: ``folder``'s config.json, generation config and tokenizer files
+    (``CONFIG_FILES``), with ``config`` written as config.json instead of the folder's where given (fields the
+    command changed; one made from a training run's args, ``folder`` None, said by ``made_from``); and for a peft
+    model's checkpoint, the ``adapter`` config file (an ``adapter_config.json``: what a merge needs) beside it.
+
+    >>> ModelConfig(None, {"model_type": "llama"}, made_from="the run's args").files()
+    {'config.json': 28}
+    """
+
+    folder: str | Path | None
+    config: dict | None = None
+    made_from: str = ""
+    adapter: str | Path | None = None
+
+    def files(self) -> dict[str, int]:
+        """The files written, with their sizes in bytes."""
+        return {name: len(data) for name, data in self.contents().items()}
+
+    def contents(self) -> dict[str, bytes]:
+        """The files written, with their bytes (kilobytes to a few megabytes: a tokenizer)."""
+        found = _read_files(self.folder, CONFIG_FILES) if self.folder is not None else {}
+        if self.config is not None:
+            found["config.json"] = self._config_bytes()
+        found = dict(sorted(found.items(), key=lambda item: CONFIG_FILES.index(item[0])))
+        if self.adapter is not None:
+            where = str(self.adapter)
+            folder, _, name = where.rpartition("/") if is_remote(where) else (Path(where).parent, "", Path(where).name)
+            found[ADAPTER_CONFIG] = _read_files(folder, [name])[name]
+        return found
+
+    def write(self, folder: Path) -> None:
+        """Write the files into ``folder`` (made if missing)."""
+        folder.mkdir(exist_ok=True)
+        for name, data in self.contents().items():
+            (folder / name).write_bytes(data)
+
+    def describe(self) -> str:
+        """Where it comes from, for a note: the config folder's config.json, or what made it."""
+        if self.folder is None:
+            return f"made from {self.made_from}"
+        return str(CheckpointFiles(self.folder).path("config.json"))
+
+    def _config_bytes(self) -> bytes:
+        return (json.dumps(self.config, indent=2) + "\n").encode()
+
+
+def _read_files(location: str | Path, names: list[str]) -> dict[str, bytes]:
+    """The files of ``names`` that the folder at ``location`` (a path or a URL) holds, with their bytes."""
+    files = CheckpointFiles(location)
+    try:
+        return {name: files.read_all(name) for name in names if files.is_file(name)}
+    finally:
+        files.close()

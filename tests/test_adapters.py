@@ -564,6 +564,7 @@ def test_kv_heads_fewer_than_tp_are_refused_alike(tmp_path, hf):
     without a config anywhere, reshard refuses too (no head count, so no split is known to be safe)."""
     source = hf("llama")
     dcptool("import-hf", source, tmp_path / "one", "--adapter", "torchtitan")
+    (tmp_path / "one" / "config.json").unlink()  # the config the import kept: none anywhere, for now
     by_import = dcptool_api.import_hf(source, tmp_path / "x", family="torchtitan", mesh=MeshOptions(dp=1, tp=4),
                                       writing=DRY_RUN)
     by_reshard = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=4), config_dir=source,
@@ -579,7 +580,7 @@ def test_kv_heads_fewer_than_tp_are_refused_alike(tmp_path, hf):
     assert refusal("reshard", tmp_path / "one", tmp_path / "x", "--dp", "1", "--tp", "2").endswith(
         "(and 1 more problems; --dry-run lists them)")
     assert not (tmp_path / "x").exists()
-    shutil.copy(source / "config.json", tmp_path / "one")  # a config inside the checkpoint counts as given
+    shutil.copy(source / "config.json", tmp_path / "one")  # a config inside the checkpoint (as kept) counts as given
     beside = dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=4), writing=DRY_RUN)
     assert head_problems(beside) == [p.replace(str(source / "config.json"), str(tmp_path / "one" / "config.json"))
                                      for p in head_problems(by_reshard)]
@@ -591,6 +592,7 @@ def test_head_counts_from_the_tensors_allow_a_valid_tp(tmp_path, hf):
     read back whole by torch; tp=4 is refused naming where the count came from."""
     source = hf("qwen3")
     dcptool("import-hf", source, tmp_path / "one", "--adapter", "archon")
+    (tmp_path / "one" / "config.json").unlink()  # the config the import kept
     problems = head_problems(dcptool_api.reshard(tmp_path / "one", tmp_path / "x", mesh=MeshOptions(dp=1, tp=4),
                                                  writing=DRY_RUN))
     assert len(problems) == 1 and "mesh.tp=4 does not divide the 2 key/value heads (32 rows of head size 16, the " \

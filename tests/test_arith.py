@@ -276,7 +276,7 @@ def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(s
     run_cli("convert", soup, renamed, "--to", "dcp", "--adapter", "archon", "--config-dir", config)
     stored = formats.open_checkpoint(renamed)
     planned = averaging.plan_average([formats.open_checkpoint(step1), formats.open_checkpoint(step2)], None)
-    computed, _ = conversion.adapted(planned.conversion.checkpoint, "archon", config_dir=config)
+    computed, _, _ = conversion.adapted(planned.conversion.checkpoint, "archon", config_dir=config)
     weights = [k for k, t in computed.tensors.items() if t.transform is not None]
     assert any("wq" in k for k in weights) and len(weights) == planned.averaged
     for key in weights:
@@ -285,10 +285,13 @@ def test_computed_tensors_renamed_and_permuted_by_an_adapter_keep_their_values(s
 
 def test_average_across_naming_families(steps, checkpoints, tmp_path):
     """Archon names (grouped attention names, wq/wk with RoPE rows permuted) paired with HF names as verify
-    pairs them; the output keeps the first's names."""
+    pairs them; the output keeps the first's names. The pairing needs the head counts: from --config-dir, or
+    from the config.json the convert to Archon names kept."""
     (step1, full1), (step2, full2) = steps["step1"], steps["step2"]
     archon = tmp_path / "step2-archon"
     run_cli("convert", step2, archon, "--to", "dcp", "--adapter", "archon", "--config-dir", checkpoints("fsdp2_dp2")[1])
+    kept = (archon / "config.json").read_bytes()
+    (archon / "config.json").unlink()
     out = tmp_path / "soup.pt"
     refused = run_cli("average", step1, archon, out, "--to", "torch", check=False)
     assert refused.returncode == 2 and "--config-dir" in refused.stderr and not out.exists()
@@ -297,6 +300,10 @@ def test_average_across_naming_families(steps, checkpoints, tmp_path):
     written = torch.load(out, weights_only=True)
     for key in model_keys(full1):
         assert torch.equal(written[key], expected_mean([full1[key], full2[key]], [0.5, 0.5], torch.float32)), key
+    (archon / "config.json").write_bytes(kept)
+    run_cli("average", step1, archon, tmp_path / "again.pt", "--to", "torch")
+    again = torch.load(tmp_path / "again.pt", weights_only=True)
+    assert all(torch.equal(again[key], written[key]) for key in model_keys(full1))
 
 
 def test_diff_folds_layers_as_inspect_does_and_all_expands_them(steps):

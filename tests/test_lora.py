@@ -212,16 +212,26 @@ def test_refusals(lora_runs, tmp_path):
 
 def test_reshard_convert_and_import_resume(lora_runs, tmp_path):
     """reshard and convert carry the LoRA weights and their AdamW state; import-hf --lora-adapter lays out base and
-    adapter as the peft model's state dict: a real FSDP2 job of the peft model loads each."""
+    adapter as the peft model's state dict: a real FSDP2 job of the peft model loads each. Their outputs keep the
+    model's config and the adapter's adapter_config.json, so that a merge of them needs no --lora-alpha."""
     checkpoint, reference = lora_runs / "lora", lora_runs / "lora.reference"
     dcptool("reshard", checkpoint, tmp_path / "dp1", "--dp", "1")
     assert "equal" in dcptool("verify", checkpoint, tmp_path / "dp1").stdout
+    for name in ("config.json", "adapter_config.json"):
+        assert (tmp_path / "dp1" / name).read_bytes() == (checkpoint / "huggingface" / name).read_bytes()
+    for source, merged in ((checkpoint, "merged"), (tmp_path / "dp1", "dp1-merged")):
+        dcptool("export-hf", source, tmp_path / merged, "--lora", "merge")
+    assert (tmp_path / "merged" / "model.safetensors").read_bytes() == \
+        (tmp_path / "dp1-merged" / "model.safetensors").read_bytes()
     dcptool("convert", checkpoint, tmp_path / "whole.pt", "--to", "torch")
     dcptool("verify", checkpoint, tmp_path / "whole.pt")
     dcptool("export-hf", checkpoint, tmp_path / "adapter", "--lora", "adapter")
     result = dcptool("import-hf", reference / "base", tmp_path / "resume", "--dp", "2",
                      "--lora-adapter", tmp_path / "adapter")
     assert f"{len(lora_layers(reference))} LoRA layers, modules_to_save lm_head" in result.stderr
+    assert (tmp_path / "resume" / "adapter_config.json").read_bytes() == \
+        (tmp_path / "adapter" / "adapter_config.json").read_bytes()
+    assert (tmp_path / "resume" / "config.json").read_bytes() == (reference / "base" / "config.json").read_bytes()
     # Qwen3-MoE: the HF folder holds one tensor per expert, the peft model transformers v5's fused ones
     moe = lora_runs / "qwen3_moe.reference"
     dcptool("import-hf", moe / "base", tmp_path / "resume-moe", "--dp", "2", "--lora-adapter", moe / "adapter")

@@ -129,11 +129,13 @@ def test_export_of_megatrons_save_is_the_transformers_model(kind, runs, tmp_path
 def test_megatron_loads_dcptools_import(kind, runs, tmp_path):
     """import-hf --adapter megatron, loaded by Megatron's dist_checkpointing.load at another layout than the
     save's: the weights Megatron holds are its own save's, and its forward gives transformers' logits. The args
-    the import wrote are those of Megatron's own save of the model (but for its parallel layout)."""
+    the import wrote are those of Megatron's own save of the model (but for its parallel layout). The folder keeps
+    the source's config.json for later commands, which Megatron's load passes over."""
     hf, run, model = runs(kind)
     imported = tmp_path / "imported"
     _, load_as = LAYOUTS[kind]
     dcptool("import-hf", hf, imported, "--adapter", "megatron", "--tp", str(load_as.get("tp", 1)))
+    assert (imported / "config.json").read_bytes() == (hf / "config.json").read_bytes()
     written, saved = (vars(common_state(folder)["args"]) for folder in (imported, run))
     both = {name for name in written.keys() & saved.keys() if not name.endswith("parallel_size")}
     assert {"num_layers", "num_query_groups", "kv_channels", "padded_vocab_size", "rotary_base", "params_dtype",

@@ -107,17 +107,20 @@ def test_import_writes_megatron_lms_args(hf_models, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_megatron_names_export_to_the_source_model(kind, hf_models, tmp_path):
-    """import-hf --adapter megatron, then export-hf without --config-dir (config.json made from the args the
-    import wrote): transformers' logits of the export are the source's; verify and checksum --against agree
-    across the families."""
+    """import-hf --adapter megatron, then export-hf without --config-dir: the import keeps the source's config.json
+    in its torch_dist folder, where the export finds it (a config.json made from the run's args when there is none:
+    test_config_from_args_only_for_a_model_it_describes); transformers' logits of the export are the source's;
+    verify and checksum --against agree across the families."""
     from transformers import AutoModelForCausalLM
 
     hf = hf_models(kind)
     mcore, export = tmp_path / "mcore", tmp_path / "export"
     dcptool("import-hf", hf, mcore, "--adapter", "megatron")
+    assert (mcore / "config.json").read_bytes() == (hf / "config.json").read_bytes()
     result = dcptool("export-hf", mcore, export)
     assert f"names: megatron ({kind}), written as hf" in result.stdout + result.stderr
-    assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
+    assert "made from the Megatron-LM run's args" not in result.stdout + result.stderr
+    assert read_config(export) == read_config(hf) | {"torch_dtype": "float32"}  # the source's; both dtype names said
     source = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager").eval()
     exported = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
     ids = torch.randint(0, read_config(hf)["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
@@ -249,6 +252,7 @@ def test_glm4_moe_round_trip(qk_norm, rotary, tmp_path):
     refused = dcptool("import-hf", hf, tmp_path / "titan", "--adapter", "torchtitan", check=False)
     assert refused.returncode == 2 and "glm4_moe has no torchtitan names" in refused.stderr, refused.stderr
     from_args = tmp_path / "from-args"
+    (mcore / "config.json").unlink()  # the config the import kept: the run's args make one
     result = dcptool("export-hf", mcore, from_args)
     assert "config.json made from the Megatron-LM run's args" in result.stdout + result.stderr
     assert "compared bitwise" in dcptool("verify", from_args, hf).stdout
@@ -337,9 +341,12 @@ def test_refusals(hf_models, tmp_path):
         assert result.returncode == 2 and words in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / f"out-{field}").exists()
 
-    llama = tmp_path / "llama"  # Llama's fused qkv without head counts: a plain DCP of dcptool's import (no args)
+    # Llama's fused qkv without head counts: a plain DCP of dcptool's import (no args), without the config.json
+    # the convert keeps
+    llama = tmp_path / "llama"
     dcptool("import-hf", hf_models("llama"), tmp_path / "llama-mcore", "--adapter", "megatron")
     dcptool("convert", tmp_path / "llama-mcore", llama, "--to", "dcp")
+    (llama / "config.json").unlink()
     result = dcptool("export-hf", llama, tmp_path / "out-llama", check=False)
     assert result.returncode == 2 and "needs the head counts" in result.stderr and "--config-dir" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

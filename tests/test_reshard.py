@@ -80,6 +80,7 @@ def loads(moe_source, checkpoints, tmp_path_factory) -> dict[str, Loaded]:
     moe, moe_reference = moe_source
     dense_tp, dense_tp_reference = checkpoints("fsdp2_dp2_tp2")
     dense, dense_reference = checkpoints("fsdp2_dp2")
+    wide, wide_reference = checkpoints("wide_dp2_tp2")
     cases, jobs = {}, {}  # name -> Loaded; name -> (ranks, load arguments)
 
     def paths(name: str) -> tuple[Path, Path]:
@@ -121,6 +122,13 @@ def loads(moe_source, checkpoints, tmp_path_factory) -> dict[str, Loaded]:
                        ["import-hf", hf, out, "--dp", "2", "--tp", "2"]], 4,
          ["load-dcp", out, "--dp", "2", "--tp", "2", "--layout", "torchtitan", "--model-only",
           "--expect", dense_reference / "full.pt", "--save-layout", job_layout])
+    # The config travels: tp 2 given --config-dir, then tp 4 of that output without it (4 key/value heads)
+    out, job_layout = paths("config-travels")
+    tp2 = root / "config-travels" / "tp2"
+    case("config-travels", [["reshard", wide, tp2, "--dp", "1", "--tp", "2", "--config-dir", wide_reference],
+                            ["reshard", tp2, out, "--dp", "1", "--tp", "4"]], 4,
+         ["load-dcp", out, "--dp", "1", "--tp", "4", "--layout", "torchtitan", "--expect", wide_reference / "full.pt",
+          "--save-layout", job_layout])
     # AReaL's (dp=2, tp=2) DCP to verl-style FSDP1 files: the model part, unwrapped, against the reference's.
     out, _ = paths("fsdp1")
     expect = root / "fsdp1" / "expect"
@@ -204,10 +212,58 @@ def test_reshard_to_fsdp1_loads_in_fsdp1_job(loads):
         "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
 
 
-def test_import_hf_lays_weights_out_for_a_mesh(loads):
+def test_import_hf_lays_weights_out_for_a_mesh(loads, tmp_path):
+    """import-hf for dp 2 x tp 2, loaded by the job on that mesh (a folder holding the HF folder's config.json, which
+    a reshard of it then uses without --config-dir: its 2 key/value heads refuse tp 4)."""
     loaded = loads["import-hf"].checked()
     model_layout = {k: v for k, v in chunk_layout(loaded.job_layout).items() if not k.startswith("optimizer.")}
     assert chunk_layout(loaded.out) == model_layout
+    hf = loaded.out.parent / "hf"
+    assert (loaded.out / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+    dcptool("reshard", loaded.out, tmp_path / "tp2", "--dp", "1", "--tp", "2")
+    assert (tmp_path / "tp2" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+    _refused(loaded.out, "--dp", "1", "--tp", "4", dst=tmp_path / "tp4",
+             expect=f"does not divide the 2 key/value heads (num_key_value_heads in {loaded.out / 'config.json'})")
+
+
+def test_the_config_travels_with_the_output(loads, checkpoints, tmp_path):
+    """reshard given --config-dir keeps the model's config.json in its output, and a reshard of that output finds
+    it there: its 4 key/value heads let tp 4 split what a tp 2 save alone does not vouch for, and the job on that
+    mesh loads the result (its dcp.load reads a folder holding config.json); tp 8 is refused by those counts,
+    named in the kept file; without the file, tp 4 is refused. convert keeps it too, where each format keeps it,
+    and no format's detection is misled by it."""
+    import torch.distributed.checkpoint as dcp
+
+    loaded = loads["config-travels"].checked()
+    _, reference = checkpoints("wide_dp2_tp2")
+    tp2 = loaded.out.parent / "tp2"
+    assert chunk_layout(loaded.out) == chunk_layout(loaded.job_layout)
+    for out in (tp2, loaded.out):
+        assert (out / "config.json").read_bytes() == (reference / "config.json").read_bytes()
+        assert formats.detect(out) == "dcp"
+    assert f"kept the model's config in the output for later commands: config.json ({tp2 / 'config.json'})" in \
+        loaded.made.stderr
+    listed = dcptool("reshard", tp2, tmp_path / "tp8", "--tp", "8", "--dp", "1", "--dry-run", "--json", check=False)
+    assert f"does not divide the 4 key/value heads (num_key_value_heads in {tp2 / 'config.json'})" in listed.stdout
+    bare = tmp_path / "bare"
+    shutil.copytree(tp2, bare)
+    (bare / "config.json").unlink()
+    _refused(bare, "--tp", "4", "--dp", "1", expect="neither a config.json nor the tensors give their number",
+             dst=tmp_path / "tp4")
+
+    for to, out, kept in (("fsdp1", "verl", "huggingface/config.json"), ("hf-dcp", "hf-dcp", "config.json"),
+                          ("torch", "state.pt", None)):
+        result = dcptool("convert", tp2, tmp_path / out, "--to", to, *(["--world-size", "2"] if to == "fsdp1" else []))
+        assert formats.detect(tmp_path / out) == to
+        if kept:
+            assert (tmp_path / out / kept).read_bytes() == (reference / "config.json").read_bytes()
+        else:  # one file: nothing beside it, and a line saying so
+            assert sorted(p.name for p in tmp_path.glob("state*")) == ["state.pt"]
+            assert "a torch output is one file; give it to later commands with --config-dir" in result.stderr
+    full = load_reference(reference)  # torch's HF-storage reader loads a folder holding the config
+    model = {key: torch.empty_like(value) for key, value in full.items() if key.startswith("model.")}
+    dcp.load(model, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path / "hf-dcp")), no_dist=True)
+    assert all(torch.equal(model[key], full[key]) for key in model)
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
@@ -220,7 +276,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(checkpoints, tmp_path):
     assert q["placement"] == "tp=2:Shard(0)" and q["source_chunks"] == 2 and len(q["chunks"]) == 2
     moment = plan["tensors"]["optimizer.state.model.layers.0.self_attn.q_proj.weight.exp_avg"]
     assert moment["follows"] == "model.layers.0.self_attn.q_proj.weight" and moment["chunks"] == q["chunks"]
-    assert sorted(plan["files"]) == ["__0_0.distcp", "__1_0.distcp"]
+    # and the model's config the output keeps, as it is
+    assert plan["files"]["config.json"] == (reference / "config.json").stat().st_size
+    assert sorted(plan["files"]) == ["__0_0.distcp", "__1_0.distcp", "config.json"]
     assert not out.exists()
 
 

@@ -39,7 +39,7 @@ from dcptool.engine.core import Checkpoint
 from dcptool.errors import option
 from dcptool.format_interface import Format, FormatOptions, Sharding, Output, OutputRequest
 from dcptool.converters.fsdp1 import planning, reader
-from dcptool.converters.fsdp1.folder import CONFIG, NAME
+from dcptool.converters.fsdp1.folder import CONFIG, HF_DIR, NAME
 from dcptool.converters.fsdp1.writer import Writer
 
 
@@ -74,6 +74,7 @@ class Fsdp1(Format):
     name = NAME
     title = "verl's FSDP1 folders"
     completes = (CONFIG,)
+    config_home = HF_DIR  # where verl keeps the model's config and tokenizer
     sharding = Sharding.DATA_PARALLEL
     options = Fsdp1Options
 
@@ -89,8 +90,7 @@ class Fsdp1(Format):
         tensors, objects, reasons = planning.entries(checkpoint, world_size, request.dtype, request.include,
                                                      request.exclude, request.keep_rank_state or own.keep_rank_state)
         forms, said = planning.output_forms(checkpoint, own.optim_form, own.model_values)
-        options = {"world_size": world_size, "hf_config_dir": checkpoint.info.get("hf_config_dir"),
-                   "source_layout": planning.source_layout(tensors, objects), **forms}
+        options = {"world_size": world_size, "source_layout": planning.source_layout(tensors, objects), **forms}
         selected = f", as selected by {option('include')}/{option('exclude')}" if request.include or request.exclude else ""
         why = f"the fsdp1 output holds {planning.HOLDS} only{selected}"
         return Output(tensors, objects, options, why, reasons, [said])

@@ -31,16 +31,16 @@ from dcptool.storage import OutputFiles
 from dcptool.engine.transfer import crc32, crc32_combine
 from dcptool.torch_archive import ArchiveLayout, Reduced, StorageOut, TensorOut, dumps
 from dcptool.converters.fsdp1.codecs import VERL_MESH_DIM_NAMES, device_mesh, dtensor, sharded_tensor, torch_chunk
-from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, HF_DIR, OPTIMIZER, RANK_ENTRY, SOURCE_LAYOUT, RankPiece,
+from dcptool.converters.fsdp1.folder import (CONFIG, EXTRA_STATE, OPTIMIZER, RANK_ENTRY, SOURCE_LAYOUT, RankPiece,
                                              file_name)
 from dcptool.converters.fsdp1.optimizer import OPTIMIZER_FORMS, PlainOptimizer
-from dcptool.converters.hf import copy_config
 
 _FILE_OF = {OPTIMIZER: "optim", EXTRA_STATE: "extra_state"}  # the per-rank file each root of entries() goes to
 
 
 class Writer:
-    """Writes verl's per-rank files for every rank, then ``fsdp_config.json`` and ``huggingface/``.
+    """Writes verl's per-rank files for every rank, then ``fsdp_config.json`` (the model's config goes to
+    ``huggingface/``, the format's ``config_home``, as every output's does).
 
     ``model_world_size_{W}_rank_{r}.pt``: every tensor split on dim 0 as FSDP1's ``SHARDED_STATE_DICT``
     splits it (``torch.chunk`` over ``world_size``) and stored as the ``ShardedTensor`` rank ``r``
@@ -61,7 +61,7 @@ class Writer:
     none: verl's loader reads the key), plus what source rank ``r`` saved of its own
     (``extra_state.rank_<r>``, e.g. its RNG state) where ``entries`` kept it, and under
     ``dcptool_carried`` the source's entries verl has no place for (``planning._carried``), which verl ignores.
-    ``hf_config_dir`` is copied to ``huggingface/``. ``source_layout`` (``planning.source_layout``), when
+    ``source_layout`` (``planning.source_layout``), when
     the non-tensor entries were restructured for verl, is recorded in ``fsdp_config.json`` for the reader.
 
     Each file is its pickle first and its storages streamed after it; the files are independent.
@@ -70,7 +70,7 @@ class Writer:
     NEEDS_CRC = True
 
     def __init__(self, folder: Path, world_size: int = 1, replicate: str | None = None,
-                 hf_config_dir: str | Path | None = None, optim_form: str = "named", mesh_device: str | None = None,
+                 optim_form: str = "named", mesh_device: str | None = None,
                  mesh_dim_names: tuple[str, ...] | None = VERL_MESH_DIM_NAMES, orig_alignment: int | None = None,
                  source_layout: dict[str, str] | None = None):
         if not isinstance(world_size, int) or world_size < 1:
@@ -86,7 +86,6 @@ class Writer:
         self.source_layout = source_layout
         self.out = OutputFiles(folder)
         self.replicate = re.compile(replicate) if replicate else None
-        self.hf_config_dir = hf_config_dir
         self._pieces: list[RankPiece] = []
         self._storages: dict[str, list[StorageOut]] = {}  # file -> its storages, in order
         # (file, storage key) -> its pieces at byte offsets; its bytes known when planning (a mesh's rank map)
@@ -244,10 +243,7 @@ class Writer:
         return crc
 
     def finish_index(self, objects, records: list[dict]) -> list[str]:
-        """``fsdp_config.json`` with the new world size and the copied ``huggingface/``; nothing is left out here."""
-        if self.hf_config_dir is not None:
-            (self.folder / HF_DIR).mkdir()
-            copy_config(self.hf_config_dir, self.folder / HF_DIR)
+        """``fsdp_config.json`` with the new world size; nothing is left out here."""
         config = {"FSDP_version": self.fsdp_version, "world_size": self.world_size}
         if self.source_layout:  # verl reads neither key; dcptool's reader gives the entries back as they were
             config[SOURCE_LAYOUT] = self.source_layout

@@ -29,7 +29,7 @@ import numpy as np
 from dcptool import dtypes, formats, selection
 from dcptool.engine import regions
 from dcptool.planning import resharding
-from dcptool.planning.conversion import Conversion, plan_convert
+from dcptool.planning.conversion import Conversion, kept_config, plan_convert
 from dcptool.engine.core import Checkpoint, Computed, TensorInfo, float32_region
 from dcptool.engine.reading import workspace
 from dcptool.errors import UsageError, counted, option
@@ -196,9 +196,10 @@ def _plan_output(planned: Planned, source: Checkpoint, to: str | None, mesh: Mes
                                world_size=world_size)
         planned.conversion = Conversion(source, fmt.name, output.tensors, output.objects, fmt.writer_options(layout),
                                         [*notes, *output.notes], output.why_left_out, output.reasons)
+        planned.conversion.keep_config(kept_config(source, config_dir))
         return
     per_rank = (world_size or 1) if fmt.sharding is Sharding.DATA_PARALLEL else None
-    planned.conversion = plan_convert(source, fmt.name, OutputRequest(world_size=per_rank))
+    planned.conversion = plan_convert(source, fmt.name, OutputRequest(world_size=per_rank), config_dir=config_dir)
     planned.conversion.notes[:0] = notes
 
 

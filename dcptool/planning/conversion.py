@@ -27,7 +27,8 @@ from typing import Callable
 from dcptool import families, formats, models
 from dcptool.engine import distributed, transfer
 from dcptool.planning import lora as lora_weights
-from dcptool.selection import OPTIMIZER_ROOTS, model_part, out_tensors, read_config, select
+from dcptool.selection import (OPTIMIZER_ROOTS, ModelConfig, config_folder, model_part, out_tensors, read_config,
+                               select)
 from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.family_interface import FamilyOptions
@@ -186,9 +187,10 @@ def _adapter_entries(checkpoint: Checkpoint, found, lora: LoraRequest, mapping, 
 
 
 def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
-            config_dir: str | Path | None = None, options=None) -> tuple[Checkpoint, list[str]]:
+            config_dir: str | Path | None = None, options=None) -> tuple[Checkpoint, list[str], dict | None]:
     """The checkpoint with every entry under ``target``'s names (None: the source's family) and in its
-    layout (``Family.engine_state``: where its job keeps model and optimizer), and notes.
+    layout (``Family.engine_state``: where its job keeps model and optimizer), notes, and the config.json made from
+    what the checkpoint says of its training run (a Megatron-LM run's args) when renamed without a config (or None).
 
     Model weights and the optimizer state that names them are renamed and laid out as the target
     family keeps them (views of the same bytes); other entries keep their keys. ``options``: the target
@@ -198,12 +200,39 @@ def adapted(checkpoint: Checkpoint, target: str | None, source: str = "auto",
     renamed = families.rename(model_part(checkpoint), target, source=source,
                               config=read_config(config_dir) if config_dir is not None else None,
                               run=checkpoint.info, options=options, where=str(checkpoint.root),
-                              hint=f"check {option('family')} and {option('config_dir')}", state=checkpoint)
+                              hint=f"check {option('family')} and {option('config_dir')}", state=checkpoint,
+                              make_config=config_dir is None)
     if not renamed.changed:
-        return checkpoint, renamed.notes
+        return checkpoint, renamed.notes, renamed.made_config
     tensors = {key: e for key, e in renamed.entries.items() if isinstance(e, TensorInfo)}
     objects = {key: e for key, e in renamed.entries.items() if isinstance(e, ObjectInfo)}
-    return checkpoint.with_entries(tensors, objects), renamed.notes
+    return checkpoint.with_entries(tensors, objects), renamed.notes, renamed.made_config
+
+
+def kept_config(checkpoint: Checkpoint, config_dir: str | Path | None = None, made: dict | None = None,
+                dtype: str | None = None) -> ModelConfig | None:
+    """The model's config an output of ``checkpoint`` keeps (``Conversion.keep_config``): the one the command
+    used, ``config_dir``'s, else the one the checkpoint comes with (``selection.config_folder``), else ``made``
+    (from its training run's args), with what the command changes said in it: ``dtype`` (a cast), no
+    ``quantization_config`` once float8 weights are dequantized; and a peft model's ``adapter_config.json``
+    (``lora.config_file``). None where there is none."""
+    folder = config_dir or config_folder(checkpoint)
+    if folder is None and made is None:
+        return None
+    config = read_config(folder) if folder is not None else made
+    changed = _as_dequantized(config, checkpoint) | ({"dtype": dtype, "torch_dtype": dtype} if dtype else {})
+    adapter = lora_weights.config_file(checkpoint) if lora_weights.is_peft(model_part(checkpoint)) else None
+    if folder is None:
+        return ModelConfig(None, changed, made_from="what the checkpoint says of its training run", adapter=adapter)
+    return ModelConfig(folder, changed if changed != config else None, adapter=adapter)
+
+
+def _as_dequantized(config: dict, checkpoint: Checkpoint) -> dict:
+    """``config`` without its ``quantization_config`` once the checkpoint's float8 weights are dequantized (left in,
+    it would make transformers quantize the weights again)."""
+    if not checkpoint.info.get("dequantized"):
+        return config
+    return {key: value for key, value in config.items() if key != "quantization_config"}
 
 
 def write_checkpoint(
@@ -219,6 +248,7 @@ def write_checkpoint(
     progress: Callable[[int], None] | None = None,
     writer_options: dict | None = None,
     across_ranks: bool | None = None,
+    model_config: ModelConfig | None = None,
 ) -> Report:
     """Write ``tensors`` and ``objects`` of ``checkpoint`` as format ``to`` at ``destination``, atomically.
 
@@ -226,6 +256,8 @@ def write_checkpoint(
     writes its share of the output files, and rank 0 the metadata or index (see ``dcptool.engine.distributed``);
     ``across_ranks=False`` makes this process write everything alone. A URL destination
     (``s3://bucket/step-100``) is written to a local staging folder, then uploaded through fsspec.
+    ``model_config`` is written where the format keeps it (``Format.config_home``), inside the output before
+    its commit.
 
     >>> ckpt = formats.open_checkpoint("step-100")                                          # doctest: +SKIP
     >>> output = formats.get("torch").plan_output(ckpt, OutputRequest())                      # doctest: +SKIP
@@ -237,7 +269,7 @@ def write_checkpoint(
     try:
         return _write(checkpoint, destination, fmt, tensors, objects, upload, overwrite=overwrite,
                       max_memory=max_memory, fsync=fsync and not upload, progress=progress,
-                      writer_options=writer_options, across_ranks=across_ranks)
+                      writer_options=writer_options, across_ranks=across_ranks, model_config=model_config)
     finally:
         if upload:
             upload.close()
@@ -250,7 +282,7 @@ def refuse_read_only(fmt: Format) -> None:
 
 
 def _write(checkpoint, destination, fmt: Format, tensors, objects, upload: _Upload | None, *, overwrite, max_memory,
-           fsync, progress, writer_options, across_ranks) -> Report:
+           fsync, progress, writer_options, across_ranks, model_config) -> Report:
     if upload is None and Path(checkpoint.root).resolve() == Path(destination).resolve():
         raise UsageError(f"{destination}: the output would replace its own source")
     ranks = distributed.ranks_for(progress, across_ranks)
@@ -276,6 +308,8 @@ def _write(checkpoint, destination, fmt: Format, tensors, objects, upload: _Uplo
         every_rank_records = ranks.gather(records)
         if ranks.rank == 0:
             report.left_out = writer.finish_index(objects, every_rank_records) or []
+            if model_config is not None and fmt.config_home is not None:
+                model_config.write(temporary / fmt.config_home)
             if upload and fmt.writes_folder:
                 written = (path.relative_to(temporary).as_posix() for path in temporary.rglob("*") if path.is_file())
                 upload.send(temporary, sorted(set(written) - set(writer.files())))
@@ -331,6 +365,8 @@ class Conversion:
     # ``reasons`` for particular keys, ``why_left_out`` for the rest.
     why_left_out: str = ""
     reasons: dict[str, str] = field(default_factory=dict)
+    # The model's config the output keeps where later commands find it (``keep_config``); None: none.
+    model_config: ModelConfig | None = None
 
     @classmethod
     def of(cls, checkpoint: Checkpoint, to: str, output: Output, notes: list[str] = ()) -> Conversion:
@@ -342,16 +378,36 @@ class Conversion:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    def keep_config(self, config: ModelConfig | None) -> None:
+        """Keep the model's ``config`` in the output where its format keeps it (``Format.config_home``), so that
+        later commands find it without ``--config-dir``; a line says so, or why an output of one file cannot."""
+        if config is None:
+            return
+        home = formats.get(self.to).config_home
+        if home is None:
+            self.notes.append(f"the model's config ({config.describe()}) is not kept: a {self.to} output is one "
+                              f"file; give it to later commands with {option('config_dir')}")
+            return
+        self.model_config = config
+        where = f"{home}/ of the output" if home else "the output"
+        self.notes.append(f"kept the model's config in {where} for later commands: {', '.join(config.files())} "
+                          f"({config.describe()})")
+
     def planned_files(self) -> dict[str, int]:
-        """The files the writer would write, with their planned bytes; nothing is created (``--dry-run``)."""
+        """The files the writer would write, with their planned bytes, and the model's config it keeps;
+        nothing is created (``--dry-run``)."""
         writer = formats.get(self.to).writer(Path(os.devnull) / "dry-run", **self.writer_options)
         writer.plan(self.tensors, self.objects)
-        return writer.files()
+        files = writer.files()
+        if self.model_config is not None:
+            home = formats.get(self.to).config_home
+            files |= {posixpath.join(home, name): size for name, size in self.model_config.files().items()}
+        return files
 
     def write(self, destination: Path | str, **options) -> Report:
         """Write it (``options``: those of ``write_checkpoint``); the report carries the notes."""
         report = write_checkpoint(self.checkpoint, destination, self.to, self.tensors, self.objects,
-                                  writer_options=self.writer_options, **options)
+                                  writer_options=self.writer_options, model_config=self.model_config, **options)
         return self._explained(report)
 
     def dry_run(self, destination: Path | str) -> Report:
@@ -377,8 +433,10 @@ def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None 
     request = request or OutputRequest()
     refuse_read_only(fmt)
     formats.check_options(fmt, request.format_options)
-    checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir)
-    return Conversion.of(checkpoint, to, fmt.plan_output(checkpoint, request), notes)
+    renamed, notes, made = adapted(checkpoint, family, config_dir=config_dir)
+    planned = Conversion.of(renamed, to, fmt.plan_output(renamed, request), notes)
+    planned.keep_config(kept_config(checkpoint, config_dir, made, request.dtype))
+    return planned
 
 
 def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
@@ -404,11 +462,15 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     if config is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
                      f"give the model's config folder with {option('config_dir')}")
-    options = {**(format_options.writer_options() if format_options else {}), "config_dir": config_dir,
-               "config": config}
+    else:
+        config = _as_dequantized(config, checkpoint)
+    options = format_options.writer_options() if format_options else {}
     selected = f", as selected by {option('include')}/{option('exclude')}" if include or exclude else ""
     why = "export-hf writes model weights only" + selected
-    return Conversion(checkpoint, "hf", tensors, [], options, notes, why)
+    planned = Conversion(checkpoint, "hf", tensors, [], options, notes, why)
+    if config is not None:  # beside the weights, where from_pretrained reads it
+        planned.model_config = ModelConfig(config_dir, config, made_from="what the checkpoint says of its training run")
+    return planned
 
 
 def left_out_by_kind(checkpoint: Checkpoint, tensors: list[OutTensor], objects: list[OutObject]) -> dict[str, list[str]]:

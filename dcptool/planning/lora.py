@@ -235,8 +235,11 @@ class Settings:
 
 
 def config_file(checkpoint: Checkpoint) -> Path | str | None:
-    """The ``adapter_config.json`` a checkpoint comes with: in the folder its reader found the model's config
-    in, in the checkpoint's folder or its ``huggingface/``, or the folder above and its ``huggingface/``."""
+    """The ``adapter_config.json`` a checkpoint comes with: the adapter folder's of a base model with an adapter
+    put on it (``with_adapter``), else in the folder its reader found the model's config in, in the checkpoint's
+    folder or its ``huggingface/``, or the folder above and its ``huggingface/``."""
+    if checkpoint.info.get("adapter_config"):
+        return checkpoint.info["adapter_config"]
     places = [checkpoint.info.get("hf_config_dir")]
     if not is_remote(checkpoint.root):
         root = Path(checkpoint.root)
@@ -537,4 +540,6 @@ def with_adapter(base: Checkpoint, adapter: Checkpoint, config: dict | None) -> 
         put(f"{module}.modules_to_save.{DEFAULT_ADAPTER}.{leaf}", tensor, adapter)
     notes = [f"added adapter {where} as {DEFAULT_ADAPTER!r}: {len(found.targets)} LoRA layers"
              + (f", modules_to_save {', '.join(sorted(saved_modules))}" if saved else "") + ", under peft's names"]
-    return base.with_entries(tensors, dict(base.objects)), notes
+    combined = base.with_entries(tensors, dict(base.objects))
+    combined.info["adapter_config"] = config_file(adapter)  # what a later merge of it reads (its lora_alpha)
+    return combined, notes

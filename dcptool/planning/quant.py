@@ -229,8 +229,3 @@ def _transposed_chunks(blocks: TensorInfo) -> list:
                                 sizes=(c.sizes[0], c.sizes[2] * width, c.sizes[1]), strides=None, view=None)
             for c in chunks]
 
-
-def drop_quantization_config(config: dict | None) -> dict | None:
-    """The config.json of a dequantized export: without ``quantization_config``, which would make
-    transformers quantize the weights again."""
-    return None if config is None else {k: v for k, v in config.items() if k != "quantization_config"}

@@ -25,7 +25,7 @@ import numpy as np
 
 from dcptool import dtypes, formats, models
 from dcptool.planning import plans
-from dcptool.planning.conversion import Conversion, Report, adapted
+from dcptool.planning.conversion import Conversion, Report, adapted, kept_config
 from dcptool.engine.chunks import ChunkTable
 from dcptool.engine.core import Checkpoint, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
@@ -345,11 +345,11 @@ def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", fami
         raise UsageError(f"{option('to', to)}: reshard writes formats laid out over ranks: {', '.join(laid_out)}")
     formats.check_options(fmt, format_options)
     request = OutputRequest(dtype=dtype, keep_rank_state=keep_rank_state, format_options=format_options)
-    checkpoint, notes = adapted(checkpoint, family, config_dir=config_dir, options=family_options)
+    renamed, notes, made = adapted(checkpoint, family, config_dir=config_dir, options=family_options)
     if fmt.sharding is Sharding.DATA_PARALLEL:
-        result = _plan_data_parallel(checkpoint, fmt, resolve_mesh(checkpoint, mesh), request)
+        result = _plan_data_parallel(renamed, fmt, resolve_mesh(renamed, mesh), request)
     else:
-        result = prepare(checkpoint, mesh, config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
+        result = prepare(renamed, mesh, config_dir=config_dir, keep_rank_state=keep_rank_state, dtype=dtype,
                          to=to)
         writer_options = fmt.writer_options(OutputRequest(layout=result.layout_of(), world_size=result.mesh.world,
                                                           format_options=format_options))
@@ -357,6 +357,7 @@ def plan_for(checkpoint: Checkpoint, mesh: MeshOptions, *, to: str = "dcp", fami
                                        result.objects, writer_options)
     result.notes = notes + result.conversion.notes
     result.conversion.notes = result.notes
+    result.conversion.keep_config(kept_config(checkpoint, config_dir, made, dtype))
     return result
 
 
