@@ -317,3 +317,22 @@ OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
 # Routed experts of any MoE: a grouped [E, ...] tensor (a name part "expert(s)") or one per expert.
 GROUPED_EXPERTS = re.compile(r"(^|[._])experts?([._]|$)")
 PER_EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)\.(.+)$")  # model.layers.3.mlp.experts.17.up_proj.weight
+
+# The parts of any model a tensor belongs to, by its HF name (saved or as transformers v5 names it): what
+# an export that lacks a tensor lacks, and what ``--allow-missing`` accepts. (part, what it is called,
+# pattern), the first match wins; the prediction layers (``mtp``) are also told by their layer number
+# (``part_of``), and whatever matches nothing else is ``other``.
+PARTS = (
+    ("vision", "vision tower",
+     re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|multi_modal_projector|mm_projector)\.")),
+    ("audio", "audio tower", re.compile(r"(^|\.)(audio_tower|audio_model|audio_encoder)\.")),
+    ("mtp", "MTP layers", re.compile(r"(^|\.)mtp")),
+    ("lm_head", "lm_head", OUTPUT_EMBEDDING),
+    ("embeddings", "embeddings", INPUT_EMBEDDING),
+    ("experts", "experts", GROUPED_EXPERTS),
+    ("norms", "norms", re.compile(r"norm[^.]*\.(weight|bias)$")),
+    ("layers", "decoder layers", re.compile(r"(^|\.)layers\.\d+\.")),
+    ("other", "other tensors", re.compile("")),
+)
+# A decoder layer's number in HF names, in a language model alone or inside a multimodal one.
+DECODER_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")

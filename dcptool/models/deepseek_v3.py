@@ -76,16 +76,33 @@ MEGATRON_MTP = MegatronMTP(
 
 def hf_weights(config: dict, fused: bool) -> dict:
     """Latent attention; routed experts (with their score bias) and shared ones from layer ``first_k_dense_replace`` on."""
-    def layer_weights(layer: int) -> dict:
-        if layer < config.get("first_k_dense_replace", 0):
-            return {**latent_attention_weights(config), **common.dense_layer_mlp(config)}
-        experts = common.required_experts(KIND, config)
-        shared = config["moe_intermediate_size"] * config["n_shared_experts"]
-        return {**latent_attention_weights(config), **common.routed_experts_weights(config, experts, fused),
-                "mlp.gate.e_score_correction_bias": (experts,),
-                **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+    return common.decoder_weights(config, lambda layer: layer_weights(config, layer, fused))
 
-    return common.decoder_weights(config, layer_weights)
+
+def layer_weights(config: dict, layer: int, fused: bool) -> dict:
+    """A decoder layer's attention and MLP (its norms apart): dense below ``first_k_dense_replace``, MoE from it on."""
+    if layer < config.get("first_k_dense_replace", 0):
+        return {**latent_attention_weights(config), **common.dense_layer_mlp(config)}
+    experts = common.required_experts(KIND, config)
+    shared = config["moe_intermediate_size"] * config["n_shared_experts"]
+    return {**latent_attention_weights(config), **common.routed_experts_weights(config, experts, fused),
+            "mlp.gate.e_score_correction_bias": (experts,),
+            **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+
+
+def prediction_weights(config: dict, fused: bool) -> dict:
+    """The ``num_nextn_predict_layers`` prediction layers after the main ones, as DeepSeek's release holds them
+    (``model.layers.61`` of the 671B model): a decoder layer, the norms of the embedding and of the hidden state,
+    their projection, a final norm, and copies of the embedding and the head."""
+    hidden, vocab, main = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    weights = {}
+    for layer in range(main, main + int(config.get(KIND.extra_layers) or 0)):
+        own = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+               **layer_weights(config, layer, fused), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+               "eh_proj.weight": (hidden, 2 * hidden), "shared_head.norm.weight": (hidden,),
+               "embed_tokens.weight": (vocab, hidden), "shared_head.head.weight": (vocab, hidden)}
+        weights.update((f"model.layers.{layer}.{name}", shape) for name, shape in own.items())
+    return weights
 
 
 def latent_attention_weights(config: dict) -> dict:
@@ -117,6 +134,7 @@ KIND = ModelKind(
     hf_weights=hf_weights,
     **common.moe_kind_fields(EXPERT_FIELDS),
     extra_layers="num_nextn_predict_layers",
+    extra_weights=prediction_weights,
     megatron=MEGATRON,
     megatron_mtp=MEGATRON_MTP,
 )
