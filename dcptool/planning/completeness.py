@@ -145,9 +145,9 @@ def check(config: dict | None, names: Iterable[str], completeness: Completeness,
     model = f"the model {config_where} describes ({found.source})"
     problems = []
     if refused:
-        problems.append(f"the output lacks {missing_parts(refused)} of {model}: from_pretrained would fill "
-                        f"{'it' if len(refused) == 1 else 'them'} with random weights; accept "
-                        f"{'it' if len(refused) == 1 else 'them'} with {option('allow_missing', ','.join(refused))}")
+        them = "it" if len(refused) == 1 else "them"
+        problems.append(f"the output lacks {missing_parts(refused)} of {model}: {_consequence(refused, them)}; "
+                        f"accept {them} with {option('allow_missing', ','.join(refused))}")
     if found.unexpected and not completeness.allow_unexpected:
         leave_out = f"leave them out with {option('exclude')} or " if excludable else ""
         problems.append(f"{unexpected_tensors(found.unexpected)} no place in {model}: from_pretrained would drop "
@@ -155,21 +155,29 @@ def check(config: dict | None, names: Iterable[str], completeness: Completeness,
     if problems:
         raise IncompleteModelError(f"{where}: {'; '.join(problems)}", missing=refused,
                                    unexpected=[] if completeness.allow_unexpected else found.unexpected, path=where)
-    notes = [f"{option('allow_missing', part)}: left out the {missing_parts({part: names})}, which from_pretrained "
-             "fills with random weights" for part, names in found.missing.items()]
+    notes = [f"{option('allow_missing', part)}: left out {missing_parts({part: names})}: "
+             f"{_consequence({part: names}, 'it', would=False)}" for part, names in found.missing.items()]
     if found.unexpected:
         notes.append(f"{option('allow_unexpected')}: kept {unexpected_tensors(found.unexpected)} no place in the "
                      "model (from_pretrained drops them)")
     return notes
 
 
+def _consequence(missing: dict[str, list[str]], them: str, would: bool = True) -> str:
+    """What loading an output that lacks ``missing`` does: transformers builds no prediction layers (an engine that
+    runs them finds none), anything else it fills with random weights."""
+    if set(missing) == {"mtp"}:
+        return f"an engine that runs them (vLLM's or SGLang's MTP) {'would find' if would else 'finds'} none"
+    return f"from_pretrained {'would fill' if would else 'fills'} {them} with random weights"
+
+
 def missing_parts(missing: dict[str, list[str]]) -> str:
-    """The parts of ``missing`` (names by part) in words: ``vision tower (390 tensors, e.g. visual.blocks.0...)``."""
+    """The parts of ``missing`` (names by part) in words: ``the vision tower (390 tensors, e.g. visual.blocks.0...)``."""
     shown = []
     for part, names in missing.items():
         first = printable(names[0])
         count = f"1 tensor: {first}" if len(names) == 1 else f"{counted(len(names), 'tensor')}, e.g. {first}"
-        shown.append(f"{models.PARTS[part]} ({count})")
+        shown.append(f"the {models.PARTS[part]} ({count})")
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
 
 
