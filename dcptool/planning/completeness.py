@@ -158,8 +158,9 @@ def check(config: dict | None, names: Iterable[str], completeness: Completeness,
     notes = [f"{option('allow_missing', part)}: left out {missing_parts({part: names})}: "
              f"{_consequence({part: names}, 'it', would=False)}" for part, names in found.missing.items()]
     if found.unexpected:
-        notes.append(f"{option('allow_unexpected')}: kept {unexpected_tensors(found.unexpected)} no place in the "
-                     "model (from_pretrained drops them)")
+        them = "it" if len(found.unexpected) == 1 else "them"
+        notes.append(f"{option('allow_unexpected')}: kept {_named(found.unexpected)}, which the model has no place "
+                     f"for (from_pretrained drops {them})")
     return notes
 
 
@@ -183,9 +184,14 @@ def missing_parts(missing: dict[str, list[str]]) -> str:
 
 def unexpected_tensors(names: list[str]) -> str:
     """``names`` as the subject of "have no place": ``3 tensors, e.g. x.weight, have`` or ``x.weight has``."""
+    return f"{_named(names)}{',' if len(names) > 1 else ''} {'has' if len(names) == 1 else 'have'}"
+
+
+def _named(names: list[str]) -> str:
+    """``names`` in a few words: ``x.weight``, or ``3 tensors, e.g. x.weight``."""
     if len(names) == 1:
-        return f"{printable(names[0])} has"
-    return f"{counted(len(names), 'tensor')}, e.g. {printable(names[0])}, have"
+        return printable(names[0])
+    return f"{counted(len(names), 'tensor')}, e.g. {printable(names[0])}"
 
 
 def _stand_in(name: str, config: dict) -> str | None:
