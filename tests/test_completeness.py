@@ -140,9 +140,16 @@ def test_deepseek_without_its_prediction_layers_is_refused(tmp_path):
 
     whole = save_hf_with_mtp(tmp_path / "with", seed=4, num_nextn_predict_layers=1)
     prediction = {name for name in load_hf_state(whole) if name.startswith("model.layers.2.")}  # after 2 main layers
-    assert tensors_in(line, "MTP layers") == len(prediction)
+    copies = {"model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"}  # of the main ones
+    assert copies < prediction and tensors_in(line, "MTP layers") == len(prediction - copies)
     dcptool("export-hf", whole, tmp_path / "whole", "--config-dir", whole)
     assert prediction <= set(load_hf_state(tmp_path / "whole"))
+    # torchtitan's and Megatron-Core's prediction layers share the main embedding and head: an export may leave
+    # the copies out
+    dcptool("export-hf", whole, tmp_path / "shared", "--exclude", r"layers\.2\.(embed_tokens|shared_head\.head)")
+    one_layer = dcptool("export-hf", whole, tmp_path / "never", "--exclude", r"layers\.2\.enorm", check=False)
+    assert one_line(one_layer).startswith(f"dcptool: error: {whole}: the output lacks the MTP layers (1 tensor: "
+                                          "model.layers.2.enorm.weight)"), one_layer.stderr
 
 
 def test_an_untied_model_without_its_lm_head_is_refused(tmp_path):

@@ -206,10 +206,10 @@ def decoder_layer(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def extra_weights(config: dict | None, fused: bool = False) -> dict[str, Shape]:
+def extra_weights(config: dict | None, fused: bool = False) -> tuple[dict[str, Shape], dict[str, Shape]]:
     """The weights (HF names, shapes) of the layers after the main ones that ``config``'s kind declares
-    (``ModelKind.extra_weights``: DeepSeek's prediction layers) and that transformers does not build; none for a
-    kind without them, or a config that counts none."""
+    (``ModelKind.extra_weights``: DeepSeek's prediction layers) and that transformers does not build, as (required,
+    optional); none for a kind without them, or a config that counts none."""
     inner = text_config(config)
     kind = kind_of(inner)
-    return kind.extra_weights(inner, fused) if kind and kind.extra_weights else {}
+    return kind.extra_weights(inner, fused) if kind and kind.extra_weights else ({}, {})

@@ -90,19 +90,21 @@ def layer_weights(config: dict, layer: int, fused: bool) -> dict:
             **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
 
 
-def prediction_weights(config: dict, fused: bool) -> dict:
+def prediction_weights(config: dict, fused: bool) -> tuple[dict, dict]:
     """The ``num_nextn_predict_layers`` prediction layers after the main ones, as DeepSeek's release holds them
     (``model.layers.61`` of the 671B model): a decoder layer, the norms of the embedding and of the hidden state,
-    their projection, a final norm, and copies of the embedding and the head."""
+    their projection and a final norm (required); and copies of the embedding and the head (optional: the main
+    ones serve, and torchtitan's and Megatron-Core's prediction layers share them)."""
     hidden, vocab, main = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
-    weights = {}
+    required, copies = {}, {}
     for layer in range(main, main + int(config.get(KIND.extra_layers) or 0)):
         own = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
                **layer_weights(config, layer, fused), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
-               "eh_proj.weight": (hidden, 2 * hidden), "shared_head.norm.weight": (hidden,),
-               "embed_tokens.weight": (vocab, hidden), "shared_head.head.weight": (vocab, hidden)}
-        weights.update((f"model.layers.{layer}.{name}", shape) for name, shape in own.items())
-    return weights
+               "eh_proj.weight": (hidden, 2 * hidden), "shared_head.norm.weight": (hidden,)}
+        required.update((f"model.layers.{layer}.{name}", shape) for name, shape in own.items())
+        copies.update({f"model.layers.{layer}.embed_tokens.weight": (vocab, hidden),
+                       f"model.layers.{layer}.shared_head.head.weight": (vocab, hidden)})
+    return required, copies
 
 
 def latent_attention_weights(config: dict) -> dict:

@@ -19,7 +19,8 @@ What the model holds comes from, in this order:
 
 Both add the layers after the main ones that transformers ignores and the kind declares
 (``ModelKind.extra_weights``: DeepSeek's prediction layers ``model.layers.{num_hidden_layers + i}``), which
-dcptool exports on purpose. A quantized model's scales (``weight_scale_inv``, MXFP4's ``_blocks`` and
+dcptool exports on purpose; the copies of main weights such a layer may repeat (its embedding and head) are
+neither required nor unexpected. A quantized model's scales (``weight_scale_inv``, MXFP4's ``_blocks`` and
 ``_scales``) stand for the weights they quantize.
 
 >>> found = find({"model_type": "qwen3", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -87,7 +88,7 @@ def find(config: dict | None, names: Iterable[str]) -> Findings:
         model, why = _table_model(config, fused, why)
     if model is None:
         return Findings(not_checked=why)
-    extra = models.extra_weights(config, fused)
+    extra, copies = models.extra_weights(config, fused)
     present = set(names)
     whole, unexpected = set(), []
     for name in names:
@@ -97,7 +98,7 @@ def find(config: dict | None, names: Iterable[str]) -> Findings:
             if held == owner or held not in model.required.get(owner, ()):
                 whole.add(owner)  # under the model's own name, or another one name of it: all of it is there
             present.add(held)
-        elif held is not None and name not in extra and not model.harmless(held):
+        elif held is not None and name not in extra and name not in copies and not model.harmless(held):
             unexpected.append(name)
     missing = [form for weight, forms in model.required.items() if weight not in whole
                for form in forms if form not in present]

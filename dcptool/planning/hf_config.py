@@ -69,7 +69,8 @@ def misfit(config: dict[str, Any], shapes: dict[str, Shape]) -> str | None:
     fused = any(".experts.gate_up_proj" in n for n in shapes)
     try:
         required, optional = expected_weights(config, kind, fused)
-        shapes_given = {**optional, **models.extra_weights(config, fused), **required}
+        extra, copies = models.extra_weights(config, fused)
+        shapes_given = {**optional, **copies, **extra, **required}
     except (KeyError, TypeError) as exc:
         return f"{kind.name} config without a usable {exc}"
     for name, shape in shapes.items():
