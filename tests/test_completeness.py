@@ -122,7 +122,7 @@ def test_import_hf_and_convert_refuse_the_vision_tower_missing(vl):
     dcptool("export-hf", vl["partial"], folder, "--config-dir", vl["hf"], "--allow-missing", "vision")
     refused = dcptool("import-hf", folder, vl["root"] / "imported", check=False)
     assert refused.returncode == 2 and one_line(refused).endswith("accept it with --allow-missing vision"), refused.stderr
-    assert "or leave them out" not in refused.stderr
+    assert "--exclude" not in refused.stderr  # import-hf takes no --exclude
     dcptool("import-hf", folder, vl["root"] / "imported", "--allow-missing", "vision")
 
     refused = dcptool("convert", vl["partial"], vl["root"] / "renamed", "--to", "dcp", "--adapter", "hf",
@@ -168,7 +168,8 @@ def test_a_tensor_the_model_has_no_place_for_is_refused(tmp_path):
     source = write_hf({**load_hf_state(hf), stray: torch.ones(4, 64)}, tmp_path / "source", hf)
     line = one_line(dcptool("export-hf", source, tmp_path / "out", check=False))
     assert f"{stray} has no place in the model {source / 'config.json'} describes" in line, line
-    assert line.endswith("leave them out with --exclude or keep them with --allow-unexpected"), line
+    assert line.endswith("from_pretrained would drop it; leave it out with --exclude or keep it with "
+                         "--allow-unexpected"), line
     kept = dcptool("export-hf", source, tmp_path / "out", "--allow-unexpected")
     assert f"--allow-unexpected: kept {stray}, which the model has no place for (from_pretrained drops it)" in kept.stderr
     assert loading_info(tmp_path / "out")["unexpected_keys"] == {stray}

@@ -96,7 +96,7 @@ def find(config: dict | None, names: Iterable[str]) -> Findings:
         owner = None if held is None else model.owner(held)
         if owner is not None:
             if held == owner or held not in model.required.get(owner, ()):
-                whole.add(owner)  # under the model's own name, or another one name of it: all of it is there
+                whole.add(owner)  # under the model's own name, or a name that stands for all of it
             present.add(held)
         elif held is not None and name not in extra and name not in copies and not model.harmless(held):
             unexpected.append(name)
@@ -150,9 +150,10 @@ def check(config: dict | None, names: Iterable[str], completeness: Completeness,
         problems.append(f"the output lacks {missing_parts(refused)} of {model}: {_consequence(refused, them)}; "
                         f"accept {them} with {option('allow_missing', ','.join(refused))}")
     if found.unexpected and not completeness.allow_unexpected:
-        leave_out = f"leave them out with {option('exclude')} or " if excludable else ""
+        them = "it" if len(found.unexpected) == 1 else "them"
+        leave_out = f"leave {them} out with {option('exclude')} or " if excludable else ""
         problems.append(f"{unexpected_tensors(found.unexpected)} no place in {model}: from_pretrained would drop "
-                        f"them; {leave_out}keep them with {option('allow_unexpected')}")
+                        f"{them}; {leave_out}keep {them} with {option('allow_unexpected')}")
     if problems:
         raise IncompleteModelError(f"{where}: {'; '.join(problems)}", missing=refused,
                                    unexpected=[] if completeness.allow_unexpected else found.unexpected, path=where)
