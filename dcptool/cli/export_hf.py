@@ -44,8 +44,8 @@ def export_hf(
     {"model": ..., "optim": ...}, or model keys at the top level as in torchtitan); optimizer and
     other state are left out. A verl folder's huggingface/ config is used when --config-dir is not given.
 
-    The weights must be the whole model config.json describes (transformers' model built on the meta
-    device, else dcptool's table of the model kind): a missing part (a vision tower, MTP layers, an untied
+    The weights must be the whole model config.json describes (dcptool's table of the model kind, else
+    transformers' model built on the meta device): a missing part (a vision tower, MTP layers, an untied
     lm_head, experts, a norm) or a tensor the model has no place for exits 2 naming it, unless
     --allow-missing PART or --allow-unexpected accepts it.
 

@@ -8,13 +8,16 @@ the option that accepts them (``options.Completeness``: ``--allow-missing vision
 
 What the model holds comes from, in this order:
 
+- dcptool's table of the model kind (``ModelKind.hf_weights``: Llama, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
+  DeepSeek-V3), which tests/test_completeness.py holds equal to what transformers says below: the same answer
+  without importing torch and transformers (seconds of start-up, for every export), and the same in an install
+  without them;
 - transformers, where it is installed and knows the ``model_type``: the model of the config (its
   ``architectures`` class, else the Auto classes') built on the meta device; its state dict less the weights it
   ties to others (recreated from them on load) and those it neither saves nor needs. Each weight counts as present
   under the name the model gives it or under the names ``save_pretrained`` writes (transformers v5 renames keys
   on load and back on save: a Qwen2.5-VL's ``visual.*`` is its model's ``model.visual.*``; per-expert tensors
   are one fused tensor), as ``from_pretrained`` reads either;
-- dcptool's table of the model kind (``ModelKind.hf_weights``);
 - else nothing: one note says that completeness was not checked, and why.
 
 Both add the layers after the main ones that transformers ignores and the kind declares
@@ -27,7 +30,7 @@ neither required nor unexpected. A quantized model's scales (``weight_scale_inv`
 ...               "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 10,
 ...               "tie_word_embeddings": False}, ["model.embed_tokens.weight"])           # doctest: +SKIP
 >>> sorted(found.missing), found.source                                                 # doctest: +SKIP
-(['layers', 'lm_head', 'norms'], "transformers 5.24.0's Qwen3ForCausalLM")
+(['layers', 'lm_head', 'norms'], "dcptool's qwen3 table")
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class Findings:
 
 
 @dataclass
-class _Model:
+class Expected:
     """What a model holds: ``required``, each weight by the name the model gives it with the names a checkpoint
     may hold it under instead (all of them: one fused weight is several per-expert tensors); ``owner(name)``: the
     weight a checkpoint's name holds (None: none); ``harmless(name)``: a name that holds no weight the model
@@ -83,9 +86,10 @@ def find(config: dict | None, names: Iterable[str]) -> Findings:
     if config is None:
         return Findings(not_checked="no config.json says what the model holds")
     fused = any(name.endswith(".experts.gate_up_proj") for name in names)
-    model, why = _transformers_model(config)
+    model, why = by_table(config, fused)
     if model is None:
-        model, why = _table_model(config, fused, why)
+        model, more = by_transformers(config)
+        why = f"{why}, and {more}"
     if model is None:
         return Findings(not_checked=why)
     extra, copies = models.extra_weights(config, fused)
@@ -207,22 +211,23 @@ def _stand_in(name: str, config: dict) -> str | None:
     return name
 
 
-def _table_model(config: dict, fused: bool, why: str) -> tuple[_Model | None, str]:
-    """What dcptool's table of the config's model kind says the model holds; (None, why) without a table."""
+def by_table(config: dict, fused: bool) -> tuple[Expected | None, str]:
+    """What dcptool's table of the config's model kind says the model holds (``fused``: experts in transformers v5's
+    fused tensors); (None, why not) without a table."""
     kind = models.kind_of(config)
     if kind is None:
-        return None, f"{why}, and dcptool has no table of model_type {config.get('model_type')!r}"
+        return None, f"dcptool has no table of model_type {config.get('model_type')!r}"
     try:
         required, optional = hf_config.expected_weights(config, kind, fused)
     except (KeyError, TypeError) as exc:
-        return None, f"{why}, and the {kind.name} config has no usable {exc}"
+        return None, f"the {kind.name} config has no usable {exc} for dcptool's table"
     known = {**required, **optional}
-    return _Model(f"dcptool's {kind.name} table", {name: [name] for name in required},
-                  lambda name: name if name in known else None,
-                  lambda name: bool(hf_config.RECOMPUTED.search(name))), why
+    return Expected(f"dcptool's {kind.name} table", {name: [name] for name in required},
+                    lambda name: name if name in known else None,
+                    lambda name: bool(hf_config.RECOMPUTED.search(name))), ""
 
 
-def _transformers_model(config: dict) -> tuple[_Model | None, str]:
+def by_transformers(config: dict) -> tuple[Expected | None, str]:
     """What the model transformers builds from ``config`` holds; (None, why not) where it cannot say."""
     if importlib.util.find_spec("transformers") is None:
         return None, "transformers is not installed"
@@ -230,7 +235,7 @@ def _transformers_model(config: dict) -> tuple[_Model | None, str]:
         return _built(json.dumps(config, sort_keys=True)), ""
     except _Unknown as exc:
         return None, str(exc)
-    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build a model of: the table, else nothing
+    except Exception as exc:  # noqa: BLE001 - a config transformers cannot build a model of: not checked, and why
         return None, f"transformers could not build its model ({type(exc).__name__}: {printable(str(exc), 120)})"
 
 
@@ -239,7 +244,7 @@ class _Unknown(Exception):
 
 
 @functools.lru_cache(maxsize=4)
-def _built(config_json: str) -> _Model:
+def _built(config_json: str) -> Expected:
     import torch
     import transformers
 
@@ -267,8 +272,8 @@ def _built(config_json: str) -> _Model:
         held = to_model(name)
         return held if held in state else None
 
-    return _Model(f"{version}'s {type(model).__name__}", {name: forms.get(name, [name]) for name in required},
-                  owner, lambda name: to_model(name) in buffers or bool(hf_config.RECOMPUTED.search(name)))
+    return Expected(f"{version}'s {type(model).__name__}", {name: forms.get(name, [name]) for name in required},
+                    owner, lambda name: to_model(name) in buffers or bool(hf_config.RECOMPUTED.search(name)))
 
 
 def _instantiate(transformers, torch, settings, architectures: list[str]):
