@@ -23,7 +23,7 @@ MeshOptions(dp=2, tp=4, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None, plan
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Callable, ClassVar, ContextManager, Union
 
@@ -183,7 +183,7 @@ class Completeness(Options):
         ('vision', 'mtp')
     """
 
-    allow_missing: str | tuple[str, ...] = ()
+    allow_missing: str | Sequence[str] = ()
     allow_unexpected: bool = False
 
     def parts(self) -> tuple[str, ...]:

@@ -120,9 +120,11 @@ def test_check_reports_the_missing_vision_tower(vl):
 def test_import_hf_and_convert_refuse_the_vision_tower_missing(vl):
     folder = vl["root"] / "import-source"
     dcptool("export-hf", vl["partial"], folder, "--config-dir", vl["hf"], "--allow-missing", "vision")
-    refused = dcptool("import-hf", folder, vl["root"] / "imported", check=False)
-    assert refused.returncode == 2 and one_line(refused).endswith("accept it with --allow-missing vision"), refused.stderr
-    assert "--exclude" not in refused.stderr  # import-hf takes no --exclude
+    for dry_run in ([], ["--dry-run"]):
+        refused = dcptool("import-hf", folder, vl["root"] / "imported", *dry_run, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert one_line(refused).endswith("accept it with --allow-missing vision"), refused.stderr
+        assert "--exclude" not in refused.stderr  # import-hf takes no --exclude
     dcptool("import-hf", folder, vl["root"] / "imported", "--allow-missing", "vision")
 
     refused = dcptool("convert", vl["partial"], vl["root"] / "renamed", "--to", "dcp", "--adapter", "hf",

@@ -68,6 +68,8 @@ def test_every_kind_is_one_module():
     assert sorted(models.kinds()) == ["deepseek_v3", "llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
     for kind in models.kinds().values():
         assert type(kind).__module__ == "dcptool.models.kind"
+        # layers after the main ones need their weights declared: exports must hold them (planning.completeness)
+        assert (kind.extra_layers is None) == (kind.extra_weights is None), kind.name
         assert {"hf", "torchtitan"} <= set(kind.tp_rules), kind.name
 
 
