@@ -245,6 +245,7 @@ class _Unknown(Exception):
 
 @functools.lru_cache(maxsize=4)
 def _built(config_json: str) -> Expected:
+    """``by_transformers`` of a config (as sorted JSON: one model built per config in a process)."""
     import torch
     import transformers
 
