@@ -58,21 +58,22 @@ if _started_as_the_command():
 
 from typing import TYPE_CHECKING
 
-from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolError, MismatchError, OutputExistsError,
-                            UnsafePickleError, UsageError)
+from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolError, IncompleteModelError, MismatchError,
+                            OutputExistsError, UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
-    from dcptool.api import (HubPush, LoadOn, Lora, MeshOptions, Reader, Reading, Region, Selection, Side,  # noqa: A004
-                             TensorSpec, Tolerance, Writing, average, check, checksum, convert, diff, export_hf,
-                             family_options, format_options, import_hf, inspect, open, reshard, tensor_layout, verify)
+    from dcptool.api import (Completeness, HubPush, LoadOn, Lora, MeshOptions, Reader, Reading, Region,  # noqa: A004
+                             Selection, Side, TensorSpec, Tolerance, Writing, average, check, checksum, convert, diff,
+                             export_hf, family_options, format_options, import_hf, inspect, open, reshard,
+                             tensor_layout, verify)
 
 # The library code behind the commands lives in modules named apart from them (dcptool.planning.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
-           "reshard", "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading", "Writing",
-           "Selection", "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn", "api", "DcptoolError",
-           "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError", "OutputExistsError",
-           "MismatchError"]
+           "reshard", "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading",
+           "Writing", "Selection", "MeshOptions", "Completeness", "Lora", "HubPush", "Tolerance", "Side", "LoadOn", "api",
+           "DcptoolError", "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError",
+           "IncompleteModelError", "OutputExistsError", "MismatchError"]
 
 
 def __getattr__(name: str):

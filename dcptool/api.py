@@ -50,8 +50,8 @@ from dcptool.engine.core import Checkpoint
 from dcptool.errors import UsageError, option
 from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import FormatOptions, OutputRequest
-from dcptool.options import (LORA_MODES, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading, Selection,
-                             Side, Tolerance, Writing)
+from dcptool.options import (LORA_MODES, Completeness, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading,
+                             Selection, Side, Tolerance, Writing)
 from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
 from dcptool.storage import check_apart, check_destination, is_remote, output_path
 
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
            "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading", "Writing",
-           "Selection", "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
+           "Selection", "MeshOptions", "Completeness", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
 
 
 def _command(command: Callable) -> Callable:
@@ -216,8 +216,8 @@ def tensor_layout(path: str | Path, key: str, *, mesh: MeshOptions | None = None
 @_command
 def convert(source: str | Path, destination: str | Path, to: str, *, family: str | None = None,
             config_dir: str | Path | None = None, dtype: str | None = None, selection: Selection = Selection(),
-            format_options: FormatOptions | None = None, reading: Reading = Reading(),
-            writing: Writing = Writing()) -> Report:
+            format_options: FormatOptions | None = None, completeness: Completeness = Completeness(),
+            reading: Reading = Reading(), writing: Writing = Writing()) -> Report:
     """``dcptool convert``: write ``source`` as format ``to`` (dcp, torch, hf, hf-dcp, fsdp1, megatron), every
     key as saved (or what the format holds), renamed to naming family ``family``'s names if given.
 
@@ -226,6 +226,8 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
         destination: the output (a folder or a file, by format), which appears atomically.
         to: the output format; ``format_options`` its own options (``format_options("fsdp1", world_size=8)``).
         config_dir: the model's config folder (head counts, experts, tied embeddings), for ``family``.
+        completeness: renamed to HF names, what parts of the config's model the weights may lack (or hold beyond
+            it); anything else is refused (``errors.IncompleteModelError``).
         reading: ``dequantize`` turns block-scaled float8 weights and MXFP4 experts into ``dtype`` (default bfloat16).
 
     Returns:
@@ -246,7 +248,8 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
     checkpoint, notes = _source(source, reading, config_dir, dtype)
     request = OutputRequest(dtype=dtype, include=selection.include, exclude=selection.exclude,
                             format_options=format_options)
-    planned = conversion.plan_convert(checkpoint, to, request, family=family, config_dir=config_dir)
+    planned = conversion.plan_convert(checkpoint, to, request, family=family, config_dir=config_dir,
+                                      completeness=completeness)
     planned.notes += notes
     return _run(planned, destination, reading, writing)
 
@@ -255,8 +258,8 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
               family: str = "auto", family_options: FamilyOptions | None = None, dtype: str | None = None,
               selection: Selection = Selection(), format_options: FormatOptions | None = None,
-              lora: Lora | None = None, push: HubPush | None = None, reading: Reading = Reading(),
-              writing: Writing = Writing()) -> Report:
+              completeness: Completeness = Completeness(), lora: Lora | None = None, push: HubPush | None = None,
+              reading: Reading = Reading(), writing: Writing = Writing()) -> Report:
     """``dcptool export-hf``: the model weights as Hugging Face safetensors under HF names, with
     ``config_dir``'s config and tokenizer files.
 
@@ -266,6 +269,9 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
             transformers v5's fused tensors instead of one per expert).
         selection: ``prefix``: the wrapper of the model's keys (found by itself when None).
         format_options: hf's (``format_options("hf", max_shard_size="2GB")``).
+        completeness: what parts of the model ``config_dir``'s config describes the export may lack
+            (``Completeness(allow_missing="vision")``), or whether it may hold tensors that model has no place
+            for; anything else is refused before anything is written (``errors.IncompleteModelError``).
         lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
         push: then upload the export to a hub repo (``HubPush("ORG/NAME", branch="step-1000")``).
 
@@ -293,7 +299,8 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=selection.prefix, dtype=dtype,
                                         include=selection.include, exclude=selection.exclude, family=family,
                                         family_options=family_options, format_options=format_options,
-                                        lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None)
+                                        lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None,
+                                        completeness=completeness)
     planned.notes += notes
     report = _run(planned, destination, reading, writing)
     if push is not None and not writing.dry_run:
@@ -339,7 +346,8 @@ def reshard(source: str | Path, destination: str | Path, *, mesh: MeshOptions = 
 @_command
 def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions = MeshOptions(), family: str = "hf",
               family_options: FamilyOptions | None = None, config_dir: str | Path | None = None,
-              dtype: str | None = None, lora_folder: str | Path | None = None, reading: Reading = Reading(),
+              dtype: str | None = None, lora_folder: str | Path | None = None,
+              completeness: Completeness = Completeness(), reading: Reading = Reading(),
               writing: Writing = Writing()) -> ReshardReport:
     """``dcptool import-hf``: a Hugging Face folder as a DCP checkpoint that ``dcp.load`` reads, laid
     out for ``mesh``, under the names of the job that loads it (naming family ``family``: hf, archon, torchtitan).
@@ -348,6 +356,8 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
     Megatron-LM's ``args``). ``family_options``: that family's own (``family_options("megatron",
     make_vocab_size_divisible_by=64, megatron_spec="te")``: the vocabulary padded to a multiple of 64 x ``mesh.tp``,
     under the names Transformer Engine's layer spec saves).
+    The folder's tensors must be the whole model its config describes, or what ``completeness`` accepts
+    (``errors.IncompleteModelError``).
 
     Returns:
         ``ReshardReport``, as ``reshard`` returns it.
@@ -371,7 +381,7 @@ def import_hf(source: str | Path, destination: str | Path, *, mesh: MeshOptions 
     return _reshard(source, destination, MeshOptions(**target.output_mesh(sizes), plan=mesh.plan),
                     to=target.output_format or "dcp", family=family, config_dir=config_dir, dtype=dtype,
                     keep_rank_state=False, format_options=None, reading=dataclasses.replace(reading, format="hf"),
-                    writing=writing, lora_folder=lora_folder, family_options=options)
+                    writing=writing, lora_folder=lora_folder, family_options=options, completeness=completeness)
 
 
 @_command
@@ -484,11 +494,12 @@ def checksum(path: str | Path, *, write: bool = False, check: bool = False, agai
 
 
 @_command
-def check(path: str | Path, *, reading: Reading = Reading()) -> CheckReport:
+def check(path: str | Path, *, config_dir: str | Path | None = None, reading: Reading = Reading()) -> CheckReport:
     """``dcptool check``: everything torch or an engine would trip on in one checkpoint, found without loading
     it and without a manifest: every record's zip structure and CRC-32s, the metadata against the files and
     the records, the chunk cover, index files against their shards, non-tensor entries through the
-    restricted unpickler, and a ``config.json`` that comes with it against the weights.
+    restricted unpickler, and ``config_dir``'s ``config.json`` (else one that comes with it) against the weights:
+    their shapes, and parts of its model they lack or tensors it has no place for, as export-hf refuses them.
 
     Returns:
         ``integrity.Report``: ``.ok``, and ``.problems`` (kind, name, detail), every one found;
@@ -507,7 +518,7 @@ def check(path: str | Path, *, reading: Reading = Reading()) -> CheckReport:
     _refuse(reading, "check", "dequantize", "verify_records")  # checking the records is what it does
     path, = hub.with_revision(path, revision=reading.revision)
     with _progress(reading.progress, None, "checking") as advance:
-        return integrity.check_path(path, reading.format, progress=advance)
+        return integrity.check_path(path, reading.format, progress=advance, config_dir=config_dir)
 
 
 @_command
@@ -619,6 +630,24 @@ def _source(source, reading: Reading, config_dir, dtype) -> tuple[Checkpoint, li
     return quant.dequantized(checkpoint, config_dir, dtype)
 
 
+def _complete(checkpoint: Checkpoint, config_dir, completeness: Completeness) -> list[str]:
+    """import-hf's check of an HF folder's tensors against the model its config (``config_dir``'s, else the
+    folder's own) describes (``dcptool.planning.completeness``); its notes."""
+    from dcptool.planning import completeness as complete
+    from dcptool.selection import config_folder, read_config
+    from dcptool.storage import CheckpointFiles
+
+    folder = config_dir or config_folder(checkpoint)
+    config = read_config(folder) if folder is not None else None
+    where = str(CheckpointFiles(folder).path("config.json")) if folder is not None else ""
+    try:
+        return complete.check(config, checkpoint.tensors, completeness, str(checkpoint.root), where,
+                              excludable=False)
+    except errors.DcptoolError:
+        checkpoint.files.close()
+        raise
+
+
 def _with_lora_folder(checkpoint: Checkpoint, lora_folder, config_dir) -> tuple[Checkpoint, list[str]]:
     """import-hf's base model with a PEFT adapter folder on it, under a peft model's names (``dcptool.planning.lora``)."""
     from dcptool.planning import lora
@@ -631,12 +660,15 @@ def _with_lora_folder(checkpoint: Checkpoint, lora_folder, config_dir) -> tuple[
 
 def _reshard(source, destination, mesh: MeshOptions, *, to, family, config_dir, dtype, keep_rank_state,
              format_options, reading: Reading, writing: Writing, lora_folder=None,
-             family_options=None) -> ReshardReport:
-    """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan)."""
+             family_options=None, completeness: Completeness | None = None) -> ReshardReport:
+    """reshard and import-hf: plan for the mesh, then write (or, with ``dry_run``, report the plan); with
+    ``completeness`` (import-hf), the source's HF names checked against the model its config describes first."""
     from dcptool.planning import resharding
 
     destination = output_path(destination)
     checkpoint, notes = _source(source, reading, config_dir, dtype)
+    if completeness is not None:
+        notes += _complete(checkpoint, config_dir, completeness)
     if lora_folder is not None:
         checkpoint, more = _with_lora_folder(checkpoint, lora_folder, config_dir)
         notes += more

@@ -10,6 +10,8 @@ that fits it, so that code knowing nothing of dcptool catches it as it would Pyt
 - ``OutputExistsError`` (a ``UsageError`` and a ``FileExistsError``): the output is already there
   and ``overwrite`` was not given.
 - ``UsageError`` (a ``ValueError``): options that cannot work together.
+- ``IncompleteModelError`` (a ``UsageError``): an output that lacks parts of the model its config describes,
+  or holds tensors that model has no place for, and no option accepts it.
 - ``MismatchError``: a check found a difference (the commands raise it; the API returns reports).
 - ``DcptoolError``: any of them.
 
@@ -68,6 +70,17 @@ class UnsafePickleError(CheckpointError):
 
 class UsageError(DcptoolError, ValueError):
     """Options that cannot work together, e.g. ``svg`` without a tensor to draw."""
+
+
+class IncompleteModelError(UsageError):
+    """An output lacks parts of the model its config describes (which ``from_pretrained`` would fill with random
+    weights), or holds tensors that model has no place for; ``missing``: the missing tensors' names by part
+    (``vision``, ``mtp``, ``lm_head`` ...), ``unexpected``: the names it has no place for."""
+
+    def __init__(self, message: str, *, missing: dict[str, list[str]], unexpected: list[str],
+                 path: str | None = None):
+        super().__init__(message, path=path)
+        self.missing, self.unexpected = missing, unexpected
 
 
 class OutputExistsError(UsageError, FileExistsError):

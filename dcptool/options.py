@@ -3,7 +3,7 @@
 Every command of ``dcptool.api`` takes its options as a few of these frozen dataclasses (and a format's own
 options, ``dcptool.format_options``), never as a long list of keywords: ``Reading`` (how sources are read),
 ``Writing`` (how an output is written), ``Selection`` (which entries), ``MeshOptions`` (the mesh to lay a
-checkpoint out for), ``Lora`` and ``HubPush`` (export-hf), ``Tolerance``, ``Side`` and ``LoadOn`` (verify and
+checkpoint out for), ``Completeness`` (what parts of the model an output may lack), ``Lora`` and ``HubPush`` (export-hf), ``Tolerance``, ``Side`` and ``LoadOn`` (verify and
 diff). The command line builds the same objects from its flags (``dcptool/cli/options.py``), so both run one path.
 
 A message names an option as its caller gave it (``errors.option``): the flag on the command line
@@ -23,7 +23,7 @@ MeshOptions(dp=2, tp=4, ep=1, etp=1, cp=1, dp_replicate=1, world_size=None, plan
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Callable, ClassVar, ContextManager, Union
 
@@ -166,6 +166,31 @@ class MeshOptions(Options):
     def sizes_given(self) -> bool:
         """Whether any size asks for other than one rank of one process (the plan alone does not)."""
         return any(value not in (None, 1, "1") for value in self.sizes().values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completeness(Options):
+    """What an HF-named output may lack of the model its config describes, or hold beyond it (export-hf,
+    import-hf, convert to HF names): ``--allow-missing``, ``--allow-unexpected``. Anything else it lacks is refused
+    (``errors.IncompleteModelError``), since ``from_pretrained`` would fill it with random weights.
+
+    Args:
+        allow_missing: the parts it may lack (``"vision"``, ``"mtp"``, ``"lm_head"``, ...: ``dcptool.models.PARTS``),
+            as a sequence or a comma-separated text (``"vision,mtp"``).
+        allow_unexpected: keep tensors the model has no place for (``from_pretrained`` ignores them).
+
+    Example:
+        >>> Completeness(allow_missing="vision,mtp").parts()
+        ('vision', 'mtp')
+    """
+
+    allow_missing: str | Sequence[str] = ()
+    allow_unexpected: bool = False
+
+    def parts(self) -> tuple[str, ...]:
+        """``allow_missing`` as part names, each once (the command checks them against ``models.PARTS``)."""
+        given = [self.allow_missing] if isinstance(self.allow_missing, str) else list(self.allow_missing)
+        return tuple(dict.fromkeys(part.strip() for text in given for part in text.split(",") if part.strip()))
 
 
 LORA_MODES = ("merge", "adapter")

@@ -183,7 +183,6 @@ def test_a_config_that_does_not_fit_is_refused(tmp_path):
     inner = MODELS["qwen3_moe"][1]["moe_intermediate_size"]
     for change, expected in (
         ({"moe_intermediate_size": inner + 8}, "model.layers.0.mlp.experts.0.down_proj.weight: the config gives shape [64, 40], the tensors [64, 32]"),
-        ({"num_hidden_layers": 3}, "model.layers.2.input_layernorm.weight [64]: the config needs it, the tensors lack it"),
         ({"num_key_value_heads": 4}, "model.layers.0.self_attn.k_proj.weight: the config gives shape [64, 64], the tensors [32, 64]"),
         ({"model_type": None}, "no model_type"),
     ):
@@ -194,3 +193,11 @@ def test_a_config_that_does_not_fit_is_refused(tmp_path):
         line = one_line(dcptool("export-hf", source, out, "--config-dir", wrong, check=False))
         assert f"{wrong / 'config.json'} does not fit the tensors" in line and expected in line, line
         assert not out.exists()
+    # A layer the config counts and the tensors lack is a part of the model they lack (tests/test_completeness.py).
+    deeper = tmp_path / "deeper"
+    deeper.mkdir()
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    line = one_line(dcptool("export-hf", source, tmp_path / "never", "--config-dir", deeper, check=False))
+    assert re.search(r"the output lacks the decoder layers \(\d+ tensors, e.g. model\.layers\.2\.", line), line
+    assert f"the model {deeper / 'config.json'} describes" in line and line.endswith("--allow-missing layers"), line
+    assert not (tmp_path / "never").exists()

@@ -118,6 +118,11 @@ def test_every_command_runs_without_torch(light, checkpoints, tmp_path):
         assert all(torch.equal(loaded[k], v) for k, v in full.items()), name
 
     run(light, "export-hf", path, tmp_path / "hf", cwd=tmp_path)
+    # Without transformers the model kind's table says what the model holds: an untied head left out is refused.
+    refused = run(light, "export-hf", path, tmp_path / "no-head", "--config-dir", reference, "--exclude", "lm_head",
+                  cwd=tmp_path, expect=2)
+    assert "the output lacks the lm_head (1 tensor: lm_head.weight) of the model" in refused.stderr, refused.stderr
+    assert "(dcptool's llama table)" in refused.stderr and not (tmp_path / "no-head").exists()
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert exported.keys() == model.keys() and all(torch.equal(exported[k], v) for k, v in model.items())
     run(light, "import-hf", tmp_path / "hf", tmp_path / "imported", "--dp", "2", cwd=tmp_path)

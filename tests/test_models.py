@@ -8,7 +8,7 @@ from conftest import oracle
 from harness.family_models import HF_ONLY_MODELS, MODELS
 
 from dcptool import families, models
-from dcptool.planning import hf_config
+from dcptool.planning import completeness, hf_config
 
 
 def _variants() -> list[tuple[str, dict]]:
@@ -56,11 +56,29 @@ def test_table_matches_the_meta_model(name, config):
     assert hf_config.misfit(config, {key: built[key] for key in required}) is None
 
 
+@pytest.mark.parametrize("name, config", _variants(), ids=[name for name, _ in _variants()])
+def test_completeness_by_the_table_is_transformers_own(name, config):
+    """export-hf's completeness asks a kind's table (no torch) before transformers: both say the same weights are
+    needed, under the names save_pretrained writes (experts one by one) and under the model's own (fused)."""
+    oracle("transformers")
+    # Kimi-K2 has no class in transformers: its architecture's (DeepSeek-V3's) model answers for it
+    architecture = models.kinds()[config["model_type"]].architecture_of or config["model_type"]
+    built, why = completeness.by_transformers({**config, "model_type": architecture})
+    assert built is not None, why
+    saved = {form for forms in built.required.values() for form in forms}
+    for fused, names in ((False, saved), (True, set(built.required))):
+        table, _ = completeness.by_table(config, fused)
+        assert set(table.required) == names, fused
+        assert not completeness.find(config, names).missing and not completeness.find(config, names).unexpected
+
+
 def test_every_kind_is_one_module():
     assert sorted(models.kinds()) == ["deepseek_v3", "glm4_moe", "kimi_k2", "llama", "qwen2", "qwen2_moe", "qwen3",
                                       "qwen3_moe"]
     for kind in models.kinds().values():
         assert type(kind).__module__ == "dcptool.models.kind"
+        # layers after the main ones need their weights declared: exports must hold them (planning.completeness)
+        assert (kind.extra_layers is None) == (kind.extra_weights is None), kind.name
         assert {"hf", "torchtitan"} <= set(kind.tp_rules), kind.name
 
 

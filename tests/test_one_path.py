@@ -9,7 +9,7 @@ import pytest
 
 import dcptool
 from conftest import dcptool as run_cli
-from dcptool import (Lora, MeshOptions, Reading, Selection, Side, Writing, format_options, formats)
+from dcptool import (Completeness, Lora, MeshOptions, Reading, Selection, Side, Writing, format_options, formats)
 
 CONFIG = "<the source's config folder>"  # replaced by the reference folder of the saving job
 
@@ -36,6 +36,12 @@ CASES = [
     ("export-hf", ["--include", "norm", "--hf-experts", "fused", "--adapter", "hf"],
      {"selection": Selection(include="norm"), "family_options": dcptool.family_options("hf", hf_experts="fused"), "family": "hf"}),
     ("export-hf", ["--config-dir", CONFIG, "--exclude", "xyz"], {"config_dir": CONFIG, "selection": Selection(exclude="xyz")}),
+    ("export-hf", ["--config-dir", CONFIG, "--exclude", "lm_head|norm", "--allow-missing", "lm_head", "--allow-missing", "norms"],
+     {"config_dir": CONFIG, "selection": Selection(exclude="lm_head|norm"),
+      "completeness": Completeness(allow_missing=("lm_head", "norms"))}),
+    ("convert", ["--to", "dcp", "--adapter", "hf", "--config-dir", CONFIG, "--exclude", "lm_head", "--allow-missing", "lm_head"],
+     {"to": "dcp", "family": "hf", "config_dir": CONFIG, "selection": Selection(exclude="lm_head"),
+      "completeness": Completeness(allow_missing="lm_head")}),
     ("reshard", ["--dp", "4", "--tp", "1"], {"mesh": MeshOptions(dp=4, tp=1)}),
     ("reshard", ["--dp", "1", "--tp", "2", "--dtype", "bfloat16", "--keep-rank-state", "--config-dir", CONFIG],
      {"mesh": MeshOptions(dp=1, tp=2), "dtype": "bfloat16", "keep_rank_state": True, "config_dir": CONFIG}),
@@ -49,6 +55,8 @@ CASES = [
     ("import-hf", ["--dp", "2", "--tp", "2", "--adapter", "torchtitan"],
      {"mesh": MeshOptions(dp=2, tp=2), "family": "torchtitan"}),
     ("import-hf", ["--world-size", "2", "--dtype", "bfloat16"], {"mesh": MeshOptions(world_size=2), "dtype": "bfloat16"}),
+    ("import-hf", ["--dp", "2", "--allow-unexpected", "--allow-missing", "vision"],
+     {"mesh": MeshOptions(dp=2), "completeness": Completeness(allow_unexpected=True, allow_missing="vision")}),
 ]
 API = {"convert": dcptool.convert, "export-hf": dcptool.export_hf, "reshard": dcptool.reshard,
        "import-hf": dcptool.import_hf}

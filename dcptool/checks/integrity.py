@@ -9,8 +9,10 @@ covered by its chunks exactly once), each entry that fails there named and left 
 - records that overlap in their file;
 - every non-tensor entry is unpickled by the restricted unpickler (its record checked whole);
 - what the format itself knows a loader needs (``Format.problems``: an HF index against its shards);
-- the model's ``config.json``, where one comes with it (in or beside it), against the weights' names and shapes (as
-  transformers would build the model).
+- the model's ``config.json`` (given, or one that comes with it, in or beside it) against the weights' shapes (as
+  transformers would build the model), and their names against what that model holds: parts it lacks (a vision
+  tower, prediction layers, an untied ``lm_head``: ``missing``) and tensors the model has no place for
+  (``unexpected``), as export-hf refuses them (``dcptool.planning.completeness``).
 
 Values outside any record (safetensors files store no checksum) cannot be checked: the report counts those
 tensors and says so (``Report.not_checked``), and ``dcptool checksum --write`` makes a manifest that covers them.
@@ -61,6 +63,7 @@ class Report:
     records: int = 0
     bytes_checked: int = 0
     config: str | None = None  # the config.json the weights were checked against
+    completeness: str | None = None  # what the weights' completeness was checked against, or why not
     problems: list[Problem] = field(default_factory=list)
     values_unchecked: int = 0  # tensors whose values no checksum covers (safetensors stores none)
 
@@ -97,11 +100,13 @@ class Report:
         unchecked = {"tensors": self.values_unchecked, "why": NO_CHECKSUM} if self.values_unchecked else None
         return {"path": self.path, "format": self.format, "ok": self.ok, "tensors": self.tensors,
                 "objects": self.objects, "records": self.records, "bytes_checked": self.bytes_checked,
-                "values_not_checked": unchecked, "config": self.config, "counts": self.counts(),
+                "values_not_checked": unchecked, "config": self.config, "completeness": self.completeness,
+                "counts": self.counts(),
                 "problems": [{"kind": p.kind, "name": p.name, "detail": p.detail} for p in self.problems]}
 
 
-def check_path(path, source_format: str | None = None, progress: Callable[[int], None] | None = None) -> Report:
+def check_path(path, source_format: str | None = None, progress: Callable[[int], None] | None = None,
+               config_dir=None) -> Report:
     """Check the checkpoint at ``path``: a path that is no checkpoint raises (exit 2). An entry that the
     metadata describes wrongly (its record missing or past its file's end, a chunk cover with a gap or an
     overlap) is a problem of its own, the entry left out and the rest checked (``core.entry_problems``); a
@@ -114,7 +119,7 @@ def check_path(path, source_format: str | None = None, progress: Callable[[int],
             problems = _entry_problems(found) + [Problem("checkpoint", str(path), str(exc))]
             return Report(str(path), name, problems=problems)
     try:
-        report = check_checkpoint(checkpoint, progress)
+        report = check_checkpoint(checkpoint, progress, config_dir)
     finally:
         checkpoint.files.close()
     report.problems[:0] = _entry_problems(found)
@@ -125,8 +130,10 @@ def _entry_problems(found) -> list[Problem]:
     return [Problem(kind, key, str(error)) for kind, key, error in found]
 
 
-def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | None = None) -> Report:
-    """Every problem of an opened checkpoint (see the module's docstring)."""
+def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | None = None,
+                     config_dir=None) -> Report:
+    """Every problem of an opened checkpoint (see the module's docstring); its model weights checked against
+    ``config_dir``'s config.json, else the one it comes with."""
     report = Report(str(checkpoint.root), checkpoint.format, tensors=len(checkpoint.tensors),
                     objects=len(checkpoint.objects))
     advance = progress or (lambda n: None)
@@ -147,9 +154,8 @@ def check_checkpoint(checkpoint: Checkpoint, progress: Callable[[int], None] | N
             report.problems.append(Problem("object", key, str(exc)))
     for name, detail in formats.get(checkpoint.format).problems(checkpoint):
         report.problems.append(Problem("index", name, detail))
-    report.config, problem = _config_problem(checkpoint)
-    if problem:
-        report.problems.append(Problem("config", report.config, problem))
+    report.config, problems, report.completeness = _config_problems(checkpoint, config_dir)
+    report.problems += problems
     return report
 
 
@@ -192,20 +198,35 @@ def _overlapping_records(checkpoint: Checkpoint) -> list[Problem]:
     return problems
 
 
-def _config_problem(checkpoint: Checkpoint) -> tuple[str | None, str | None]:
-    """The config.json the checkpoint comes with (``selection.config_folder``) and the first way its
-    model weights do not fit it, as transformers would build the model; (None, None) without a config."""
-    from dcptool.planning import conversion, hf_config
+def _config_problems(checkpoint: Checkpoint, config_dir=None) -> tuple[str | None, list[Problem], str | None]:
+    """The config.json the model's weights are checked against (``config_dir``'s, else the one the checkpoint comes
+    with: ``selection.config_folder``), the ways they do not fit it: shapes as transformers would build the
+    model (``config``), and parts of that model they lack or tensors it has no place for (``missing``,
+    ``unexpected``: ``dcptool.planning.completeness``), and what their completeness was checked against (or why
+    it was not); (None, [], None) without a config."""
+    from dcptool.planning import completeness, conversion, hf_config
     from dcptool.selection import config_folder, read_config
+    from dcptool.storage import CheckpointFiles
 
-    folder = config_folder(checkpoint)
+    folder = config_dir or config_folder(checkpoint)
     if folder is None:
-        return None, None
-    where = f"{folder}/config.json"
+        return None, [], None
+    where = str(CheckpointFiles(folder).path("config.json"))
     try:
         config = read_config(folder)
         tensors = conversion.hf_export_entries(checkpoint, config_dir=folder)[0]
     except (CheckpointError, UsageError) as exc:
-        return where, str(exc)
+        return where, [Problem("config", where, str(exc))], None
     problem = hf_config.misfit(config, {t.key: t.shape for t in tensors})
-    return where, f"{where} does not fit the weights: {problem}" if problem else None
+    if problem:
+        return where, [Problem("config", where, f"{where} does not fit the weights: {problem}")], None
+    found = completeness.find(config, [t.key for t in tensors])
+    if found.not_checked:
+        return where, [], f"not checked: {found.not_checked}"
+    model = f"the model {where} describes ({found.source})"
+    problems = [Problem("missing", names[0], f"the weights lack {completeness.missing_parts({part: names})} of {model}")
+                for part, names in found.missing.items()]
+    if found.unexpected:
+        problems.append(Problem("unexpected", found.unexpected[0],
+                                f"{completeness.unexpected_tensors(found.unexpected)} no place in {model}"))
+    return where, problems, f"checked against {found.source}"

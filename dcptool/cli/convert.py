@@ -8,10 +8,10 @@ import typer
 
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (FORMAT_OPTIONS, READING, SELECTION, WRITING, CastDtype, DtypeOption, Family,
-                                 OutputFormat, OutputLocation, TargetFamilyOption, grouped)
+from dcptool.cli.options import (COMPLETENESS, FORMAT_OPTIONS, READING, SELECTION, WRITING, CastDtype, DtypeOption,
+                                 Family, OutputFormat, OutputLocation, TargetFamilyOption, grouped)
 from dcptool.format_interface import FormatOptions
-from dcptool.options import Reading, Selection, Writing
+from dcptool.options import Completeness, Reading, Selection, Writing
 from dcptool.storage import output_path
 
 
@@ -26,10 +26,13 @@ def convert_command(
     format_options: FormatOptions | None = FORMAT_OPTIONS,
     family: Optional[Family] = TargetFamilyOption,
     config_dir: Optional[str] = typer.Option(None, "--config-dir", help="Folder with the model's config.json, for --adapter (head counts, experts, tied embeddings)."),
+    completeness: Completeness = COMPLETENESS,
     reading: Reading = READING,
     writing: Writing = WRITING,
 ) -> None:
     """Convert between formats, keeping every key as saved (nested keys flattened with '.'), or renamed with --adapter.
+
+    With --adapter hf the model weights must be the whole model config.json describes, as export-hf checks them (--allow-missing, --allow-unexpected).
 
     [bold]Examples[/bold]:
       [cyan]dcptool convert step-1000 step-1000.pt --to torch[/cyan]
@@ -41,5 +44,6 @@ def convert_command(
     from dcptool import api
 
     report = api.convert(source, destination, to, family=family, config_dir=config_dir, dtype=dtype,
-                         selection=selection, format_options=format_options, reading=reading, writing=writing)
+                         selection=selection, format_options=format_options, completeness=completeness,
+                         reading=reading, writing=writing)
     render.written(report)

@@ -9,11 +9,11 @@ import typer
 from dcptool import families
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (READING, SELECTION, WRITING, CastDtype, DtypeOption, FamilyOrAuto, OutputLocation,
-                                 format_options_of, grouped)
+from dcptool.cli.options import (COMPLETENESS, READING, SELECTION, WRITING, CastDtype, DtypeOption, FamilyOrAuto,
+                                 OutputLocation, format_options_of, grouped)
 from dcptool.errors import UsageError, option
 from dcptool.format_interface import FormatOptions
-from dcptool.options import HubPush, Lora, Reading, Selection, Writing
+from dcptool.options import Completeness, HubPush, Lora, Reading, Selection, Writing
 from dcptool.storage import output_path
 
 
@@ -28,6 +28,7 @@ def export_hf(
     format_options: FormatOptions | None = format_options_of("hf", "max_shard_size").helped(max_shard_size="Largest safetensors file (default 5GB, the hub's)."),
     family: FamilyOrAuto = typer.Option("auto", "--adapter", help="Family of the checkpoint's names: auto (detected), " + families.described() + "; the output has HF names."),
     hf_experts: Literal["per-expert", "fused"] = typer.Option("per-expert", "--hf-experts", help="MoE experts as per-expert tensors (as hub checkpoints hold them) or fused (transformers v5's gate_up_proj / down_proj)."),
+    completeness: Completeness = COMPLETENESS,
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="ORG/NAME", help="Then upload the export to this Hugging Face hub model repo (created if missing)."),
     private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repo private (an existing repo keeps its visibility)."),
     push_branch: Optional[str] = typer.Option(None, "--push-branch", metavar="BRANCH", help="With --push-to-hub: the branch to upload to, created if missing (e.g. one per step)."),
@@ -43,6 +44,11 @@ def export_hf(
     The model part is found from the checkpoint's nesting ({"dcp": {"model": ...}} in AReaL,
     {"model": ..., "optim": ...}, or model keys at the top level as in torchtitan); optimizer and
     other state are left out. A verl folder's huggingface/ config is used when --config-dir is not given.
+
+    The weights must be the whole model config.json describes (dcptool's table of the model kind, else
+    transformers' model built on the meta device): a missing part (a vision tower, MTP layers, an untied
+    lm_head, experts, a norm) or a tensor the model has no place for exits 2 naming it, unless
+    --allow-missing PART or --allow-unexpected accepts it.
 
     Archon and torchtitan names (grouped experts, Llama's interleaved q/k rows) become Hugging Face's;
     the family is detected from the names and printed.
@@ -68,7 +74,7 @@ def export_hf(
     push = HubPush(push_to_hub, private=private, branch=push_branch, commit_message=commit_message) if push_to_hub else None
     report = api.export_hf(source, destination, config_dir=config_dir, family=family,
                            family_options=api.family_options(families.hub().name, hf_experts=hf_experts),
-                           dtype=dtype, selection=selection, format_options=format_options,
+                           dtype=dtype, selection=selection, format_options=format_options, completeness=completeness,
                            lora=Lora(lora, config=lora_config, alpha=lora_alpha) if lora else None, push=push,
                            reading=reading, writing=writing)
     render.written(report)

@@ -17,10 +17,10 @@ from typing import Any, Callable, Literal, Optional
 
 import typer
 
-from dcptool import dtypes, families, formats
+from dcptool import dtypes, families, formats, models
 from dcptool.planning import plans
 from dcptool.cli import render
-from dcptool.options import MeshOptions, Reading, Selection, Side, Writing
+from dcptool.options import Completeness, MeshOptions, Reading, Selection, Side, Writing
 
 # An output: a local Path, or a URL kept as given (storage.output_path decides). Not annotated Path:
 # typer would make the URL "s3://b/x" the path "s3:/b/x".
@@ -149,6 +149,15 @@ MESH = Group(MeshOptions, (
     Flag("dp_replicate", "dp_replicate", int, typer.Option(1, "--dp-replicate", help="HSDP replicas (each holds the dp shards).")),
     Flag("world_size", "world_size", Optional[int], typer.Option(None, "--world-size", help="Ranks of the target job; must equal dp_replicate*dp*cp*tp.")),
     Flag("plan", "plan", str, PlanOption),
+))
+
+
+# What an HF-named output may lack of the model its config describes, or hold beyond it (export-hf, import-hf,
+# convert --adapter hf).
+COMPLETENESS = Group(lambda allow_missing, allow_unexpected: Completeness(allow_missing=tuple(allow_missing or ()),
+                                                                          allow_unexpected=allow_unexpected), (
+    Flag("allow_missing", "allow_missing", Optional[list[str]], typer.Option(None, "--allow-missing", metavar="PART,...", help=f"Accept an output that lacks these parts of the model its config.json describes, which from_pretrained fills with random weights (refused otherwise, exit 2): {', '.join(models.PARTS)}; a comma list, or the flag repeated.")),
+    Flag("allow_unexpected", "allow_unexpected", bool, typer.Option(False, "--allow-unexpected", help="Keep tensors the model of config.json has no place for, which from_pretrained drops (refused otherwise, exit 2).")),
 ))
 
 

@@ -10,12 +10,12 @@ import typer
 from dcptool import families
 from dcptool.cli import render
 from dcptool.cli.app import app
-from dcptool.cli.options import (FORMAT_OPTIONS, MESH, READING, WRITING, CastDtype, ConfigDirOption, DtypeOption,
-                                 Family, LaidOutFormat, OutputLocation, TargetFamilyOption, grouped)
+from dcptool.cli.options import (COMPLETENESS, FORMAT_OPTIONS, MESH, READING, WRITING, CastDtype, ConfigDirOption,
+                                 DtypeOption, Family, LaidOutFormat, OutputLocation, TargetFamilyOption, grouped)
 from dcptool.cli.render import shown
 from dcptool.format_interface import FormatOptions
 from dcptool.models import MEGATRON_SPECS
-from dcptool.options import MeshOptions, Reading, Writing
+from dcptool.options import Completeness, MeshOptions, Reading, Writing
 from dcptool.storage import output_path
 
 
@@ -64,12 +64,13 @@ def import_hf(
     config_dir: Optional[str] = ConfigDirOption,
     dtype: Optional[CastDtype] = DtypeOption,
     lora_folder: Optional[str] = typer.Option(None, "--lora-adapter", metavar="ADAPTER_DIR", help="A PEFT adapter folder to put on the model: the output holds the peft model's state dict (base_layer, lora_A/B.default, ...), as an FSDP job of that model loads it with dcp.load."),
+    completeness: Completeness = COMPLETENESS,
     reading: Reading = READING.only("revision", "dequantize", "max_memory"),
     writing: Writing = WRITING,
 ) -> None:
     """Turn Hugging Face safetensors into a DCP checkpoint that dcp.load reads, laid out for a mesh.
 
-    Without mesh options the weights are one chunk each; with them, chunked as a job on that mesh saves them (see reshard). The folder's config.json is checked against tp and ep. With --adapter archon or torchtitan the weights get that family's names and layout (experts grouped, so --ep works), and an Archon or torchtitan job starts from them with dcp.load.
+    Without mesh options the weights are one chunk each; with them, chunked as a job on that mesh saves them (see reshard). The folder's config.json is checked against tp and ep, and its tensors against the model it describes, as export-hf checks them (--allow-missing, --allow-unexpected). With --adapter archon or torchtitan the weights get that family's names and layout (experts grouped, so --ep works), and an Archon or torchtitan job starts from them with dcp.load.
 
     [bold]Examples[/bold]:
       [cyan]dcptool import-hf Qwen3-8B qwen3-dcp[/cyan]
@@ -85,8 +86,8 @@ def import_hf(
     report = api.import_hf(source, destination, mesh=mesh, family=family,
                            family_options=api.family_options(family, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                                              megatron_spec=megatron_spec),
-                           config_dir=config_dir,
-                           dtype=dtype, lora_folder=lora_folder, reading=reading, writing=writing)
+                           config_dir=config_dir, dtype=dtype, lora_folder=lora_folder, completeness=completeness,
+                           reading=reading, writing=writing)
     _show(report, False)
 
 

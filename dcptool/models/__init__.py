@@ -38,7 +38,7 @@ from dcptool.models.kind import (
 __all__ = ["FAMILIES", "MEGATRON_SPECS", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of",
            "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
-           "peft_trainable"]
+           "peft_trainable", "PARTS", "part_of", "decoder_layer", "extra_weights"]
 
 _HELPERS = {"common", "kind"}
 
@@ -178,3 +178,40 @@ def peft_trainable(name: str) -> bool:
 def grouped_experts(name: str, shape: Shape) -> bool:
     """Whether a model tensor holds routed experts grouped as ``[E, ...]`` (a name part ``expert(s)``, 3 dims or more)."""
     return len(shape) >= 3 and shape[0] > 1 and bool(common.GROUPED_EXPERTS.search(name))
+
+
+PARTS: dict[str, str] = {part: what for part, what, _ in common.PARTS}
+"""The parts of a model ``part_of`` tells (``vision``, ``mtp``, ``lm_head`` ...), each with what it is called."""
+
+
+def part_of(name: str, config: dict | None) -> str:
+    """The part of its model (a key of ``PARTS``) the tensor of HF name ``name`` belongs to: a layer numbered at or
+    after ``config``'s main layers (``num_hidden_layers``) is a prediction layer (``mtp``).
+
+    >>> part_of("visual.blocks.0.attn.qkv.weight", {}), part_of("model.layers.3.enorm.weight", {"num_hidden_layers": 3})
+    ('vision', 'mtp')
+    """
+    found = [part for part, _, pattern in common.PARTS if pattern.search(name)]
+    if found[0] in ("vision", "audio"):
+        return found[0]
+    layer = decoder_layer(name)
+    main = text_config(config).get("num_hidden_layers")
+    if layer is not None and isinstance(main, int) and layer >= main:
+        return "mtp"
+    return found[0]
+
+
+def decoder_layer(name: str) -> int | None:
+    """The number of the language model's decoder layer an HF name is in (``model.layers.3.*``,
+    ``model.language_model.layers.3.*``); None outside its layers."""
+    match = common.DECODER_LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def extra_weights(config: dict | None, fused: bool = False) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """The weights (HF names, shapes) of the layers after the main ones that ``config``'s kind declares
+    (``ModelKind.extra_weights``: DeepSeek's prediction layers) and that transformers does not build, as (required,
+    optional); none for a kind without them, or a config that counts none."""
+    inner = text_config(config)
+    kind = kind_of(inner)
+    return kind.extra_weights(inner, fused) if kind and kind.extra_weights else ({}, {})

@@ -80,6 +80,25 @@ RECOMPUTED = (
 )
 
 
+def released_mtp_weights(config: dict, count_field: str, layer_weights: Callable[[int], dict[str, Shape]]
+                         ) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """The weights of the ``config[count_field]`` prediction layers after the main ones, as DeepSeek-V3's release
+    holds them (``model.layers.61`` of the 671B model; GLM-4.5's the same): a decoder layer (its norms and
+    ``layer_weights(layer)``), the norms of the embedding and of the hidden state, their projection and a final norm
+    (required); and copies of the embedding and the head (optional: the main ones serve, and torchtitan's and
+    Megatron-Core's prediction layers share them)."""
+    hidden, vocab, main = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    required, copies = {}, {}
+    for layer in range(main, main + int(config.get(count_field) or 0)):
+        own = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+               **layer_weights(layer), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+               "eh_proj.weight": (hidden, 2 * hidden), "shared_head.norm.weight": (hidden,)}
+        required.update((f"model.layers.{layer}.{name}", shape) for name, shape in own.items())
+        copies.update({f"model.layers.{layer}.embed_tokens.weight": (vocab, hidden),
+                       f"model.layers.{layer}.shared_head.head.weight": (vocab, hidden)})
+    return required, copies
+
+
 def released_mtp_rows(layer: list[Row]) -> list[Row]:
     """A multi-token-prediction layer as DeepSeek-V3's release holds it (GLM-4.5's the same), numbered after the
     main layers (``model.layers.{num_hidden_layers + n}``): a decoder layer of ``layer``'s rows, norms of the
@@ -353,3 +372,22 @@ OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
 # Routed experts of any MoE: a grouped [E, ...] tensor (a name part "expert(s)") or one per expert.
 GROUPED_EXPERTS = re.compile(r"(^|[._])experts?([._]|$)")
 PER_EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)\.(.+)$")  # model.layers.3.mlp.experts.17.up_proj.weight
+
+# The parts of any model a tensor belongs to, by its HF name (saved or as transformers v5 names it): what
+# an export that lacks a tensor lacks, and what ``--allow-missing`` accepts. (part, what it is called,
+# pattern), the first match wins; the prediction layers (``mtp``) are also told by their layer number
+# (``part_of``), and whatever matches nothing else is ``other``.
+PARTS = (
+    ("vision", "vision tower",
+     re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|multi_modal_projector|mm_projector)\.")),
+    ("audio", "audio tower", re.compile(r"(^|\.)(audio_tower|audio_model|audio_encoder)\.")),
+    ("mtp", "MTP layers", re.compile(r"(^|\.)mtp")),
+    ("lm_head", "lm_head", OUTPUT_EMBEDDING),
+    ("embeddings", "embeddings", INPUT_EMBEDDING),
+    ("experts", "experts", GROUPED_EXPERTS),
+    ("norms", "norms", re.compile(r"norm[^.]*\.(weight|bias)$")),
+    ("layers", "decoder layers", re.compile(r"(^|\.)layers\.\d+\.")),
+    ("other", "other tensors", re.compile("")),
+)
+# A decoder layer's number in HF names, in a language model alone or inside a multimodal one.
+DECODER_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")

@@ -66,16 +66,23 @@ MEGATRON_MTP = common.MEGATRON_RELEASED_MTP
 
 def hf_weights(config: dict, fused: bool) -> dict:
     """Latent attention; routed experts (with their score bias) and shared ones from layer ``first_k_dense_replace`` on."""
-    def layer_weights(layer: int) -> dict:
-        if layer < config.get("first_k_dense_replace", 0):
-            return {**latent_attention_weights(config), **common.dense_layer_mlp(config)}
-        experts = common.required_experts(KIND, config)
-        shared = config["moe_intermediate_size"] * config["n_shared_experts"]
-        return {**latent_attention_weights(config), **common.routed_experts_weights(config, experts, fused),
-                "mlp.gate.e_score_correction_bias": (experts,),
-                **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+    return common.decoder_weights(config, lambda layer: layer_weights(config, layer, fused))
 
-    return common.decoder_weights(config, layer_weights)
+
+def layer_weights(config: dict, layer: int, fused: bool) -> dict:
+    """A decoder layer's attention and MLP (its norms apart): dense below ``first_k_dense_replace``, MoE from it on."""
+    if layer < config.get("first_k_dense_replace", 0):
+        return {**latent_attention_weights(config), **common.dense_layer_mlp(config)}
+    experts = common.required_experts(KIND, config)
+    shared = config["moe_intermediate_size"] * config["n_shared_experts"]
+    return {**latent_attention_weights(config), **common.routed_experts_weights(config, experts, fused),
+            "mlp.gate.e_score_correction_bias": (experts,),
+            **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+
+
+def prediction_weights(config: dict, fused: bool) -> tuple[dict, dict]:
+    """The prediction layers' weights (``common.released_mtp_weights``): required, and the optional copies."""
+    return common.released_mtp_weights(config, KIND.extra_layers, lambda layer: layer_weights(config, layer, fused))
 
 
 def latent_attention_weights(config: dict) -> dict:
@@ -107,6 +114,7 @@ KIND = ModelKind(
     hf_weights=hf_weights,
     **common.moe_kind_fields(EXPERT_FIELDS),
     extra_layers="num_nextn_predict_layers",
+    extra_weights=prediction_weights,
     megatron=MEGATRON,
     megatron_mtp=MEGATRON_MTP,
 )

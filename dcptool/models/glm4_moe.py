@@ -24,17 +24,24 @@ EXPERT_BIAS = "mlp.gate.e_score_correction_bias"
 def hf_weights(config: dict, fused: bool) -> dict:
     """q/k/v biases (``attention_bias``), q/k norms (``use_qk_norm``); routed experts with their score bias and
     ``n_shared_experts`` shared ones from layer ``first_k_dense_replace`` on."""
-    def layer_weights(layer: int) -> dict:
-        attention = common.attention_weights(config, qkv_bias=bool(config.get("attention_bias")), o_bias=False,
-                                             qk_norms=bool(config.get("use_qk_norm")))
-        if layer < config.get("first_k_dense_replace", 1):
-            return {**attention, **common.dense_layer_mlp(config)}
-        experts = common.required_experts(KIND, config)
-        shared = config["moe_intermediate_size"] * config.get("n_shared_experts", 1)
-        return {**attention, **common.routed_experts_weights(config, experts, fused), EXPERT_BIAS: (experts,),
-                **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+    return common.decoder_weights(config, lambda layer: layer_weights(config, layer, fused))
 
-    return common.decoder_weights(config, layer_weights)
+
+def layer_weights(config: dict, layer: int, fused: bool) -> dict:
+    """A decoder layer's attention and MLP (its norms apart): dense below ``first_k_dense_replace``, MoE from it on."""
+    attention = common.attention_weights(config, qkv_bias=bool(config.get("attention_bias")), o_bias=False,
+                                         qk_norms=bool(config.get("use_qk_norm")))
+    if layer < config.get("first_k_dense_replace", 1):
+        return {**attention, **common.dense_layer_mlp(config)}
+    experts = common.required_experts(KIND, config)
+    shared = config["moe_intermediate_size"] * config.get("n_shared_experts", 1)
+    return {**attention, **common.routed_experts_weights(config, experts, fused), EXPERT_BIAS: (experts,),
+            **common.dense_mlp_weights("mlp.shared_experts", config["hidden_size"], shared, False)}
+
+
+def prediction_weights(config: dict, fused: bool) -> tuple[dict, dict]:
+    """The prediction layers' weights (``common.released_mtp_weights``): required, and the optional copies."""
+    return common.released_mtp_weights(config, KIND.extra_layers, lambda layer: layer_weights(config, layer, fused))
 
 
 LAYER = [*common.LAYER_NORMS, *common.attention_rows(rope=False, biases=True, qk_norms=True), *common.dense_mlp_rows(),
@@ -57,6 +64,7 @@ KIND = ModelKind(
     hf_weights=hf_weights,
     **common.moe_kind_fields(EXPERT_FIELDS),
     extra_layers="num_nextn_predict_layers",
+    extra_weights=prediction_weights,
     megatron=MEGATRON,
     megatron_mtp=common.MEGATRON_RELEASED_MTP,
     # Megatron-LM's args of a GLM-4.5 run (Megatron-Bridge's GLM-4.5 model): its routing in one group

@@ -136,7 +136,9 @@ class ModelKind:
     kind's own. ``divisors``: config counts tp / ep must divide. ``fsdp_units``: regular expressions
     for the layers FSDP wraps as units of their own (``model.layers.N``). ``extra_layers``: the
     config field counting layers after the main ones that transformers ignores (DeepSeek's
-    prediction layers). ``megatron``: its decoder layers' tensors in Megatron-Core's names (none: no
+    prediction layers); ``extra_weights(config, fused)``: their weights (HF names, shapes), as the
+    kind's released checkpoints hold them: (required, optional), an export holding the required ones too;
+    optional, the copies of main weights it may repeat. ``megatron``: its decoder layers' tensors in Megatron-Core's names (none: no
     Megatron table); ``megatron_mtp``: its prediction layers' in Megatron-Core's (none: not mapped).
     ``args_config``: the fields of its HF config.json that Megatron-LM's ``args`` do not say (its class,
     biases it never has), for a kind whose whole model ``args`` describe (a SwiGLU decoder with RMSNorm and
@@ -155,6 +157,7 @@ class ModelKind:
     divisors: tuple[Divisor, ...] = ()
     fsdp_units: tuple[str, ...] = ()
     extra_layers: str | None = None
+    extra_weights: Callable[[dict, bool], tuple[dict[str, Shape], dict[str, Shape]]] | None = None
     megatron: tuple[MegatronName, ...] = ()
     megatron_mtp: MegatronMTP | None = None
     args_config: dict | None = None

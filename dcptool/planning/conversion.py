@@ -33,6 +33,7 @@ from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor, Te
 from dcptool.errors import UsageError, option
 from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import Format, FormatOptions, Output, OutputRequest
+from dcptool.options import Completeness
 from dcptool.sizes import DEFAULT_MAX_MEMORY
 from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
 
@@ -425,9 +426,13 @@ class Conversion:
 
 
 def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None = None, *,
-                 family: str | None = None, config_dir: str | Path | None = None) -> Conversion:
+                 family: str | None = None, config_dir: str | Path | None = None,
+                 completeness: Completeness | None = None) -> Conversion:
     """What ``dcptool convert`` writes: what format ``to`` holds of the checkpoint (every key as saved unless
     the format says otherwise), under the names of naming family ``family``; ``request`` carries the output's options.
+
+    Renamed to the hub's names (HF), its model weights are checked against the model the config describes
+    (``dcptool.planning.completeness``), unless ``completeness`` is None.
     """
     fmt = formats.get(to)
     request = request or OutputRequest()
@@ -436,17 +441,38 @@ def plan_convert(checkpoint: Checkpoint, to: str, request: OutputRequest | None 
     renamed, notes, made = adapted(checkpoint, family, config_dir=config_dir)
     planned = Conversion.of(renamed, to, fmt.plan_output(renamed, request), notes)
     planned.keep_config(kept_config(checkpoint, config_dir, made, request.dtype))
+    if completeness is not None and family is not None and families.get(family).hub:
+        config_dir = config_dir or renamed.info.get("hf_config_dir")
+        written = {id(t.source) for t in planned.tensors}
+        weights = [name for name, entry in model_part(renamed).items() if id(entry) in written]
+        config = read_config(config_dir) if config_dir is not None else made
+        planned.notes += _complete(config, weights, completeness, renamed, config_dir)
     return planned
+
+
+def _complete(config: dict | None, names, completeness: Completeness, checkpoint: Checkpoint,
+              config_dir: str | Path | None) -> list[str]:
+    """``completeness.check`` of an output's HF names against ``config`` (``config_dir``'s, or one made from the
+    run when None); its notes."""
+    from dcptool.planning import completeness as complete
+    from dcptool.storage import CheckpointFiles
+
+    where = ("the config.json made from the run" if config_dir is None
+             else str(CheckpointFiles(config_dir).path("config.json")))
+    return complete.check(config, names, completeness, str(checkpoint.root), where)
 
 
 def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = None, prefix: str | None = None,
                    dtype: str | None = None, include: str | None = None, exclude: str | None = None,
                    family: str = "auto", family_options: FamilyOptions | None = None,
-                   format_options: FormatOptions | None = None, lora: LoraRequest | None = None) -> Conversion:
+                   format_options: FormatOptions | None = None, lora: LoraRequest | None = None,
+                   completeness: Completeness | None = None) -> Conversion:
     """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files;
     with ``lora.mode == "adapter"``, a PEFT adapter folder instead. ``format_options``: the hf format's.
 
-    A config.json the weights do not fit is refused here, before anything is written (``dcptool.planning.hf_config``).
+    A config.json the weights do not fit is refused here, before anything is written (``dcptool.planning.hf_config``),
+    and so are weights that lack parts of its model or hold more, unless ``completeness`` accepts them (None: not
+    checked; ``dcptool.planning.completeness``).
     """
     from dcptool.planning import hf_config
 
@@ -464,6 +490,8 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
                      f"give the model's config folder with {option('config_dir')}")
     else:
         config = _as_dequantized(config, checkpoint)
+    if completeness is not None:
+        notes += _complete(config, [t.key for t in tensors], completeness, checkpoint, config_dir)
     options = format_options.writer_options() if format_options else {}
     selected = f", as selected by {option('include')}/{option('exclude')}" if include or exclude else ""
     why = "export-hf writes model weights only" + selected

@@ -2,10 +2,11 @@
 
 For the model kinds dcptool knows (``dcptool.models``) the config gives every weight's name and
 shape, as transformers builds the model (hidden_size, num_hidden_layers, heads, kv heads, head_dim,
-intermediate_size, vocab_size, experts, DeepSeek's latent attention ranks): a weight missing, one
-too many, or one of another shape is refused, the first misfit named. For other kinds the config
-must at least name its ``model_type`` (what the Auto classes of transformers dispatch on). No
-torch: the shapes are worked out from the config alone, by the kind.
+intermediate_size, vocab_size, experts, DeepSeek's latent attention ranks): a weight of another shape
+is refused, the first misfit named (which weights are missing or too many is
+``dcptool.planning.completeness``'s to say). For other kinds the config must at least name its
+``model_type`` (what the Auto classes of transformers dispatch on). No torch: the shapes are worked
+out from the config alone, by the kind.
 
 >>> config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8,
 ...           "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16, "vocab_size": 10}
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 # Buffers some saves keep and transformers recomputes: allowed, never required.
 RECOMPUTED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def export_config(config_dir: str | Path | None, tensors: list[OutTensor], dtype: str | None,
@@ -80,25 +80,17 @@ def misfit(config: dict[str, Any], shapes: dict[str, Shape]) -> str | None:
     kind = models.kind_of(config)
     if kind is None:
         return None
+    fused = any(".experts.gate_up_proj" in n for n in shapes)
     try:
-        required, optional = expected_weights(config, kind, fused=any(".experts.gate_up_proj" in n for n in shapes))
+        required, optional = expected_weights(config, kind, fused)
+        extra, copies = models.extra_weights(config, fused)
+        shapes_given = {**optional, **copies, **extra, **required}
     except (KeyError, TypeError) as exc:
         return f"{kind.name} config without a usable {exc}"
-    extra_layers = int(config.get(kind.extra_layers) or 0) if kind.extra_layers else 0
-    layers = int(config["num_hidden_layers"])
     for name, shape in shapes.items():
-        expected = required.get(name, optional.get(name))
-        if expected is None:
-            layer = _LAYER.match(name)
-            if RECOMPUTED.search(name) or (layer and layers <= int(layer.group(1)) < layers + extra_layers):
-                continue  # a recomputed buffer, or a DeepSeek prediction layer (transformers ignores them)
-            return f"{name} {list(shape)}: no such weight in a {kind.name} model with this config"
-        if tuple(shape) != expected:
+        expected = shapes_given.get(name)
+        if expected is not None and tuple(shape) != expected:
             return f"{name}: the config gives shape {list(expected)}, the tensors {list(shape)}"
-    missing = [name for name in required if name not in shapes]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        return f"{missing[0]} {list(required[missing[0]])}: the config needs it, the tensors lack it{more}"
     return None
 
 

@@ -53,6 +53,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
         "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+        # transformers builds no prediction layers: its config's default of one would describe a layer the
+        # saved model lacks (save_hf_with_mtp adds them, and sets the count)
+        "num_nextn_predict_layers": 0,
     }),
 }
 
@@ -68,6 +71,20 @@ HF_ONLY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                               "partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_routed_experts": 4,
                               "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1}),
+}
+
+# Vision-language models (transformers' image-text-to-text classes: a language model and a vision tower), tiny:
+# model_type -> config fields.
+VL_MODELS: dict[str, dict[str, Any]] = {
+    "qwen2_5_vl": {"text_config": {**_DENSE, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+                   "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
+                                     "out_hidden_size": 64, "fullatt_block_indexes": [1]},
+                   "tie_word_embeddings": False},
+    "qwen3_vl": {"text_config": {**_DENSE, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+                 "vision_config": {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48,
+                                   "out_hidden_size": 64, "deepstack_visual_indexes": [0, 1],
+                                   "num_position_embeddings": 64},
+                 "tie_word_embeddings": False},
 }
 
 # ---------------------------------------------------------------------------
@@ -309,6 +326,13 @@ def save_hf(name: str, folder: str | Path, seed: int = 0, **overrides) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(name, **overrides)).float()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
+def randomize(model, seed: int) -> None:
+    """Every parameter and persistent buffer of ``model`` drawn from ``seed``, norm weights around 1."""
     persistent = set(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -317,6 +341,18 @@ def save_hf(name: str, folder: str | Path, seed: int = 0, **overrides) -> Path:
                 continue
             values = 0.05 * torch.randn(tensor.shape, generator=gen)
             tensor.copy_(values + 1.0 if tensor_name.endswith("norm.weight") else values)
+
+
+def save_vl(kind: str, folder: str | Path, seed: int = 0) -> Path:
+    """A random tiny vision-language model of VL_MODELS written with save_pretrained (which writes transformers
+    v5's checkpoint names: ``visual.*`` and ``model.*`` for Qwen2.5-VL, whose model names them ``model.visual.*``
+    and ``model.language_model.*``)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(kind, **VL_MODELS[kind])
+    model = AutoModelForImageTextToText.from_config(config).float()
+    randomize(model, seed)
     model.save_pretrained(folder)
     return Path(folder)
 
