@@ -12,7 +12,8 @@ mapping's (so the mapping names every tensor Megatron saves); dcptool's export o
 folder, bitwise, and ``from_pretrained`` gives its logits; dcptool's import is loaded by Megatron's own
 ``dist_checkpointing.load`` at TP=1 x EP=2 in one job, holding the same weights, with the ``_extra_state`` objects
 Megatron's own save has, and Megatron's forward of it gives transformers' logits. Needs megatron-core (skipped
-without it).
+without it). And the release's MXFP4 experts into Megatron's names in one step, held against the mapping of
+transformers' own dequantization.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from harness.family_models import load_hf_state, read_config, save_hf
 from harness.megatron_gpt_oss import checkpoint_weights
 from harness.megatron_weights import padded_vocab
 from harness.runtime import reference_dir
+from test_megatron_names import load_global
+from test_mxfp4 import gpt_oss as mxfp4_release  # noqa: F401 (a fixture: the release and transformers' dequantization)
+from test_mxfp4 import reference_state
 
 TOKENS = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(0))
 ITERATION = "iter_0000100"
@@ -121,3 +125,21 @@ def test_megatron_loads_dcptools_gpt_oss_import(gpt_oss_run, tmp_path):
     for key, tensor in mapped.items():
         assert torch.equal(loaded[key], tensor), key
     assert_logits(loaded, hf)
+
+
+def test_release_with_mxfp4_experts_into_megatron(mxfp4_release, tmp_path):
+    """GPT-OSS as released (MXFP4 experts, ``X_blocks`` + ``X_scales``) into Megatron's names in one step,
+    ``import-hf --adapter megatron --dequantize``: the experts dequantized and taken apart as they are read, within
+    a small --max-memory; torch's dcp.load of the output holds the mapping's Megatron tensors of the model
+    transformers dequantizes from the release, bitwise."""
+    release, reference = mxfp4_release
+    out = tmp_path / "mcore"
+    result = dcptool("import-hf", release, out, "--adapter", "megatron", "--dequantize", "--max-memory", "64KiB")
+    assert "dequantized 4 MXFP4 tensors to bfloat16" in result.stderr
+    config = reference.config.to_dict()
+    mapped = checkpoint_weights(reference_state(reference), config, padded_vocab(config["vocab_size"], 1))
+    described = json.loads(dcptool("inspect", out, "--json").stdout)["tensors"]
+    assert set(described) == set(mapped) and {t["dtype"] for t in described.values()} == {"bfloat16"}
+    read = load_global(out, {key: tensor.shape for key, tensor in mapped.items()})  # float32: bf16 exactly
+    for key, tensor in mapped.items():
+        assert torch.equal(read[key], tensor.float()), key
