@@ -37,7 +37,8 @@ ITERATION = "iter_0000100"
 
 @pytest.fixture(scope="module")
 def gpt_oss_run(megatron_runs, tmp_path_factory):
-    """(transformers folder, Megatron's own TP=2 x EP=2 save of it, its tokens file)."""
+    """(transformers folder, Megatron's own TP=2 x EP=2 save of it with an optimizer state in fully_reshardable
+    form, its tokens file)."""
     root = tmp_path_factory.mktemp("megatron-gpt-oss")
     hf = save_hf("gpt_oss", root / "hf", seed=7)
     config = read_config(hf)
@@ -49,7 +50,8 @@ def gpt_oss_run(megatron_runs, tmp_path_factory):
                "--num-layers", config["num_hidden_layers"], "--hidden", config["hidden_size"],
                "--heads", config["num_attention_heads"], "--kv-groups", config["num_key_value_heads"],
                "--kv-channels", config["head_dim"], "--experts", config["num_local_experts"],
-               "--vocab", config["vocab_size"], "--divisible-by", 128, "--weights", weights, "--tokens", tokens]
+               "--vocab", config["vocab_size"], "--divisible-by", 128, "--weights", weights, "--tokens", tokens,
+               "--optimizer"]
     run = megatron_runs("gpt-oss-tp2-ep2", 4, [str(option) for option in options])
     return hf, run, tokens
 
@@ -107,6 +109,29 @@ def test_export_of_megatrons_gpt_oss_save(gpt_oss_run, tmp_path):
         assert torch.equal(source[key], exported[key]), key
     assert torch.equal(hf_logits(export), hf_logits(hf))
     assert "compared bitwise" in dcptool("verify", run / ITERATION, export).stdout
+
+
+def test_optimizer_state_follows_its_parameter_into_hf_names(gpt_oss_run, tmp_path):
+    """convert to an HF-named DCP: the fully_reshardable optimizer state of each weight taken apart as the weight is
+    (the experts' gate and up columns interleaved, down_proj transposed), so each slot keeps its relation to its
+    weight (harness.megatron's optimizer: param = the weight, exp_avg = 0.1 x, exp_avg_sq = its square, made in
+    Megatron's layout), and the weights are the transformers model's."""
+    import torch.distributed.checkpoint as dcp
+
+    hf, run, _ = gpt_oss_run
+    out = tmp_path / "hf-dcp"
+    dcptool("convert", run / ITERATION, out, "--to", "dcp", "--adapter", "hf", "--config-dir", hf)
+    names = json.loads(dcptool("inspect", out, "--json").stdout)["tensors"]
+    source = load_hf_state(hf)
+    for weight in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj_bias",
+                   "model.layers.1.mlp.experts.down_proj", "model.layers.0.self_attn.sinks"):
+        slots = {slot: f"optimizer.state.{weight}.{slot}" for slot in ("param", "exp_avg", "exp_avg_sq")}
+        state = {key: torch.empty(names[key]["shape"]) for key in (weight, *slots.values())}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(out), no_dist=True)
+        assert torch.equal(state[weight], source[weight]), weight
+        assert torch.equal(state[slots["param"]], source[weight]), weight
+        assert torch.equal(state[slots["exp_avg"]], source[weight] * 0.1), weight
+        assert torch.equal(state[slots["exp_avg_sq"]], source[weight] ** 2), weight
 
 
 def test_megatron_loads_dcptools_gpt_oss_import(gpt_oss_run, tmp_path):
