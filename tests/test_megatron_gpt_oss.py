@@ -152,7 +152,7 @@ def test_megatron_loads_dcptools_gpt_oss_import(gpt_oss_run, tmp_path):
     assert_logits(loaded, hf)
 
 
-def test_release_with_mxfp4_experts_into_megatron(mxfp4_release, tmp_path):
+def test_release_with_mxfp4_experts_into_megatron(mxfp4_release, tmp_path):  # noqa: F811 (the fixture above)
     """GPT-OSS as released (MXFP4 experts, ``X_blocks`` + ``X_scales``) into Megatron's names in one step,
     ``import-hf --adapter megatron --dequantize``: the experts dequantized and taken apart as they are read, within
     a small --max-memory; torch's dcp.load of the output holds the mapping's Megatron tensors of the model
