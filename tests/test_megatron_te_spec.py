@@ -18,8 +18,9 @@ dcptool's tables):
   (``column_parallel_layer_norm_linear``), as the linear's ``layer_norm_weight``; then under the layer spec's
   ``sharded_state_dict_keys_map`` (the local spec's renames its norms to the fused names).
 * The local names of each norm, to the TE names of the same norm, rename the local save's keys: the keys Megatron's
-  local GPTModel saves (the harness's mappings, ``megatron_weights`` / ``megatron_deepseek``, checked against
-  Megatron's own saves in test_megatron_jobs.py and test_megatron_deepseek.py).
+  local GPTModel saves (the harness's mappings, ``megatron_weights`` / ``megatron_deepseek`` /
+  ``megatron_gpt_oss``, checked against Megatron's own saves in test_megatron_jobs.py, test_megatron_deepseek.py
+  and test_megatron_gpt_oss.py).
 
 Checked for every kind with Megatron names: the TE import holds exactly the renamed keys, with the local
 mapping's values (and the local import's); the ``_extra_state`` objects of the norms TE keeps as modules of their
@@ -40,7 +41,7 @@ from harness.megatron_deepseek import checkpoint_weights, save_hf_with_mtp
 from harness.megatron_weights import checkpoint_keys, megatron_weights, padded_vocab
 from test_megatron_names import common_state, load_global
 
-KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")
 MTP_LAYERS = 1  # DeepSeek-V3's prediction layers
 
 # Each norm of a decoder layer, by its place in the layer's submodules, and the linear layer that reads its output
@@ -105,6 +106,10 @@ def layer_specs(hf_config: dict, transformer_engine: bool) -> tuple[list, object
         from harness.megatron_deepseek import transformer_config
 
         config = transformer_config(hf_config, MTP_LAYERS)
+    elif hf_config["model_type"] == "gpt_oss":
+        from harness.megatron_gpt_oss import transformer_config
+
+        config = transformer_config(hf_config)
     else:
         from harness.megatron_weights import transformer_config
 
@@ -178,6 +183,10 @@ def local_weights(hf: Path) -> dict[str, torch.Tensor]:
     rows = padded_vocab(config["vocab_size"], 1)
     if config["model_type"] == "deepseek_v3":
         return checkpoint_weights(load_hf_state(hf), config, rows, MTP_LAYERS)
+    if config["model_type"] == "gpt_oss":
+        from harness import megatron_gpt_oss
+
+        return megatron_gpt_oss.checkpoint_weights(load_hf_state(hf), config, rows)
     return checkpoint_keys(megatron_weights(load_hf_state(hf), config, rows), config)
 
 

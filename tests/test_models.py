@@ -27,6 +27,8 @@ def _variants() -> list[tuple[str, dict]]:
             found.append((f"{name}+no_q_lora", {**config, "q_lora_rank": None, "first_k_dense_replace": 0}))
             # Kimi-K2: DeepSeek-V3's fields under its own model_type (transformers builds DeepSeek-V3's model)
             found.append(("kimi_k2", {**config, "model_type": "kimi_k2"}))
+        if kind == "gpt_oss":
+            found.append((f"{name}+no_attention_bias", {**config, "attention_bias": False}))
         if kind == "glm4_moe":
             found += [(f"{name}+no_qk_norm", {**config, "use_qk_norm": False, "attention_bias": False}),
                       (f"{name}+no_dense_layer", {**config, "first_k_dense_replace": 0, "n_shared_experts": 2})]
@@ -73,8 +75,8 @@ def test_completeness_by_the_table_is_transformers_own(name, config):
 
 
 def test_every_kind_is_one_module():
-    assert sorted(models.kinds()) == ["deepseek_v3", "glm4_moe", "kimi_k2", "llama", "qwen2", "qwen2_moe", "qwen3",
-                                      "qwen3_moe"]
+    assert sorted(models.kinds()) == ["deepseek_v3", "glm4_moe", "gpt_oss", "kimi_k2", "llama", "qwen2", "qwen2_moe",
+                                      "qwen3", "qwen3_moe"]
     for kind in models.kinds().values():
         assert type(kind).__module__ == "dcptool.models.kind"
         # layers after the main ones need their weights declared: exports must hold them (planning.completeness)

@@ -148,6 +148,88 @@ def cat(tensors: list[TensorInfo], dim: int, path: Path) -> TensorInfo:
     return _with_values(TensorInfo(path, first.dtype, shape, chunks), tensors, parts)
 
 
+def transpose(tensor: TensorInfo, dim0: int, dim1: int, path: Path) -> TensorInfo:
+    """``tensor`` with dims ``dim0`` and ``dim1`` swapped (GPT-OSS's experts ``[E, in, out]`` as ``[E, out, in]``)."""
+    ndim = len(tensor.shape)
+    axes = list(range(ndim))
+    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
+    shape = tuple(tensor.shape[a] for a in axes)
+    view = TensorInfo(path, tensor.dtype, shape, _box(tensor, [0] * ndim, list(tensor.shape), axes, (0,) * ndim))
+    return _with_values(view, [tensor], [(tensor, (0,) * ndim, shape, (0,) * ndim, [_unit(a, ndim) for a in axes])])
+
+
+def strided(tensor: TensorInfo, dim: int, start: int, step: int, path: Path) -> TensorInfo:
+    """``tensor[..., start::step, ...]`` along ``dim`` (one of gate and up where they alternate)."""
+    ndim = len(tensor.shape)
+    count = max(0, -(-(tensor.shape[dim] - start) // step))
+    steps = [tuple(step if k == dim else 0 for k in range(ndim)) if d == dim else _unit(d, ndim) for d in range(ndim)]
+    chunks = []
+    for chunk in tensor.chunks:
+        if not chunk.numel:
+            continue
+        low, high = chunk.offsets[dim], chunk.offsets[dim] + chunk.sizes[dim]
+        # the picked elements start + i*step that lie in [low, high)
+        first, stop = max(0, -(-(low - start) // step)), min(count, -(-(high - start) // step))
+        if first >= stop:
+            continue
+        offsets = tuple(first if d == dim else o for d, o in enumerate(chunk.offsets))
+        sizes = tuple(stop - first if d == dim else n for d, n in enumerate(chunk.sizes))
+        within = tuple(start + first * step - low if d == dim else 0 for d in range(ndim))
+        chunks.append(_viewed(chunk, offsets, sizes, within, steps))
+    shape = tuple(count if d == dim else n for d, n in enumerate(tensor.shape))
+    origin = tuple(start if d == dim else 0 for d in range(ndim))
+    return _with_values(TensorInfo(path, tensor.dtype, shape, chunks), [tensor],
+                        [(tensor, (0,) * ndim, shape, origin, steps)])
+
+
+def interleave(tensors: list[TensorInfo], dim: int, path: Path) -> TensorInfo:
+    """Element ``i`` along ``dim`` is element ``i // n`` of ``tensors[i % n]`` (GPT-OSS's gate and up columns,
+    alternating). No affine map of stored chunks makes it, so its values are computed as they are read
+    (``Interleaved``); its chunks, the first tensor's stretched along ``dim``, give the layout."""
+    first = _same(tensors, path, dims=None)
+    count = len(tensors)
+    chunks = []
+    for chunk in first.chunks:
+        base = chunk.view.base if chunk.view is not None else chunk
+        chunks.append(Chunk(tuple(o * count if d == dim else o for d, o in enumerate(chunk.offsets)),
+                            tuple(n * count if d == dim else n for d, n in enumerate(chunk.sizes)),
+                            base.file, base.offset, base.length, base.encoding, None, base.rank))
+    shape = tuple(n * count if d == dim else n for d, n in enumerate(first.shape))
+    return TensorInfo(path, first.dtype, shape, chunks, Interleaved(tuple(tensors), dim))
+
+
+@dataclass(frozen=True, eq=False)
+class Interleaved(Computed):
+    """The values of ``interleave``: each source's share of a region read into its place, every n-th along ``dim``."""
+
+    tensors: tuple[TensorInfo, ...]
+    dim: int
+
+    @property
+    def work_bytes(self) -> int:
+        """A source's share read apart before it is placed, and what the source computes."""
+        return dtypes.dtype(self.tensors[0].dtype).itemsize + max(
+            (t.transform.work_bytes for t in self.tensors if t.transform is not None), default=0)
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        found = {id(c): c for t in self.tensors if t.transform is not None for c in t.transform.others()}
+        return tuple(found.values())
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        count, dim = len(self.tensors), self.dim
+        begin, end = offsets[dim], offsets[dim] + sizes[dim]
+        for which, tensor in enumerate(self.tensors):
+            first = begin + (which - begin) % count  # the region's first element of this source
+            if first >= end:
+                continue
+            picked = len(range(first, end, count))
+            part_offsets = tuple(first // count if d == dim else o for d, o in enumerate(offsets))
+            part_sizes = tuple(picked if d == dim else n for d, n in enumerate(sizes))
+            values = np.empty(part_sizes, dtype=out.dtype)
+            checkpoint.read_region(tensor, part_offsets, part_sizes, values, scratch, passing=True)
+            out[(slice(None),) * dim + (slice(first - begin, None, count),)] = values
+
+
 def permute_rows(tensor: TensorInfo, rows: list[int], path: Path) -> TensorInfo:
     """Row ``i`` of the view is row ``rows[i]`` of ``tensor`` (dim 0; Llama's RoPE permutation of q and k).
 

@@ -55,8 +55,10 @@ class MegatronName:
 
     ``how`` it holds them: ``plain`` (the one tensor), ``qkv`` (q, k and v rows grouped per query group:
     ``[groups, (q_per_group + 2) x head_dim, ...]``), ``halves`` (gate and up stacked on dim 0, Megatron's
-    SwiGLU ``linear_fc1``), ``experts`` (``[E, ...]``, one HF tensor per expert ``{E}``) and
-    ``expert_halves`` (``[E, gate; up, ...]``).
+    SwiGLU ``linear_fc1``), ``experts`` (``[E, ...]``, one HF tensor per expert ``{E}``),
+    ``expert_halves`` (``[E, gate; up, ...]``), and for HF tensors that hold every expert: ``transposed`` (HF's
+    ``[E, b, a]`` is Megatron's ``[E, a, b]``) and ``interleaved`` (Megatron's gate and up halves of dim 1 are
+    HF's last dim, gate and up alternating, gate first; a 3-D ``[E, gate; up, H]`` is HF's ``[E, H, 2F]``).
     ``saved_by``: the layer specs (``MEGATRON_SPECS``) that save the tensor under this name, in every layer
     (``"te"``) or in their dense or MoE layers only (``"te:dense"``, ``"te:moe"``); none: a name dcptool reads
     but does not write. Every name is read, whichever spec saved it.

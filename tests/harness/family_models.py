@@ -71,6 +71,10 @@ HF_ONLY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                               "partial_rotary_factor": 0.5, "first_k_dense_replace": 1, "n_routed_experts": 4,
                               "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                               "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1}),
+    # GPT-OSS's shape (its bf16 layout): q/k/v/o biases, a sink per head, sliding windows of 4 tokens every other
+    # layer, YaRN RoPE (its default: 32 x 4096 positions), every layer a MoE with a biased router and experts with biases
+    "gpt_oss": ("gpt_oss", {**_DENSE, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                            "sliding_window": 4, "max_position_embeddings": 4096 * 32}),
 }
 
 # Vision-language models (transformers' image-text-to-text classes: a language model and a vision tower), tiny:

@@ -20,7 +20,8 @@ weights into the model before saving (the model's own random init otherwise); ``
 writes the logits of the model's forward before saving to ``RUN.reference/logits.pt`` (``logits``' dict: with the
 prediction layers' too, for a model that has them).
 
-``--vpp N`` gives each pipeline stage N model chunks (``model0``, ``model1`` ... in the state dict, as Megatron-LM
+``--etp N`` sets the experts' tensor parallelism (Megatron's default: the tensor parallelism; a MoE with biases,
+GPT-OSS's, needs 1). ``--vpp N`` gives each pipeline stage N model chunks (``model0``, ``model1`` ... in the state dict, as Megatron-LM
 keeps virtual pipeline stages). ``load CKPT`` builds the model of ``--model`` (model.json; ``--tp/--pp/--ep/--vpp``
 override its layout), loads CKPT
 with ``dist_checkpointing.load`` and writes every weight, whole, to ``--out`` (torch.save, by torch_dist key);
@@ -46,7 +47,7 @@ from harness.runtime import exit_now, reference_dir  # noqa: E402
 
 # The options of a model, with their defaults (model.json holds them all).
 MODEL_DEFAULTS = {
-    "tp": 1, "pp": 1, "ep": 1, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
+    "tp": 1, "pp": 1, "ep": 1, "etp": 0, "vpp": 1, "num_layers": 2, "hidden": 32, "heads": 4, "kv_groups": 2, "ffn": 64,
     "experts": 0, "moe_ffn": 32, "topk": 2, "grouped_gemm": False, "qk_layernorm": False, "qkv_bias": False,
     "vocab": 100, "divisible_by": 16, "padded_vocab": 0, "tied": False, "seq_len": 64, "rope_base": 10000.0,
     "eps": 1e-6, "kv_channels": 0, "hf_config": "", "mtp_layers": 0, "pre_softmax": False, "shared_ffn": 0, "shared_gate": False,
@@ -61,6 +62,11 @@ def padded_vocab(model: dict) -> int:
         return model["padded_vocab"]
     multiple = model["divisible_by"] * model["tp"]
     return -(-model["vocab"] // multiple) * multiple
+
+
+def expert_tp(model: dict) -> int:
+    """The experts' tensor parallelism: ``etp``, or as Megatron defaults it, the tensor parallelism."""
+    return model["etp"] or model["tp"]
 
 
 def iteration_folder(run: Path, iteration: int) -> Path:
@@ -95,6 +101,7 @@ def init(model: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(backend="gloo")
     parallel_state.initialize_model_parallel(model["tp"], model["pp"], expert_model_parallel_size=model["ep"],
+                                             expert_tensor_parallel_size=expert_tp(model),
                                              virtual_pipeline_model_parallel_size=virtual(model))
 
 
@@ -110,20 +117,23 @@ def chunk_key(number: int, chunks: list) -> str:
 
 def build(model: dict) -> list:
     """The GPTModel chunks of ``model`` on this rank (one per virtual stage of its pipeline stage), float32,
-    initialized from a fixed seed. ``hf_config`` (an HF config.json of DeepSeek-V3 or GLM-4.5 MoE): that model
-    (harness.megatron_deepseek: latent attention, MoE; harness.megatron_glm: partial RoPE, q/k/v biases, MoE;
-    both with ``mtp_layers`` prediction layers) instead."""
+    initialized from a fixed seed. ``hf_config`` (an HF config.json of DeepSeek-V3, GLM-4.5 MoE or GPT-OSS): that
+    model (harness.megatron_deepseek: latent attention, MoE; harness.megatron_glm: partial RoPE, q/k/v biases, MoE;
+    both with ``mtp_layers`` prediction layers; harness.megatron_gpt_oss: biases, sinks, sliding windows, YaRN,
+    clamped experts with biases) instead."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
 
     if model["hf_config"]:
-        from harness import megatron_deepseek, megatron_glm
+        from harness import megatron_deepseek, megatron_glm, megatron_gpt_oss
 
         config = json.loads(Path(model["hf_config"]).read_text())
-        gpt_model = {"deepseek_v3": megatron_deepseek, "glm4_moe": megatron_glm}[config["model_type"]].gpt_model
+        gpt_model = {"deepseek_v3": megatron_deepseek, "glm4_moe": megatron_glm,
+                     "gpt_oss": megatron_gpt_oss}[config["model_type"]].gpt_model
         torch.manual_seed(1234 + parallel_state.get_pipeline_model_parallel_rank())
         return [gpt_model(config, padded_vocab(model), model["mtp_layers"], tensor_model_parallel_size=model["tp"],
-                          pipeline_model_parallel_size=model["pp"], expert_model_parallel_size=model["ep"])]
+                          pipeline_model_parallel_size=model["pp"], expert_model_parallel_size=model["ep"],
+                          expert_tensor_parallel_size=expert_tp(model))]
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -183,7 +193,7 @@ def run_args(model: dict, checkpoint_format: str, gpt=None):
     world = dist.get_world_size()
     args = Namespace(
         tensor_model_parallel_size=model["tp"], pipeline_model_parallel_size=model["pp"],
-        expert_model_parallel_size=model["ep"], expert_tensor_parallel_size=model["tp"],
+        expert_model_parallel_size=model["ep"], expert_tensor_parallel_size=expert_tp(model),
         virtual_pipeline_model_parallel_size=virtual(model), context_parallel_size=1,
         data_parallel_size=world // (model["tp"] * model["pp"]), world_size=world,
         num_layers=model["num_layers"], hidden_size=model["hidden"], ffn_hidden_size=model["ffn"],
@@ -399,13 +409,24 @@ def logits(gpt, tokens: torch.Tensor, parallel_state) -> dict[str, torch.Tensor]
     predictions = []  # the prediction layers' hidden states [seq, batch, hidden], after the main ones
     if getattr(gpt, "mtp", None) is not None:
         gpt.mtp.register_forward_hook(lambda module, inputs, output: predictions.append(output))
-    with torch.no_grad():
+    with torch.no_grad(), CudaOnCpu():
         out = {"__logits__": tp_gathered(gpt(tokens, positions, mask), parallel_state)}  # [batch, seq, vocab / tp]
         if predictions:
             out["__mtp_logits__"] = torch.stack([
                 tp_gathered(gpt.output_layer(hidden)[0].transpose(0, 1), parallel_state)
                 for hidden in torch.chunk(predictions[0], 1 + gpt.config.mtp_num_layers)[1:]])
     return out
+
+
+class CudaOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensors megatron-core makes on ``device="cuda"`` made on the CPU: its local attention builds the
+    sliding-window mask there (0.19.2, ``transformer/utils.py`` ``get_sliding_window_causal_mask``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
 
 
 def tp_gathered(out: torch.Tensor, parallel_state) -> torch.Tensor:

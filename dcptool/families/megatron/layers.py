@@ -184,6 +184,10 @@ def _parts(spec: MegatronName, tensor, heads: Heads | None, name: str):
         return list(zip(spec.hf, _halves(tensor, 0, name)))
     if spec.how == "qkv":
         return list(zip(spec.hf, _split_qkv(tensor, heads, name)))
+    if spec.how == "transposed":
+        return [(spec.hf[0], views.transpose(tensor, 1, 2, tensor.path))]
+    if spec.how == "interleaved":
+        return [(spec.hf[0], _interleaved(tensor, name))]
     parts = []
     for expert in range(tensor.shape[0]):
         one = views.select(tensor, 0, expert, tensor.path)
@@ -197,6 +201,15 @@ def _halves(tensor: TensorInfo, dim: int, name: str) -> list[TensorInfo]:
     if rows % 2:
         raise UsageError(f"{name}: {rows} rows do not split into gate and up halves")
     return [views.narrow(tensor, dim, start, rows // 2, tensor.path) for start in (0, rows // 2)]
+
+
+def _interleaved(tensor: TensorInfo, name: str) -> TensorInfo:
+    """HF's experts of Megatron's ``[E, gate; up, ...]``: gate and up alternating along the last dim (of
+    ``[E, H, 2F]``, a weight's last two dims swapped)."""
+    halves = _halves(tensor, 1, name)
+    if len(tensor.shape) == 3:
+        halves = [views.transpose(half, 1, 2, tensor.path) for half in halves]
+    return views.interleave(halves, len(tensor.shape) - 1, tensor.path)
 
 
 def _split_qkv(tensor: TensorInfo, heads: Heads, name: str) -> list[TensorInfo]:
@@ -409,6 +422,10 @@ def _joined(spec: MegatronName, tensors: list, heads: Heads | None):
         return tensors[0]
     if spec.how == "halves":
         return views.cat(tensors, 0, tensors[0].path)
+    if spec.how == "transposed":
+        return views.transpose(tensors[0], 1, 2, tensors[0].path)
+    if spec.how == "interleaved":
+        return _halves_of_interleaved(tensors[0], spec.hf[0])
     q, k, v = tensors  # qkv: per group its q heads, then its k and v head
     q_rows = heads.q_per_group * heads.dim
     pieces = []
@@ -417,6 +434,18 @@ def _joined(spec: MegatronName, tensors: list, heads: Heads | None):
                    views.narrow(k, 0, group * heads.dim, heads.dim, k.path),
                    views.narrow(v, 0, group * heads.dim, heads.dim, v.path)]
     return views.cat(pieces, 0, q.path)
+
+
+def _halves_of_interleaved(tensor: TensorInfo, name: str) -> TensorInfo:
+    """Megatron's ``[E, gate; up, ...]`` of HF's experts whose last dim alternates gate and up (``[E, H, 2F]``:
+    the last two dims swapped too)."""
+    last = len(tensor.shape) - 1
+    if tensor.shape[last] % 2:
+        raise UsageError(f"{name}: {tensor.shape[last]} columns do not alternate gate and up")
+    halves = [views.strided(tensor, last, start, 2, tensor.path) for start in (0, 1)]
+    if last == 2:
+        halves = [views.transpose(half, 1, 2, tensor.path) for half in halves]
+    return views.cat(halves, 1, tensor.path)
 
 
 def _hf_heads(config: dict, where: str) -> Heads:
