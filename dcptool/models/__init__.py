@@ -38,7 +38,7 @@ __all__ = ["FAMILIES", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kind
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
            "peft_trainable"]
 
-_HELPERS = {"common", "kind"}
+_HELPERS = {"common", "kind", "transformers_plans"}
 
 
 @cache
