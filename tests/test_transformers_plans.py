@@ -48,7 +48,8 @@ TARGETS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}}  # on the 2 ranks the so
 def chunk_files(path) -> dict:
     """Per tensor key, its chunks (offsets, sizes) and the file holding each, from torch's own reader."""
     metadata = FileSystemReader(str(path)).read_metadata()
-    files = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path
+             for index, info in metadata.storage_data.items()}
     return {key: sorted((tuple(c.offsets), tuple(c.sizes), files[key, tuple(c.offsets)]) for c in entry.chunks)
             for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
 

@@ -40,7 +40,7 @@ Compression = Literal[tuple(sorted({c for f in formats.all_formats().values() fo
 DtypeOption = typer.Option(None, "--dtype", help="Cast floating-point tensors to this dtype.")
 TargetFamilyOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names and in its engine's layout: hf (layout kept), archon (AReaL Archon, torchtitan before 0.3: dcp.model.*, dcp.optim.*) torchtitan (0.3 and later: model at the top level, optimizer.*) or megatron (Megatron-Core: stacked layers, fused qkv and gate/up). Default: the source's.")
 JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same).")
-PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto, hf, torchtitan, fsdp, or a YAML/JSON plan file.")
+PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto (by the model's config.json: its kind's table, else transformers' plan of the model), hf, torchtitan, transformers, fsdp, or a YAML/JSON plan file.")
 ConfigDirOption = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with the model's config.json: heads, kv heads and experts are checked against tp and ep.")
 
 

@@ -166,8 +166,8 @@ def print_plan(plan: dict, as_json: bool) -> None:
     if plan["plan_entries"]:
         entries = [(entry["entry"], entry["style"], str(entry["parameters"])) for entry in plan["plan_entries"]]
         print("\n".join(aligned(("plan entry", "places as", "parameters"), entries, right={2})))
-    rows = [(shown(key), str(tensor["shape"]), tensor["placement"] + (f" (placed {tensor['placed']})" if "placed" in tensor
-                                                                       else ""),
+    rows = [(shown(key), str(tensor["shape"]),
+             tensor["placement"] + (f" (placed {tensor['placed']})" if "placed" in tensor else ""),
              f"{tensor['source_chunks']} -> {len(tensor['chunks'])}") for key, tensor in plan["tensors"].items()]
     print("\n".join(aligned(("key", "shape", "placement", "chunks"), rows, right=set())))
     if plan["objects"]:

@@ -119,7 +119,7 @@ def from_transformers(config_json: str) -> TransformersPlan | None:
     try:
         with _quiet(transformers):
             return read_model(transformers, config["model_type"], config)
-    except Exception:  # noqa: BLE001 (a config this transformers cannot build a model of: the snapshot may still know it)
+    except Exception:  # noqa: BLE001 (a config this transformers cannot build a model of: the snapshot may know it)
         return None
 
 
@@ -145,7 +145,7 @@ def read_model(transformers, model_type: str, config: dict | None = None) -> Tra
         try:
             with torch.device("meta"):
                 model = model_class._from_config(hf_config)
-        except Exception as exc:  # noqa: BLE001 (a class that takes another config (a composite model's text-only class))
+        except Exception as exc:  # noqa: BLE001 (a class taking another config: a composite's text-only class)
             error = exc
             continue
         parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}

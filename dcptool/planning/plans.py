@@ -15,11 +15,11 @@ that matches wins; a tensor no rule matches is replicated across tp and sharded 
 * ``fsdp``: the dim FSDP2 shards (0 unless a job says otherwise), or ``none`` for buffers FSDP
   does not shard.
 
-A plan also says which engine's conventions its jobs follow (``engine``): ``torchtitan`` (FSDP2 as torchtitan
-applies it, and ``dcp.save`` of the placements as they are; experts sharded by FSDP on dim 1 when the
-data-parallel ranks outnumber them) or ``transformers`` (transformers' own distributed training: no expert
-tensor parallelism, and a strided shard redistributed to a contiguous one before ``dcp.save``, which records
-one region per rank and refuses a strided shard).
+A plan also says which engine's conventions its jobs follow (``engine``): ``torch`` (torch's FSDP2 and DTensor
+placements saved by ``dcp.save`` as they are, as torchtitan and AReaL run them; experts sharded by FSDP on dim 1
+when the data-parallel ranks outnumber them, as torchtitan does) or ``transformers`` (transformers' own
+distributed training: no expert tensor parallelism, and a strided shard redistributed to a contiguous one
+before ``dcp.save``, which records one region per rank and refuses a strided shard).
 
 Where plans come from (``choose``): the built-in tables gather the rules every model kind declares
 (``dcptool.models``); with the model's config.json, ``auto`` takes the kind's own table, or transformers' plan of
@@ -29,7 +29,7 @@ whole a tensor transformers' plan splits; a kind with neither is replicated over
 A plan file (YAML or JSON) has the same fields::
 
     name: my-model
-    engine: torchtitan
+    engine: torch
     rules:
       - {match: 'attn\\.qkv\\.weight$', tp: colwise}
       - {match: 'attn\\.proj\\.weight$', tp: rowwise}
@@ -54,7 +54,7 @@ from dcptool.errors import UsageError, option
 from dcptool.models import transformers_plans
 
 TP_STYLES = ("colwise", "rowwise", "replicate")
-ENGINES = ("torchtitan", "transformers")
+ENGINES = ("torch", "transformers")
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Plan:
     name: str
     description: str
     rules: list[Rule] = field(default_factory=list)
-    engine: str = "torchtitan"
+    engine: str = "torch"
     entries: list[tuple[str, str]] = field(default_factory=list)
     rule_entries: list[int] = field(default_factory=list)
     warning: str = ""
@@ -208,7 +208,7 @@ def load_plan_file(path: Path) -> Plan:
         raise UsageError(f"{path}: not a valid plan file ({str(exc).splitlines()[0]})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list) or not data["rules"]:
         raise UsageError(f"{path}: a plan file needs a non-empty 'rules' list")
-    engine = data.get("engine", "torchtitan")
+    engine = data.get("engine", "torch")
     if engine not in ENGINES:
         raise UsageError(f"{path}: engine {engine!r} is not one of {', '.join(ENGINES)}")
     rules = []

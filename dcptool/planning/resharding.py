@@ -98,8 +98,9 @@ class ReshardPlan:
         """The plan's entries (``pattern``, what it does, ``parameters``: how many of the checkpoint's it places)."""
         if self.plan is None:
             return []
+        counts = self.entry_counts or [0] * len(self.plan.entries)
         return [{"entry": pattern, "style": style, "parameters": count}
-                for (pattern, style), count in zip(self.plan.entries, self.entry_counts or [0] * len(self.plan.entries))]
+                for (pattern, style), count in zip(self.plan.entries, counts)]
 
     def summary(self, files: dict[str, int]) -> dict:
         """What ``--dry-run --json`` prints: the mesh, every tensor's placement and chunks, ``files`` (those the
@@ -150,7 +151,7 @@ def resolve_mesh(checkpoint: Checkpoint, options: MeshOptions) -> Mesh:
 
 
 def tensor_spec(key: str, rule: plans.Rule | None, shape: tuple[int, ...], mesh: Mesh,
-                engine: str = "torchtitan") -> tuple[Axis, ...]:
+                engine: str = "torch") -> tuple[Axis, ...]:
     """The axes and placements of a tensor on ``mesh`` under ``rule``, as FSDP2 + TP + EP place it in a job of
     ``engine``'s conventions (``plans.ENGINES``); ``saved`` gives what its ``dcp.save`` records."""
     if rule is None or not shape:
@@ -167,7 +168,7 @@ def tensor_spec(key: str, rule: plans.Rule | None, shape: tuple[int, ...], mesh:
         if mesh.etp > 1 and tp_dim is not None:
             parallel += (Axis("etp", mesh.etp, split),)
         fsdp_axis, fsdp_size = "efsdp", mesh.efsdp
-        if engine == "torchtitan" and fsdp_dim == 0 and mesh.efsdp * mesh.ep > shape[0]:
+        if engine == "torch" and fsdp_dim == 0 and mesh.efsdp * mesh.ep > shape[0]:
             fsdp_dim = 1  # torchtitan shards experts on dim 1 when there are more ranks than experts
     else:
         parallel = (Axis("tp", mesh.tp, split),) if tp_dim is not None else ()
@@ -190,7 +191,7 @@ def tensor_spec(key: str, rule: plans.Rule | None, shape: tuple[int, ...], mesh:
 
 def saved(spec: tuple[Axis, ...], engine: str) -> tuple[Axis, ...]:
     """The placements ``dcp.save`` records of a tensor placed by ``spec`` in a job of ``engine``'s conventions:
-    torchtitan saves them as they are; transformers redistributes every strided shard to a contiguous one first
+    torch's save them as they are; transformers redistributes every strided shard to a contiguous one first
     (``_redistribute_state_dict``), since dcp.save records one region per rank."""
     return contiguous(spec) if engine == "transformers" else spec
 
@@ -231,7 +232,8 @@ def is_rank_state(key: str) -> bool:
 
 
 def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_rank_state: bool = False,
-                 config: dict | None = None, config_path=None, dtype: str | None = None, to: str = "dcp") -> ReshardPlan:
+                 config: dict | None = None, config_path=None, dtype: str | None = None,
+                 to: str = "dcp") -> ReshardPlan:
     """Every tensor's chunks on ``mesh`` (of what format ``to`` holds of the checkpoint), the objects carried
     over, and the problems found (none raised); ``config``: the model's config.json (read from ``config_path``)."""
     output = formats.get(to).plan_output(checkpoint, OutputRequest(dtype=dtype))
