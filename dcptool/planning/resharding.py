@@ -291,6 +291,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
                               saved_tp=lambda: (infer_mesh(checkpoint) or (Mesh(),))[0].tp)
     if mesh.ep > 1 and not any(a.name == "ep" for layout in layouts for a in layout.spec):
         problems.append(f"{option('ep', mesh.ep)}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
+    # A plan chosen with a warning (a model with no plan anywhere, replicated over tp) has said why it splits nothing.
     if mesh.tp > 1 and not plan.warning and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
         problems.append(f"{option('tp', mesh.tp)}: plan {plan.name!r} splits no tensor of this checkpoint; "
                         f"choose a plan with {option('plan')}")
