@@ -7,7 +7,7 @@ Run under torchrun from the repository root, with the tests folder on the path, 
     PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node 2 -m harness.transformers_jobs \
         load /tmp/resharded --config /tmp/qwen3_next --tp 2 --expect /tmp/ckpt.reference/full.pt --save-layout /tmp/own
 
-Both build the model of a config.json with transformers' ``AutoModelForCausalLM`` and parallelize it with
+Both build the model of a config.json (its ``architectures`` class) and parallelize it with
 transformers' own code, the path ``from_pretrained(distributed_config=...)`` takes: ``DistributedConfig``,
 ``initialize_distributed_mesh`` and ``maybe_distribute_model``, which applies the model's TP plan
 (``apply_tensor_parallelism``: colwise, rowwise, packed_colwise, ...), its EP plan (``grouped_gemm``,
@@ -54,20 +54,21 @@ from harness.states import compare_all, dcp_state, finish_check, flatten, split_
 def distributed_model(config_dir: str, dp: int, tp: int, ep: int, *, meta: bool):
     """The model of ``config_dir/config.json`` parallelized by transformers on dp x tp ranks (ep borrowing them):
     built from MODEL_SEED on every rank, or on the meta device and then given storage (``meta``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.distributed.utils import initialize_distributed_mesh
 
-    config = AutoConfig.from_pretrained(config_dir)
+    config = transformers.AutoConfig.from_pretrained(config_dir)
+    model_class = getattr(transformers, config.architectures[0])  # a causal LM, or a vision-language model
     distributed = DistributedConfig(fsdp_size=dp, tp_size=tp, ep_size=ep)
     _, meshes = initialize_distributed_mesh(distributed)
     torch.manual_seed(MODEL_SEED)
     if meta:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = model_class._from_config(config, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model = type(model).maybe_distribute_model(model, distributed, meshes)
+        model = model_class._from_config(config, dtype=torch.float32)
+    model = model_class.maybe_distribute_model(model, distributed, meshes)
     if meta:
         model.to_empty(device="cpu")
     return model
