@@ -51,9 +51,11 @@ TINY = {
                                      "out_hidden_size": 64, "fullatt_block_indexes": [1]},
                    "tie_word_embeddings": False, "architectures": ["Qwen2_5_VLForConditionalGeneration"]},
 }
-# The meshes each is resharded for, on the 2 ranks the source was saved with (Qwen2.5-VL has no EP plan).
-TARGETS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}}
+# The meshes each is resharded for: on the 2 ranks the source was saved with (Qwen2.5-VL has no EP plan), and
+# FSDP over TP on 4, where transformers saves contiguous what FSDP2 places as _StridedShard.
+TARGETS = {"tp2": {"tp": 2}, "ep2": {"dp": 2, "ep": 2}, "dp2_tp2": {"dp": 2, "tp": 2}}
 TARGETS_OF = {kind: ("tp2",) if kind == "qwen2_5_vl" else ("tp2", "ep2") for kind in TINY}
+TARGETS_OF["qwen3_next"] += ("dp2_tp2",)
 
 
 def chunk_files(path) -> dict:
@@ -82,9 +84,9 @@ def sources(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 @pytest.fixture(scope="module")
 def loads(sources, tmp_path_factory) -> dict[str, tuple[Path, Path, object]]:
     """Per (kind, target): dcptool's reshard, the job's own save on that mesh, and the job step that loaded it:
-    every case one step of a single 2-rank launch."""
+    every case one step of a launch of its number of ranks (one of 2, one of 4)."""
     root = tmp_path_factory.mktemp("transformers-loads")
-    cases, steps = {}, {}
+    cases, steps = {}, {2: {}, 4: {}}
     for kind, (source, reference) in sources.items():
         for target in TARGETS_OF[kind]:
             mesh = TARGETS[target]
@@ -93,9 +95,10 @@ def loads(sources, tmp_path_factory) -> dict[str, tuple[Path, Path, object]]:
             flags = [item for setting, size in mesh.items() for item in (f"--{setting}", str(size))]
             dcptool("reshard", source, out, *flags, "--config-dir", reference)
             cases[name] = (out, own)
-            steps[name] = ["load", out, "--config", reference, *flags, "--expect", reference / "full.pt",
-                           "--save-layout", own]
-    done = run_steps(2, steps, module=TRANSFORMERS_JOBS)
+            steps[mesh.get("dp", 1) * mesh.get("tp", 1)][name] = [
+                "load", out, "--config", reference, *flags, "--expect", reference / "full.pt", "--save-layout", own]
+    done = {name: step for ranks, launch in steps.items() for name, step in
+            run_steps(ranks, launch, module=TRANSFORMERS_JOBS).items()}
     return {name: (*paths, done[name]) for name, paths in cases.items()}
 
 
@@ -104,14 +107,16 @@ CASES = [f"{kind}-{target}" for kind in TINY for target in TARGETS_OF[kind]]
 
 @pytest.mark.parametrize("case", CASES)
 def test_reshard_by_transformers_plan_loads_in_transformers_job(loads, case):
-    """Local shards bitwise in transformers' own job, and its dcp.save holds the chunks dcptool wrote; a chunk of a
-    split tensor sits in the file of the one rank holding it (a replicated one in any holder's: dcp.save's pick)."""
+    """Local shards bitwise in transformers' own job, and its dcp.save holds the chunks dcptool wrote; a tensor split
+    over every rank has each chunk in the file of the one rank holding it (a chunk several ranks hold is in any
+    holder's: dcp.save's pick)."""
     out, own, step = loads[case]
     assert step.returncode == 0 and "OK:" in step.stdout, step.stdout
     written, saved = chunk_files(out), chunk_files(own)
     assert {key: [c[:2] for c in chunks] for key, chunks in written.items()} == \
         {key: [c[:2] for c in chunks] for key, chunks in saved.items()}
-    split = [key for key, chunks in saved.items() if len(chunks) > 1]
+    ranks = len({file for chunks in saved.values() for *_, file in chunks})
+    split = [key for key, chunks in saved.items() if len(chunks) == ranks]
     assert split and all(written[key] == saved[key] for key in split)
 
 
@@ -210,3 +215,4 @@ def test_snapshot_holds_the_installed_transformers_plans():
         with transformers_plans._quiet(transformers):
             live = transformers_plans.read_model(transformers, model_type)
         assert shipped.models[model_type].as_json() == live.as_json(), model_type
+
