@@ -216,3 +216,26 @@ def test_snapshot_holds_the_installed_transformers_plans():
             live = transformers_plans.read_model(transformers, model_type)
         assert shipped.models[model_type].as_json() == live.as_json(), model_type
 
+
+
+@pytest.mark.parametrize("engine", ["torch", "transformers"])
+def test_plan_file_packed_split_by_engine(checkpoints, tmp_path, engine):
+    """A plan file's packed rule: a job of torch's conventions cannot save each half's part as placed (dcp.save
+    records one region per rank: refused); transformers' saves it contiguous."""
+    source, reference = checkpoints("fsdp2_dp2")
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps({"name": "packed", "engine": engine, "rules": [
+        {"match": r"mlp\.gate_proj\.weight$", "tp": "colwise", "packed": 2},
+        {"match": r"mlp\.down_proj\.weight$", "tp": "rowwise", "dim": -1}]}))
+    result = dcptool("reshard", source, tmp_path / "out", "--tp", "2", "--plan", plan_file, "--config-dir", reference,
+                     "--dry-run", "--json", check=False)
+    plan = json.loads(result.stdout)
+    gate = plan["tensors"].get("model.layers.0.mlp.gate_proj.weight")
+    if engine == "torch":
+        assert result.returncode == 2 and gate is None
+        assert any(p.startswith("model.layers.0.mlp.gate_proj.weight: on 2 ranks: tp=2 a rank's shard is not a "
+                                "rectangle") for p in plan["problems"]), plan["problems"]
+    else:
+        assert result.returncode == 0, plan["problems"]
+        assert (gate["placement"], gate["placed"]) == ("tp=2:Shard(0)", "tp=2:_StridedShard(0, sf=2)")
+    assert plan["tensors"]["model.layers.0.mlp.down_proj.weight"]["placement"] == "tp=2:Shard(1)"

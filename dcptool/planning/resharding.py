@@ -239,7 +239,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     output = formats.get(to).plan_output(checkpoint, OutputRequest(dtype=dtype))
     tensors, objects = output.tensors, output.objects
     problems, warnings = _config_problems(config, config_path, mesh, "ep"), [plan.warning] if plan.warning else []
-    if plan.engine == "transformers" and mesh.etp > 1:
+    if plan.engine == "transformers" and mesh.ep > 1 and mesh.etp > 1:
         problems.append(f"{option('etp', mesh.etp)}: {plan.description} splits experts by ep alone (transformers "
                         f"has no expert tensor parallelism): give {option('etp', 1)}")
     rank_state = [t.key for t in tensors if is_rank_state(t.key)] + [o.key for o in objects if is_rank_state(o.key)]
