@@ -179,7 +179,7 @@ DELIBERATE = {
     (model, "dp=8 ep=2", f"model.layers.{layer}.mlp.experts.{weight}"):
         "the table's jobs are torchtitan's, whose FSDP2 shards experts on dim 1 when the data-parallel ranks "
         "outnumber them; transformers' always shards dim 0"
-    for model, layers in (("qwen3_moe", (0, 1)), ("qwen3_tied", ()), ("qwen2_moe", (0, 1)), ("deepseek_v3", (1,)))
+    for model, layers in (("qwen3_moe", (0, 1)), ("qwen2_moe", (0, 1)), ("deepseek_v3", (1,)))  # their MoE layers
     for layer in layers for weight in ("gate_up_proj", "down_proj")
 }
 MESHES = {"dp=2 tp=2": Mesh(dp=2, tp=2), "dp=4 ep=2": Mesh(dp=4, ep=2), "dp=2 tp=2 ep=2": Mesh(dp=2, tp=2, ep=2),
