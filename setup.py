@@ -13,4 +13,5 @@ setup(
     packages=[*find_packages(include=["dcptool", "dcptool.*"], exclude=["dcptool.converters", "dcptool.converters.*"]),
               "dcptool.converters", *(f"dcptool.converters.{name}" for name in formats)],
     package_dir={"dcptool.converters": "converters"},
+    package_data={"dcptool.models": ["transformers_plans.json"]},  # transformers' plans, for installs without it
 )

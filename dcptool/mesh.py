@@ -220,3 +220,9 @@ def fsdp_placement(dim: int, parallel: tuple[Axis, ...]) -> Shard | Strided:
     """FSDP2's placement on its axis: ``_StridedShard`` when TP/EP axes after it shard the same dim."""
     split = math.prod(a.size for a in parallel if a.placement is not None and a.placement.dim == dim)
     return Strided(dim, split) if split > 1 else Shard(dim)
+
+
+def contiguous(spec: tuple[Axis, ...]) -> tuple[Axis, ...]:
+    """``spec`` with every ``_StridedShard`` made a ``Shard`` of its dim: what a job that redistributes strided
+    shards before ``dcp.save`` (transformers') holds and saves."""
+    return tuple(Axis(a.name, a.size, Shard(a.placement.dim)) if isinstance(a.placement, Strided) else a for a in spec)

@@ -135,7 +135,7 @@ class MeshOptions(Options):
         tp, ep, cp, dp_replicate: tensor-, expert- and context-parallel degrees, HSDP replicas.
         etp: the experts' tensor-parallel degree: 1, or ``"tp"`` (or tp's number) for tp.
         world_size: the target job's ranks; must equal dp_replicate*dp*cp*tp.
-        plan: the placement plan: auto, hf, torchtitan, fsdp, or a YAML/JSON plan file.
+        plan: the placement plan: auto, hf, torchtitan, transformers, fsdp, or a YAML/JSON plan file.
 
     Example:
         >>> MeshOptions(tp=2, etp="tp").sizes()["etp"]

@@ -148,6 +148,20 @@ def test_every_command_runs_without_torch(light, checkpoints, tmp_path):
     assert refused.stderr.strip().splitlines() == ["dcptool: error: --load-on needs torch: pip install 'dcptool[torch]'"]
 
 
+def test_transformers_plans_come_from_the_snapshot_without_transformers(light, tmp_path):
+    """The light venv has no transformers: Qwen3-Next's plan (no dcptool table) is read from the snapshot the
+    wheel ships, named as such."""
+    code = ("import importlib.util as u, json; from dcptool.planning import plans; "
+            "plan = plans.choose('auto', ['model.layers.0.linear_attn.in_proj_qkvz.weight'], "
+            "{'model_type': 'qwen3_next'}, tp=2); "
+            "rule = plan.rule_for('model.layers.0.linear_attn.in_proj_qkvz.weight'); "
+            "print(json.dumps([u.find_spec('transformers') is None, plan.name, plan.description, rule.tp]))")
+    result = subprocess.run([light / "python", "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    no_transformers, name, description, split = json.loads(result.stdout)
+    assert no_transformers and (name, split) == ("transformers", "colwise")
+    assert description.startswith("Qwen3NextForCausalLM's tp plan from dcptool's snapshot of transformers ")
+
+
 def test_the_python_api_runs_without_torch(light, checkpoints, tmp_path):
     path, reference = checkpoints("fsdp2_dp2_tp2")
     key = "dcp.model.model.embed_tokens.weight"

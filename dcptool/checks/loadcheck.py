@@ -127,9 +127,9 @@ def run(checkpoint: str | Path, load_on: LoadOn, *, include: str | None = None, 
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={mesh.world}",
                    "-m", "dcptool.checks.loadcheck", str(checkpoint), "--mesh", json.dumps(mesh.as_dict()), "--plan", load_on.plan,
                    "--backend", backend, "--results", results]
-        for flag, value in (("--include", include), ("--exclude", exclude)):
+        for flag, value in (("--include", include), ("--exclude", exclude), ("--config-dir", config_dir)):
             if value:
-                command += [flag, value]
+                command += [flag, str(value)]
         log = Path(results) / "torchrun.log"
         problem = None
         with open(log, "w") as output:
@@ -200,7 +200,9 @@ def _worker(args) -> int:
     try:
         mesh = Mesh(**json.loads(args.mesh))
         checkpoint = formats.open_checkpoint(args.checkpoint)
-        planned = prepare(checkpoint, MeshOptions(**mesh.as_dict(), plan=args.plan), keep_rank_state=True)
+        # The same config as the parent's: the plan chosen by it is the one the parent checked.
+        planned = prepare(checkpoint, MeshOptions(**mesh.as_dict(), plan=args.plan), keep_rank_state=True,
+                          config_dir=args.config_dir)
         chosen = select({layout.tensor.key: layout for layout in planned.layouts}, args.include, args.exclude)
         state, regions = _empty_state(chosen, mesh, rank, device)
         dist.barrier()
@@ -302,6 +304,7 @@ def main(argv=None) -> int:
     parser.add_argument("--results", required=True)
     parser.add_argument("--include")
     parser.add_argument("--exclude")
+    parser.add_argument("--config-dir")
     return _worker(parser.parse_args(argv))
 
 

@@ -28,7 +28,7 @@ def inspect(
     stats: bool = typer.Option(False, "--stats", help="Read every tensor: min, max, mean, std, L2 norm, zeros, NaN, Inf; flag all-zero tensors and experts, NaN/Inf, identical tensors; exit 1 when a tensor cannot be read (a damaged record)."),
     layout_key: Optional[str] = typer.Option(None, "--layout", metavar="KEY", help="Draw which rank holds which block of this tensor."),
     mesh: Optional[str] = typer.Option(None, "--mesh", help="With --layout: lay it out on this mesh (dp=2,tp=4; also ep, etp, cp, dp_replicate) as reshard would, instead of as saved."),
-    plan: str = typer.Option("auto", "--plan", help="With --mesh: placement plan (auto, hf, torchtitan, fsdp, or a YAML/JSON plan file)."),
+    plan: str = typer.Option("auto", "--plan", help="With --mesh: placement plan (auto, hf, torchtitan, transformers, fsdp, or a YAML/JSON plan file)."),
     svg: Optional[Path] = typer.Option(None, "--svg", help="With --layout: also write the picture to this SVG file (replaced if it exists)."),
     threads: int = typer.Option(0, "--threads", help="With --stats: reading threads (default: the CPUs, at most 4)."),
     reading: Reading = READING.only("format", "revision", "max_memory", "verify_records"),

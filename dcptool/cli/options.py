@@ -41,7 +41,7 @@ Compression = Literal[tuple(sorted({c for f in formats.all_formats().values() fo
 DtypeOption = typer.Option(None, "--dtype", help="Cast floating-point tensors to this dtype.")
 TargetFamilyOption = typer.Option(None, "--adapter", help="Write model weights and their optimizer state under this family's names and in its engine's layout: " + families.described() + ". Default: the source's.")
 JsonOption = typer.Option(False, "--json", help="Print a JSON report (exit codes stay the same).")
-PlanOption = typer.Option("auto", "--plan", help="Placement plan: " + ", ".join(["auto", *plans.BUILTIN]) + ", or a YAML/JSON plan file.")
+PlanOption = typer.Option("auto", "--plan", help="Placement plan: auto (by the model's config.json: its kind's table, else transformers' plan of the model), " + ", ".join([*plans.BUILTIN, plans.TRANSFORMERS]) + ", or a YAML/JSON plan file.")
 ConfigDirOption = typer.Option(None, "--config-dir", help="Folder (a path or a URL) with the model's config.json: heads, kv heads and experts are checked against tp and ep.")
 
 

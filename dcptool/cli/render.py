@@ -160,10 +160,15 @@ def print_plan(plan: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(plan, indent=2))
         return
-    how = f"plan {plan['plan']}" if plan["plan"] else f"{plan['format']} lays out its data-parallel ranks itself"
+    how = f"plan {plan['plan']}: {plan['plan_description']}" if plan["plan"] else \
+        f"{plan['format']} lays out its data-parallel ranks itself"
     print(f"{plan['mesh']['description']} ({how})")
-    rows = [(shown(key), str(tensor["shape"]), tensor["placement"], f"{tensor['source_chunks']} -> {len(tensor['chunks'])}")
-            for key, tensor in plan["tensors"].items()]
+    if plan["plan_entries"]:
+        entries = [(entry["entry"], entry["style"], str(entry["parameters"])) for entry in plan["plan_entries"]]
+        print("\n".join(aligned(("plan entry", "places as", "parameters"), entries, right={2})))
+    rows = [(shown(key), str(tensor["shape"]),
+             tensor["placement"] + (f" (placed {tensor['placed']})" if "placed" in tensor else ""),
+             f"{tensor['source_chunks']} -> {len(tensor['chunks'])}") for key, tensor in plan["tensors"].items()]
     print("\n".join(aligned(("key", "shape", "placement", "chunks"), rows, right=set())))
     if plan["objects"]:
         print(f"non-tensor entries carried over ({len(plan['objects'])}): {grouped(plan['objects'])}")

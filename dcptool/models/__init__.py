@@ -40,7 +40,7 @@ __all__ = ["FAMILIES", "MEGATRON_SPECS", "MegatronName", "ModelKind", "Row", "Sh
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
            "peft_trainable", "PARTS", "part_of", "decoder_layer", "extra_weights"]
 
-_HELPERS = {"common", "kind"}
+_HELPERS = {"common", "kind", "transformers_plans"}
 
 
 @cache

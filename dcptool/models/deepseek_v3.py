@@ -108,11 +108,21 @@ def latent_attention_weights(config: dict) -> dict:
     return weights
 
 
+# TP rules. HF names, as transformers' plan of DeepseekV3: no attention projection split (its heads come out of
+# kv_b_proj, which the plan keeps whole), and the router's score bias is a buffer, which FSDP2 leaves whole.
+# torchtitan's names, as torchtitan 0.3 (deepseek_v3/sharding.py): MLA's up projections (wq or wq_b, wkv_b)
+# colwise and wo rowwise, its low-rank projections and norms whole.
+TP_RULES = common.tp_rules(
+    {"hf": ((r"mlp\.gate\.e_score_correction_bias$", {"fsdp": None}),
+            *(rule for rule in common.DENSE_TP["hf"] if "self_attn" not in rule[0])),
+     "torchtitan": ((r"attention\.(wq_b|wkv_b)\.weight$", common.COLWISE), *common.DENSE_TP["torchtitan"])},
+    common.ROUTED_EXPERTS_TP)
+
 KIND = ModelKind(
     name="deepseek_v3",
     rows=(common.EMBEDDINGS, common.FINAL_NORM, common.LM_HEAD, *common.RECOMPUTED, *LAYER, *MTP),
     hf_weights=hf_weights,
-    **common.moe_kind_fields(EXPERT_FIELDS),
+    **{**common.moe_kind_fields(EXPERT_FIELDS), "tp_rules": TP_RULES},
     extra_layers="num_nextn_predict_layers",
     extra_weights=prediction_weights,
     megatron=MEGATRON,

@@ -58,11 +58,16 @@ MEGATRON = (*common.megatron_decoder(biases=True, qk_norms=True),
             *common.megatron_routed_experts(expert_bias=EXPERT_BIAS),
             *common.megatron_dense_mlp("mlp.shared_experts", "mlp.shared_experts"))
 
+# TP rules, as transformers' plan of Glm4Moe: the dense and expert rules, and the router's score bias, a buffer,
+# which FSDP2 leaves whole.
+TP_RULES = common.tp_rules({"hf": ((r"mlp\.gate\.e_score_correction_bias$", {"fsdp": None}),)},
+                           common.DENSE_TP, common.ROUTED_EXPERTS_TP)
+
 KIND = ModelKind(
     name="glm4_moe",
     rows=tuple(replace(row, archon=None, torchtitan=None) for row in HF_ROWS if row.hf),
     hf_weights=hf_weights,
-    **common.moe_kind_fields(EXPERT_FIELDS),
+    **{**common.moe_kind_fields(EXPERT_FIELDS), "tp_rules": TP_RULES},
     extra_layers="num_nextn_predict_layers",
     extra_weights=prediction_weights,
     megatron=MEGATRON,

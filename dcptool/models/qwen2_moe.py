@@ -38,11 +38,15 @@ def hf_weights(config: dict, fused: bool) -> dict:
 HF_ROWS = [*common.dense_decoder_rows(biases=True), *common.routed_expert_rows(),
            *common.dense_mlp_rows("mlp.shared_expert"), Row(f"model.layers.{{L}}.{SHARED_GATE}", None, None)]
 
+# transformers' plan of Qwen2-MoE keeps the shared expert whole (Qwen3-Next's splits its own).
+TP_RULES = common.tp_rules({"hf": ((r"mlp\.shared_expert\.(gate|up|down)_proj\.weight$", {}),)},
+                           common.moe_kind_fields(EXPERT_FIELDS)["tp_rules"])
+
 KIND = ModelKind(
     name="qwen2_moe",
     rows=tuple(replace(row, archon=None, torchtitan=None) for row in HF_ROWS if row.hf),
     hf_weights=hf_weights,
-    **common.moe_kind_fields(EXPERT_FIELDS),
+    **{**common.moe_kind_fields(EXPERT_FIELDS), "tp_rules": TP_RULES},
     # Megatron-Core's SharedExpertMLP (moe/shared_experts.py): gate and up in linear_fc1, and the gate
     # as the parameter gate_weight [1, hidden].
     megatron=(*common.megatron_decoder(biases=True), *common.megatron_routed_experts(expert_bias=None),

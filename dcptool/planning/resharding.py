@@ -30,7 +30,7 @@ from dcptool.engine.chunks import ChunkTable
 from dcptool.engine.core import Checkpoint, OutObject, OutTensor
 from dcptool.errors import UsageError, counted, option
 from dcptool.format_interface import FormatOptions, Sharding, OutputRequest
-from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, fsdp_placement, local_chunk, spec_str
+from dcptool.mesh import Axis, Mesh, NotRectangular, Shard, Strided, contiguous, fsdp_placement, local_chunk, spec_str
 from dcptool.options import MeshOptions
 from dcptool.selection import config_folder, model_part, read_config
 from dcptool.storage import CheckpointFiles
@@ -61,8 +61,9 @@ class Refused(Exception):
 @dataclass
 class TensorLayout:
     tensor: OutTensor
-    spec: tuple[Axis, ...]  # () for a plain tensor every rank holds whole
+    spec: tuple[Axis, ...]  # as dcp.save records it; () for a plain tensor every rank holds whole
     follows: str | None  # the parameter whose rule placed it
+    placed: tuple[Axis, ...] = ()  # as the job places it while training, where that is not ``spec``
     chunks: list[tuple[tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)  # (offsets, sizes, rank)
 
 
@@ -80,6 +81,7 @@ class ReshardPlan:
     problems: list[str] = field(default_factory=list)  # any of these refuses the reshard
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what renaming the entries to a naming family made or left out
+    entry_counts: list[int] = field(default_factory=list)  # per entry of the plan, the parameters it places
     conversion: Conversion | None = None  # set by ``plan_for``
 
     def layout_of(self):
@@ -93,6 +95,14 @@ class ReshardPlan:
             f"{self.conversion.to} lays out its data-parallel ranks itself"
         return f"{self.mesh.describe()}; {how}"
 
+    def plan_entries(self) -> list[dict]:
+        """The plan's entries (``pattern``, what it does, ``parameters``: how many of the checkpoint's it places)."""
+        if self.plan is None:
+            return []
+        counts = self.entry_counts or [0] * len(self.plan.entries)
+        return [{"entry": pattern, "style": style, "parameters": count}
+                for (pattern, style), count in zip(self.plan.entries, counts)]
+
     def summary(self, files: dict[str, int]) -> dict:
         """What ``--dry-run --json`` prints: the mesh, every tensor's placement and chunks, ``files`` (those the
         writer plans, with their bytes: ``Conversion.planned_files``), problems and warnings."""
@@ -103,11 +113,14 @@ class ReshardPlan:
             tensors[tensor.key] = {
                 "shape": list(tensor.shape), "dtype": tensor.dtype, "source_chunks": len(tensor.source.chunks),
                 "placement": spec_str(layout.spec) if layout else "per-rank files",
+                **({"placed": spec_str(layout.placed)} if layout and layout.placed else {}),
                 "follows": layout.follows if layout else None,
                 "chunks": [[list(o), list(s), r] for o, s, r in layout.chunks] if layout else []}
         return {
             "mesh": self.mesh.as_dict() | {"world_size": self.mesh.world, "description": self.mesh.describe()},
             "plan": self.plan.name if self.plan else None,
+            "plan_description": self.plan.description if self.plan else None,
+            "plan_entries": self.plan_entries(),
             "format": self.conversion.to if self.conversion else None,
             "tensors": tensors,
             "objects": [obj.key for obj in (self.conversion.objects if self.conversion else self.objects)],
@@ -138,40 +151,50 @@ def resolve_mesh(checkpoint: Checkpoint, options: MeshOptions) -> Mesh:
     return mesh
 
 
-def tensor_spec(key: str, rule: plans.Rule | None, shape: tuple[int, ...], mesh: Mesh) -> tuple[Axis, ...]:
-    """The axes and placements of a tensor on ``mesh`` under ``rule``, as FSDP2 + TP + EP place it."""
+def tensor_spec(key: str, rule: plans.Rule | None, shape: tuple[int, ...], mesh: Mesh,
+                engine: str = "torch") -> tuple[Axis, ...]:
+    """The axes and placements of a tensor on ``mesh`` under ``rule``, as FSDP2 + TP + EP place it in a job of
+    ``engine``'s conventions (``plans.ENGINES``); ``saved`` gives what its ``dcp.save`` records."""
     if rule is None or not shape:
         return ()
     ndim = len(shape)
-    tp_dim = {"colwise": 0, "rowwise": 1}.get(rule.tp)
-    if rule.experts:
-        if ndim < 2:
-            raise Refused(f"{key}: the plan calls it grouped experts [E, ...], but it is {ndim}-D")
-        tp_dim = None if tp_dim is None else tp_dim + 1
-    if tp_dim is not None and tp_dim >= ndim:
-        tp_dim = None  # a rowwise bias stays whole
+    if rule.experts and ndim < 2:
+        raise Refused(f"{key}: the plan calls it grouped experts [E, ...], but it is {ndim}-D")
+    tp_dim = rule.tp_dim(ndim)
+    packed = rule.packed if tp_dim is not None and ndim >= 2 else 1  # a packed bias is split as one part
+    split = Strided(tp_dim, packed) if packed > 1 else Shard(tp_dim)
     fsdp_dim = rule.fsdp
     if rule.experts and mesh.ep > 1:
         parallel = (Axis("ep", mesh.ep, Shard(0)),)
         if mesh.etp > 1 and tp_dim is not None:
-            parallel += (Axis("etp", mesh.etp, Shard(tp_dim)),)
+            parallel += (Axis("etp", mesh.etp, split),)
         fsdp_axis, fsdp_size = "efsdp", mesh.efsdp
-        if fsdp_dim == 0 and mesh.efsdp * mesh.ep > shape[0]:
+        if engine == "torch" and fsdp_dim == 0 and mesh.efsdp * mesh.ep > shape[0]:
             fsdp_dim = 1  # torchtitan shards experts on dim 1 when there are more ranks than experts
     else:
-        parallel = (Axis("tp", mesh.tp, Shard(tp_dim)),) if tp_dim is not None else ()
+        parallel = (Axis("tp", mesh.tp, split),) if tp_dim is not None else ()
         fsdp_axis, fsdp_size = "fsdp", mesh.fsdp
     for axis in parallel:
         dim = axis.placement.dim
-        if shape[dim] % axis.size:
+        parts = axis.size * (axis.placement.split_factor if isinstance(axis.placement, Strided) else 1)
+        if shape[dim] % parts:
             what = "experts" if axis.name == "ep" else f"dim {dim}"
-            raise Refused(f"{key}: {what} of size {shape[dim]} cannot be split by {axis.name}={axis.size}")
+            by = f"{axis.name}={axis.size}" + (f" in each of its {parts // axis.size} packed parts" if parts > axis.size
+                                               else "")
+            raise Refused(f"{key}: {what} of size {shape[dim]} cannot be split by {by}")
     if fsdp_dim is None:
         return parallel
     if fsdp_dim >= ndim:
         raise Refused(f"{key}: the plan shards dim {fsdp_dim} with FSDP, but the tensor is {ndim}-D")
     fsdp = Axis(fsdp_axis, fsdp_size, fsdp_placement(fsdp_dim, parallel))
     return (Axis("dp_replicate", mesh.dp_replicate, None), fsdp) + parallel
+
+
+def saved(spec: tuple[Axis, ...], engine: str) -> tuple[Axis, ...]:
+    """The placements ``dcp.save`` records of a tensor placed by ``spec`` in a job of ``engine``'s conventions:
+    torch's save them as they are; transformers redistributes every strided shard to a contiguous one first
+    (``_redistribute_state_dict``), since dcp.save records one region per rank."""
+    return contiguous(spec) if engine == "transformers" else spec
 
 
 class _ChunkTable:
@@ -210,15 +233,16 @@ def is_rank_state(key: str) -> bool:
 
 
 def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_rank_state: bool = False,
-                 config_dir: Path | None = None, dtype: str | None = None, to: str = "dcp") -> ReshardPlan:
+                 config: dict | None = None, config_path=None, dtype: str | None = None,
+                 to: str = "dcp") -> ReshardPlan:
     """Every tensor's chunks on ``mesh`` (of what format ``to`` holds of the checkpoint), the objects carried
-    over, and the problems found (none raised)."""
+    over, and the problems found (none raised); ``config``: the model's config.json (read from ``config_path``)."""
     output = formats.get(to).plan_output(checkpoint, OutputRequest(dtype=dtype))
     tensors, objects = output.tensors, output.objects
-    config_dir = config_dir or config_folder(checkpoint)
-    config = read_config(config_dir) if config_dir is not None else None
-    config_path = CheckpointFiles(config_dir).path("config.json") if config_dir is not None else None
-    problems, warnings = _config_problems(config, config_path, mesh, "ep"), []
+    problems, warnings = _config_problems(config, config_path, mesh, "ep"), [plan.warning] if plan.warning else []
+    if plan.engine == "transformers" and mesh.ep > 1 and mesh.etp > 1:
+        problems.append(f"{option('etp', mesh.etp)}: {plan.description} splits experts by ep alone (transformers "
+                        f"has no expert tensor parallelism): give {option('etp', 1)}")
     rank_state = [t.key for t in tensors if is_rank_state(t.key)] + [o.key for o in objects if is_rank_state(o.key)]
     if rank_state:
         shown = ", ".join(rank_state[:3]) + (" ..." if len(rank_state) > 3 else "")
@@ -236,11 +260,17 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
     table = _ChunkTable(mesh)
     rank_bytes = [0] * mesh.world
     layouts = []
+    entry_counts = [0] * len(plan.entries)
+    rule_index = functools.cache(plan.rule_index)  # optimizer state asks again for its parameter's
     for tensor in tensors:
         follows = name_of.get(tensor.source.key) or _owner(tensor.source.key, params, tensor.shape)
-        rule = (plan.rule_for(follows) or DEFAULT_RULE) if follows else None
+        index = rule_index(follows) if follows else None
+        rule = (DEFAULT_RULE if index is None else plan.rules[index]) if follows else None
+        if index is not None and tensor.source.key in name_of:
+            entry_counts[plan.rule_entries[index]] += 1
         try:
-            spec = tensor_spec(follows or tensor.key, rule, tensor.shape, mesh)
+            placed = tensor_spec(follows or tensor.key, rule, tensor.shape, mesh, plan.engine)
+            spec = saved(placed, plan.engine)
             chunks = table(tensor.shape, spec)
         except Refused as exc:
             problems.append(str(exc))
@@ -249,7 +279,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
             problems.append(f"{tensor.key}: on {mesh.describe()} a rank's shard is not a rectangle ({exc}); "
                             "dcp.save cannot record it")
             continue
-        layout = TensorLayout(tensor, spec, follows)
+        layout = TensorLayout(tensor, spec, follows, placed if placed != spec else ())
         itemsize = dtypes.dtype(tensor.dtype).itemsize
         for offsets, sizes, holders in chunks:
             rank = min(holders, key=lambda r: (rank_bytes[r], r))  # dcp.save's dedup: the least-loaded holder
@@ -262,11 +292,13 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, plan: plans.Plan, *, keep_r
                               saved_tp=lambda: (infer_mesh(checkpoint) or (Mesh(),))[0].tp)
     if mesh.ep > 1 and not any(a.name == "ep" for layout in layouts for a in layout.spec):
         problems.append(f"{option('ep', mesh.ep)}: plan {plan.name!r} finds no grouped expert tensors in this checkpoint")
-    if mesh.tp > 1 and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
+    # A plan chosen with a warning (a model with no plan anywhere, replicated over tp) has said why it splits nothing.
+    if mesh.tp > 1 and not plan.warning and not any(a.name in ("tp", "etp") for layout in layouts for a in layout.spec):
         problems.append(f"{option('tp', mesh.tp)}: plan {plan.name!r} splits no tensor of this checkpoint; "
                         f"choose a plan with {option('plan')}")
     # Optimizer state repeats its parameter's problem: report each once.
-    return ReshardPlan(checkpoint, mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings)
+    return ReshardPlan(checkpoint, mesh, plan, layouts, objects, rank_bytes, list(dict.fromkeys(problems)), warnings,
+                       entry_counts=entry_counts)
 
 
 def _config_problems(config: dict | None, path, mesh: Mesh, *settings: str) -> list[str]:
@@ -374,11 +406,16 @@ def _plan_data_parallel(checkpoint: Checkpoint, fmt, mesh: Mesh, request: Output
     return result
 
 
-def prepare(checkpoint: Checkpoint, options: MeshOptions, **planning) -> ReshardPlan:
-    """Resolve the mesh, choose its plan (``auto``, a built-in name or a file) and plan every tensor."""
+def prepare(checkpoint: Checkpoint, options: MeshOptions, *, config_dir: str | Path | None = None,
+            **planning) -> ReshardPlan:
+    """Resolve the mesh, choose its plan (``auto``, a built-in name, ``transformers`` or a file; by the model's
+    config.json from ``config_dir`` or beside the checkpoint) and plan every tensor."""
     mesh = resolve_mesh(checkpoint, options)
-    chosen = plans.choose(options.plan, list(model_part(checkpoint)))
-    return plan_reshard(checkpoint, mesh, chosen, **planning)
+    config_dir = config_dir or config_folder(checkpoint)
+    config = read_config(config_dir) if config_dir is not None else None
+    config_path = CheckpointFiles(config_dir).path("config.json") if config_dir is not None else None
+    chosen = plans.choose(options.plan, list(model_part(checkpoint)), config, tp=mesh.tp, ep=mesh.ep)
+    return plan_reshard(checkpoint, mesh, chosen, config=config, config_path=config_path, **planning)
 
 
 def write_plan(result: ReshardPlan, destination, **options) -> ReshardReport:

@@ -19,6 +19,8 @@ Modules:
   family_jobs      FSDP2 + EP jobs that save and load checkpoints in Archon or torchtitan names
   verl_jobs        verl's FSDP1 / FSDP2 save and resume, and a reference step in one process
   accelerate_jobs  an HF Trainer / accelerate checkpoint-N folder
+  transformers_jobs  any transformers model trained and saved, or loaded, by transformers' own distributed
+                   code (FSDP2, TP and EP by the model's plans)
   storage_jobs     torch's HF-storage and zstd DCP writers and readers
   synth_dcp        synthetic DCP checkpoints of N ranks, written by one process (no torchrun)
   megatron         megatron-core's GPTModel saved as Megatron-LM saves it (torch_dist or per-rank torch
