@@ -40,7 +40,7 @@ from unittest import mock
 
 import torch
 
-from harness.megatron_weights import rope_theta
+from harness.megatron_weights import rope_theta, routed_and_shared, swiglu_rows, vocab_padded
 
 MLA = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "linear_q_up_proj": "q_b_proj",
        "linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm",
@@ -129,35 +129,22 @@ def _layer(hf: dict[str, torch.Tensor], src: str, dst: str, experts: int) -> dic
     for megatron, name in MLA.items():
         out[f"{dst}self_attention.{megatron}.weight"] = hf[f"{src}self_attn.{name}.weight"]
 
-    def swiglu(prefix: str) -> torch.Tensor:  # mlp.py's linear_fc1: [gate; up]
-        return torch.cat([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
-
     mlp = src + "mlp."
     if mlp + "gate.weight" not in hf:
-        out[dst + "mlp.linear_fc1.weight"] = swiglu(mlp)
+        out[dst + "mlp.linear_fc1.weight"] = swiglu_rows(hf, mlp)
         out[dst + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
         return out
-    out[dst + "mlp.router.weight"] = hf[mlp + "gate.weight"]
-    out[dst + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
-    out[dst + "mlp.experts.experts.linear_fc1.weight"] = torch.stack(
-        [swiglu(f"{mlp}experts.{e}.") for e in range(experts)])
-    out[dst + "mlp.experts.experts.linear_fc2.weight"] = torch.stack(
-        [hf[f"{mlp}experts.{e}.down_proj.weight"] for e in range(experts)])
-    out[dst + "mlp.shared_experts.linear_fc1.weight"] = swiglu(mlp + "shared_experts.")
-    out[dst + "mlp.shared_experts.linear_fc2.weight"] = hf[mlp + "shared_experts.down_proj.weight"]
-    return out
+    return out | routed_and_shared(hf, mlp, dst, experts)
 
 
 def checkpoint_weights(hf: dict[str, torch.Tensor], config: dict, vocab_rows: int,
                        mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     """Every global tensor a torch_dist save of the GPTModel holds, by its key, from an HF state dict (the
     vocabulary rows past ``vocab_size`` zero)."""
-    def pad(weight: torch.Tensor) -> torch.Tensor:
-        return torch.cat([weight, weight.new_zeros(vocab_rows - weight.shape[0], *weight.shape[1:])])
-
     layers, experts = config["num_hidden_layers"], config["n_routed_experts"]
-    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": pad(hf["lm_head.weight"])}
+    out = {"embedding.word_embeddings.weight": vocab_padded(hf["model.embed_tokens.weight"], vocab_rows),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": vocab_padded(hf["lm_head.weight"], vocab_rows)}
     for layer in range(layers):
         out.update(_layer(hf, f"model.layers.{layer}.", f"decoder.layers.{layer}.", experts))
     for n in range(mtp_layers):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from harness.megatron_deepseek import MTP_OWN, moe_pattern
-from harness.megatron_weights import rope_theta
+from harness.megatron_weights import qkv_rows, rope_theta, routed_and_shared, swiglu_rows, vocab_padded
 
 
 def partial_rotary(config: dict) -> float:
@@ -93,14 +93,7 @@ def _layer(hf: dict[str, torch.Tensor], src: str, dst: str, config: dict) -> dic
     attn, mlp = src + "self_attn.", src + "mlp."
 
     def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """attention.py's linear_qkv rows: per query group, its q heads, then its k and v head."""
-        rest = q.shape[1:]
-        parts = [q.reshape(groups, heads // groups * dim, *rest), k.reshape(groups, dim, *rest),
-                 v.reshape(groups, dim, *rest)]
-        return torch.cat(parts, 1).reshape(-1, *rest)
-
-    def swiglu(prefix: str) -> torch.Tensor:  # mlp.py's linear_fc1: [gate; up]
-        return torch.cat([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
+        return qkv_rows(q, k, v, heads, groups, dim)
 
     out = {dst + "self_attention.linear_qkv.layer_norm_weight": hf[src + "input_layernorm.weight"],
            dst + "self_attention.linear_qkv.weight": grouped(*(hf[f"{attn}{p}_proj.weight"] for p in "qkv")),
@@ -112,30 +105,20 @@ def _layer(hf: dict[str, torch.Tensor], src: str, dst: str, config: dict) -> dic
         out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
         out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
     if mlp + "gate.weight" not in hf:
-        out[dst + "mlp.linear_fc1.weight"] = swiglu(mlp)
+        out[dst + "mlp.linear_fc1.weight"] = swiglu_rows(hf, mlp)
         out[dst + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj.weight"]
         return out
-    experts = range(config["n_routed_experts"])
-    out[dst + "mlp.router.weight"] = hf[mlp + "gate.weight"]
-    out[dst + "mlp.router.expert_bias"] = hf[mlp + "gate.e_score_correction_bias"]
-    out[dst + "mlp.experts.experts.linear_fc1.weight"] = torch.stack([swiglu(f"{mlp}experts.{e}.") for e in experts])
-    out[dst + "mlp.experts.experts.linear_fc2.weight"] = torch.stack(
-        [hf[f"{mlp}experts.{e}.down_proj.weight"] for e in experts])
-    out[dst + "mlp.shared_experts.linear_fc1.weight"] = swiglu(mlp + "shared_experts.")
-    out[dst + "mlp.shared_experts.linear_fc2.weight"] = hf[mlp + "shared_experts.down_proj.weight"]
-    return out
+    return out | routed_and_shared(hf, mlp, dst, config["n_routed_experts"])
 
 
 def checkpoint_weights(hf: dict[str, torch.Tensor], config: dict, vocab_rows: int,
                        mtp_layers: int = 0) -> dict[str, torch.Tensor]:
     """Every global tensor a torch_dist save of the GPTModel holds, by its key, from an HF state dict (the
     vocabulary rows past ``vocab_size`` zero)."""
-    def pad(weight: torch.Tensor) -> torch.Tensor:
-        return torch.cat([weight, weight.new_zeros(vocab_rows - weight.shape[0], *weight.shape[1:])])
-
     layers = config["num_hidden_layers"]
-    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": pad(hf["lm_head.weight"])}
+    out = {"embedding.word_embeddings.weight": vocab_padded(hf["model.embed_tokens.weight"], vocab_rows),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": vocab_padded(hf["lm_head.weight"], vocab_rows)}
     for layer in range(layers):
         out.update(_layer(hf, f"model.layers.{layer}.", f"decoder.layers.{layer}.", config))
     for n in range(mtp_layers):

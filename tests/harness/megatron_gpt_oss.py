@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness.megatron_weights import rope_theta
+from harness.megatron_weights import qkv_rows, rope_theta, vocab_padded
 
 
 def transformer_config(config: dict, **parallel) -> Any:
@@ -87,11 +87,7 @@ def _layer(hf: dict[str, torch.Tensor], src: str, dst: str, config: dict) -> dic
     attn, mlp = src + "self_attn.", src + "mlp."
 
     def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """attention.py's linear_qkv rows: per query group, its q heads, then its k and v head."""
-        rest = q.shape[1:]
-        parts = [q.reshape(groups, heads // groups * dim, *rest), k.reshape(groups, dim, *rest),
-                 v.reshape(groups, dim, *rest)]
-        return torch.cat(parts, 1).reshape(-1, *rest)
+        return qkv_rows(q, k, v, heads, groups, dim)
 
     def gate_then_up(alternating: torch.Tensor) -> torch.Tensor:
         """[E, ..., 2F] with gate and up alternating on the last dim -> mlp.py's [E, gate; up, ...] rows."""
@@ -117,12 +113,10 @@ def _layer(hf: dict[str, torch.Tensor], src: str, dst: str, config: dict) -> dic
 def checkpoint_weights(hf: dict[str, torch.Tensor], config: dict, vocab_rows: int) -> dict[str, torch.Tensor]:
     """Every global tensor a torch_dist save of the GPTModel holds, by its key, from an HF state dict (the
     vocabulary rows past ``vocab_size`` zero; the layers, all alike, stacked)."""
-    def pad(weight: torch.Tensor) -> torch.Tensor:
-        return torch.cat([weight, weight.new_zeros(vocab_rows - weight.shape[0], *weight.shape[1:])])
-
     layers = [_layer(hf, f"model.layers.{layer}.", "decoder.layers.", config)
               for layer in range(config["num_hidden_layers"])]
-    out = {"embedding.word_embeddings.weight": pad(hf["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": pad(hf["lm_head.weight"])}
+    out = {"embedding.word_embeddings.weight": vocab_padded(hf["model.embed_tokens.weight"], vocab_rows),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": vocab_padded(hf["lm_head.weight"], vocab_rows)}
     out.update({key: torch.stack([layer[key] for layer in layers]) for key in layers[0]})
     return out

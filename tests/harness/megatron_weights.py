@@ -81,6 +81,36 @@ def gpt_model(config: dict, vocab_rows: int, **parallel) -> Any:
                     position_embedding_type="rope", rotary_base=int(rope_theta(config)))
 
 
+def vocab_padded(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """An embedding or output weight with zero rows up to ``rows``, as Megatron pads its vocabulary."""
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
+
+
+def qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, dim: int) -> torch.Tensor:
+    """attention.py's linear_qkv rows: per query group, its q heads, then its k and v head."""
+    rest = q.shape[1:]
+    q = q.reshape(groups, heads // groups * dim, *rest)
+    return torch.cat([q, k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], 1).reshape(-1, *rest)
+
+
+def swiglu_rows(hf: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """mlp.py's linear_fc1 of the HF MLP at ``prefix``: [gate; up]."""
+    return torch.cat([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
+
+
+def routed_and_shared(hf: dict[str, torch.Tensor], mlp: str, dst: str, experts: int) -> dict[str, torch.Tensor]:
+    """A MoE layer's router (with its score bias), routed experts stacked [E, ...] and shared experts, as
+    Megatron's MoE layer holds them (``dst`` + name), from HF's DeepSeek-style names under ``mlp``."""
+    return {dst + "mlp.router.weight": hf[mlp + "gate.weight"],
+            dst + "mlp.router.expert_bias": hf[mlp + "gate.e_score_correction_bias"],
+            dst + "mlp.experts.experts.linear_fc1.weight": torch.stack(
+                [swiglu_rows(hf, f"{mlp}experts.{e}.") for e in range(experts)]),
+            dst + "mlp.experts.experts.linear_fc2.weight": torch.stack(
+                [hf[f"{mlp}experts.{e}.down_proj.weight"] for e in range(experts)]),
+            dst + "mlp.shared_experts.linear_fc1.weight": swiglu_rows(hf, mlp + "shared_experts."),
+            dst + "mlp.shared_experts.linear_fc2.weight": hf[mlp + "shared_experts.down_proj.weight"]}
+
+
 def megatron_weights(hf: dict[str, torch.Tensor], config: dict, vocab_rows: int) -> dict[str, torch.Tensor]:
     """The GPTModel's ``state_dict()`` weights (local spec, TP = 1) from an HF state dict; the vocabulary
     rows past ``vocab_size`` are zero."""
@@ -88,13 +118,10 @@ def megatron_weights(hf: dict[str, torch.Tensor], config: dict, vocab_rows: int)
     out: dict[str, torch.Tensor] = {}
 
     def pad(weight: torch.Tensor) -> torch.Tensor:
-        return torch.cat([weight, weight.new_zeros(vocab_rows - weight.shape[0], *weight.shape[1:])])
+        return vocab_padded(weight, vocab_rows)
 
     def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[groups, q heads of the group + k + v, dim, ...] flattened: attention.py's linear_qkv rows."""
-        rest = q.shape[1:]
-        q = q.reshape(groups, heads // groups * dim, *rest)
-        return torch.cat([q, k.reshape(groups, dim, *rest), v.reshape(groups, dim, *rest)], 1).reshape(-1, *rest)
+        return qkv_rows(q, k, v, heads, groups, dim)
 
     out["embedding.word_embeddings.weight"] = pad(hf["model.embed_tokens.weight"])
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
