@@ -162,4 +162,7 @@ def test_kimi_k2_is_deepseek_v3_under_its_own_config(deepseek_run, tmp_path):
     run_state = "^(rng_state|rerun_state_machine_state|common_state)/"  # the run's, not the model's
     assert "compared bitwise" in dcptool("verify", imported, run / "iter_0000100", "--exclude", run_state).stdout
     assert extra_states(imported) == extra_states(run / "iter_0000100")
+    # the names alone are DeepSeek-V3's; the config the import keeps says Kimi-K2
+    assert "names: megatron (kimi_k2)" in dcptool("inspect", imported).stdout
+    (imported / "config.json").unlink()
     assert "names: megatron (deepseek_v3)" in dcptool("inspect", imported).stdout
