@@ -62,7 +62,7 @@ from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolErr
                             UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
-    from dcptool.api import (HubPush, LoadOn, Lora, MeshOptions, Reader, Reading, Region, Selection, Side,  # noqa: A004
+    from dcptool.api import (HubPush, LoadOn, Lora, MeshOptions, Quantize, Reader, Reading, Region, Selection, Side,  # noqa: A004
                              TensorSpec, Tolerance, Writing, average, check, checksum, convert, diff, export_hf,
                              family_options, format_options, import_hf, inspect, open, reshard, tensor_layout, verify)
 
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 # .resharding, .verification, .checksums), so that these names are the functions.
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
            "reshard", "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading", "Writing",
-           "Selection", "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn", "api", "DcptoolError",
+           "Selection", "MeshOptions", "Lora", "Quantize", "HubPush", "Tolerance", "Side", "LoadOn", "api", "DcptoolError",
            "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError", "OutputExistsError",
            "MismatchError"]
 

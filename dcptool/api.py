@@ -50,8 +50,8 @@ from dcptool.engine.core import Checkpoint
 from dcptool.errors import UsageError, option
 from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import FormatOptions, OutputRequest
-from dcptool.options import (LORA_MODES, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading, Selection,
-                             Side, Tolerance, Writing)
+from dcptool.options import (LORA_MODES, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Quantize, Reading,
+                             Selection, Side, Tolerance, Writing)
 from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
 from dcptool.storage import check_apart, check_destination, is_remote, output_path
 
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
            "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading", "Writing",
-           "Selection", "MeshOptions", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
+           "Selection", "MeshOptions", "Lora", "Quantize", "HubPush", "Tolerance", "Side", "LoadOn"]
 
 
 def _command(command: Callable) -> Callable:
@@ -255,8 +255,8 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
               family: str = "auto", family_options: FamilyOptions | None = None, dtype: str | None = None,
               selection: Selection = Selection(), format_options: FormatOptions | None = None,
-              lora: Lora | None = None, push: HubPush | None = None, reading: Reading = Reading(),
-              writing: Writing = Writing()) -> Report:
+              lora: Lora | None = None, quantize: Quantize | None = None, push: HubPush | None = None,
+              reading: Reading = Reading(), writing: Writing = Writing()) -> Report:
     """``dcptool export-hf``: the model weights as Hugging Face safetensors under HF names, with
     ``config_dir``'s config and tokenizer files.
 
@@ -267,6 +267,8 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
         selection: ``prefix``: the wrapper of the model's keys (found by itself when None).
         format_options: hf's (``format_options("hf", max_shard_size="2GB")``).
         lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
+        quantize: the linear weights quantized as they stream out (``Quantize("fp8")``: float8 per 128x128
+            block, as DeepSeek-V3 releases; ``Quantize("like=DeepSeek-V3")``: as that release; ``dcptool.planning.quant``).
         push: then upload the export to a hub repo (``HubPush("ORG/NAME", branch="step-1000")``).
 
     Returns:
@@ -293,8 +295,9 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
     planned = conversion.plan_export_hf(checkpoint, config_dir=config_dir, prefix=selection.prefix, dtype=dtype,
                                         include=selection.include, exclude=selection.exclude, family=family,
                                         family_options=family_options, format_options=format_options,
-                                        lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None)
-    if reading.dequantize:  # a quantization_config left in would make transformers quantize the weights again
+                                        lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None,
+                                        quantize=quantize)
+    if reading.dequantize and quantize is None:  # a quantization_config left in would make transformers quantize the weights again
         from dcptool.planning import quant
 
         planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))

@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 
 from dcptool import dtypes, mxfp4
-from dcptool.engine.core import Checkpoint, Computed, TensorInfo
+from dcptool.engine.core import Checkpoint, Computed, OutTensor, TensorInfo, float32_region
 from dcptool.engine.reading import workspace
 from dcptool.errors import CheckpointError, UsageError, option
+from dcptool.options import Quantize
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4: X_blocks and X_scales -> X
@@ -234,3 +235,186 @@ def drop_quantization_config(config: dict | None) -> dict | None:
     """The config.json of a dequantized export: without ``quantization_config``, which would make
     transformers quantize the weights again."""
     return None if config is None else {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantization (export-hf --quantize): float weights as block-scaled float8 codes and their scales
+# ---------------------------------------------------------------------------------------------------------
+
+FP8 = "float8_e4m3fn"
+FP8_MAX = np.float32(448.0)  # float8_e4m3fn's largest
+SCALE_FORMATS = ("float", "ue8m0")
+# The most elements of a weight one step of a block-scaled computation holds in float32 (a block row's columns are
+# taken this many at a time): its temporaries stay a few MB whatever the width of the weight.
+GROUP_ELEMENTS = 2**18
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """How weights are quantized: ``block`` (rows, columns) of weight per scale, ``scale_format`` ``float`` (each
+    block's amax / 448) or ``ue8m0`` (that rounded up to a power of two, DeepSeek-V3.1's ``scale_fmt``)."""
+
+    block: tuple[int, int] = (128, 128)
+    scale_format: str = "float"
+
+    def scales(self, amax: np.ndarray) -> np.ndarray:
+        """The float32 scale of blocks whose largest magnitude is ``amax`` (float32): ``amax / 448``, rounded up to
+        a power of two for ``ue8m0``; 1 for a block of zeros, as transformers' ``Fp8Quantize`` stores it (its codes
+        are zeros whatever the scale)."""
+        scales = amax / FP8_MAX
+        if self.scale_format == "ue8m0":
+            mantissa, exponent = np.frexp(scales)  # scale = mantissa * 2 ** exponent, mantissa in [0.5, 1)
+            exponent -= mantissa == 0.5  # a power of two already
+            finite = np.isfinite(scales)  # Inf and NaN stay what they are
+            scales = np.where(finite, np.ldexp(np.float32(1), exponent), scales).astype(np.float32)
+        scales[amax == 0] = 1
+        return scales
+
+    def block_row(self, checkpoint: Checkpoint, weight: TensorInfo, at: tuple, block_row: int, first: int,
+                  end: int, scratch) -> tuple[np.ndarray, np.ndarray, int]:
+        """The float32 values of the whole block row ``block_row`` of the matrix at ``at`` (its leading indexes), in
+        columns ``[first, end)`` (block column boundaries, or the end), the scales of their blocks, and the row it
+        starts at."""
+        (b0, b1), rows = self.block, weight.shape[-2]
+        top = block_row * b0
+        shape = (min(rows, top + b0) - top, end - first)
+        values = float32_region(checkpoint, weight, (*at, top, first), (*(1,) * len(at), *shape), scratch,
+                                workspace("fp8.values", (*(1,) * len(at), *shape), np.float32)).reshape(shape)
+        # each column's largest magnitude (NaN wherever a NaN is), then each block's
+        columns = np.maximum(values.max(axis=0), -values.min(axis=0))
+        count = -(-shape[1] // b1)
+        padded = np.zeros(count * b1, np.float32)
+        padded[:shape[1]] = columns
+        return values, self.scales(padded.reshape(count, b1).max(axis=1)), top
+
+    def column_groups(self, first: int, end: int) -> list[tuple[int, int]]:
+        """``[first, end)`` in groups of whole blocks of columns, each of at most about ``GROUP_ELEMENTS`` a block row."""
+        b0, b1 = self.block
+        width = max(1, GROUP_ELEMENTS // (b0 * b1)) * b1
+        return [(start, min(end, start + width)) for start in range(first, end, width)]
+
+
+@dataclass(frozen=True)
+class Fp8Codes(Computed):
+    """The ``float8_e4m3fn`` codes of a float weight (a ``TensorInfo.transform``): each block of ``blocks.block`` in
+    its last two dims divided by its scale (float32), rounded to nearest even as torch's ``.to(torch.float8_e4m3fn)``
+    rounds."""
+
+    weight: TensorInfo
+    blocks: Fp8Blocks
+    work_bytes = 0  # its temporaries are a column group's (``GROUP_ELEMENTS``), whatever the region
+
+    @property
+    def rows_together(self) -> int:
+        return self.blocks.block[0]
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        """Fill ``out`` (uint8, shape ``sizes``) with the codes of the region at ``offsets``: block row by block row,
+        a column group at a time, each group's whole blocks read for their scales."""
+        (b0, b1), lead = self.blocks.block, len(sizes) - 2
+        (row0, col0), (rows, cols) = offsets[lead:], sizes[lead:]
+        if 0 in sizes:
+            return
+        first, end = col0 // b1 * b1, min(self.weight.shape[-1], -(-(col0 + cols) // b1) * b1)
+        for index in np.ndindex(*sizes[:lead]):
+            at = tuple(o + i for o, i in zip(offsets, index))
+            for block_row in range(row0 // b0, (row0 + rows - 1) // b0 + 1):
+                for start, stop in self.blocks.column_groups(first, end):
+                    values, scales, top = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop,
+                                                                scratch)
+                    lo, hi = max(row0, top), min(row0 + rows, top + values.shape[0])
+                    left, right = max(col0, start), min(col0 + cols, stop)
+                    part = values[lo - top:hi - top, left - start:right - start]
+                    part /= np.repeat(scales, b1)[left - start:right - start]  # float32 / float32, as torch's w / scale
+                    dtypes.float32_to_float8(part, FP8, out[index][lo - row0:hi - row0, left - col0:right - col0],
+                                             workspace("fp8.keys", part.shape, np.uint32))
+
+
+@dataclass(frozen=True)
+class Fp8Scales(Computed):
+    """The float32 scales of the blocks of a float weight (``Fp8Codes``'), ``[..., ceil(rows / b0), ceil(cols / b1)]``
+    (a ``TensorInfo.transform``): what ``weight_scale_inv`` holds, the factor that dequantizes the codes."""
+
+    weight: TensorInfo
+    blocks: Fp8Blocks
+    work_bytes = 0  # its temporaries are a column group's
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        """Fill ``out`` (uint32, shape ``sizes``) with the scales of the region of blocks at ``offsets``."""
+        (b0, b1), lead = self.blocks.block, len(sizes) - 2
+        (row0, col0), (rows, cols) = offsets[lead:], sizes[lead:]
+        if 0 in sizes:
+            return
+        first, end = col0 * b1, min(self.weight.shape[-1], (col0 + cols) * b1)
+        for index in np.ndindex(*sizes[:lead]):
+            at = tuple(o + i for o, i in zip(offsets, index))
+            for block_row in range(row0, row0 + rows):
+                for start, stop in self.blocks.column_groups(first, end):
+                    _, scales, _ = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop, scratch)
+                    out[index][block_row - row0, (start - first) // b1:(start - first) // b1 + len(scales)] = \
+                        scales.view(np.uint32)
+
+
+def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | None,
+                  where: str) -> tuple[list[OutTensor], dict, list[str]]:
+    """The export's tensors with every linear weight of the decoder layers (``models.linear_weight``) as its
+    ``float8_e4m3fn`` codes followed by its float32 ``X_scale_inv``, computed from the weight as stored; the
+    ``quantization_config`` that says so, and notes. The other tensors stay as they are."""
+    from dcptool import models
+
+    out, quantized, kept = [], [], []
+    for tensor in tensors:
+        if not models.linear_weight(tensor.key, tensor.shape):
+            out.append(tensor)
+            if len(tensor.shape) >= 2 and tensor.dtype in (*dtypes.CASTABLE, "float64"):
+                kept.append(tensor.key.removesuffix(".weight"))
+            continue
+        source = tensor.source
+        if source.dtype not in (*dtypes.CASTABLE, "float64"):
+            raise UsageError(f"{where}: {tensor.key} is {source.dtype}: quantizing takes float weights (dequantize a "
+                             f"quantized source first with {option('dequantize', True)})")
+        scale_shape = (*tensor.shape[:-2], *(-(-n // b) for n, b in zip(tensor.shape[-2:], blocks.block)))
+        codes = TensorInfo(source.path, FP8, tensor.shape, source.chunks, Fp8Codes(source, blocks))
+        scale_key = tensor.key + SCALE_SUFFIX
+        layout = [dataclasses.replace(source.chunks[0], offsets=(0,) * len(scale_shape), sizes=scale_shape,
+                                      strides=None, view=None)] if len(source.chunks) else []
+        scales = TensorInfo((scale_key,), "float32", scale_shape, layout, Fp8Scales(source, blocks))
+        out += [OutTensor(tensor.key, tensor.path, FP8, tensor.shape, codes),
+                OutTensor(scale_key, (scale_key,), "float32", scale_shape, scales)]
+        quantized.append(tensor.key)
+    if not quantized:
+        raise UsageError(f"{where}: {option('quantize', 'fp8')} found no linear weight of a decoder layer "
+                         "(model.layers.N...weight) to quantize")
+    not_converted = sorted(set(kept) | {name.removesuffix(".weight") for name in models.tied_outputs(config)})
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(blocks.block),
+                    **({"scale_fmt": "ue8m0"} if blocks.scale_format == "ue8m0" else {}),
+                    "modules_to_not_convert": not_converted}
+    scale = "powers of two (ue8m0)" if blocks.scale_format == "ue8m0" else "float32"
+    notes = [f"quantized {len(quantized)} linear weights to {FP8} with {scale} {SCALE_SUFFIX} scales per "
+             f"{blocks.block[0]}x{blocks.block[1]} block: {quantized[0]}, ...",
+             f"kept {len(not_converted)} modules unquantized (quantization_config.modules_to_not_convert)"]
+    return out, quantization, notes
+
+
+SCHEMES = ("fp8", "mxfp4")
+LAYOUTS = ("native", "compressed-tensors")
+
+
+def quantized(tensors: list[OutTensor], quantize: Quantize, config: dict | None,
+              where: str) -> tuple[list[OutTensor], dict | None, list[str]]:
+    """export-hf's tensors quantized as ``quantize`` asks, the config.json that says so (its ``quantization_config``),
+    and notes."""
+    if quantize.scheme not in SCHEMES:
+        raise UsageError(f"{option('quantize', quantize.scheme)}: choose {', '.join(SCHEMES)} or like=DIR (a released "
+                         "model folder)")
+    if quantize.layout not in LAYOUTS:
+        raise UsageError(f"{option('quant_format', quantize.layout)}: choose {' or '.join(LAYOUTS)}")
+    scale_format = quantize.scale_format or "float"
+    if scale_format not in SCALE_FORMATS:
+        raise UsageError(f"{option('scale_format', scale_format)}: choose {' or '.join(SCALE_FORMATS)}")
+    blocks = Fp8Blocks(quantize.block() or (128, 128), scale_format)
+    tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where)
+    if config is None:
+        notes.append("warning: no config.json, so no quantization_config says how the weights are quantized")
+        return tensors, None, notes
+    return tensors, config | {"quantization_config": quantization}, notes
