@@ -19,6 +19,7 @@ from pathlib import Path
 from dcptool import families, formats, models, selection
 from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, option
+from dcptool.planning import quant
 from dcptool.state_dicts import split_object
 from dcptool.torch_archive import Unpicklable
 
@@ -210,10 +211,13 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     names match more entries than the keys as given (a flat
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
     Weights of different naming families are matched by ``align_families`` (with ``config_dir``'s config.json).
+    A block-scaled float8 weight and its ``X_scale_inv`` are one tensor (``quant.folded``): verify quantizes the
+    other side with its scales, diff dequantizes it.
     """
-    return pair(formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b), prefix_a=prefix_a,
-                prefix_b=prefix_b, include=include, exclude=exclude, family_a=family_a, family_b=family_b,
-                config_dir=config_dir)
+    checkpoint_a, _ = quant.folded(formats.open_checkpoint(a, format_a))
+    checkpoint_b, _ = quant.folded(formats.open_checkpoint(b, format_b))
+    return pair(checkpoint_a, checkpoint_b, prefix_a=prefix_a, prefix_b=prefix_b, include=include, exclude=exclude,
+                family_a=family_a, family_b=family_b, config_dir=config_dir)
 
 
 def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | None = None,

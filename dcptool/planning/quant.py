@@ -418,3 +418,82 @@ def quantized(tensors: list[OutTensor], quantize: Quantize, config: dict | None,
         notes.append("warning: no config.json, so no quantization_config says how the weights are quantized")
         return tensors, None, notes
     return tensors, config | {"quantization_config": quantization}, notes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A quantized checkpoint compared with its source (verify, diff)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Stored(Computed):
+    """A block-scaled float8 weight as stored, its codes, with the scales that go with them (``folded``): what
+    verify quantizes the other side with, and diff dequantizes (``dequantized_view``)."""
+
+    weight: TensorInfo
+    scale: TensorInfo
+    block: tuple[int, int]
+    work_bytes = 0
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        """The codes, as stored."""
+        checkpoint.read_region(self.weight, offsets, sizes, out, scratch)
+
+    def scales_for(self, checkpoint: Checkpoint, offsets, sizes, scratch) -> np.ndarray:
+        """The float32 scale of every element of the region at ``offsets`` (``sizes``), from the scale tensor."""
+        (b0, b1), lead = self.block, len(sizes) - 2
+        rows = (offsets[lead] + np.arange(sizes[lead])) // b0
+        cols = (offsets[lead + 1] + np.arange(sizes[lead + 1])) // b1
+        at = (*offsets[:lead], int(rows[0]) if len(rows) else 0, int(cols[0]) if len(cols) else 0)
+        shape = (*sizes[:lead], int(rows[-1] - rows[0] + 1) if len(rows) else 0,
+                 int(cols[-1] - cols[0] + 1) if len(cols) else 0)
+        itemsize = dtypes.dtype(self.scale.dtype).itemsize
+        raw = np.empty(shape, dtypes.raw_view_type(itemsize))
+        checkpoint.read_region(self.scale, at, shape, raw, scratch)
+        scales = dtypes.cast(raw, self.scale.dtype, "float32").view(np.float32) if self.scale.dtype != "float32" \
+            else raw.view(np.float32)
+        return scales[..., rows - at[lead], :][..., cols - at[lead + 1]]
+
+    def dequantized_view(self) -> TensorInfo:
+        """The weight's values, codes times scales, as float32 (``BlockDequant``)."""
+        return TensorInfo(self.weight.path, "float32", self.weight.shape, self.weight.chunks,
+                          BlockDequant(self.weight, self.scale, self.block, "float32"))
+
+
+def folded(checkpoint: Checkpoint) -> tuple[Checkpoint, list[str]]:
+    """The checkpoint with each block-scaled float8 weight and its ``X_scale_inv`` as one tensor ``X`` whose
+    transform is an ``Fp8Stored`` (read: the codes), and notes; as it is where it holds none, or where no config.json
+    beside it gives the block size."""
+    pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()
+             if t.dtype == FP8 and key + SCALE_SUFFIX in checkpoint.tensors}
+    config_dir = checkpoint.info.get("hf_config_dir")
+    if not pairs or config_dir is None:
+        return checkpoint, []
+    from dcptool.selection import read_config
+
+    try:
+        block = block_size(read_config(config_dir), f"{config_dir}/config.json")
+    except UsageError:
+        return checkpoint, []
+    tensors = {key: t for key, t in checkpoint.tensors.items() if not (key.endswith(SCALE_SUFFIX)
+                                                                          and key.removesuffix(SCALE_SUFFIX) in pairs)}
+    for key, scale in pairs.items():
+        weight = tensors[key]
+        tensors[key] = dataclasses.replace(weight, transform=Fp8Stored(weight, scale, block))
+    note = (f"{len(pairs)} float8 weights of {checkpoint.root} compared with their {SCALE_SUFFIX} scales "
+            f"({block[0]}x{block[1]} blocks)")
+    return checkpoint.with_entries(tensors, dict(checkpoint.objects)), [note]
+
+
+def fp8_error(values: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, float, float, float]:
+    """Float32 ``values`` quantized with ``scales`` (the codes they give, as ``Fp8Codes`` computes them) against the
+    stored ``codes``: (the codes they give, the largest ``|value - code * scale|``, the sums of squares of those
+    errors and of the values, float64)."""
+    expected = np.empty(values.shape, np.uint8)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dtypes.float32_to_float8(values / scales, FP8, expected)
+    dequantized = dtypes.float8_to_float32(codes, FP8) * scales  # in float32, as transformers dequantizes
+    error = values.astype(np.float64) - dequantized
+    with np.errstate(invalid="ignore"):
+        largest = float(np.abs(error).max()) if error.size else 0.0
+    return expected, largest, float(np.square(error).sum()), float(np.square(values.astype(np.float64)).sum())
