@@ -25,6 +25,7 @@ Nothing is materialized: a dequantized tensor is one whose regions are computed 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,10 +272,10 @@ class Fp8Blocks:
         return scales
 
     def block_row(self, checkpoint: Checkpoint, weight: TensorInfo, at: tuple, block_row: int, first: int,
-                  end: int, scratch) -> tuple[np.ndarray, np.ndarray, int]:
+                  end: int, scratch, release: Release | None = None) -> tuple[np.ndarray, np.ndarray, int]:
         """The float32 values of the whole block row ``block_row`` of the matrix at ``at`` (its leading indexes), in
         columns ``[first, end)`` (block column boundaries, or the end), the scales of their blocks, and the row it
-        starts at."""
+        starts at. With a ``release``, a block its scale still holds exactly keeps that scale (``Release``)."""
         (b0, b1), rows = self.block, weight.shape[-2]
         top = block_row * b0
         shape = (min(rows, top + b0) - top, end - first)
@@ -282,16 +283,57 @@ class Fp8Blocks:
                                 workspace("fp8.values", (*(1,) * len(at), *shape), np.float32)).reshape(shape)
         # each column's largest magnitude (NaN wherever a NaN is), then each block's
         columns = np.maximum(values.max(axis=0), -values.min(axis=0))
-        count = -(-shape[1] // b1)
-        padded = np.zeros(count * b1, np.float32)
-        padded[:shape[1]] = columns
-        return values, self.scales(padded.reshape(count, b1).max(axis=1)), top
+        scales = self.scales(_per_block(columns, b1, np.zeros, np.max))
+        if release is not None:
+            given = release.scales(at, block_row, first // b1, len(scales), scratch)
+            held = _per_block(release.holds(values, np.repeat(given, b1)[:shape[1]], weight.dtype), b1, np.ones,
+                              np.all)
+            scales = np.where(held, given, scales)
+        return values, scales, top
 
     def column_groups(self, first: int, end: int) -> list[tuple[int, int]]:
         """``[first, end)`` in groups of whole blocks of columns, each of at most about ``GROUP_ELEMENTS`` a block row."""
         b0, b1 = self.block
         width = max(1, GROUP_ELEMENTS // (b0 * b1)) * b1
         return [(start, min(end, start + width)) for start in range(first, end, width)]
+
+
+def _per_block(columns: np.ndarray, width: int, pad, reduce) -> np.ndarray:
+    """``reduce`` of each ``width`` of ``columns``, the last padded with ``pad`` (``np.zeros``, ``np.ones``)."""
+    count = -(-len(columns) // width)
+    padded = pad(count * width, columns.dtype)
+    padded[:len(columns)] = columns
+    return reduce(padded.reshape(count, width), axis=1)
+
+
+@dataclass(frozen=True)
+class Release:
+    """A weight's quantization in a released model (``--quantize like=DIR``): its scale tensor there. A block whose
+    values that scale still holds exactly (a weight fine-tuning left alone, dequantized and quantized again) keeps
+    it: requantizing it from its own amax would give other scales where the dequantization rounded (a bf16 copy
+    of ``code x scale`` is not ``code x scale``, so its amax / 448 is not the scale), and so the release's codes
+    and scales come back bitwise."""
+
+    checkpoint: Checkpoint
+    scale: TensorInfo
+
+    def scales(self, at: tuple, block_row: int, first: int, count: int, scratch) -> np.ndarray:
+        """The release's float32 scales of ``count`` blocks from block column ``first`` of a block row."""
+        raw = np.empty((*(1,) * len(at), 1, count), dtypes.raw_view_type(dtypes.dtype(self.scale.dtype).itemsize))
+        self.checkpoint.read_region(self.scale, (*at, block_row, first), raw.shape, raw, scratch, passing=True)
+        return dtypes.cast(raw.reshape(count), self.scale.dtype, "float32").view(np.float32)
+
+    @staticmethod
+    def holds(values: np.ndarray, scales: np.ndarray, dtype: str) -> np.ndarray:
+        """Per column of ``values`` (float32, of a weight stored as ``dtype``): whether every value is its code under
+        ``scales`` (per column) times that scale, rounded to ``dtype``, as a dequantization gives it."""
+        codes = np.empty(values.shape, np.uint8)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            dtypes.float32_to_float8(values / scales, FP8, codes)
+            back = dtypes.float8_to_float32(codes, FP8) * scales
+        if dtype in dtypes.CASTABLE and dtype != "float32":  # as the dequantization rounded it
+            back = dtypes.cast(dtypes.cast(back.view(np.uint32), "float32", dtype), dtype, "float32").view(np.float32)
+        return (back == values).all(axis=0)
 
 
 @dataclass(frozen=True)
@@ -302,11 +344,15 @@ class Fp8Codes(Computed):
 
     weight: TensorInfo
     blocks: Fp8Blocks
+    release: Release | None = None
     work_bytes = 0  # its temporaries are a column group's (``GROUP_ELEMENTS``), whatever the region
 
     @property
     def rows_together(self) -> int:
         return self.blocks.block[0]
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        return (self.release.checkpoint,) if self.release is not None else ()
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         """Fill ``out`` (uint8, shape ``sizes``) with the codes of the region at ``offsets``: block row by block row,
@@ -321,7 +367,7 @@ class Fp8Codes(Computed):
             for block_row in range(row0 // b0, (row0 + rows - 1) // b0 + 1):
                 for start, stop in self.blocks.column_groups(first, end):
                     values, scales, top = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop,
-                                                                scratch)
+                                                                scratch, self.release)
                     lo, hi = max(row0, top), min(row0 + rows, top + values.shape[0])
                     left, right = max(col0, start), min(col0 + cols, stop)
                     part = values[lo - top:hi - top, left - start:right - start]
@@ -337,11 +383,15 @@ class Fp8Scales(Computed):
 
     weight: TensorInfo
     blocks: Fp8Blocks
+    release: Release | None = None
     work_bytes = 0  # its temporaries are a column group's
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        return (self.release.checkpoint,) if self.release is not None else ()
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         """Fill ``out`` (uint32, shape ``sizes``) with the scales of the region of blocks at ``offsets``."""
-        (b0, b1), lead = self.blocks.block, len(sizes) - 2
+        b1, lead = self.blocks.block[1], len(sizes) - 2
         (row0, col0), (rows, cols) = offsets[lead:], sizes[lead:]
         if 0 in sizes:
             return
@@ -350,21 +400,74 @@ class Fp8Scales(Computed):
             at = tuple(o + i for o, i in zip(offsets, index))
             for block_row in range(row0, row0 + rows):
                 for start, stop in self.blocks.column_groups(first, end):
-                    _, scales, _ = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop, scratch)
+                    _, scales, _ = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop, scratch,
+                                                         self.release)
                     out[index][block_row - row0, (start - first) // b1:(start - first) // b1 + len(scales)] = \
                         scales.view(np.uint32)
 
 
-def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | None,
-                  where: str) -> tuple[list[OutTensor], dict, list[str]]:
+@dataclass
+class LikeRelease:
+    """``--quantize like=DIR``: a released model folder's quantization. ``quantization`` is its config.json's
+    ``quantization_config``; ``checkpoint`` its weights where the folder holds them (which weights it quantized,
+    and their scales: ``Release``), else None."""
+
+    folder: str
+    quantization: dict
+    checkpoint: Checkpoint | None
+
+    @classmethod
+    def read(cls, folder: str) -> LikeRelease:
+        """The release in ``folder``; UsageError naming its config.json where that says no quantization."""
+        from dcptool import formats
+        from dcptool.selection import read_config
+
+        config = read_config(folder)
+        quantization = config.get("quantization_config")
+        if not isinstance(quantization, dict) or not isinstance(quantization.get("quant_method"), str):
+            raise UsageError(f"{folder}/config.json has no quantization_config with a quant_method: "
+                             f"{option('quantize', 'like=' + folder)} takes the quantization of a quantized release")
+        try:
+            checkpoint = formats.open_checkpoint(folder)
+        except (CheckpointError, FileNotFoundError):
+            checkpoint = None  # a config folder without the weights: its quantization_config alone
+        return cls(folder, quantization, checkpoint)
+
+    def fp8_weights(self) -> dict[str, TensorInfo] | None:
+        """The release's float8 weights with a ``_scale_inv``, by name, and their scales; None without its weights."""
+        if self.checkpoint is None:
+            return None
+        tensors = self.checkpoint.tensors
+        return {key: tensors[key + SCALE_SUFFIX] for key, t in tensors.items()
+                if t.dtype == FP8 and key + SCALE_SUFFIX in tensors}
+
+    def not_converted(self, name: str) -> bool:
+        """Whether the module of weight ``name`` is one the release's ``modules_to_not_convert`` (or ``ignored_layers``)
+        names, matched as transformers matches them: from the start to a module boundary, as a regular expression
+        to one, or as a suffix."""
+        patterns = self.quantization.get("modules_to_not_convert") or self.quantization.get("ignored_layers") or []
+        module = name.removesuffix(".weight")
+        return any(re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(pattern)
+                   for pattern in patterns if isinstance(pattern, str))
+
+
+def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | None, where: str,
+                  like: LikeRelease | None = None) -> tuple[list[OutTensor], dict, list[str]]:
     """The export's tensors with every linear weight of the decoder layers (``models.linear_weight``) as its
     ``float8_e4m3fn`` codes followed by its float32 ``X_scale_inv``, computed from the weight as stored; the
-    ``quantization_config`` that says so, and notes. The other tensors stay as they are."""
+    ``quantization_config`` that says so, and notes. The other tensors stay as they are. ``like``: the weights the
+    release quantized instead (those it holds; for others, ``linear_weight`` less its ``modules_to_not_convert``),
+    each block its scale still holds keeping it (``Release``), and the release's ``quantization_config``."""
     from dcptool import models
 
-    out, quantized, kept = [], [], []
+    released = like.fp8_weights() if like is not None else None
+    out, quantized, kept, notes = [], [], [], []
     for tensor in tensors:
-        if not models.linear_weight(tensor.key, tensor.shape):
+        if released is not None and like.checkpoint is not None and tensor.key in like.checkpoint.tensors:
+            chosen = tensor.key in released
+        else:
+            chosen = models.linear_weight(tensor.key, tensor.shape) and not (like and like.not_converted(tensor.key))
+        if not chosen:
             out.append(tensor)
             if len(tensor.shape) >= 2 and tensor.dtype in (*dtypes.CASTABLE, "float64"):
                 kept.append(tensor.key.removesuffix(".weight"))
@@ -374,25 +477,37 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
             raise UsageError(f"{where}: {tensor.key} is {source.dtype}: quantizing takes float weights (dequantize a "
                              f"quantized source first with {option('dequantize', True)})")
         scale_shape = (*tensor.shape[:-2], *(-(-n // b) for n, b in zip(tensor.shape[-2:], blocks.block)))
-        codes = TensorInfo(source.path, FP8, tensor.shape, source.chunks, Fp8Codes(source, blocks))
+        release = None
+        if released is not None and tensor.key in released:
+            scale = released[tensor.key]
+            if like.checkpoint.tensors[tensor.key].shape == tensor.shape and scale.shape == scale_shape:
+                release = Release(like.checkpoint, scale)
+            else:
+                notes.append(f"{tensor.key} {list(tensor.shape)} is {list(like.checkpoint.tensors[tensor.key].shape)} "
+                             f"in {like.folder}: quantized afresh")
+        codes = TensorInfo(source.path, FP8, tensor.shape, source.chunks, Fp8Codes(source, blocks, release))
         scale_key = tensor.key + SCALE_SUFFIX
         layout = [dataclasses.replace(source.chunks[0], offsets=(0,) * len(scale_shape), sizes=scale_shape,
                                       strides=None, view=None)] if len(source.chunks) else []
-        scales = TensorInfo((scale_key,), "float32", scale_shape, layout, Fp8Scales(source, blocks))
+        scales = TensorInfo((scale_key,), "float32", scale_shape, layout, Fp8Scales(source, blocks, release))
         out += [OutTensor(tensor.key, tensor.path, FP8, tensor.shape, codes),
                 OutTensor(scale_key, (scale_key,), "float32", scale_shape, scales)]
         quantized.append(tensor.key)
     if not quantized:
-        raise UsageError(f"{where}: {option('quantize', 'fp8')} found no linear weight of a decoder layer "
-                         "(model.layers.N...weight) to quantize")
+        raise UsageError(f"{where}: {option('quantize', like and 'like=' + like.folder or 'fp8')} found no linear "
+                         "weight of a decoder layer (model.layers.N...weight) to quantize")
+    scale = "powers of two (ue8m0)" if blocks.scale_format == "ue8m0" else "float32"
+    notes.insert(0, f"quantized {len(quantized)} linear weights to {FP8} with {scale} {SCALE_SUFFIX} scales per "
+                    f"{blocks.block[0]}x{blocks.block[1]} block: {quantized[0]}, ...")
+    if like is not None:
+        notes.append(f"quantized as {like.folder} is (its quantization_config); blocks its scales still hold "
+                     "exactly keep them")
+        return out, like.quantization, notes
     not_converted = sorted(set(kept) | {name.removesuffix(".weight") for name in models.tied_outputs(config)})
     quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(blocks.block),
                     **({"scale_fmt": "ue8m0"} if blocks.scale_format == "ue8m0" else {}),
                     "modules_to_not_convert": not_converted}
-    scale = "powers of two (ue8m0)" if blocks.scale_format == "ue8m0" else "float32"
-    notes = [f"quantized {len(quantized)} linear weights to {FP8} with {scale} {SCALE_SUFFIX} scales per "
-             f"{blocks.block[0]}x{blocks.block[1]} block: {quantized[0]}, ...",
-             f"kept {len(not_converted)} modules unquantized (quantization_config.modules_to_not_convert)"]
+    notes.append(f"kept {len(not_converted)} modules unquantized (quantization_config.modules_to_not_convert)")
     return out, quantization, notes
 
 
@@ -404,16 +519,31 @@ def quantized(tensors: list[OutTensor], quantize: Quantize, config: dict | None,
               where: str) -> tuple[list[OutTensor], dict | None, list[str]]:
     """export-hf's tensors quantized as ``quantize`` asks, the config.json that says so (its ``quantization_config``),
     and notes."""
-    if quantize.scheme not in SCHEMES:
+    folder = quantize.like()
+    if folder is None and quantize.scheme not in SCHEMES:
         raise UsageError(f"{option('quantize', quantize.scheme)}: choose {', '.join(SCHEMES)} or like=DIR (a released "
                          "model folder)")
     if quantize.layout not in LAYOUTS:
         raise UsageError(f"{option('quant_format', quantize.layout)}: choose {' or '.join(LAYOUTS)}")
-    scale_format = quantize.scale_format or "float"
-    if scale_format not in SCALE_FORMATS:
-        raise UsageError(f"{option('scale_format', scale_format)}: choose {' or '.join(SCALE_FORMATS)}")
-    blocks = Fp8Blocks(quantize.block() or (128, 128), scale_format)
-    tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where)
+    if quantize.scale_format is not None and quantize.scale_format not in SCALE_FORMATS:
+        raise UsageError(f"{option('scale_format', quantize.scale_format)}: choose {' or '.join(SCALE_FORMATS)}")
+    if folder is not None:
+        given = [option(key) for key, value in (("block_size", quantize.block_size),
+                                                ("scale_format", quantize.scale_format)) if value is not None]
+        if given:
+            raise UsageError(f"{option('quantize', quantize.scheme)} takes the quantization of {folder}: drop "
+                             f"{' and '.join(given)}")
+        like = LikeRelease.read(folder)
+        method = like.quantization["quant_method"]
+        if method != "fp8":
+            raise UsageError(f"{folder}/config.json: quant_method {method!r}: {option('quantize', 'like=DIR')} takes "
+                             "fp8 releases")
+        blocks = Fp8Blocks(block_size({"quantization_config": like.quantization}, f"{folder}/config.json"),
+                           "ue8m0" if like.quantization.get("scale_fmt") == "ue8m0" else "float")
+        tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where, like)
+    else:
+        blocks = Fp8Blocks(quantize.block() or (128, 128), quantize.scale_format or "float")
+        tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where)
     if config is None:
         notes.append("warning: no config.json, so no quantization_config says how the weights are quantized")
         return tensors, None, notes
