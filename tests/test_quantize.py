@@ -313,7 +313,7 @@ def test_from_megatron(megatron_runs, tmp_path):
 def test_from_lora_merged(lora_runs, tmp_path):
     """A peft model's checkpoint: adapters merged into their weights first (computed), then quantized."""
     source = lora_runs / "lora"
-    assert quantized_against_plain(source, tmp_path, "--lora", "merge", "--config-dir", f"{source}.reference") > 0
+    assert quantized_against_plain(source, tmp_path, "--lora", "merge", "--config-dir", source / "huggingface") > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
