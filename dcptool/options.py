@@ -206,8 +206,9 @@ class Quantize(Options):
         block_size: rows and columns of weight per fp8 scale, ``"128x128"`` or ``(128, 128)`` (the default).
         scale_format: ``"float"`` (each block's amax / 448, the default) or ``"ue8m0"`` (rounded up to a power of
             two, DeepSeek-V3.1's ``scale_fmt``).
-        layout: ``"native"`` (the quant_method's own tensors: ``X.weight_scale_inv``) or ``"compressed-tensors"``
-            (``X.weight_scale`` and a compressed-tensors quantization_config, as llm-compressor writes it).
+        layout: ``"native"`` (the quant_method's own tensors: ``X.weight_scale_inv``; the default) or
+            ``"compressed-tensors"`` (``X.weight_scale`` and a compressed-tensors quantization_config, as
+            llm-compressor writes it).
 
     Example:
         >>> Quantize("fp8", block_size="64x128").block()
@@ -220,7 +221,7 @@ class Quantize(Options):
     _: KW_ONLY
     block_size: str | tuple[int, int] | None = None
     scale_format: str | None = None
-    layout: str = "native"
+    layout: str | None = None
 
     def like(self) -> str | None:
         """The released model folder of ``like=DIR``; None for a scheme named."""

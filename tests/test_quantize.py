@@ -400,3 +400,78 @@ def test_like_a_release_after_fine_tuning(release, tmp_path):
     expected_codes = original[touched].view(torch.uint8).clone()
     expected_codes[128:256, :128] = codes.view(torch.uint8)[128:256, :128]
     assert torch.equal(bits(back[touched]), expected_codes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --quant-format compressed-tensors: llm-compressor's layout, read by compressed-tensors itself
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_compressed_tensors_layout_decompressed_by_compressed_tensors(models, tmp_path):
+    """X.weight + X.weight_scale (the same codes and scales), a quantization_config compressed-tensors parses into
+    its FP8_BLOCK scheme; its own compressor decompresses every weight to codes x scales, and transformers loads
+    the folder through it. verify, diff and --dequantize read the layout too."""
+    compressed_tensors = _compressed_tensors()
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    source = models("qwen3_moe", wide=True)
+    out = tmp_path / "out"
+    dcptool("export-hf", source, out, "--quantize", "fp8", "--quant-format", "compressed-tensors")
+    exported, state = load_file(out / "model.safetensors"), load_hf_state(source)
+    as_inv = {key.removesuffix("_scale") + "_scale_inv" if key.endswith("_scale") else key: value
+              for key, value in exported.items()}
+    assert_quantized_as_reference(as_inv, state)
+    quantization = read_config(out)["quantization_config"]
+    parsed = QuantizationConfig.model_validate(quantization)
+    scheme = parsed.config_groups["group_0"]
+    expected_scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    assert (scheme.weights, scheme.input_activations) == (expected_scheme.weights, expected_scheme.input_activations)
+    assert parsed.format == "float-quantized" and compressed_tensors.__version__ == quantization["version"]
+    assert {"lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"} <= set(parsed.ignore)
+    compressor = BaseCompressor.get_value_from_registry(parsed.format)
+    values = dequantized(as_inv)
+    for key, value in exported.items():
+        if value.dtype == torch.float8_e4m3fn:
+            decompressed = compressor.decompress({"weight": value, "weight_scale": exported[key + "_scale"]}, scheme)
+            assert torch.equal(decompressed["weight"], values[key]), key
+    report = json.loads(dcptool("verify", source, out, "--dtype-as", "B", "--json").stdout)
+    assert report["equal"] and len(report["quantized"]) == len([k for k in state if LINEAR.match(k)])
+    dcptool("export-hf", out, tmp_path / "back", "--dequantize", "--dtype", "float32")
+    back = load_hf_state(tmp_path / "back")
+    assert all(torch.equal(back[key], value) for key, value in values.items())
+
+
+def test_transformers_loads_the_compressed_tensors_export(models, tmp_path):
+    """from_pretrained through compressed-tensors: nothing missing or unexpected; after its decompression each weight
+    is codes x the scale in the model's dtype (it loads weight_scale into a parameter of that dtype), and the
+    logits are near the source model's."""
+    _compressed_tensors()
+    from transformers import AutoModelForCausalLM
+
+    source = models("qwen3")
+    out = tmp_path / "out"
+    dcptool("export-hf", source, out, "--quantize", "fp8", "--quant-format", "compressed-tensors", "--block-size",
+            "32x32", "--dtype", "bfloat16")
+    model, loading = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.bfloat16,
+                                                          output_loading_info=True)
+    assert not any(loading.values()), loading
+    with torch.no_grad():
+        got = model.eval()(TOKENS).logits.float()  # the first forward decompresses
+    exported, loaded = load_file(out / "model.safetensors"), model.state_dict()
+    for key, value in exported.items():
+        if value.dtype == torch.float8_e4m3fn:
+            scales = exported[key + "_scale"].to(torch.bfloat16).float()
+            wide = scales.repeat_interleave(32, 0)[:value.shape[0]].repeat_interleave(32, 1)[:, :value.shape[1]]
+            assert torch.equal(loaded[key], (value.float() * wide).to(torch.bfloat16)), key
+    reference = AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = reference.eval()(TOKENS).logits.float()
+    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 0.2
+
+
+def _compressed_tensors():
+    """compressed-tensors (an oracle: scripts/test.sh installs it beside the suite's transformers)."""
+    from conftest import oracle
+
+    return oracle("compressed_tensors")

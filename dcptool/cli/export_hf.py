@@ -38,7 +38,7 @@ def export_hf(
     quantize: Optional[str] = typer.Option(None, "--quantize", metavar="fp8|mxfp4|like=DIR", help="Quantize the decoder layers' linear weights as they stream out: fp8 (float8_e4m3fn, a float32 X.weight_scale_inv per block, as DeepSeek-V3 and Qwen3-FP8 releases), mxfp4 (GPT-OSS's experts) or like=DIR (as the released model folder DIR is quantized). Other tensors as they are (or in --dtype)."),
     block_size: Optional[str] = typer.Option(None, "--block-size", metavar="ROWSxCOLS", help="With --quantize fp8: rows and columns of weight per scale (default 128x128)."),
     scale_format: Optional[Literal["float", "ue8m0"]] = typer.Option(None, "--scale-format", help="With --quantize fp8: each block's scale as amax / 448 (float, the default) or that rounded up to a power of two (ue8m0, DeepSeek-V3.1's scale_fmt)."),
-    quant_format: Literal["native", "compressed-tensors"] = typer.Option("native", "--quant-format", help="With --quantize: the quant_method's own layout (native: X.weight_scale_inv) or compressed-tensors' (X.weight_scale, as llm-compressor writes it and vLLM reads it)."),
+    quant_format: Optional[Literal["native", "compressed-tensors"]] = typer.Option(None, "--quant-format", help="With --quantize fp8: the quant_method's own layout (native, the default: X.weight_scale_inv) or compressed-tensors' (X.weight_scale, as llm-compressor writes it and vLLM reads it)."),
     reading: Reading = READING,
     writing: Writing = WRITING,
 ) -> None:
@@ -70,7 +70,7 @@ def export_hf(
                          f"{option('push_to_hub')}")
     if lora is None and (lora_config is not None or lora_alpha is not None):
         raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
-    if quantize is None and (block_size is not None or scale_format is not None or quant_format != "native"):
+    if quantize is None and (block_size is not None or scale_format is not None or quant_format is not None):
         raise UsageError(f"{option('block_size')}, {option('scale_format')} and {option('quant_format')} go with "
                          f"{option('quantize')}")
     quantized = Quantize(quantize, block_size=block_size, scale_format=scale_format,

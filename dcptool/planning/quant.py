@@ -38,6 +38,7 @@ from dcptool.errors import CheckpointError, UsageError, option
 from dcptool.options import Quantize
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+COMPRESSED_SCALE_SUFFIX = "_scale"  # compressed-tensors' (llm-compressor's): X.weight -> X.weight_scale
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4: X_blocks and X_scales -> X
 
 
@@ -127,6 +128,26 @@ def block_size(config: dict | None, where: str) -> tuple[int, int]:
     return block[0], block[1]
 
 
+def fp8_layout(config: dict | None, where: str) -> tuple[str, tuple[int, int]]:
+    """The scale suffix and block size of a config.json's block-scaled float8 weights: ``quant_method: fp8``'s
+    ``weight_block_size`` (scales ``X_scale_inv``), or compressed-tensors' group of weights of strategy ``block``
+    and its ``block_structure`` (scales ``X_scale``)."""
+    quantization = (config or {}).get("quantization_config")
+    if not (isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors"):
+        return SCALE_SUFFIX, block_size(config, where)
+    groups = quantization.get("config_groups")
+    weights = [group.get("weights") for group in (groups.values() if isinstance(groups, dict) else [])
+               if isinstance(group, dict) and isinstance(group.get("weights"), dict)]
+    blocks = [w.get("block_structure") for w in weights if w.get("strategy") == "block"]
+    if not blocks:
+        raise UsageError(f"{where}: the compressed-tensors quantization_config has no group of weights of strategy "
+                         "block (FP8 blocks with their block_structure)")
+    block = blocks[0]
+    if not (isinstance(block, list) and len(block) == 2 and all(type(n) is int and n > 0 for n in block)):
+        raise UsageError(f"{where}: quantization_config's block_structure is {block!r}, not two positive integers")
+    return COMPRESSED_SCALE_SUFFIX, (block[0], block[1])
+
+
 def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
                 dtype: str | None) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with every block-scaled float8 weight and every MXFP4 tensor as a ``dtype`` (default
@@ -142,10 +163,14 @@ def dequantized(checkpoint: Checkpoint, config_dir: str | Path | None,
     return dataclasses.replace(checkpoint, info=checkpoint.info | {"dequantized": True}), notes + more
 
 
+def _scale_pairs(checkpoint: Checkpoint, suffix: str) -> dict[str, TensorInfo]:
+    """The float8 weights of ``checkpoint`` that have a ``suffix`` scale tensor, and those scales."""
+    return {key: checkpoint.tensors[key + suffix] for key, t in checkpoint.tensors.items()
+            if t.dtype in dtypes.FLOAT8 and key + suffix in checkpoint.tensors}
+
+
 def _float8_dequantized(checkpoint: Checkpoint, config_dir, dtype: str) -> tuple[Checkpoint, list[str]]:
-    pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()
-             if t.dtype in dtypes.FLOAT8 and key + SCALE_SUFFIX in checkpoint.tensors}
-    if not pairs:
+    if not (_scale_pairs(checkpoint, SCALE_SUFFIX) or _scale_pairs(checkpoint, COMPRESSED_SCALE_SUFFIX)):
         return checkpoint, []
     config_dir = config_dir or checkpoint.info.get("hf_config_dir")
     where = f"{config_dir}/config.json" if config_dir is not None else str(checkpoint.root)
@@ -154,7 +179,8 @@ def _float8_dequantized(checkpoint: Checkpoint, config_dir, dtype: str) -> tuple
                          f"quantization_config): give its folder with {option('config_dir')}")
     from dcptool.selection import read_config
 
-    block = block_size(read_config(config_dir), where)
+    suffix, block = fp8_layout(read_config(config_dir), where)
+    pairs = _scale_pairs(checkpoint, suffix)
     tensors = dict(checkpoint.tensors)
     for key, scale in pairs.items():
         weight = tensors[key]
@@ -166,9 +192,9 @@ def _float8_dequantized(checkpoint: Checkpoint, config_dir, dtype: str) -> tuple
         tensors[key] = dataclasses.replace(weight, dtype=dtype, transform=BlockDequant(weight, scale, block, dtype))
     left = [k for k, t in tensors.items() if t.dtype in dtypes.FLOAT8]
     notes = [f"dequantized {len(pairs)} float8 weights to {dtype} (blocks of {block[0]}x{block[1]})",
-             f"left out {len(pairs)} {SCALE_SUFFIX} scales: folded into their weights by {option('dequantize', True)}"]
+             f"left out {len(pairs)} {suffix} scales: folded into their weights by {option('dequantize', True)}"]
     if left:
-        notes.append(f"kept {len(left)} float8 tensors that have no {SCALE_SUFFIX} scale as they are: {left[0]}, ...")
+        notes.append(f"kept {len(left)} float8 tensors that have no {suffix} scale as they are: {left[0]}, ...")
     return dataclasses.replace(checkpoint, tensors=tensors), notes
 
 
@@ -433,13 +459,12 @@ class LikeRelease:
             checkpoint = None  # a config folder without the weights: its quantization_config alone
         return cls(folder, quantization, checkpoint)
 
-    def fp8_weights(self) -> dict[str, TensorInfo] | None:
-        """The release's float8 weights with a ``_scale_inv``, by name, and their scales; None without its weights."""
+    def fp8_weights(self, suffix: str) -> dict[str, TensorInfo] | None:
+        """The release's float8 weights with a ``suffix`` scale, by name, and their scales; None without its weights."""
         if self.checkpoint is None:
             return None
-        tensors = self.checkpoint.tensors
-        return {key: tensors[key + SCALE_SUFFIX] for key, t in tensors.items()
-                if t.dtype == FP8 and key + SCALE_SUFFIX in tensors}
+        return {key: scale for key, scale in _scale_pairs(self.checkpoint, suffix).items()
+                if self.checkpoint.tensors[key].dtype == FP8}
 
     def not_converted(self, name: str) -> bool:
         """Whether the module of weight ``name`` is one the release's ``modules_to_not_convert`` (or ``ignored_layers``)
@@ -452,15 +477,17 @@ class LikeRelease:
 
 
 def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | None, where: str,
-                  like: LikeRelease | None = None) -> tuple[list[OutTensor], dict, list[str]]:
+                  like: LikeRelease | None = None, layout: str = "native") -> tuple[list[OutTensor], dict, list[str]]:
     """The export's tensors with every linear weight of the decoder layers (``models.linear_weight``) as its
-    ``float8_e4m3fn`` codes followed by its float32 ``X_scale_inv``, computed from the weight as stored; the
-    ``quantization_config`` that says so, and notes. The other tensors stay as they are. ``like``: the weights the
-    release quantized instead (those it holds; for others, ``linear_weight`` less its ``modules_to_not_convert``),
-    each block its scale still holds keeping it (``Release``), and the release's ``quantization_config``."""
+    ``float8_e4m3fn`` codes followed by its float32 scales (``X_scale_inv``; compressed-tensors' ``layout``:
+    ``X_scale``), computed from the weight as stored; the ``quantization_config`` that says so, and notes. The
+    other tensors stay as they are. ``like``: the weights the release quantized instead (those it holds; for
+    others, ``linear_weight`` less its ``modules_to_not_convert``), each block its scale still holds keeping it
+    (``Release``), and the release's ``quantization_config``."""
     from dcptool import models
 
-    released = like.fp8_weights() if like is not None else None
+    suffix = COMPRESSED_SCALE_SUFFIX if layout == "compressed-tensors" else SCALE_SUFFIX
+    released = like.fp8_weights(suffix) if like is not None else None
     out, quantized, kept, notes = [], [], [], []
     for tensor in tensors:
         if released is not None and like.checkpoint is not None and tensor.key in like.checkpoint.tensors:
@@ -476,6 +503,9 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
         if source.dtype not in (*dtypes.CASTABLE, "float64"):
             raise UsageError(f"{where}: {tensor.key} is {source.dtype}: quantizing takes float weights (dequantize a "
                              f"quantized source first with {option('dequantize', True)})")
+        if layout == "compressed-tensors" and len(tensor.shape) != 2:
+            raise UsageError(f"{where}: {tensor.key} {list(tensor.shape)} holds fused experts, which compressed-tensors "
+                             f"lays out one Linear at a time: drop {option('hf_experts', 'fused')}")
         scale_shape = (*tensor.shape[:-2], *(-(-n // b) for n, b in zip(tensor.shape[-2:], blocks.block)))
         release = None
         if released is not None and tensor.key in released:
@@ -486,10 +516,10 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
                 notes.append(f"{tensor.key} {list(tensor.shape)} is {list(like.checkpoint.tensors[tensor.key].shape)} "
                              f"in {like.folder}: quantized afresh")
         codes = TensorInfo(source.path, FP8, tensor.shape, source.chunks, Fp8Codes(source, blocks, release))
-        scale_key = tensor.key + SCALE_SUFFIX
-        layout = [dataclasses.replace(source.chunks[0], offsets=(0,) * len(scale_shape), sizes=scale_shape,
-                                      strides=None, view=None)] if len(source.chunks) else []
-        scales = TensorInfo((scale_key,), "float32", scale_shape, layout, Fp8Scales(source, blocks, release))
+        scale_key = tensor.key + suffix
+        whole = [dataclasses.replace(source.chunks[0], offsets=(0,) * len(scale_shape), sizes=scale_shape,
+                                     strides=None, view=None)] if len(source.chunks) else []
+        scales = TensorInfo((scale_key,), "float32", scale_shape, whole, Fp8Scales(source, blocks, release))
         out += [OutTensor(tensor.key, tensor.path, FP8, tensor.shape, codes),
                 OutTensor(scale_key, (scale_key,), "float32", scale_shape, scales)]
         quantized.append(tensor.key)
@@ -497,18 +527,42 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
         raise UsageError(f"{where}: {option('quantize', like and 'like=' + like.folder or 'fp8')} found no linear "
                          "weight of a decoder layer (model.layers.N...weight) to quantize")
     scale = "powers of two (ue8m0)" if blocks.scale_format == "ue8m0" else "float32"
-    notes.insert(0, f"quantized {len(quantized)} linear weights to {FP8} with {scale} {SCALE_SUFFIX} scales per "
+    notes.insert(0, f"quantized {len(quantized)} linear weights to {FP8} with {scale} {suffix} scales per "
                     f"{blocks.block[0]}x{blocks.block[1]} block: {quantized[0]}, ...")
     if like is not None:
         notes.append(f"quantized as {like.folder} is (its quantization_config); blocks its scales still hold "
                      "exactly keep them")
         return out, like.quantization, notes
     not_converted = sorted(set(kept) | {name.removesuffix(".weight") for name in models.tied_outputs(config)})
+    if layout == "compressed-tensors":
+        notes.append(f"kept {len(not_converted)} modules unquantized (quantization_config.ignore)")
+        return out, compressed_tensors_config(blocks.block, not_converted), notes
     quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(blocks.block),
                     **({"scale_fmt": "ue8m0"} if blocks.scale_format == "ue8m0" else {}),
                     "modules_to_not_convert": not_converted}
     notes.append(f"kept {len(not_converted)} modules unquantized (quantization_config.modules_to_not_convert)")
     return out, quantization, notes
+
+
+# What compressed-tensors 0.20 writes (ModelCompressor.update_config) around its quantization config.
+COMPRESSED_TENSORS_VERSION = "0.20.0"
+
+
+def compressed_tensors_config(block: tuple[int, int], ignore: list[str]) -> dict:
+    """compressed-tensors' ``quantization_config`` of FP8 blocks, as llm-compressor writes its ``FP8_BLOCK`` scheme
+    and vLLM's compressed-tensors loader reads it: one group targeting every Linear, its weights float8 symmetric and
+    static per ``block``, its activations quantized dynamically per group of ``block[1]``; ``ignore``: the modules
+    left out (by name)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "block",
+               "block_structure": list(block), "dynamic": False}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": block[1], "strategy": "group",
+                   "dynamic": True}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations, "output_activations": None,
+             "format": None}
+    return {"config_groups": {"group_0": group}, "format": "float-quantized", "global_compression_ratio": None,
+            "ignore": ignore, "kv_cache_scheme": None, "quant_method": "compressed-tensors",
+            "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
+            "version": COMPRESSED_TENSORS_VERSION}
 
 
 SCHEMES = ("fp8", "mxfp4")
@@ -523,27 +577,32 @@ def quantized(tensors: list[OutTensor], quantize: Quantize, config: dict | None,
     if folder is None and quantize.scheme not in SCHEMES:
         raise UsageError(f"{option('quantize', quantize.scheme)}: choose {', '.join(SCHEMES)} or like=DIR (a released "
                          "model folder)")
-    if quantize.layout not in LAYOUTS:
+    if quantize.layout is not None and quantize.layout not in LAYOUTS:
         raise UsageError(f"{option('quant_format', quantize.layout)}: choose {' or '.join(LAYOUTS)}")
     if quantize.scale_format is not None and quantize.scale_format not in SCALE_FORMATS:
         raise UsageError(f"{option('scale_format', quantize.scale_format)}: choose {' or '.join(SCALE_FORMATS)}")
     if folder is not None:
         given = [option(key) for key, value in (("block_size", quantize.block_size),
-                                                ("scale_format", quantize.scale_format)) if value is not None]
+                                                ("scale_format", quantize.scale_format),
+                                                ("quant_format", quantize.layout)) if value is not None]
         if given:
             raise UsageError(f"{option('quantize', quantize.scheme)} takes the quantization of {folder}: drop "
                              f"{' and '.join(given)}")
         like = LikeRelease.read(folder)
         method = like.quantization["quant_method"]
-        if method != "fp8":
+        if method not in ("fp8", "compressed-tensors"):
             raise UsageError(f"{folder}/config.json: quant_method {method!r}: {option('quantize', 'like=DIR')} takes "
-                             "fp8 releases")
-        blocks = Fp8Blocks(block_size({"quantization_config": like.quantization}, f"{folder}/config.json"),
-                           "ue8m0" if like.quantization.get("scale_fmt") == "ue8m0" else "float")
-        tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where, like)
+                             "block-scaled FP8 releases (fp8, compressed-tensors)")
+        suffix, block = fp8_layout({"quantization_config": like.quantization}, f"{folder}/config.json")
+        blocks = Fp8Blocks(block, "ue8m0" if like.quantization.get("scale_fmt") == "ue8m0" else "float")
+        layout = "compressed-tensors" if suffix == COMPRESSED_SCALE_SUFFIX else "native"
+        tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where, like, layout)
     else:
+        if quantize.layout == "compressed-tensors" and quantize.scale_format == "ue8m0":
+            raise UsageError(f"{option('scale_format', 'ue8m0')}: compressed-tensors' FP8 blocks have float scales "
+                             f"(drop it, or {option('quant_format', 'compressed-tensors')})")
         blocks = Fp8Blocks(quantize.block() or (128, 128), quantize.scale_format or "float")
-        tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where)
+        tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where, layout=quantize.layout or "native")
     if config is None:
         notes.append("warning: no config.json, so no quantization_config says how the weights are quantized")
         return tensors, None, notes
@@ -594,23 +653,24 @@ def folded(checkpoint: Checkpoint) -> tuple[Checkpoint, list[str]]:
     """The checkpoint with each block-scaled float8 weight and its ``X_scale_inv`` as one tensor ``X`` whose
     transform is an ``Fp8Stored`` (read: the codes), and notes; as it is where it holds none, or where no config.json
     beside it gives the block size."""
-    pairs = {key: checkpoint.tensors[key + SCALE_SUFFIX] for key, t in checkpoint.tensors.items()
-             if t.dtype == FP8 and key + SCALE_SUFFIX in checkpoint.tensors}
     config_dir = checkpoint.info.get("hf_config_dir")
-    if not pairs or config_dir is None:
+    if config_dir is None or not (_scale_pairs(checkpoint, SCALE_SUFFIX)
+                                  or _scale_pairs(checkpoint, COMPRESSED_SCALE_SUFFIX)):
         return checkpoint, []
     from dcptool.selection import read_config
 
     try:
-        block = block_size(read_config(config_dir), f"{config_dir}/config.json")
+        suffix, block = fp8_layout(read_config(config_dir), f"{config_dir}/config.json")
     except UsageError:
         return checkpoint, []
-    tensors = {key: t for key, t in checkpoint.tensors.items() if not (key.endswith(SCALE_SUFFIX)
-                                                                          and key.removesuffix(SCALE_SUFFIX) in pairs)}
+    pairs = {key: scale for key, scale in _scale_pairs(checkpoint, suffix).items()
+             if checkpoint.tensors[key].dtype == FP8 and scale.dtype in dtypes.CASTABLE}
+    tensors = {key: t for key, t in checkpoint.tensors.items() if not (key.endswith(suffix)
+                                                                          and key.removesuffix(suffix) in pairs)}
     for key, scale in pairs.items():
         weight = tensors[key]
         tensors[key] = dataclasses.replace(weight, transform=Fp8Stored(weight, scale, block))
-    note = (f"{len(pairs)} float8 weights of {checkpoint.root} compared with their {SCALE_SUFFIX} scales "
+    note = (f"{len(pairs)} float8 weights of {checkpoint.root} compared with their {suffix} scales "
             f"({block[0]}x{block[1]} blocks)")
     return checkpoint.with_entries(tensors, dict(checkpoint.objects)), [note]
 
