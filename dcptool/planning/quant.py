@@ -476,6 +476,12 @@ class LikeRelease:
                    for pattern in patterns if isinstance(pattern, str))
 
 
+def _module_weight(tensor: OutTensor) -> bool:
+    """Whether a tensor left unquantized is the float weight of a module a loader could quantize (a matrix):
+    what ``modules_to_not_convert`` names."""
+    return tensor.key.endswith(".weight") and len(tensor.shape) >= 2 and tensor.dtype in (*dtypes.CASTABLE, "float64")
+
+
 def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | None, where: str,
                   like: LikeRelease | None = None, layout: str = "native") -> tuple[list[OutTensor], dict, list[str]]:
     """The export's tensors with every linear weight of the decoder layers (``models.linear_weight``) as its
@@ -496,7 +502,7 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
             chosen = models.linear_weight(tensor.key, tensor.shape) and not (like and like.not_converted(tensor.key))
         if not chosen:
             out.append(tensor)
-            if len(tensor.shape) >= 2 and tensor.dtype in (*dtypes.CASTABLE, "float64"):
+            if _module_weight(tensor):
                 kept.append(tensor.key.removesuffix(".weight"))
             continue
         source = tensor.source
@@ -565,6 +571,124 @@ def compressed_tensors_config(block: tuple[int, int], ignore: list[str]) -> dict
             "version": COMPRESSED_TENSORS_VERSION}
 
 
+@dataclass(frozen=True)
+class Mxfp4Encoded(Computed):
+    """``X_blocks`` (uint8 ``[experts, rows, blocks, 16]``) or ``X_scales`` (uint8 ``[experts, rows, blocks]``) of an
+    expert tensor ``X`` laid out as transformers' GPT-OSS holds it, ``[experts, columns, rows]`` (``Mxfp4Dequant``'s
+    inverse): each expert's matrix transposed, its rows in blocks of 32 (``mxfp4.encode``). ``release``: the
+    release's ``X_scales``; a block its scale still holds exactly keeps it (``Release``)."""
+
+    weight: TensorInfo
+    part: str  # "blocks" or "scales"
+    release: tuple[Checkpoint, TensorInfo] | None = None
+    # per element of the output: the float32 values it is made of (2 a byte, 32 a scale), their transposed copy,
+    # keys and codes
+    work_bytes = 40
+
+    @property
+    def per_block(self) -> int:
+        return 1 if self.part == "scales" else mxfp4.BYTES_PER_SCALE
+
+    def others(self) -> tuple[Checkpoint, ...]:
+        return (self.release[0],) if self.release is not None else ()
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        """Fill ``out`` (uint8, shape ``sizes``) with the region at ``offsets``: the whole blocks it touches encoded
+        from the weight's columns ``32 * block ...`` of its rows."""
+        (expert, row, block), (experts, rows, blocks) = offsets[:3], sizes[:3]
+        if 0 in sizes:
+            return
+        width = mxfp4.ELEMENTS_PER_SCALE
+        shape = (experts, blocks * width, rows)
+        values = float32_region(checkpoint, self.weight, (expert, block * width, row), shape, scratch,
+                                workspace("mxfp4.values", shape, np.float32))
+        rows_first = np.ascontiguousarray(values.transpose(0, 2, 1))  # [experts, rows, columns]
+        groups = rows_first.reshape(experts, rows, blocks, width)
+        exponents = mxfp4.block_exponents(groups)
+        if self.release is not None:
+            release, scales = self.release
+            given = np.empty((experts, rows, blocks), np.uint8)
+            release.read_region(scales, (expert, row, block), given.shape, given, scratch, passing=True)
+            given = given.astype(np.int32) - mxfp4.SCALE_BIAS
+            exponents = np.where(_mxfp4_holds(groups, given, self.weight.dtype), given, exponents)
+        packed = np.empty((experts, rows, blocks, mxfp4.BYTES_PER_SCALE), np.uint8)
+        codes = np.empty((experts, rows, blocks), np.uint8)
+        mxfp4.encode(rows_first, packed, codes, exponents)
+        out[...] = codes if self.part == "scales" else packed[..., offsets[3]:offsets[3] + sizes[3]]
+
+
+def _mxfp4_holds(groups: np.ndarray, exponents: np.ndarray, dtype: str) -> np.ndarray:
+    """Per block of 32 float32 values (of a tensor stored as ``dtype``): whether the scale ``2 ** exponent`` holds
+    it exactly, every value the decoding of its code under that scale, rounded to ``dtype`` as a dequantization
+    rounds it."""
+    packed = np.empty((*groups.shape[:-1], mxfp4.BYTES_PER_SCALE), np.uint8)
+    scales = np.empty(groups.shape[:-1], np.uint8)
+    mxfp4.encode(groups.reshape(*groups.shape[:-2], -1), packed, scales, exponents)
+    bits = np.empty((*groups.shape[:-1], mxfp4.ELEMENTS_PER_SCALE), np.uint32)
+    mxfp4.decode(packed, scales[..., None], "float32", bits)
+    back = bits.view(np.float32)
+    if dtype in dtypes.CASTABLE and dtype != "float32":
+        back = dtypes.cast(dtypes.cast(bits, "float32", dtype), dtype, "float32").view(np.float32)
+    return (back == groups).all(axis=-1)
+
+
+# The models whose releases store their experts as MXFP4, laid out as ``Mxfp4Encoded`` takes them (GPT-OSS).
+MXFP4_MODEL_TYPES = ("gpt_oss",)
+
+
+def quantized_mxfp4(tensors: list[OutTensor], config: dict | None, where: str,
+                    like: LikeRelease | None = None) -> tuple[list[OutTensor], dict, list[str]]:
+    """The export's tensors with every routed-experts tensor (``mlp.experts.gate_up_proj``, ``down_proj``) as its
+    ``X_blocks`` and ``X_scales`` (``Mxfp4Encoded``), the ``quantization_config`` that says so, and notes.
+    ``like``: the release's tensors and scales (``Release``) and its ``quantization_config``."""
+    from dcptool import models
+
+    model_type = models.text_config(config).get("model_type")
+    if model_type not in MXFP4_MODEL_TYPES:
+        raise UsageError(f"{where}: {option('quantize', 'mxfp4')} lays out the experts of {', '.join(MXFP4_MODEL_TYPES)} "
+                         f"models, and the config says {model_type or 'no model_type'} (give the model's config folder "
+                         f"with {option('config_dir')})")
+    release = like.checkpoint if like is not None else None
+    out, quantized, kept = [], [], []
+    for tensor in tensors:
+        if not (len(tensor.shape) == 3 and models.linear_weight(tensor.key, tensor.shape)):
+            out.append(tensor)
+            if _module_weight(tensor):
+                kept.append(tensor.key.removesuffix(".weight"))
+            continue
+        source = tensor.source
+        experts, columns, rows = tensor.shape
+        if source.dtype not in (*dtypes.CASTABLE, "float64") or columns % mxfp4.ELEMENTS_PER_SCALE:
+            raise UsageError(f"{where}: {tensor.key} is {source.dtype}{list(tensor.shape)}: MXFP4 takes float experts "
+                             f"whose rows ({columns}) are whole blocks of {mxfp4.ELEMENTS_PER_SCALE}")
+        blocks = columns // mxfp4.ELEMENTS_PER_SCALE
+        given = None
+        scales_key = tensor.key + SCALES_SUFFIX
+        if release is not None and scales_key in release.tensors:
+            if release.tensors[scales_key].shape == (experts, rows, blocks):
+                given = (release, release.tensors[scales_key])
+        for suffix, shape, part in ((BLOCKS_SUFFIX, (experts, rows, blocks, mxfp4.BYTES_PER_SCALE), "blocks"),
+                                    (SCALES_SUFFIX, (experts, rows, blocks), "scales")):
+            key = tensor.key + suffix
+            whole = [dataclasses.replace(source.chunks[0], offsets=(0,) * len(shape), sizes=shape, strides=None,
+                                         view=None)] if len(source.chunks) else []
+            out.append(OutTensor(key, (key,), "uint8", shape,
+                                 TensorInfo((key,), "uint8", shape, whole, Mxfp4Encoded(source, part, given))))
+        quantized.append(tensor.key)
+    if not quantized:
+        raise UsageError(f"{where}: {option('quantize', 'mxfp4')} found no routed experts (mlp.experts.gate_up_proj, "
+                         "down_proj) to quantize")
+    notes = [f"quantized {len(quantized)} expert tensors to MXFP4 ({BLOCKS_SUFFIX} and {SCALES_SUFFIX}, "
+             f"{mxfp4.ELEMENTS_PER_SCALE} elements a scale): {quantized[0]}, ..."]
+    if like is not None:
+        notes.append(f"quantized as {like.folder} is (its quantization_config); blocks its scales still hold "
+                     "exactly keep them")
+        return out, like.quantization, notes
+    not_converted = sorted(set(kept) | {name.removesuffix(".weight") for name in models.tied_outputs(config)})
+    notes.append(f"kept {len(not_converted)} modules unquantized (quantization_config.modules_to_not_convert)")
+    return out, {"quant_method": "mxfp4", "modules_to_not_convert": not_converted}, notes
+
+
 SCHEMES = ("fp8", "mxfp4")
 LAYOUTS = ("native", "compressed-tensors")
 
@@ -590,19 +714,34 @@ def quantized(tensors: list[OutTensor], quantize: Quantize, config: dict | None,
                              f"{' and '.join(given)}")
         like = LikeRelease.read(folder)
         method = like.quantization["quant_method"]
-        if method not in ("fp8", "compressed-tensors"):
+        if method not in ("fp8", "compressed-tensors", "mxfp4"):
             raise UsageError(f"{folder}/config.json: quant_method {method!r}: {option('quantize', 'like=DIR')} takes "
-                             "block-scaled FP8 releases (fp8, compressed-tensors)")
+                             "block-scaled FP8 releases (fp8, compressed-tensors) and MXFP4 ones (mxfp4)")
+        if method == "mxfp4":
+            tensors, quantization, notes = quantized_mxfp4(tensors, config, where, like)
+            return _with_quantization(tensors, config, quantization, notes)
         suffix, block = fp8_layout({"quantization_config": like.quantization}, f"{folder}/config.json")
         blocks = Fp8Blocks(block, "ue8m0" if like.quantization.get("scale_fmt") == "ue8m0" else "float")
         layout = "compressed-tensors" if suffix == COMPRESSED_SCALE_SUFFIX else "native"
         tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where, like, layout)
+    elif quantize.scheme == "mxfp4":
+        given = [option(key) for key, value in (("block_size", quantize.block_size),
+                                                ("scale_format", quantize.scale_format),
+                                                ("quant_format", quantize.layout)) if value is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} go with {option('quantize', 'fp8')}: MXFP4's blocks and scales "
+                             "are the format's")
+        tensors, quantization, notes = quantized_mxfp4(tensors, config, where)
     else:
         if quantize.layout == "compressed-tensors" and quantize.scale_format == "ue8m0":
             raise UsageError(f"{option('scale_format', 'ue8m0')}: compressed-tensors' FP8 blocks have float scales "
                              f"(drop it, or {option('quant_format', 'compressed-tensors')})")
         blocks = Fp8Blocks(quantize.block() or (128, 128), quantize.scale_format or "float")
         tensors, quantization, notes = quantized_fp8(tensors, blocks, config, where, layout=quantize.layout or "native")
+    return _with_quantization(tensors, config, quantization, notes)
+
+
+def _with_quantization(tensors, config: dict | None, quantization: dict, notes: list[str]):
     if config is None:
         notes.append("warning: no config.json, so no quantization_config says how the weights are quantized")
         return tensors, None, notes
