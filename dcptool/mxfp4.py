@@ -103,6 +103,17 @@ def encode(values: np.ndarray, packed: np.ndarray, scales: np.ndarray, exponents
     scales[...] = exponents + SCALE_BIAS
 
 
+def rounded(values: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """Float32 ``values``, each rounded to the E2M1 value times ``2 ** exponent`` (its block's, per element) that
+    ``encode`` would store, as float32 values."""
+    scaled = np.ldexp(values, -exponents.astype(np.int32))
+    keys = scaled.view(np.uint32) & np.uint32(0xFFFF)
+    keys += np.uint32(0xFFFF)
+    keys |= scaled.view(np.uint32)
+    keys >>= 16
+    return np.ldexp(E2M1[np.take(_e2m1_codes(), keys)], exponents.astype(np.int32)).astype(np.float32)
+
+
 def block_exponents(groups: np.ndarray) -> np.ndarray:
     """The specification's scale exponent of each block of 32 float32 values (the last dim of ``groups``):
     ``floor(log2(amax)) - 2``, within [-127, 127]; -127 for a block of zeros, 128 (the scale byte 255, NaN) for

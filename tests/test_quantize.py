@@ -475,3 +475,130 @@ def _compressed_tensors():
     from conftest import oracle
 
     return oracle("compressed_tensors")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --quantize mxfp4: GPT-OSS's experts
+# ---------------------------------------------------------------------------------------------------------
+
+# The E2M1 magnitudes of codes 0 to 7 (OCP MX v1.0, table 5); bit 3 is the sign.
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def reference_mxfp4(weight: torch.Tensor, exponent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor ``[experts, in, out]`` as GPT-OSS's release lays it out, by the OCP MX v1.0 conversion
+    (section 6.3): per expert the ``[out, in]`` matrix in blocks of 32 along ``in``; a block's scale exponent
+    floor(log2(amax)) - 2 (-127 for zeros; ``exponent`` instead where given), each element over 2 ** exponent
+    rounded to the nearest E2M1 value, ties to the even code, saturating at 6, its sign kept; two codes a byte,
+    the first in the low nibble; the scale byte exponent + 127."""
+    groups = weight.transpose(1, 2).float().reshape(weight.shape[0], weight.shape[2], -1, 32)
+    if exponent is None:
+        amax = groups.abs().amax(-1)
+        exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, -127).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    distance = (scaled.abs().clamp(max=6.0)[..., None] - E2M1).abs()
+    nearest = distance == distance.amin(-1, keepdim=True)
+    codes = torch.arange(8)
+    even = torch.where(nearest & (codes % 2 == 0), codes, 8).amin(-1)  # a tie: the code whose last bit is 0
+    code = torch.where(even < 8, even, torch.where(nearest, codes, 8).amin(-1))
+    code = code | torch.where(torch.signbit(scaled), 8, 0)
+    code = code.reshape(*code.shape[:-2], -1).to(torch.uint8)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).reshape(*groups.shape[:-1], 16)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The values of ``X_blocks`` and ``X_scales`` as the ``[experts, in, out]`` tensor, float32."""
+    table = torch.cat([E2M1, -E2M1])
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32).long()
+    values = table[codes] * torch.exp2(scales.float() - 127)[..., None]
+    return values.reshape(*values.shape[:-2], -1).transpose(1, 2)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny random GPT-OSS saved by transformers in bf16."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("gpt-oss") / "bf16"
+    config = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                       num_experts_per_tok=2, sliding_window=8)
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def test_mxfp4_experts_as_the_reference_and_transformers_loads_them(gpt_oss, tmp_path):
+    """Every expert tensor's blocks and scales as the reference gives them, everything else as it was, the
+    config's quantization_config as GPT-OSS's release has it; transformers' Mxfp4Config(dequantize=True) loads the
+    folder with every expert weight the codes x scales, and its logits are near the bf16 model's."""
+    import transformers
+
+    out = tmp_path / "out"
+    result = dcptool("export-hf", gpt_oss, out, "--quantize", "mxfp4", "--max-memory", "1MiB")
+    assert "quantized 4 expert tensors to MXFP4" in result.stderr
+    exported, state = load_file(out / "model.safetensors"), load_hf_state(gpt_oss)
+    experts = [key for key in state if key.endswith(EXPERTS)]
+    assert set(exported) == (set(state) - set(experts)) | {k + s for k in experts for s in ("_blocks", "_scales")}
+    for key, value in state.items():
+        if key in experts:
+            blocks, scales = reference_mxfp4(value)
+            assert torch.equal(exported[key + "_blocks"], blocks) and torch.equal(exported[key + "_scales"], scales), key
+        else:
+            assert torch.equal(exported[key], value), key
+    quantization = read_config(out)["quantization_config"]
+    assert quantization["quant_method"] == "mxfp4"
+    assert {"lm_head", "model.embed_tokens", "model.layers.0.mlp.router", "model.layers.1.self_attn.q_proj"} <= \
+        set(quantization["modules_to_not_convert"])
+    model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.Mxfp4Config(dequantize=True), output_loading_info=True)
+    assert not any(loading.values()), loading
+    loaded = model.state_dict()
+    for key in experts:
+        expected = mxfp4_values(exported[key + "_blocks"], exported[key + "_scales"]).to(loaded[key].dtype)
+        assert torch.equal(loaded[key], expected), key
+    reference = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss)
+    with torch.no_grad():
+        got, want = model(TOKENS % 128).logits.float(), reference(TOKENS % 128).logits.float()
+    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 0.3  # 4-bit experts
+    report = json.loads(dcptool("verify", gpt_oss, out, "--dtype-as", "B", "--json").stdout)
+    assert report["equal"] and set(report["quantized"]) == set(experts)
+    for key in experts:
+        difference = state[key].double() - mxfp4_values(exported[key + "_blocks"], exported[key + "_scales"]).double()
+        assert report["quantized"][key]["max_abs_error"] == pytest.approx(difference.abs().max().item(), rel=1e-6)
+    key = "model.layers.1.mlp.experts.down_proj"
+    exported[key + "_blocks"][2, 5, 1, 3] ^= 0x10  # the second code of byte 3 of block 1: element 39 of row 5
+    save_file(exported, out / "model.safetensors", metadata={"format": "pt"})
+    changed = json.loads(dcptool("verify", gpt_oss, out, "--dtype-as", "B", "--json", check=False).stdout)
+    assert [(d["key"], d["count"], d["first_index"]) for d in changed["differences"]] == [(key, 1, [2, 39, 5])]
+
+
+def test_mxfp4_like_a_release(gpt_oss, tmp_path):
+    """A release quantized by another scale rule (rounded up, as triton's downcast_to_mxfp does: 2 **
+    ceil(log2(amax / 6))), dequantized by import-hf, comes back bitwise with like=: each block keeps the release's
+    scale, which still holds it; quantized afresh, blocks whose scale the rules choose differently differ."""
+    release = tmp_path / "release"
+    shutil.copytree(gpt_oss, release)
+    state = {}
+    for key, value in load_hf_state(gpt_oss).items():
+        if key.endswith(EXPERTS):
+            groups = value.transpose(1, 2).float().reshape(value.shape[0], value.shape[2], -1, 32)
+            up = torch.ceil(torch.log2(groups.abs().amax(-1) / 6)).clamp(-127, 127)
+            state[key + "_blocks"], state[key + "_scales"] = reference_mxfp4(value * 8, up + 3)
+        else:
+            state[key] = value
+    save_file(state, release / "model.safetensors", metadata={"format": "pt"})
+    config = read_config(release) | {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (release / "config.json").write_text(json.dumps(config))
+    dcptool("import-hf", release, tmp_path / "dcp", "--dequantize", "--dp", "2")
+    dcptool("export-hf", tmp_path / "dcp", tmp_path / "like", "--config-dir", release, "--quantize", f"like={release}")
+    back = load_file(tmp_path / "like" / "model.safetensors")
+    assert set(back) == set(state)
+    assert all(torch.equal(back[key], value) for key, value in state.items())
+    assert read_config(tmp_path / "like")["quantization_config"] == config["quantization_config"]
+    dcptool("export-hf", tmp_path / "dcp", tmp_path / "fresh", "--config-dir", release, "--quantize", "mxfp4")
+    fresh = load_file(tmp_path / "fresh" / "model.safetensors")
+    assert not all(torch.equal(fresh[key], value) for key, value in state.items() if key.endswith("_scales"))

@@ -165,11 +165,14 @@ def diff_sides(a: pairing.Side, b: pairing.Side, *, max_memory: int,
 def _values(tensor):
     """The tensor whose values are compared: a block-scaled float8 weight's dequantized (codes times scales, float32:
     against its source, the quantization's error), any other as it is."""
-    return tensor.transform.dequantized_view() if isinstance(tensor.transform, quant.Fp8Stored) else tensor
+    stored = isinstance(tensor.transform, (quant.Fp8Stored, quant.Mxfp4Stored))
+    return tensor.transform.dequantized_view() if stored else tensor
 
 
 def _shown(tensor) -> str:
-    """The dtype a tensor is stored in; a block-scaled float8 weight's with ``x scales``."""
+    """The dtype a tensor is stored in; a block-scaled float8 weight's with ``x scales``, MXFP4's ``mxfp4``."""
+    if isinstance(tensor.transform, quant.Mxfp4Stored):
+        return "mxfp4"
     name = dtypes.dtype(tensor.dtype).name
     return f"{name} x scales" if isinstance(tensor.transform, quant.Fp8Stored) else name
 

@@ -216,26 +216,35 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
 def _quantized_side(tensor_a, tensor_b) -> str | None:
     """``"b"`` when B's tensor is a block-scaled float8 weight with its scales (``quant.folded``) and A's a float
     one, ``"a"`` the other way round; else None."""
+    stored = (quant.Fp8Stored, quant.Mxfp4Stored)
     for side, quantized, other in (("b", tensor_b, tensor_a), ("a", tensor_a, tensor_b)):
-        if isinstance(quantized.transform, quant.Fp8Stored) and other.dtype in TOLERANT \
-                and not isinstance(other.transform, quant.Fp8Stored):
+        if isinstance(quantized.transform, stored) and other.dtype in TOLERANT \
+                and not isinstance(other.transform, stored):
             return side
     return None
 
 
 def _compare_quantized(key: str, tensor, stored, reader, stored_reader, report: Report, progress) -> None:
-    """A float tensor against the codes and scales of its quantized form (``quant.Fp8Stored``): the float one
-    quantized with those scales must give those codes, bitwise; the dequantized error goes in ``report.quantized``."""
+    """A float tensor against its quantized form: block-scaled float8 (``quant.Fp8Stored``: the float one quantized
+    with its scales must give its codes, bitwise) or MXFP4 (``quant.Mxfp4Stored``: quantized with its scale
+    exponents, the same values); the dequantized error goes in ``report.quantized``."""
     transform = stored.transform
-    comparison = _ValueComparison(quant.FP8, quant.FP8, None)
+    fp8 = isinstance(transform, quant.Fp8Stored)
+    comparison = _ValueComparison(quant.FP8, quant.FP8, None) if fp8 else _ValueComparison("float32", "float32",
+                                                                                           (0.0, 0.0))
     largest, squares_error, squares = 0.0, 0.0, 0.0
     limit = min(reader.max_elements(tensor), stored_reader.max_elements(stored))
     scratch = memoryview(bytearray(2**16))
-    for (offsets, values), (_, codes) in zip(reader.slabs(tensor, limit), stored_reader.slabs(stored, limit)):
+    for (offsets, values), (_, held) in zip(reader.slabs(tensor, limit), stored_reader.slabs(stored, limit)):
         floats = dtypes.to_float64(values, dtypes.dtype(tensor.dtype).name).astype(np.float32)
-        scales = transform.scales_for(stored_reader.checkpoint, offsets, values.shape, scratch)
-        expected, most, error, total = quant.fp8_error(floats, codes, scales)
-        comparison.add(offsets, expected, codes)
+        if fp8:
+            scales = transform.scales_for(stored_reader.checkpoint, offsets, values.shape, scratch)
+            expected, most, error, total = quant.fp8_error(floats, held, scales)
+        else:  # values: -0 and 0 are one (a release may keep a zero's sign or not)
+            exponents = transform.exponents_for(stored_reader.checkpoint, offsets, values.shape, scratch)
+            expected, most, error, total = quant.mxfp4_error(floats, held.view(np.float32), exponents)
+            expected = expected.view(np.uint32)
+        comparison.add(offsets, expected, held)
         largest, squares_error, squares = max(largest, most), squares_error + error, squares + total
         if progress:
             progress(values.nbytes)

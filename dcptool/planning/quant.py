@@ -788,10 +788,62 @@ class Fp8Stored(Computed):
                           BlockDequant(self.weight, self.scale, self.block, "float32"))
 
 
+@dataclass(frozen=True)
+class Mxfp4Stored(Computed):
+    """MXFP4 experts as stored (``X_blocks`` and ``X_scales``) folded into one tensor ``X`` (``folded``): its values,
+    float32, as ``Mxfp4Dequant`` gives them; and each element's scale exponent, which verify quantizes the other
+    side with."""
+
+    blocks: TensorInfo
+    scales: TensorInfo
+    work_bytes = Mxfp4Dequant.work_bytes
+
+    def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
+        Mxfp4Dequant(self.blocks, self.scales, "float32").read(checkpoint, offsets, sizes, out, scratch)
+
+    def exponents_for(self, checkpoint: Checkpoint, offsets, sizes, scratch) -> np.ndarray:
+        """The scale exponent of every element of the region at ``offsets`` of ``X`` ([experts, columns, rows])."""
+        (expert, column, row), (experts, columns, rows) = offsets, sizes
+        width = mxfp4.ELEMENTS_PER_SCALE
+        first, end = column // width, -(-(column + columns) // width)
+        scales = np.empty((experts, rows, end - first), np.uint8)
+        checkpoint.read_region(self.scales, (expert, row, first), scales.shape, scales, scratch)
+        per_column = scales[:, :, (column + np.arange(columns)) // width - first]  # [experts, rows, columns]
+        return per_column.transpose(0, 2, 1).astype(np.int32) - mxfp4.SCALE_BIAS
+
+    def dequantized_view(self) -> TensorInfo:
+        """Its values, float32 (what it reads)."""
+        path = self.blocks.path[:-1] + (str(self.blocks.path[-1]).removesuffix(BLOCKS_SUFFIX),)
+        experts, rows, blocks, _ = self.blocks.shape
+        return TensorInfo(path, "float32", (experts, blocks * mxfp4.ELEMENTS_PER_SCALE, rows),
+                          _transposed_chunks(self.blocks), Mxfp4Dequant(self.blocks, self.scales, "float32"))
+
+
 def folded(checkpoint: Checkpoint) -> tuple[Checkpoint, list[str]]:
-    """The checkpoint with each block-scaled float8 weight and its ``X_scale_inv`` as one tensor ``X`` whose
-    transform is an ``Fp8Stored`` (read: the codes), and notes; as it is where it holds none, or where no config.json
-    beside it gives the block size."""
+    """The checkpoint with each block-scaled float8 weight and its scales as one tensor ``X`` whose transform is an
+    ``Fp8Stored`` (read: the codes; where a config.json beside it gives the block size), and each pair of MXFP4
+    ``X_blocks`` and ``X_scales`` as ``X`` of float32 values (``Mxfp4Stored``); and notes. As it is where it holds
+    neither."""
+    checkpoint, notes = _fp8_folded(checkpoint)
+    pairs = {key: key.removesuffix(BLOCKS_SUFFIX) for key, t in checkpoint.tensors.items()
+             if key.endswith(BLOCKS_SUFFIX) and t.dtype == "uint8" and len(t.shape) == 4
+             and t.shape[3] == mxfp4.BYTES_PER_SCALE
+             and getattr(checkpoint.tensors.get(key.removesuffix(BLOCKS_SUFFIX) + SCALES_SUFFIX), "shape", None)
+             == t.shape[:3] and key.removesuffix(BLOCKS_SUFFIX) not in checkpoint.tensors}
+    if not pairs:
+        return checkpoint, notes
+    tensors = {}
+    for key, tensor in checkpoint.tensors.items():
+        if key in pairs:
+            stored = Mxfp4Stored(tensor, checkpoint.tensors[pairs[key] + SCALES_SUFFIX])
+            tensors[pairs[key]] = dataclasses.replace(stored.dequantized_view(), transform=stored)
+        elif not (key.endswith(SCALES_SUFFIX) and key.removesuffix(SCALES_SUFFIX) + BLOCKS_SUFFIX in pairs):
+            tensors[key] = tensor
+    notes.append(f"{len(pairs)} MXFP4 tensors of {checkpoint.root} compared as their values")
+    return checkpoint.with_entries(tensors, dict(checkpoint.objects)), notes
+
+
+def _fp8_folded(checkpoint: Checkpoint) -> tuple[Checkpoint, list[str]]:
     config_dir = checkpoint.info.get("hf_config_dir")
     if config_dir is None or not (_scale_pairs(checkpoint, SCALE_SUFFIX)
                                   or _scale_pairs(checkpoint, COMPRESSED_SCALE_SUFFIX)):
@@ -812,6 +864,18 @@ def folded(checkpoint: Checkpoint) -> tuple[Checkpoint, list[str]]:
     note = (f"{len(pairs)} float8 weights of {checkpoint.root} compared with their {suffix} scales "
             f"({block[0]}x{block[1]} blocks)")
     return checkpoint.with_entries(tensors, dict(checkpoint.objects)), [note]
+
+
+def mxfp4_error(values: np.ndarray, stored: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarray, float, float,
+                                                                                          float]:
+    """Float32 ``values`` quantized to MXFP4 with the scale exponents ``exponents`` (per element) against the
+    ``stored`` float32 values: (those quantized values, the largest ``|value - stored|``, the sums of squares of
+    those errors and of the values, float64)."""
+    expected = mxfp4.rounded(values, exponents)
+    error = values.astype(np.float64) - stored
+    with np.errstate(invalid="ignore"):
+        largest = float(np.abs(error).max()) if error.size else 0.0
+    return expected, largest, float(np.square(error).sum()), float(np.square(values.astype(np.float64)).sum())
 
 
 def fp8_error(values: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, float, float, float]:
