@@ -9,7 +9,7 @@ import pytest
 
 import dcptool
 from conftest import dcptool as run_cli
-from dcptool import (Lora, MeshOptions, Reading, Selection, Side, Writing, format_options, formats)
+from dcptool import (Lora, MeshOptions, Quantize, Reading, Selection, Side, Writing, format_options, formats)
 
 CONFIG = "<the source's config folder>"  # replaced by the reference folder of the saving job
 
@@ -36,6 +36,10 @@ CASES = [
     ("export-hf", ["--include", "norm", "--hf-experts", "fused", "--adapter", "hf"],
      {"selection": Selection(include="norm"), "family_options": dcptool.family_options("hf", hf_experts="fused"), "family": "hf"}),
     ("export-hf", ["--config-dir", CONFIG, "--exclude", "xyz"], {"config_dir": CONFIG, "selection": Selection(exclude="xyz")}),
+    ("export-hf", ["--config-dir", CONFIG, "--quantize", "fp8", "--block-size", "32x64", "--scale-format", "ue8m0"],
+     {"config_dir": CONFIG, "quantize": Quantize("fp8", block_size="32x64", scale_format="ue8m0")}),
+    ("export-hf", ["--quantize", "fp8", "--quant-format", "compressed-tensors"],
+     {"quantize": Quantize("fp8", layout="compressed-tensors")}),
     ("reshard", ["--dp", "4", "--tp", "1"], {"mesh": MeshOptions(dp=4, tp=1)}),
     ("reshard", ["--dp", "1", "--tp", "2", "--dtype", "bfloat16", "--keep-rank-state", "--config-dir", CONFIG],
      {"mesh": MeshOptions(dp=1, tp=2), "dtype": "bfloat16", "keep_rank_state": True, "config_dir": CONFIG}),
