@@ -374,6 +374,19 @@ def test_like_a_release_gives_its_codes_and_scales_back(release, tmp_path):
     assert not any(torch.equal(fresh[k], original[k]) for k in scales)
 
 
+def test_like_a_release_through_megatron_names(release, tmp_path):
+    """The recipe of a DeepSeek-V3 Megatron-Core run: the release dequantized to bf16, imported under Megatron-Core's
+    names (stacked layers, latent attention, grouped experts; TP 2), exported with like=release in one command:
+    the release's files, bitwise."""
+    dcptool("export-hf", release, tmp_path / "bf16", "--dequantize")
+    dcptool("import-hf", tmp_path / "bf16", tmp_path / "megatron", "--adapter", "megatron", "--tp", "2")
+    dcptool("export-hf", tmp_path / "megatron", tmp_path / "like", "--config-dir", release, "--quantize",
+            f"like={release}")
+    original, back = load_file(release / "model.safetensors"), load_file(tmp_path / "like" / "model.safetensors")
+    assert set(back) == set(original)
+    assert all(torch.equal(bits(back[key]), bits(value)) for key, value in original.items())
+
+
 def test_like_a_release_after_fine_tuning(release, tmp_path):
     """A fine-tuned model (one element of one block changed, one weight changed throughout): the changed blocks are
     quantized afresh by the block rule, every other block keeps the release's scale and codes."""

@@ -407,8 +407,9 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
         return Conversion(checkpoint, "hf", tensors, [], {"adapter_config": lora.adapter_config}, notes, why)
     config = hf_config.export_config(config_dir, tensors, dtype, made_config)
     config, dropped = hf_config.without_stale_quantization(config, tensors)
-    notes += dropped
-    if quantize is not None:
+    if quantize is None:
+        notes += dropped
+    else:
         tensors, config, more = quant.quantized(tensors, quantize, config, str(checkpoint.root))
         notes += more
     if config is None:
