@@ -300,6 +300,11 @@ def test_from_archon_names_of_a_moe(archon_moe, tmp_path):
     folder, source = archon_moe
     assert quantized_against_plain(folder, tmp_path, "--config-dir", source) == 2 * (4 + 3 * 4)
     assert "model.layers.0.mlp.gate_scale_inv" not in load_hf_state(tmp_path / "fp8")
+    # verify maps the training state's Archon names onto the export's (its grouped experts taken apart), so that
+    # every quantized weight is compared with its own scales
+    report = json.loads(dcptool("verify", folder, tmp_path / "fp8", "--dtype-as", "B", "--config-dir", source,
+                                "--json").stdout)
+    assert report["equal"] and len(report["quantized"]) == 2 * (4 + 3 * 4)
 
 
 def test_from_megatron(megatron_runs, tmp_path):

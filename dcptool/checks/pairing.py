@@ -88,7 +88,9 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     found_b = families.detect(params_b) if family_b == AUTO else families.get(family_b)
     if found_a is None or found_b is None or found_a is found_b:
         return a, b, None
-    if found_a.more_than_others:  # A's tensors hold more than B's: map A onto B's names instead
+    # A's tensors hold more than B's, or B's are quantized (a stack of them in A's names would lose their scales):
+    # map A onto B's names instead
+    if found_a.more_than_others or (_quantized(params_b) and not _quantized(params_a)):
         if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
             raise UsageError(f"{a.checkpoint.root}: a manifest in {found_a.name} names cannot check {found_b.name} "
                              f"names ({found_a.more_than_others}): write the manifest of {b.checkpoint.root} "
@@ -96,6 +98,11 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         side_b, side_a, note = _mapped_onto(b, a, found_b, found_a, "A", include, exclude, config_dir)
         return side_a, side_b, note
     return _mapped_onto(a, b, found_a, found_b, "B", include, exclude, config_dir)
+
+
+def _quantized(tensors: dict) -> bool:
+    """Whether any of ``tensors`` is a quantized one folded with its scales (``quant.folded``)."""
+    return any(isinstance(getattr(t, "transform", None), (quant.Fp8Stored, quant.Mxfp4Stored)) for t in tensors.values())
 
 
 def _mapped_onto(kept: Side, mapped: Side, kept_family, mapped_family, label: str, include: str | None,
