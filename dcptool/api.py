@@ -268,7 +268,8 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
         format_options: hf's (``format_options("hf", max_shard_size="2GB")``).
         lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
         quantize: the linear weights quantized as they stream out (``Quantize("fp8")``: float8 per 128x128
-            block, as DeepSeek-V3 releases; ``Quantize("like=DeepSeek-V3")``: as that release; ``dcptool.planning.quant``).
+            block, as DeepSeek-V3 releases; ``Quantize("like=DeepSeek-V3")``: as that release;
+            ``dcptool.planning.quant``).
         push: then upload the export to a hub repo (``HubPush("ORG/NAME", branch="step-1000")``).
 
     Returns:
@@ -297,7 +298,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
                                         family_options=family_options, format_options=format_options,
                                         lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None,
                                         quantize=quantize)
-    if reading.dequantize and quantize is None:  # a quantization_config left in would make transformers quantize the weights again
+    if reading.dequantize and quantize is None:  # left in, transformers would quantize the weights again
         from dcptool.planning import quant
 
         planned.writer_options["config"] = quant.drop_quantization_config(planned.writer_options.get("config"))

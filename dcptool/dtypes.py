@@ -201,7 +201,8 @@ def to_float64(bits: np.ndarray, name: str) -> np.ndarray:
 def float32_to_float8(values: np.ndarray, dst: str, out: np.ndarray, work: np.ndarray | None = None) -> None:
     """Write float32 ``values`` as ``float8_e4m3fn`` bits into ``out`` (uint8, the same shape), rounding as torch's
     ``.to(torch.float8_e4m3fn)`` does (2.13): to nearest, ties to even; what rounds beyond 448, Inf too, saturates
-    to 448, of the value's sign; NaN stays NaN. ``work``, a uint32 array of the same shape, holds the look-up keys instead of a fresh one.
+    to 448, of the value's sign; NaN stays NaN. ``work``, a uint32 array of the same shape, holds the look-up keys
+    instead of a fresh one.
 
     One look-up of the value's top 16 bits, with the bits below them folded into their lowest: every rounding
     of float32 to a float8 drops at least 20 bits, so whether any dropped bit below the top 16 is set is all

@@ -3,8 +3,8 @@
 Every command of ``dcptool.api`` takes its options as a few of these frozen dataclasses (and a format's own
 options, ``dcptool.format_options``), never as a long list of keywords: ``Reading`` (how sources are read),
 ``Writing`` (how an output is written), ``Selection`` (which entries), ``MeshOptions`` (the mesh to lay a
-checkpoint out for), ``Lora`` and ``HubPush`` (export-hf), ``Tolerance``, ``Side`` and ``LoadOn`` (verify and
-diff). The command line builds the same objects from its flags (``dcptool/cli/options.py``), so both run one path.
+checkpoint out for), ``Lora``, ``Quantize`` and ``HubPush`` (export-hf), ``Tolerance``, ``Side`` and ``LoadOn``
+(verify and diff). The command line builds the same objects from its flags (``dcptool/cli/options.py``), so both run one path.
 
 A message names an option as its caller gave it (``errors.option``): the flag on the command line
 (``--tp 3``), the object's field in Python, by the keyword the object was passed as (``mesh.tp=3``). Each field

@@ -102,7 +102,8 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
 
 def _quantized(tensors: dict) -> bool:
     """Whether any of ``tensors`` is a quantized one folded with its scales (``quant.folded``)."""
-    return any(isinstance(getattr(t, "transform", None), (quant.Fp8Stored, quant.Mxfp4Stored)) for t in tensors.values())
+    stored = (quant.Fp8Stored, quant.Mxfp4Stored)
+    return any(isinstance(getattr(t, "transform", None), stored) for t in tensors.values())
 
 
 def _mapped_onto(kept: Side, mapped: Side, kept_family, mapped_family, label: str, include: str | None,

@@ -185,7 +185,8 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
             if {dtype_a, dtype_b} <= set(dtypes.CASTABLE):  # cast the wider to the narrower: exact where they agree
                 cast_to = "a" if dtypes.dtype(dtype_a).itemsize < dtypes.dtype(dtype_b).itemsize else "b"
             by_tolerance = f"{option('atol')}/{option('rtol')}"
-            hint = f" ({option('dtype_as', cast_to.upper())} compares {'A' if cast_to == 'b' else 'B'} quantized with " \
+            other = "A" if cast_to == "b" else "B"
+            hint = f" ({option('dtype_as', cast_to.upper())} compares {other} quantized with " \
                    f"{cast_to.upper()}'s scales)" if quantized else \
                 f" ({option('dtype_as', cast_to.upper())} or {by_tolerance} compare the values)" if cast_to else \
                 f" ({by_tolerance} compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""

@@ -37,7 +37,8 @@ from dcptool.models.kind import (
 
 __all__ = ["FAMILIES", "MEGATRON_SPECS", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of",
            "text_config", "parallel_divisors",
-           "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts", "linear_weight",
+           "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
+           "linear_weight",
            "peft_trainable"]
 
 _HELPERS = {"common", "kind"}

@@ -1,4 +1,6 @@
-"""Dequantization (``--dequantize``): block-scaled float8 weights and MXFP4 experts become ``--dtype`` tensors.
+"""Quantized weights as computed tensors: dequantization (``--dequantize``: block-scaled float8 weights and MXFP4
+experts become ``--dtype`` tensors), quantization (``export-hf --quantize``: the other way), and both sides of a
+quantized export compared with its source (``folded``: verify, diff).
 
 **FP8.** DeepSeek-V3 and the Qwen3 FP8 releases store ``X.weight`` as ``float8_e4m3fn`` and ``X.weight_scale_inv``
 as float32 of shape ``(ceil(rows / b0), ceil(cols / b1))``, one scale per ``b0 x b1`` block
@@ -14,7 +16,17 @@ tensor, of shape ``[experts, 32 * blocks, rows]``: each expert's matrix transpos
 ``[experts, intermediate, hidden]``. The values are the codes times their block's scale, rounded once to
 ``dtype``, bitwise as transformers gives them.
 
-Nothing is materialized: a dequantized tensor is one whose regions are computed when read
+**Quantizing** (``quantized``): each linear weight of the decoder layers becomes two computed tensors, its
+``float8_e4m3fn`` codes (``Fp8Codes``) and its float32 scales (``Fp8Scales``): per block, scale = amax / 448
+(``Fp8Blocks``; rounded up to a power of two for ``ue8m0``), codes = ``w / scale`` rounded as torch's
+``.to(torch.float8_e4m3fn)`` (``dtypes.float32_to_float8``). A codes region reads the whole blocks it touches for
+their scales; copies plan its slabs in whole block rows (``Computed.rows_together``), so nothing is read twice
+but the scale tensor's own pass. ``compressed-tensors`` names the scales ``X_scale`` and says so in its own
+``quantization_config``. GPT-OSS's experts become ``X_blocks`` and ``X_scales`` (``Mxfp4Encoded``,
+``mxfp4.encode``). ``like=DIR`` (``LikeRelease``) takes a release's ``quantization_config`` and tensors, and a
+block keeps the release's scale where that scale still holds its values exactly (``Release``).
+
+Nothing is materialized: a dequantized or quantized tensor is one whose regions are computed when read
 (``TensorInfo.transform``), so every command streams it within ``--max-memory``.
 
 >>> checkpoint, notes = dequantized(open_checkpoint("DeepSeek-V3"), "DeepSeek-V3", "bfloat16")   # doctest: +SKIP
