@@ -37,8 +37,10 @@ Nothing is materialized: a dequantized or quantized tensor is one whose regions 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +376,44 @@ class Release:
         return (back == values).all(axis=0)
 
 
+# The most bytes of scales held for the scale tensors still to be written (``ScaleCache``), over every weight.
+CACHED_SCALES_BYTES = 64 * 2**20
+_cached = {"bytes": 0}
+_cached_lock = threading.Lock()
+
+
+class ScaleCache:
+    """The scales ``Fp8Codes`` worked out for its codes, kept for the weight's scale tensor (``Fp8Scales``), which
+    then need not read the weight again: each entry taken once, none kept once the whole scale tensor was read
+    (``done``). All entries together hold at most ``CACHED_SCALES_BYTES``; one not kept is worked out again."""
+
+    def __init__(self, count: int):
+        self._scales: dict[tuple, np.ndarray] = {}
+        self._left = count  # scales the scale tensor has yet to read
+        self._lock = threading.Lock()
+
+    def put(self, key: tuple, scales: np.ndarray) -> None:
+        with self._lock, _cached_lock:
+            if self._left and _cached["bytes"] + scales.nbytes <= CACHED_SCALES_BYTES:
+                self._scales[key] = scales
+                _cached["bytes"] += scales.nbytes
+
+    def take(self, key: tuple) -> np.ndarray | None:
+        with self._lock, _cached_lock:
+            found = self._scales.pop(key, None)
+            if found is not None:
+                _cached["bytes"] -= found.nbytes
+            return found
+
+    def done(self, count: int) -> None:
+        """``count`` more scales were read; once all were, nothing more is kept."""
+        with self._lock, _cached_lock:
+            self._left = max(0, self._left - count)
+            if not self._left:
+                _cached["bytes"] -= sum(scales.nbytes for scales in self._scales.values())
+                self._scales.clear()
+
+
 @dataclass(frozen=True)
 class Fp8Codes(Computed):
     """The ``float8_e4m3fn`` codes of a float weight (a ``TensorInfo.transform``): each block of ``blocks.block`` in
@@ -383,6 +423,7 @@ class Fp8Codes(Computed):
     weight: TensorInfo
     blocks: Fp8Blocks
     release: Release | None = None
+    cache: ScaleCache | None = field(default=None, compare=False)
     work_bytes = 0  # its temporaries are a column group's (``GROUP_ELEMENTS``), whatever the region
 
     @property
@@ -406,6 +447,8 @@ class Fp8Codes(Computed):
                 for start, stop in self.blocks.column_groups(first, end):
                     values, scales, top = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop,
                                                                 scratch, self.release)
+                    if self.cache is not None:  # for the scale tensor (whose groups are these, read whole)
+                        self.cache.put((at, block_row, start, stop), scales)
                     lo, hi = max(row0, top), min(row0 + rows, top + values.shape[0])
                     left, right = max(col0, start), min(col0 + cols, stop)
                     part = values[lo - top:hi - top, left - start:right - start]
@@ -422,6 +465,7 @@ class Fp8Scales(Computed):
     weight: TensorInfo
     blocks: Fp8Blocks
     release: Release | None = None
+    cache: ScaleCache | None = field(default=None, compare=False)
     work_bytes = 0  # its temporaries are a column group's
 
     def others(self) -> tuple[Checkpoint, ...]:
@@ -438,10 +482,14 @@ class Fp8Scales(Computed):
             at = tuple(o + i for o, i in zip(offsets, index))
             for block_row in range(row0, row0 + rows):
                 for start, stop in self.blocks.column_groups(first, end):
-                    _, scales, _ = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop, scratch,
-                                                         self.release)
+                    scales = self.cache.take((at, block_row, start, stop)) if self.cache is not None else None
+                    if scales is None:
+                        _, scales, _ = self.blocks.block_row(checkpoint, self.weight, at, block_row, start, stop,
+                                                             scratch, self.release)
                     out[index][block_row - row0, (start - first) // b1:(start - first) // b1 + len(scales)] = \
                         scales.view(np.uint32)
+        if self.cache is not None:
+            self.cache.done(math.prod(sizes))
 
 
 @dataclass
@@ -533,11 +581,12 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
             else:
                 notes.append(f"{tensor.key} {list(tensor.shape)} is {list(like.checkpoint.tensors[tensor.key].shape)} "
                              f"in {like.folder}: quantized afresh")
-        codes = TensorInfo(source.path, FP8, tensor.shape, source.chunks, Fp8Codes(source, blocks, release))
+        cache = ScaleCache(math.prod(scale_shape))
+        codes = TensorInfo(source.path, FP8, tensor.shape, source.chunks, Fp8Codes(source, blocks, release, cache))
         scale_key = tensor.key + suffix
         whole = [dataclasses.replace(source.chunks[0], offsets=(0,) * len(scale_shape), sizes=scale_shape,
                                      strides=None, view=None)] if len(source.chunks) else []
-        scales = TensorInfo((scale_key,), "float32", scale_shape, whole, Fp8Scales(source, blocks, release))
+        scales = TensorInfo((scale_key,), "float32", scale_shape, whole, Fp8Scales(source, blocks, release, cache))
         out += [OutTensor(tensor.key, tensor.path, FP8, tensor.shape, codes),
                 OutTensor(scale_key, (scale_key,), "float32", scale_shape, scales)]
         quantized.append(tensor.key)
