@@ -254,9 +254,11 @@ def test_dry_run_prints_the_plan(models, tmp_path):
     (["--quantize", "int3"], "--quantize int3: choose fp8, mxfp4 or like=DIR"),
     (["--scale-format", "ue8m0"], "--block-size, --scale-format and --quant-format go with --quantize"),
     (["--quantize", "like={source}"], "has no quantization_config with a quant_method"),
+    (["--quantize", "fp8", "--hf-experts", "fused"], "holds fused experts: FP8 releases store them one by one"),
+    (["--quantize", "mxfp4"], "--quantize mxfp4 lays out the experts of gpt_oss models"),
 ])
 def test_bad_options_are_one_line(models, tmp_path, args, expected):
-    source = models("qwen3")
+    source = models("qwen3_moe")
     result = dcptool("export-hf", source, tmp_path / "out", *[a.format(source=source) for a in args], check=False)
     assert result.returncode == 2 and expected in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()

@@ -569,9 +569,9 @@ def quantized_fp8(tensors: list[OutTensor], blocks: Fp8Blocks, config: dict | No
         if source.dtype not in (*dtypes.CASTABLE, "float64"):
             raise UsageError(f"{where}: {tensor.key} is {source.dtype}: quantizing takes float weights (dequantize a "
                              f"quantized source first with {option('dequantize', True)})")
-        if layout == "compressed-tensors" and len(tensor.shape) != 2:
-            raise UsageError(f"{where}: {tensor.key} {list(tensor.shape)} holds fused experts, which compressed-tensors "
-                             f"lays out one Linear at a time: drop {option('hf_experts', 'fused')}")
+        if len(tensor.shape) != 2:  # transformers 5.24 would load the codes of fused experts as their values
+            raise UsageError(f"{where}: {tensor.key} {list(tensor.shape)} holds fused experts: FP8 releases store them "
+                             f"one by one, as vLLM, SGLang and transformers read them: drop {option('hf_experts', 'fused')}")
         scale_shape = (*tensor.shape[:-2], *(-(-n // b) for n, b in zip(tensor.shape[-2:], blocks.block)))
         release = None
         if released is not None and tensor.key in released:
