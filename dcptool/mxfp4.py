@@ -86,44 +86,72 @@ def _pair_table(dtype: str) -> np.ndarray:
     return pairs
 
 
-def encode(values: np.ndarray, packed: np.ndarray, scales: np.ndarray, exponents: np.ndarray | None = None) -> None:
-    """Write float32 ``values`` (``[..., 32 * blocks]``) as MXFP4: ``packed`` (uint8 ``[..., blocks, 16]``, two codes
-    a byte) and ``scales`` (uint8 ``[..., blocks]``). ``exponents`` (int, ``[..., blocks]``): each block's scale
-    exponent as given (a release's, ``dcptool.planning.quant``) instead of the specification's from its amax."""
-    groups = values.reshape(*values.shape[:-1], -1, ELEMENTS_PER_SCALE)
+def encode(values: np.ndarray, packed: np.ndarray, scales: np.ndarray, exponents: np.ndarray | None = None,
+           work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+    """Write float32 ``values`` (``[..., 32 * blocks]``, or already ``[..., blocks, 32]``; any strides) as MXFP4:
+    ``packed`` (uint8 ``[..., blocks, 16]``, two codes a byte) and ``scales`` (uint8 ``[..., blocks]``).
+    ``exponents`` (int, ``[..., blocks]``): each block's scale exponent as given (a release's,
+    ``dcptool.planning.quant``) instead of the specification's from its amax. ``work``: float32, uint32 and uint8
+    arrays of the values' shape ``[..., blocks, 32]`` for the temporaries instead of fresh ones (``core.Computed``
+    reuses its buffers)."""
+    groups = _groups(values)
+    scaled, keys, codes = work if work is not None else (np.empty(groups.shape, np.float32),
+                                                         np.empty(groups.shape, np.uint32),
+                                                         np.empty(groups.shape, np.uint8))
     if exponents is None:
-        exponents = block_exponents(groups)
-    scaled = np.ldexp(groups, -exponents[..., None].astype(np.int32))  # exact: a power of two
-    keys = scaled.view(np.uint32) & np.uint32(0xFFFF)
-    keys += np.uint32(0xFFFF)  # carries into bit 16 when any of the low 16 bits is set
-    keys |= scaled.view(np.uint32)
-    keys >>= 16
-    codes = np.take(_e2m1_codes(), keys)
-    packed[...] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).reshape(packed.shape)
+        exponents = block_exponents(groups, keys)
+    np.take(_e2m1_codes(), _keys(_scaled(groups, exponents, scaled), keys), out=codes, mode="clip")
+    high = np.left_shift(codes[..., 1::2], 4, out=codes[..., 1::2])
+    np.bitwise_or(codes[..., 0::2], high, out=packed.reshape(high.shape))
     scales[...] = exponents + SCALE_BIAS
 
 
 def rounded(values: np.ndarray, exponents: np.ndarray) -> np.ndarray:
     """Float32 ``values``, each rounded to the E2M1 value times ``2 ** exponent`` (its block's, per element) that
     ``encode`` would store, as float32 values."""
-    scaled = np.ldexp(values, -exponents.astype(np.int32))
-    keys = scaled.view(np.uint32) & np.uint32(0xFFFF)
-    keys += np.uint32(0xFFFF)
-    keys |= scaled.view(np.uint32)
-    keys >>= 16
-    return np.ldexp(E2M1[np.take(_e2m1_codes(), keys)], exponents.astype(np.int32)).astype(np.float32)
+    scaled = values * np.ldexp(np.float32(1), -exponents.astype(np.int32)).astype(np.float32)
+    return np.ldexp(E2M1[np.take(_e2m1_codes(), _keys(scaled))], exponents.astype(np.int32)).astype(np.float32)
 
 
-def block_exponents(groups: np.ndarray) -> np.ndarray:
-    """The specification's scale exponent of each block of 32 float32 values (the last dim of ``groups``):
-    ``floor(log2(amax)) - 2``, within [-127, 127]; -127 for a block of zeros, 128 (the scale byte 255, NaN) for
-    one holding a NaN."""
-    amax = np.maximum(groups.max(axis=-1), -groups.min(axis=-1))
+def block_exponents(groups: np.ndarray, work: np.ndarray | None = None) -> np.ndarray:
+    """The specification's scale exponent of each block of 32 float32 values (``[..., blocks, 32]``, or the values
+    ``[..., 32 * blocks]``): ``floor(log2(amax)) - 2``, within [-127, 127]; -127 for a block of zeros, 128 (the scale
+    byte 255, NaN) for one holding a NaN. ``work``: a uint32 array of the blocks' shape, for the magnitudes."""
+    # |x| as its bits (ordered as the values are, NaN above Inf), each 32's maximum by reduceat: numpy's reductions
+    # over an axis of 32 cost several times as much
+    groups = _groups(groups)
+    magnitudes = np.bitwise_and(groups.view(np.uint32), np.uint32(0x7FFFFFFF), out=work).reshape(-1)  # contiguous
+    starts = np.arange(0, magnitudes.size, ELEMENTS_PER_SCALE)
+    amax = (np.maximum.reduceat(magnitudes, starts) if magnitudes.size else magnitudes).view(np.float32)
+    amax = amax.reshape(groups.shape[:-1])
     _, exponent = np.frexp(amax)  # amax = m * 2 ** exponent, m in [0.5, 1): floor(log2(amax)) = exponent - 1
     exponents = np.clip(exponent.astype(np.int32) - 1 - LARGEST_EXPONENT, -SCALE_BIAS, SCALE_BIAS)
     exponents[amax == 0] = -SCALE_BIAS
     exponents[np.isnan(amax)] = 255 - SCALE_BIAS
     return exponents
+
+
+def _groups(values: np.ndarray) -> np.ndarray:
+    """``values`` as ``[..., blocks, 32]`` (a view where their strides allow)."""
+    if values.shape[-1] == ELEMENTS_PER_SCALE and values.ndim >= 2:
+        return values
+    return values.reshape(*values.shape[:-1], -1, ELEMENTS_PER_SCALE)
+
+
+def _scaled(groups: np.ndarray, exponents: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Each block over ``2 ** exponent``, contiguous: a product with a power of two, exact as ``ldexp``."""
+    factors = np.ldexp(np.float32(1), -exponents.astype(np.int32)).astype(np.float32)
+    return np.multiply(groups, factors[..., None], out=out, dtype=np.float32)
+
+
+def _keys(scaled: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The look-up keys of float32 values: their top 16 bits, the lowest set where any bit below them is."""
+    bits = scaled.view(np.uint32)
+    keys = np.bitwise_and(bits, np.uint32(0xFFFF), out=out)
+    keys += np.uint32(0xFFFF)  # carries into bit 16 when any of the low 16 bits is set
+    keys |= bits
+    keys >>= 16
+    return keys
 
 
 @cache

@@ -642,13 +642,12 @@ class Mxfp4Encoded(Computed):
     weight: TensorInfo
     part: str  # "blocks" or "scales"
     release: tuple[Checkpoint, TensorInfo] | None = None
-    # per element of the output: the float32 values it is made of (2 a byte, 32 a scale), their transposed copy,
-    # keys and codes
-    work_bytes = 40
 
     @property
-    def per_block(self) -> int:
-        return 1 if self.part == "scales" else mxfp4.BYTES_PER_SCALE
+    def work_bytes(self) -> int:
+        """Per element of the output, the temporaries of the weight's elements it is made of (2 a byte, 32 a scale):
+        their float32 values, magnitudes, scaled values, keys and codes, about 20 bytes each."""
+        return 20 * (mxfp4.ELEMENTS_PER_SCALE if self.part == "scales" else 2)
 
     def others(self) -> tuple[Checkpoint, ...]:
         return (self.release[0],) if self.release is not None else ()
@@ -663,19 +662,23 @@ class Mxfp4Encoded(Computed):
         shape = (experts, blocks * width, rows)
         values = float32_region(checkpoint, self.weight, (expert, block * width, row), shape, scratch,
                                 workspace("mxfp4.values", shape, np.float32))
-        rows_first = np.ascontiguousarray(values.transpose(0, 2, 1))  # [experts, rows, columns]
-        groups = rows_first.reshape(experts, rows, blocks, width)
-        exponents = mxfp4.block_exponents(groups)
+        # [experts, rows, blocks, 32]: each expert's matrix transposed, as a view (the encoding copies it once)
+        groups = values.transpose(0, 2, 1).reshape(experts, rows, blocks, width)
+        work = (workspace("mxfp4.scaled", groups.shape, np.float32), workspace("mxfp4.keys", groups.shape, np.uint32),
+                workspace("mxfp4.codes", groups.shape, np.uint8))
+        exponents = mxfp4.block_exponents(groups, work[1])
         if self.release is not None:
             release, scales = self.release
             given = np.empty((experts, rows, blocks), np.uint8)
             release.read_region(scales, (expert, row, block), given.shape, given, scratch, passing=True)
             given = given.astype(np.int32) - mxfp4.SCALE_BIAS
             exponents = np.where(_mxfp4_holds(groups, given, self.weight.dtype), given, exponents)
-        packed = np.empty((experts, rows, blocks, mxfp4.BYTES_PER_SCALE), np.uint8)
-        codes = np.empty((experts, rows, blocks), np.uint8)
-        mxfp4.encode(rows_first, packed, codes, exponents)
-        out[...] = codes if self.part == "scales" else packed[..., offsets[3]:offsets[3] + sizes[3]]
+        if self.part == "scales":
+            out[...] = exponents + mxfp4.SCALE_BIAS
+            return
+        packed = workspace("mxfp4.packed", (experts, rows, blocks, mxfp4.BYTES_PER_SCALE), np.uint8)
+        mxfp4.encode(groups, packed, np.empty((experts, rows, blocks), np.uint8), exponents, work)
+        out[...] = packed[..., offsets[3]:offsets[3] + sizes[3]]
 
 
 def _mxfp4_holds(groups: np.ndarray, exponents: np.ndarray, dtype: str) -> np.ndarray:
@@ -684,7 +687,7 @@ def _mxfp4_holds(groups: np.ndarray, exponents: np.ndarray, dtype: str) -> np.nd
     rounds it."""
     packed = np.empty((*groups.shape[:-1], mxfp4.BYTES_PER_SCALE), np.uint8)
     scales = np.empty(groups.shape[:-1], np.uint8)
-    mxfp4.encode(groups.reshape(*groups.shape[:-2], -1), packed, scales, exponents)
+    mxfp4.encode(groups, packed, scales, exponents)
     bits = np.empty((*groups.shape[:-1], mxfp4.ELEMENTS_PER_SCALE), np.uint32)
     mxfp4.decode(packed, scales[..., None], "float32", bits)
     back = bits.view(np.float32)
