@@ -62,18 +62,18 @@ from dcptool.errors import (CheckpointError, CheckpointNotFoundError, DcptoolErr
                             OutputExistsError, UnsafePickleError, UsageError)
 
 if TYPE_CHECKING:
-    from dcptool.api import (Completeness, HubPush, LoadOn, Lora, MeshOptions, Reader, Reading, Region,  # noqa: A004
-                             Selection, Side, TensorSpec, Tolerance, Writing, average, check, checksum, convert, diff,
-                             export_hf, family_options, format_options, import_hf, inspect, open, reshard,
+    from dcptool.api import (Completeness, HubPush, LoadOn, Lora, MeshOptions, Quantize, Reader, Reading,  # noqa: A004
+                             Region, Selection, Side, TensorSpec, Tolerance, Writing, average, check, checksum, convert,
+                             diff, export_hf, family_options, format_options, import_hf, inspect, open, reshard,
                              tensor_layout, verify)
 
 # The library code behind the commands lives in modules named apart from them (dcptool.planning.conversion,
 # .resharding, .verification, .checksums), so that these names are the functions.
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf",
            "reshard", "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading",
-           "Writing", "Selection", "MeshOptions", "Completeness", "Lora", "HubPush", "Tolerance", "Side", "LoadOn", "api",
-           "DcptoolError", "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError", "UsageError",
-           "IncompleteModelError", "OutputExistsError", "MismatchError"]
+           "Writing", "Selection", "MeshOptions", "Completeness", "Lora", "Quantize", "HubPush", "Tolerance", "Side",
+           "LoadOn", "api", "DcptoolError", "CheckpointError", "CheckpointNotFoundError", "UnsafePickleError",
+           "UsageError", "IncompleteModelError", "OutputExistsError", "MismatchError"]
 
 
 def __getattr__(name: str):

@@ -50,7 +50,8 @@ from dcptool.engine.core import Checkpoint
 from dcptool.errors import UsageError, option
 from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import FormatOptions, OutputRequest
-from dcptool.options import (LORA_MODES, Completeness, HubPush, LoadOn, Lora, MeshOptions, Options, Progress, Reading,
+from dcptool.options import (LORA_MODES, Completeness, HubPush, LoadOn, Lora, MeshOptions, Options, Progress,
+                             Quantize, Reading,
                              Selection, Side, Tolerance, Writing)
 from dcptool.reader import Reader, Region, TensorSpec, open  # noqa: A004 - dcptool.open, as builtins.open opens a file
 from dcptool.storage import check_apart, check_destination, is_remote, output_path
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["open", "Reader", "TensorSpec", "Region", "inspect", "tensor_layout", "convert", "export_hf", "import_hf", "reshard",
            "verify", "checksum", "check", "average", "diff", "format_options", "family_options", "Reading", "Writing",
-           "Selection", "MeshOptions", "Completeness", "Lora", "HubPush", "Tolerance", "Side", "LoadOn"]
+           "Selection", "MeshOptions", "Completeness", "Lora", "Quantize", "HubPush", "Tolerance", "Side", "LoadOn"]
 
 
 def _command(command: Callable) -> Callable:
@@ -141,7 +142,7 @@ def family_options(family: str, **values) -> FamilyOptions | None:
     Example:
         >>> import dcptool
         >>> dcptool.family_options("megatron", make_vocab_size_divisible_by=64)
-        MegatronFamilyOptions(make_vocab_size_divisible_by=64)
+        MegatronFamilyOptions(make_vocab_size_divisible_by=64, megatron_spec=None)
     """
     from dcptool import families
 
@@ -258,7 +259,8 @@ def convert(source: str | Path, destination: str | Path, to: str, *, family: str
 def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | Path | None = None,
               family: str = "auto", family_options: FamilyOptions | None = None, dtype: str | None = None,
               selection: Selection = Selection(), format_options: FormatOptions | None = None,
-              completeness: Completeness = Completeness(), lora: Lora | None = None, push: HubPush | None = None,
+              completeness: Completeness = Completeness(), lora: Lora | None = None,
+              quantize: Quantize | None = None, push: HubPush | None = None,
               reading: Reading = Reading(), writing: Writing = Writing()) -> Report:
     """``dcptool export-hf``: the model weights as Hugging Face safetensors under HF names, with
     ``config_dir``'s config and tokenizer files.
@@ -273,6 +275,9 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
             (``Completeness(allow_missing="vision")``), or whether it may hold tensors that model has no place
             for; anything else is refused before anything is written (``errors.IncompleteModelError``).
         lora: a peft (LoRA) model's checkpoint merged into the base weights or written as a PEFT adapter folder.
+        quantize: the linear weights quantized as they stream out (``Quantize("fp8")``: float8 per 128x128
+            block, as DeepSeek-V3 releases; ``Quantize("like=DeepSeek-V3")``: as that release;
+            ``dcptool.planning.quant``).
         push: then upload the export to a hub repo (``HubPush("ORG/NAME", branch="step-1000")``).
 
     Returns:
@@ -300,7 +305,7 @@ def export_hf(source: str | Path, destination: str | Path, *, config_dir: str | 
                                         include=selection.include, exclude=selection.exclude, family=family,
                                         family_options=family_options, format_options=format_options,
                                         lora=conversion.LoraRequest(lora.mode, lora.config, lora.alpha) if lora else None,
-                                        completeness=completeness)
+                                        completeness=completeness, quantize=quantize)
     planned.notes += notes
     report = _run(planned, destination, reading, writing)
     if push is not None and not writing.dry_run:

@@ -196,3 +196,52 @@ def to_float64(bits: np.ndarray, name: str) -> np.ndarray:
         return float8_to_float32(bits, name).astype(np.float64)
     kind = dtype(name).numpy
     return (bits if kind is None else bits.view(kind)).astype(np.float64)
+
+
+def float32_to_float8(values: np.ndarray, dst: str, out: np.ndarray, work: np.ndarray | None = None) -> None:
+    """Write float32 ``values`` as ``float8_e4m3fn`` bits into ``out`` (uint8, the same shape), rounding as torch's
+    ``.to(torch.float8_e4m3fn)`` does (2.13): to nearest, ties to even; what rounds beyond 448, Inf too, saturates
+    to 448, of the value's sign; NaN stays NaN. ``work``, a uint32 array of the same shape, holds the look-up keys
+    instead of a fresh one.
+
+    One look-up of the value's top 16 bits, with the bits below them folded into their lowest: every rounding
+    of float32 to a float8 drops at least 20 bits, so whether any dropped bit below the top 16 is set is all
+    it needs of them.
+
+    >>> out = np.empty(5, np.uint8)
+    >>> float32_to_float8(np.array([1.0, -2.0, 0.001953125, 448.0, 480.0], np.float32), "float8_e4m3fn", out)
+    >>> [hex(b) for b in out]
+    ['0x38', '0xc0', '0x1', '0x7e', '0x7e']
+    """
+    if dst != "float8_e4m3fn":
+        raise CheckpointError(f"cannot convert float32 to {dst}: only float8_e4m3fn is encoded")
+    bits = np.atleast_1d(values).view(np.uint32)
+    keys = np.empty(bits.shape, np.uint32) if work is None else np.atleast_1d(work)
+    np.bitwise_and(bits, 0xFFFF, out=keys)
+    keys += 0xFFFF  # carries into bit 16 when any of the low 16 bits is set
+    keys |= bits
+    keys >>= 16
+    np.take(_float8_codes(dst), keys, out=np.atleast_1d(out), mode="clip")  # every key is in the table
+
+
+@cache
+def _float8_codes(dtype: str) -> np.ndarray:
+    """The float8 bits of every float32 whose low 16 bits are zero, by its top 16 bits, rounded to nearest even
+    (read-only: it is shared). Worked out in float64, where each step is exact."""
+    exponent_bits, mantissa_bits, bias, _ = FLOAT8[dtype]
+    top = np.arange(65536, dtype=np.uint32)
+    smallest_normal = 2.0 ** (1 - bias)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        magnitude = np.abs((top << 16).view(np.float32).astype(np.float64))
+        # Subnormals: multiples of the smallest step; rint rounds half to even. Eight steps make the smallest normal.
+        subnormal = np.rint(magnitude / 2.0 ** (1 - bias - mantissa_bits))
+        mantissa, exponent = np.frexp(magnitude)  # magnitude = mantissa * 2 ** exponent, mantissa in [0.5, 1)
+        steps = np.rint((2 * mantissa - 1) * 2 ** mantissa_bits)  # may round up to the next power of two
+        normal = (exponent - 1 + bias) * 2 ** mantissa_bits + steps
+    codes = np.where(magnitude < smallest_normal, subnormal, normal)
+    # S.1111.110 is the largest (448), S.1111.111 NaN: torch saturates what rounds beyond the largest (Inf too).
+    largest = 2 ** (exponent_bits + mantissa_bits) - 2
+    codes = np.where(np.isnan(magnitude), largest + 1, np.minimum(codes, largest)).astype(np.uint8)
+    codes |= ((top >> 15) << 7).astype(np.uint8)
+    codes.flags.writeable = False
+    return codes

@@ -3,8 +3,9 @@
 Every command of ``dcptool.api`` takes its options as a few of these frozen dataclasses (and a format's own
 options, ``dcptool.format_options``), never as a long list of keywords: ``Reading`` (how sources are read),
 ``Writing`` (how an output is written), ``Selection`` (which entries), ``MeshOptions`` (the mesh to lay a
-checkpoint out for), ``Completeness`` (what parts of the model an output may lack), ``Lora`` and ``HubPush`` (export-hf), ``Tolerance``, ``Side`` and ``LoadOn`` (verify and
-diff). The command line builds the same objects from its flags (``dcptool/cli/options.py``), so both run one path.
+checkpoint out for), ``Completeness`` (what parts of the model an output may lack), ``Lora``, ``Quantize`` and
+``HubPush`` (export-hf), ``Tolerance``, ``Side`` and ``LoadOn`` (verify and diff). The command line builds the same
+objects from its flags (``dcptool/cli/options.py``), so both run one path.
 
 A message names an option as its caller gave it (``errors.option``): the flag on the command line
 (``--tp 3``), the object's field in Python, by the keyword the object was passed as (``mesh.tp=3``). Each field
@@ -217,6 +218,54 @@ class Lora(Options):
     _: KW_ONLY
     config: str | None = None
     alpha: float | None = None
+
+
+@dataclass(frozen=True)
+class Quantize(Options):
+    """export-hf's quantized output: ``--quantize``, ``--block-size``, ``--scale-format``, ``--quant-format``.
+
+    Args:
+        scheme: ``"fp8"`` (every linear weight of the decoder layers as float8_e4m3fn with a float32 scale per block,
+            as DeepSeek-V3 and Qwen3-FP8 releases store them), ``"mxfp4"`` (GPT-OSS's experts as MXFP4 blocks and
+            scales) or ``"like=DIR"`` (the quantization of the released model folder DIR: its config.json's
+            ``quantization_config``, and where its safetensors are there, which weights it quantized).
+        block_size: rows and columns of weight per fp8 scale, ``"128x128"`` or ``(128, 128)`` (the default).
+        scale_format: ``"float"`` (each block's amax / 448, the default) or ``"ue8m0"`` (rounded up to a power of
+            two, DeepSeek-V3.1's ``scale_fmt``).
+        layout: ``"native"`` (the quant_method's own tensors: ``X.weight_scale_inv``; the default) or
+            ``"compressed-tensors"`` (``X.weight_scale`` and a compressed-tensors quantization_config, as
+            llm-compressor writes it).
+
+    Example:
+        >>> Quantize("fp8", block_size="64x128").block()
+        (64, 128)
+    """
+
+    KEYS: ClassVar[dict[str, str]] = {"scheme": "quantize", "layout": "quant_format"}
+
+    scheme: str
+    _: KW_ONLY
+    block_size: str | tuple[int, int] | None = None
+    scale_format: str | None = None
+    layout: str | None = None
+
+    def like(self) -> str | None:
+        """The released model folder of ``like=DIR``; None for a scheme named."""
+        return self.scheme.removeprefix("like=") if self.scheme.startswith("like=") else None
+
+    def block(self) -> tuple[int, int] | None:
+        """``block_size`` as (rows, columns), checked; None when not given."""
+        given = self.block_size
+        if given is None:
+            return None
+        parts = given.lower().split("x") if isinstance(given, str) else list(given)
+        try:
+            block = tuple(int(part) for part in parts)
+        except (TypeError, ValueError):
+            block = ()
+        if len(block) != 2 or min(block) < 1:
+            raise UsageError(f"{option('block_size', given)}: give rows and columns of weight per scale, as 128x128")
+        return block
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ Rows (id: what runs; the peer is the route users take today for the same job):
   cp-sync              cp -r && sync: the floor of a copy that is on disk when it returns, as dcptool's
                        are unless --no-fsync (issue 12's target: copy commands within 1.25x of it)
   export-hf            dcptool export-hf SRC DST                 peer: peer-export-hf
+  export-hf-fp8        dcptool export-hf SRC DST --quantize fp8  peer: export-hf
+                       (every linear weight as float8 codes and float32 scales per 128x128
+                       block, computed as they stream out)
   export-hf-megatron   dcptool export-hf MEGATRON_SRC DST        peer: export-hf
                        (the dense checkpoint's bytes in Megatron-Core's layout, made untimed by
                        import-hf --adapter megatron from its HF export: stacked layers, fused

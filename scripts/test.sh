@@ -18,6 +18,10 @@ PY="$VENV/bin/python"
 # torchtitan's own models and checkpoint code are oracles (tests/test_torchtitan_oracle.py, test_adapters.py);
 # the parts they use import tyro and spmd_types only (its datasets, wandb, tensorboard serve training).
 "$PY" -m pip install -q --no-deps "torchtitan==0.3.0" tyro docstring-parser "spmd_types==0.2.3"
+# compressed-tensors reads export-hf --quant-format compressed-tensors back (tests/test_quantize.py); torch and
+# transformers are the suite's own.
+"$PY" -m pip install -q loguru "pydantic>=2"
+"$PY" -m pip install -q --no-deps "compressed-tensors==0.20.0"
 "$VENV/bin/lint-imports" --no-cache   # the layers of the package (pyproject.toml [tool.importlinter])
 export OMP_NUM_THREADS=1
 exec "$PY" -m pytest -q "$@"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DCPTOOL_ROWS = {"export-hf", "export-hf-moe", "export-hf-megatron", "convert-torch", "reshard-dp4", "reshard-tp4",
+DCPTOOL_ROWS = {"export-hf", "export-hf-fp8", "export-hf-moe", "export-hf-megatron", "convert-torch", "reshard-dp4", "reshard-tp4",
                 "export-hf-nofsync", "convert-torch-nofsync", "reshard-dp4-nofsync", "reshard-tp4-nofsync",
                 "verify", "checksum", "inspect", "average3"}
 PEER_ROWS = {"peer-export-hf", "peer-torch-save", "peer-reshard-dp4", "peer-reshard-tp4", "peer-verify",
@@ -52,7 +52,7 @@ def test_bench_smoke(tmp_path):
         assert row["min_s"] <= row["median_s"] <= row["max_s"]
         assert row["peak_mb"] > 0 and len(row["times_s"]) == 1
         assert row["size"] == "2MB" and row["name"] and row["command"]
-    for rid in DCPTOOL_ROWS - {"export-hf-moe", "average3", "export-hf-megatron"}:
+    for rid in DCPTOOL_ROWS - {"export-hf-fp8", "export-hf-moe", "average3", "export-hf-megatron"}:
         assert rows[rid]["kind"] == "dcptool" and rows[rid]["peer"] in PEER_ROWS, rid
     assert rows["average3"]["kind"] == "dcptool" and rows["average3"]["peer"] == "cp-sync"  # timed against a durable copy
     assert rows["cp"]["kind"] == "floor" and rows["cp"]["ratio_to_cp"] == 1.0
@@ -86,6 +86,12 @@ def test_bench_smoke(tmp_path):
     assert "float8 weights to bfloat16 (blocks of 128x128)" in fp8_log and "_scale_inv scales" in fp8_log, fp8_log
     lora_log = (logs / "export-hf-lora-merge-2MB-r0.log").read_text()  # every projection merged, alpha found beside it
     assert re.search(r"merged \d+ LoRA layers of default \(lora_alpha 32 from .*adapter_config.json\)", lora_log), lora_log
+
+    # The quantized export against the plain one, of the same checkpoint.
+    fp8 = rows["export-hf-fp8"]
+    assert fp8["kind"] == "dcptool" and fp8["peer"] == "export-hf"
+    assert any(t["target"].startswith("export-hf-fp8: wall time <= 1.5x") for t in report["targets"])
+    assert re.search(r"quantized \d+ linear weights to float8_e4m3fn", (logs / "export-hf-fp8-2MB-r0.log").read_text())
 
     # The MoE row: its yardstick is the dense export, per tensor byte of the checkpoint each reads.
     moe, dense = rows["export-hf-moe"], rows["export-hf"]

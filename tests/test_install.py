@@ -125,6 +125,13 @@ def test_every_command_runs_without_torch(light, checkpoints, tmp_path):
     assert "(dcptool's llama table)" in refused.stderr and not (tmp_path / "no-head").exists()
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert exported.keys() == model.keys() and all(torch.equal(exported[k], v) for k, v in model.items())
+    # quantizing rounds to float8 without torch: the same bytes as this suite's (torch) install writes
+    quantize = ["export-hf", path, "--quantize", "fp8", "--block-size", "32x32"]
+    run(light, *quantize[:2], tmp_path / "fp8-light", *quantize[2:], cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "dcptool", "-q", *quantize[:2], tmp_path / "fp8-torch", *quantize[2:]],
+                   check=True, capture_output=True)
+    assert (tmp_path / "fp8-light" / "model.safetensors").read_bytes() == \
+        (tmp_path / "fp8-torch" / "model.safetensors").read_bytes()
     run(light, "import-hf", tmp_path / "hf", tmp_path / "imported", "--dp", "2", cwd=tmp_path)
     imported = read_dcp(tmp_path / "imported", tmp_path)
     assert imported.keys() == model.keys() and all(torch.equal(imported[k], v) for k, v in model.items())

@@ -9,7 +9,8 @@ import pytest
 
 import dcptool
 from conftest import dcptool as run_cli
-from dcptool import (Completeness, Lora, MeshOptions, Reading, Selection, Side, Writing, format_options, formats)
+from dcptool import (Completeness, Lora, MeshOptions, Quantize, Reading, Selection, Side, Writing, format_options,
+                     formats)
 
 CONFIG = "<the source's config folder>"  # replaced by the reference folder of the saving job
 
@@ -42,6 +43,10 @@ CASES = [
     ("convert", ["--to", "dcp", "--adapter", "hf", "--config-dir", CONFIG, "--exclude", "lm_head", "--allow-missing", "lm_head"],
      {"to": "dcp", "family": "hf", "config_dir": CONFIG, "selection": Selection(exclude="lm_head"),
       "completeness": Completeness(allow_missing="lm_head")}),
+    ("export-hf", ["--config-dir", CONFIG, "--quantize", "fp8", "--block-size", "32x64", "--scale-format", "ue8m0"],
+     {"config_dir": CONFIG, "quantize": Quantize("fp8", block_size="32x64", scale_format="ue8m0")}),
+    ("export-hf", ["--quantize", "fp8", "--quant-format", "compressed-tensors"],
+     {"quantize": Quantize("fp8", layout="compressed-tensors")}),
     ("reshard", ["--dp", "4", "--tp", "1"], {"mesh": MeshOptions(dp=4, tp=1)}),
     ("reshard", ["--dp", "1", "--tp", "2", "--dtype", "bfloat16", "--keep-rank-state", "--config-dir", CONFIG],
      {"mesh": MeshOptions(dp=1, tp=2), "dtype": "bfloat16", "keep_rank_state": True, "config_dir": CONFIG}),

@@ -30,6 +30,9 @@ COMMANDS = {
     "torch-file": ["convert", "{src}", "{dst}", "--to", "torch"],
     # computed tensors (each a mean of its regions in both sources) split over the ranks as copies are
     "average-dp4": ["average", "{src}", "{src}", "{dst}", "--dp", "4", "--weights", "0.25,0.75"],
+    # quantized weights and their scales, computed where their shard is written
+    "export-hf-fp8": ["export-hf", "{src}", "{dst}", "--max-shard-size", "100KB", "--quantize", "fp8",
+                      "--block-size", "32x32"],
 }
 
 

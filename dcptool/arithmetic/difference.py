@@ -6,7 +6,9 @@ families). For every tensor on both sides of one shape, both are read in the sam
 are the same value; -0.0 and 0.0 too), *bit-identical* when the two sides have one dtype and its bits are
 equal. Values are compared in float64 (bfloat16, float16, float32 and float8 are exact there; integers as
 integers). Per tensor: elements changed, bit-identical, the largest absolute change ``max |b - a|`` and the
-relative L2 change ``||b - a|| / ||a||`` (sums of squares in float64). A report, not a check: ``verify`` is
+relative L2 change ``||b - a|| / ||a||`` (sums of squares in float64); a block-scaled float8 weight with its scales
+(an ``export-hf --quantize`` output) counts as its dequantized values, so against its source these are the
+quantization's error. A report, not a check: ``verify`` is
 the gate. In JSON (strict: JSON has no inf or NaN) a change that is no finite number is null, and the entry's
 ``non_finite`` names it (``{"max_abs_change": "inf"}``).
 
@@ -28,6 +30,7 @@ from dcptool import dtypes
 from dcptool.checks import pairing, stats, verification
 from dcptool.engine import regions
 from dcptool.errors import counted
+from dcptool.planning import quant
 
 BLOCK = regions.BLOCK  # elements compared at once: bounds the float64 temporaries
 
@@ -146,8 +149,10 @@ def diff_sides(a: pairing.Side, b: pairing.Side, *, max_memory: int,
     reader_a = regions.RegionReader(a.checkpoint, bytearray(size))
     reader_b = regions.RegionReader(b.checkpoint, bytearray(size))
     for key, tensor_a, tensor_b in pairs:
+        shown_a, shown_b = _shown(tensor_a), _shown(tensor_b)
+        tensor_a, tensor_b = _values(tensor_a), _values(tensor_b)
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
-        change = Change(key, dtype_a if dtype_a == dtype_b else f"{dtype_a} -> {dtype_b}", math.prod(tensor_a.shape))
+        change = Change(key, shown_a if shown_a == shown_b else f"{shown_a} -> {shown_b}", math.prod(tensor_a.shape))
         limit = min(reader_a.max_elements(tensor_a), reader_b.max_elements(tensor_b))
         for (_, values_a), (_, values_b) in zip(reader_a.slabs(tensor_a, limit), reader_b.slabs(tensor_b, limit)):
             _add(change, values_a.reshape(-1), values_b.reshape(-1), dtype_a, dtype_b)
@@ -155,6 +160,21 @@ def diff_sides(a: pairing.Side, b: pairing.Side, *, max_memory: int,
                 progress(values_a.nbytes)
         report.changes.append(change)
     return report
+
+
+def _values(tensor):
+    """The tensor whose values are compared: a block-scaled float8 weight's dequantized (codes times scales, float32:
+    against its source, the quantization's error), any other as it is."""
+    stored = isinstance(tensor.transform, (quant.Fp8Stored, quant.Mxfp4Stored))
+    return tensor.transform.dequantized_view() if stored else tensor
+
+
+def _shown(tensor) -> str:
+    """The dtype a tensor is stored in; a block-scaled float8 weight's with ``x scales``, MXFP4's ``mxfp4``."""
+    if isinstance(tensor.transform, quant.Mxfp4Stored):
+        return "mxfp4"
+    name = dtypes.dtype(tensor.dtype).name
+    return f"{name} x scales" if isinstance(tensor.transform, quant.Fp8Stored) else name
 
 
 def _add(change: Change, bits_a: np.ndarray, bits_b: np.ndarray, dtype_a: str, dtype_b: str) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from dcptool import families, formats, models, selection
 from dcptool.engine.core import Checkpoint, ObjectInfo, TensorInfo, join_path
 from dcptool.errors import UsageError, option
+from dcptool.planning import quant
 from dcptool.state_dicts import split_object
 from dcptool.torch_archive import Unpicklable
 
@@ -87,7 +88,9 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
     found_b = families.detect(params_b) if family_b == AUTO else families.get(family_b)
     if found_a is None or found_b is None or found_a is found_b:
         return a, b, None
-    if found_a.more_than_others:  # A's tensors hold more than B's: map A onto B's names instead
+    # A's tensors hold more than B's, or B's are quantized (a stack of them in A's names would lose their scales):
+    # map A onto B's names instead
+    if found_a.more_than_others or (_quantized(params_b) and not _quantized(params_a)):
         if not any(tensor.chunks for tensor in params_a.values()):  # a manifest's description, no bytes
             raise UsageError(f"{a.checkpoint.root}: a manifest in {found_a.name} names cannot check {found_b.name} "
                              f"names ({found_a.more_than_others}): write the manifest of {b.checkpoint.root} "
@@ -95,6 +98,12 @@ def align_families(a: Side, b: Side, family_a: str = "auto", family_b: str = "au
         side_b, side_a, note = _mapped_onto(b, a, found_b, found_a, "A", include, exclude, config_dir)
         return side_a, side_b, note
     return _mapped_onto(a, b, found_a, found_b, "B", include, exclude, config_dir)
+
+
+def _quantized(tensors: dict) -> bool:
+    """Whether any of ``tensors`` is a quantized one folded with its scales (``quant.folded``)."""
+    stored = (quant.Fp8Stored, quant.Mxfp4Stored)
+    return any(isinstance(getattr(t, "transform", None), stored) for t in tensors.values())
 
 
 def _mapped_onto(kept: Side, mapped: Side, kept_family, mapped_family, label: str, include: str | None,
@@ -210,10 +219,13 @@ def sides(a: str | Path, b: str | Path, *, format_a: str | None = None, format_b
     names match more entries than the keys as given (a flat
     torch.save of the state, ``{"dcp.model.w": ...}``, has no nesting to tell: its keys are compared).
     Weights of different naming families are matched by ``align_families`` (with ``config_dir``'s config.json).
+    A block-scaled float8 weight and its ``X_scale_inv`` are one tensor (``quant.folded``): verify quantizes the
+    other side with its scales, diff dequantizes it.
     """
-    return pair(formats.open_checkpoint(a, format_a), formats.open_checkpoint(b, format_b), prefix_a=prefix_a,
-                prefix_b=prefix_b, include=include, exclude=exclude, family_a=family_a, family_b=family_b,
-                config_dir=config_dir)
+    checkpoint_a, _ = quant.folded(formats.open_checkpoint(a, format_a))
+    checkpoint_b, _ = quant.folded(formats.open_checkpoint(b, format_b))
+    return pair(checkpoint_a, checkpoint_b, prefix_a=prefix_a, prefix_b=prefix_b, include=include, exclude=exclude,
+                family_a=family_a, family_b=family_b, config_dir=config_dir)
 
 
 def pair(checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, *, prefix_a: str | None = None,

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dcptool import dtypes, formats
-from dcptool.planning import conversion
+from dcptool.planning import conversion, quant
 from dcptool.engine.core import Checkpoint
 from dcptool.errors import CheckpointError, UsageError, counted, option, printable
 from dcptool.format_interface import Sharding, OutputRequest
@@ -64,6 +64,9 @@ class Report:
     objects: int = 0
     differences: list[Difference] = field(default_factory=list)
     closeness: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # block-scaled float8 tensors compared with the other side quantized with their scales (``dtype_as``): the
+    # dequantized error, (max abs, relative L2: ||a - codes x scales|| / ||a||)
+    quantized: dict[str, tuple[float, float]] = field(default_factory=dict)
     not_compared: list[str] = field(default_factory=list)  # non-tensor entries that are not plain data
     left_out: list[str] = field(default_factory=list)  # what one side holds and the comparison cannot (left_out_why)
     left_out_why: str = "the round trip's format cannot hold them"
@@ -90,6 +93,8 @@ class Report:
         mode = "bitwise" if self.tolerances is None else "within atol {:g}, rtol {:g}".format(*self.tolerances)
         if self.dtype_as:
             mode += f" after casting {'A' if self.dtype_as == 'b' else 'B'} to {self.dtype_as.upper()}'s dtypes"
+            if self.quantized:
+                mode += f" ({len(self.quantized)} quantized with {self.dtype_as.upper()}'s scales)"
         what = (f"{counted(self.tensors, 'tensor')} ({self.bytes:,} bytes) compared {mode}, "
                 f"{counted(self.objects, 'non-tensor entry', 'non-tensor entries')}")
         layout = f"layout differs: {self.layout}" + (f" ({option('values_only')})" if self.values_only else "") if self.layout else ""
@@ -111,6 +116,9 @@ class Report:
             "left_out_why": self.left_out_why if self.left_out else None, "layout": self.layout,
             "values_only": self.values_only, "dtype_as": self.dtype_as,
         }
+        if self.quantized:
+            report["quantized"] = {k: {"max_abs_error": _number(a), "relative_l2_error": _number(r)}
+                                   for k, (a, r) in self.quantized.items()}
         if self.tolerances is not None:
             report["atol"], report["rtol"] = self.tolerances
             report["tensors"] = {k: {"max_abs": _number(a), "max_rel": _number(r)} for k, (a, r) in self.closeness.items()}
@@ -167,12 +175,20 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
         dtype_a, dtype_b = dtypes.dtype(tensor_a.dtype).name, dtypes.dtype(tensor_b.dtype).name
         cast = dtype_as is not None and dtype_a != dtype_b and {dtype_a, dtype_b} <= set(dtypes.CASTABLE)
         castable = tolerances is not None and dtype_a in TOLERANT and dtype_b in TOLERANT
-        if dtype_a != dtype_b and not castable and not cast:
-            cast_to = None
+        quantized = _quantized_side(tensor_a, tensor_b)
+        if quantized and dtype_as == quantized and tensor_a.shape == tensor_b.shape:
+            readers = (reader_a, reader_b) if quantized == "b" else (reader_b, reader_a)
+            tensors = (tensor_a, tensor_b) if quantized == "b" else (tensor_b, tensor_a)
+            _compare_quantized(key, *tensors, *readers, report, progress)
+        elif dtype_a != dtype_b and not castable and not cast:
+            cast_to = quantized
             if {dtype_a, dtype_b} <= set(dtypes.CASTABLE):  # cast the wider to the narrower: exact where they agree
                 cast_to = "a" if dtypes.dtype(dtype_a).itemsize < dtypes.dtype(dtype_b).itemsize else "b"
             by_tolerance = f"{option('atol')}/{option('rtol')}"
-            hint = f" ({option('dtype_as', cast_to.upper())} or {by_tolerance} compare the values)" if cast_to else \
+            other = "A" if cast_to == "b" else "B"
+            hint = f" ({option('dtype_as', cast_to.upper())} compares {other} quantized with " \
+                   f"{cast_to.upper()}'s scales)" if quantized else \
+                f" ({option('dtype_as', cast_to.upper())} or {by_tolerance} compare the values)" if cast_to else \
                 f" ({by_tolerance} compare the values)" if dtype_a in TOLERANT and dtype_b in TOLERANT else ""
             report.differences.append(Difference(key, "dtype", f"A {dtype_a}, B {dtype_b}{hint}", cast_to=cast_to))
         elif tensor_a.shape != tensor_b.shape:
@@ -196,6 +212,49 @@ def compare_sides(a: Side, b: Side, *, atol: float | None = None, rtol: float | 
                 report.differences.append(comparison.difference(key, math.prod(tensor_a.shape)))
     _compare_objects(a, b, report)
     return report
+
+
+def _quantized_side(tensor_a, tensor_b) -> str | None:
+    """``"b"`` when B's tensor is a block-scaled float8 weight with its scales (``quant.folded``) and A's a float
+    one, ``"a"`` the other way round; else None."""
+    stored = (quant.Fp8Stored, quant.Mxfp4Stored)
+    for side, quantized, other in (("b", tensor_b, tensor_a), ("a", tensor_a, tensor_b)):
+        if isinstance(quantized.transform, stored) and other.dtype in TOLERANT \
+                and not isinstance(other.transform, stored):
+            return side
+    return None
+
+
+def _compare_quantized(key: str, tensor, stored, reader, stored_reader, report: Report, progress) -> None:
+    """A float tensor against its quantized form: block-scaled float8 (``quant.Fp8Stored``: the float one quantized
+    with its scales must give its codes, bitwise) or MXFP4 (``quant.Mxfp4Stored``: quantized with its scale
+    exponents, the same values); the dequantized error goes in ``report.quantized``."""
+    transform = stored.transform
+    fp8 = isinstance(transform, quant.Fp8Stored)
+    comparison = _ValueComparison(quant.FP8, quant.FP8, None) if fp8 else _ValueComparison("float32", "float32",
+                                                                                           (0.0, 0.0))
+    largest, squares_error, squares = 0.0, 0.0, 0.0
+    limit = min(reader.max_elements(tensor), stored_reader.max_elements(stored))
+    scratch = memoryview(bytearray(2**16))
+    for (offsets, values), (_, held) in zip(reader.slabs(tensor, limit), stored_reader.slabs(stored, limit)):
+        floats = dtypes.to_float64(values, dtypes.dtype(tensor.dtype).name).astype(np.float32)
+        if fp8:
+            scales = transform.scales_for(stored_reader.checkpoint, offsets, values.shape, scratch)
+            expected, most, error, total = quant.fp8_error(floats, held, scales)
+        else:  # values: -0 and 0 are one (a release may keep a zero's sign or not)
+            exponents = transform.exponents_for(stored_reader.checkpoint, offsets, values.shape, scratch)
+            expected, most, error, total = quant.mxfp4_error(floats, held.view(np.float32), exponents)
+            expected = expected.view(np.uint32)
+        comparison.add(offsets, expected, held)
+        largest, squares_error, squares = max(largest, most), squares_error + error, squares + total
+        if progress:
+            progress(values.nbytes)
+    report.tensors += 1
+    report.bytes += tensor.nbytes
+    report.quantized[key] = (largest, math.sqrt(squares_error / squares) if squares else
+                             (0.0 if squares_error == 0 else math.inf))
+    if comparison.count:
+        report.differences.append(comparison.difference(key, math.prod(tensor.shape)))
 
 
 class _ValueComparison:

@@ -13,7 +13,7 @@ from dcptool.cli.options import (COMPLETENESS, READING, SELECTION, WRITING, Cast
                                  OutputLocation, format_options_of, grouped)
 from dcptool.errors import UsageError, option
 from dcptool.format_interface import FormatOptions
-from dcptool.options import Completeness, HubPush, Lora, Reading, Selection, Writing
+from dcptool.options import Completeness, HubPush, Lora, Quantize, Reading, Selection, Writing
 from dcptool.storage import output_path
 
 
@@ -36,6 +36,10 @@ def export_hf(
     lora: Optional[Literal["merge", "adapter"]] = typer.Option(None, "--lora", help="A checkpoint of a peft (LoRA) model: merge every adapter into the base weights, or write a PEFT adapter folder (adapter_model.safetensors, adapter_config.json) that PeftModel.from_pretrained loads."),
     lora_config: Optional[str] = typer.Option(None, "--lora-config", metavar="FILE", help="With --lora: the adapter's adapter_config.json (lora_alpha, use_rslora, ...); default: one beside the checkpoint."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="With --lora: lora_alpha (the merge scales B @ A by lora_alpha / r), over the config's."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="fp8|mxfp4|like=DIR", help="Quantize the decoder layers' linear weights as they stream out: fp8 (float8_e4m3fn, a float32 X.weight_scale_inv per block, as DeepSeek-V3 and Qwen3-FP8 releases), mxfp4 (GPT-OSS's experts) or like=DIR (as the released model folder DIR is quantized). Other tensors as they are (or in --dtype)."),
+    block_size: Optional[str] = typer.Option(None, "--block-size", metavar="ROWSxCOLS", help="With --quantize fp8: rows and columns of weight per scale (default 128x128)."),
+    scale_format: Optional[Literal["float", "ue8m0"]] = typer.Option(None, "--scale-format", help="With --quantize fp8: each block's scale as amax / 448 (float, the default) or that rounded up to a power of two (ue8m0, DeepSeek-V3.1's scale_fmt)."),
+    quant_format: Optional[Literal["native", "compressed-tensors"]] = typer.Option(None, "--quant-format", help="With --quantize fp8: the quant_method's own layout (native, the default: X.weight_scale_inv) or compressed-tensors' (X.weight_scale, as llm-compressor writes it and vLLM reads it)."),
     reading: Reading = READING,
     writing: Writing = WRITING,
 ) -> None:
@@ -63,6 +67,7 @@ def export_hf(
       [cyan]dcptool export-hf lora/step-300 merged --config-dir base-model --lora merge[/cyan]
       [cyan]dcptool export-hf lora/step-300 adapter --lora adapter --lora-config lora/adapter_config.json[/cyan]
       [cyan]dcptool export-hf step-1000 hf-1000 --config-dir base-model --push-to-hub my-org/run-7 --private --push-branch step-1000[/cyan]
+      [cyan]dcptool export-hf megatron/iter_0002000 v3-fp8 --config-dir DeepSeek-V3 --quantize like=DeepSeek-V3[/cyan]
     """
     from dcptool import api
 
@@ -71,11 +76,17 @@ def export_hf(
                          f"{option('push_to_hub')}")
     if lora is None and (lora_config is not None or lora_alpha is not None):
         raise UsageError(f"{option('lora_config')} and {option('lora_alpha')} go with {option('lora')}")
+    if quantize is None and (block_size is not None or scale_format is not None or quant_format is not None):
+        raise UsageError(f"{option('block_size')}, {option('scale_format')} and {option('quant_format')} go with "
+                         f"{option('quantize')}")
+    quantized = Quantize(quantize, block_size=block_size, scale_format=scale_format,
+                         layout=quant_format) if quantize else None
     push = HubPush(push_to_hub, private=private, branch=push_branch, commit_message=commit_message) if push_to_hub else None
     report = api.export_hf(source, destination, config_dir=config_dir, family=family,
                            family_options=api.family_options(families.hub().name, hf_experts=hf_experts),
                            dtype=dtype, selection=selection, format_options=format_options, completeness=completeness,
-                           lora=Lora(lora, config=lora_config, alpha=lora_alpha) if lora else None, push=push,
+                           lora=Lora(lora, config=lora_config, alpha=lora_alpha) if lora else None,
+                           quantize=quantized, push=push,
                            reading=reading, writing=writing)
     render.written(report)
     if report.pushed_to:

@@ -196,6 +196,10 @@ def print_verify(report: verification.Report, show_all: bool = False) -> None:
     for key, (most_abs, most_rel) in report.closeness.items():
         if key not in differing and (most_abs or most_rel):
             print(f"{'close':<8} {shown(key)}: max abs {most_abs:.3g}, max rel {most_rel:.3g}")
+    for key, (most_abs, relative) in report.quantized.items():
+        if key not in differing:
+            print(f"{'quantized':<8} {shown(key)}: dequantized error max abs {most_abs:.3g}, "
+                  f"relative L2 {relative:.3g}")
     if report.left_out:
         print(f"left out ({report.left_out_why}): {counted(len(report.left_out), 'entry', 'entries')}: "
               f"{grouped(report.left_out)}")

@@ -89,6 +89,10 @@ class Computed:
     """
 
     work_bytes: int = 16  # bytes of temporaries per output element of a read (transfer sizes slabs by them)
+    # Rows of its matrices (the last two dims) whose values are computed together: a region of whole such blocks
+    # of rows reads nothing it does not write (block-scaled quantization's scales need every row of their block).
+    # Transfer plans slabs of whole blocks of rows where a task holds one.
+    rows_together: int = 1
 
     def read(self, checkpoint: Checkpoint, offsets, sizes, out: np.ndarray, scratch: memoryview) -> None:
         raise NotImplementedError

@@ -301,9 +301,14 @@ def plan_tasks(checkpoint: Checkpoint, piece: Piece, file: str, offset: int, tas
     source_itemsize = dtypes.dtype(piece.tensor.source.dtype).itemsize
     cast = piece.tensor.source.dtype != piece.tensor.dtype
     per_element = source_itemsize + (itemsize if cast else 0)  # a cast allocates its result beside the buffer
-    if piece.tensor.source.transform is not None:  # and a computation its temporaries
-        per_element += piece.tensor.source.transform.work_bytes
-    for offsets, sizes in slabs(piece.sizes, max(1, min(task_bytes, SLAB_BYTES) // per_element)):
+    transform = piece.tensor.source.transform
+    if transform is not None:  # and a computation its temporaries
+        per_element += transform.work_bytes
+    elements = max(1, min(task_bytes, SLAB_BYTES) // per_element)
+    rows = transform.rows_together if transform is not None and len(piece.sizes) >= 2 else 1
+    if rows > 1:  # slabs of whole blocks of rows (``Computed.rows_together``), where a task holds one
+        elements = max(elements, min(rows * piece.sizes[-1], task_bytes // per_element))
+    for offsets, sizes in slabs(piece.sizes, elements, rows):
         start = sum(o * s for o, s in zip(offsets, strides)) * itemsize
         tasks.append(Task(piece, len(tasks), file, offset + start, math.prod(sizes) * itemsize,
                           region=(offsets, sizes)))
@@ -338,11 +343,14 @@ def source_runs(checkpoint: Checkpoint, piece: Piece) -> list[tuple[int, str, in
     return sorted(runs, key=lambda run: run[0])
 
 
-def slabs(sizes: tuple[int, ...], max_elements: int):
-    """Split a region into row-major contiguous sub-regions of at most ``max_elements`` elements, in order.
+def slabs(sizes: tuple[int, ...], max_elements: int, rows: int = 1):
+    """Split a region into row-major contiguous sub-regions of at most ``max_elements`` elements, in order; those
+    of its matrices (the last two dims) hold a multiple of ``rows`` rows where they hold more than that.
 
     >>> list(slabs((4, 3), 6))
     [((0, 0), (2, 3)), ((2, 0), (2, 3))]
+    >>> [sizes for _, sizes in slabs((7, 3), 12, rows=3)]
+    [(3, 3), (3, 3), (1, 3)]
     """
     if math.prod(sizes) <= max_elements or not sizes:
         yield tuple(0 for _ in sizes), tuple(sizes)
@@ -350,11 +358,13 @@ def slabs(sizes: tuple[int, ...], max_elements: int):
     inner = math.prod(sizes[1:])
     if inner <= max_elements:
         step = max(1, max_elements // max(inner, 1))
+        if len(sizes) == 2 and step > rows:
+            step -= step % rows
         for start in range(0, sizes[0], step):
             yield (start,) + tuple(0 for _ in sizes[1:]), (min(step, sizes[0] - start),) + tuple(sizes[1:])
         return
     for index in range(sizes[0]):
-        for offsets, sub in slabs(sizes[1:], max_elements):
+        for offsets, sub in slabs(sizes[1:], max_elements, rows):
             yield (index,) + offsets, (1,) + sub
 
 

@@ -38,7 +38,7 @@ from dcptool.models.kind import (
 __all__ = ["FAMILIES", "MEGATRON_SPECS", "MegatronName", "ModelKind", "Row", "Shape", "Tie", "kinds", "kind_of",
            "text_config", "parallel_divisors",
            "fsdp_units", "tp_rules", "head_split", "head_dim", "active_ties", "tied_outputs", "expert_of", "grouped_experts",
-           "peft_trainable", "PARTS", "part_of", "decoder_layer", "extra_weights"]
+           "peft_trainable", "PARTS", "part_of", "decoder_layer", "extra_weights", "linear_weight"]
 
 _HELPERS = {"common", "kind", "transformers_plans"}
 
@@ -173,6 +173,20 @@ def peft_trainable(name: str) -> bool:
     """Whether a peft (LoRA) model trains this parameter: its adapters' and ``modules_to_save``'s copies; peft
     freezes the rest, which an optimizer built over the trainable parameters never sees."""
     return ".lora_" in name or ".modules_to_save." in name
+
+
+def linear_weight(name: str, shape: Shape) -> bool:
+    """Whether an HF tensor is the weight of a decoder layer's linear layer: attention and MLP projections, routed and
+    shared experts (one per expert, or transformers v5's fused ``[E, out, in]``), what block-scaled FP8 releases
+    quantize; not routers, norms, biases, embeddings or heads.
+
+    >>> linear_weight("model.layers.3.mlp.experts.7.down_proj.weight", (64, 32)), linear_weight("model.layers.3.mlp.gate.weight", (8, 64))
+    (True, False)
+    """
+    match = common.DECODER_WEIGHT.match(name)
+    if match is None or common.NOT_LINEAR.search(name):
+        return False
+    return len(shape) == (3 if match[2] else 2)
 
 
 def grouped_experts(name: str, shape: Shape) -> bool:

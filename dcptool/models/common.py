@@ -369,6 +369,11 @@ OTHER_TIES = (TIED_EMBEDDINGS,)
 # tok_embeddings, BERT's word_embeddings; lm_head, output, GPT-NeoX's embed_out): where a tie could be.
 INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|tok_embeddings|word_embeddings)\.weight$")
 OUTPUT_EMBEDDING = re.compile(r"(^|\.)(lm_head|output|embed_out)\.weight$")
+# The weights of a decoder layer's linear layers (HF names), what block-scaled FP8 releases (DeepSeek-V3, Qwen3-FP8)
+# quantize: 2-D weights of model.layers.N, and transformers v5's fused experts [E, out, in]; but not the router
+# (Qwen's and DeepSeek's mlp.gate, GPT-OSS's mlp.router) nor the embedding and head a DeepSeek prediction layer repeats.
+DECODER_WEIGHT = re.compile(r"^model\.layers\.\d+\.(.+\.weight|mlp\.experts\.(gate_up_proj|down_proj))$")
+NOT_LINEAR = re.compile(r"\.mlp\.(gate|router)\.weight$|\.(embed_tokens|shared_head\.head)\.weight$")
 # Routed experts of any MoE: a grouped [E, ...] tensor (a name part "expert(s)") or one per expert.
 GROUPED_EXPERTS = re.compile(r"(^|[._])experts?([._]|$)")
 PER_EXPERT = re.compile(r"^(.*?\bexperts)\.(\d+)\.(.+)$")  # model.layers.3.mlp.experts.17.up_proj.weight

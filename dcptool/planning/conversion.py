@@ -27,13 +27,14 @@ from typing import Callable
 from dcptool import families, formats, models
 from dcptool.engine import distributed, transfer
 from dcptool.planning import lora as lora_weights
+from dcptool.planning import quant
 from dcptool.selection import (OPTIMIZER_ROOTS, ModelConfig, config_folder, model_part, out_tensors, read_config,
                                select)
 from dcptool.engine.core import Checkpoint, ObjectInfo, OutObject, OutTensor, TensorInfo
 from dcptool.errors import UsageError, option
 from dcptool.family_interface import FamilyOptions
 from dcptool.format_interface import Format, FormatOptions, Output, OutputRequest
-from dcptool.options import Completeness
+from dcptool.options import Completeness, Quantize
 from dcptool.sizes import DEFAULT_MAX_MEMORY
 from dcptool.storage import check_destination, fsync_paths, fsync_tree, is_remote
 
@@ -466,9 +467,10 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
                    dtype: str | None = None, include: str | None = None, exclude: str | None = None,
                    family: str = "auto", family_options: FamilyOptions | None = None,
                    format_options: FormatOptions | None = None, lora: LoraRequest | None = None,
-                   completeness: Completeness | None = None) -> Conversion:
+                   completeness: Completeness | None = None, quantize: Quantize | None = None) -> Conversion:
     """What ``dcptool export-hf`` writes: the model weights under HF names, with the config folder's files;
-    with ``lora.mode == "adapter"``, a PEFT adapter folder instead. ``format_options``: the hf format's.
+    with ``lora.mode == "adapter"``, a PEFT adapter folder instead. ``format_options``: the hf format's;
+    ``quantize``: the linear weights quantized as they are written (``dcptool.planning.quant``).
 
     A config.json the weights do not fit is refused here, before anything is written (``dcptool.planning.hf_config``),
     and so are weights that lack parts of its model or hold more, unless ``completeness`` accepts them (None: not
@@ -480,18 +482,25 @@ def plan_export_hf(checkpoint: Checkpoint, *, config_dir: str | Path | None = No
     tensors, config_dir, notes, made_config = hf_export_entries(checkpoint, config_dir, prefix, dtype, include,
                                                                 exclude, family, family_options, lora)
     if lora is not None and lora.adapter_config is not None:
+        if quantize is not None:
+            raise UsageError(f"{option('quantize', quantize.scheme)} quantizes a model's weights, not an adapter folder's: "
+                             f"merge the adapters with {option('lora', 'merge')}")
         why = "an adapter folder holds the adapter's weights only"
         return Conversion(checkpoint, "hf", tensors, [], {"adapter_config": lora.adapter_config}, notes, why)
     config = hf_config.export_config(config_dir, tensors, dtype, made_config)
     config, dropped = hf_config.without_stale_quantization(config, tensors)
-    notes += dropped
+    if config is not None:
+        config = _as_dequantized(config, checkpoint)
+    if completeness is not None:  # the model's names, before quantizing adds scales
+        notes += _complete(config, [t.key for t in tensors], completeness, checkpoint, config_dir)
+    if quantize is None:
+        notes += dropped
+    else:
+        tensors, config, more = quant.quantized(tensors, quantize, config, str(checkpoint.root))
+        notes += more
     if config is None:
         notes.append("warning: no config.json written, so from_pretrained cannot load the export yet: "
                      f"give the model's config folder with {option('config_dir')}")
-    else:
-        config = _as_dequantized(config, checkpoint)
-    if completeness is not None:
-        notes += _complete(config, [t.key for t in tensors], completeness, checkpoint, config_dir)
     options = format_options.writer_options() if format_options else {}
     selected = f", as selected by {option('include')}/{option('exclude')}" if include or exclude else ""
     why = "export-hf writes model weights only" + selected

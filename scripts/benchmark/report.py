@@ -19,6 +19,7 @@ TARGET_RATIO_TO_CP = 2.0
 TARGET_RATIO_TO_DURABLE = 1.25  # issue 12: copy commands (with fsync) against cp -r && sync
 TARGET_PEAK_MB = 512
 TARGET_INSPECT_S = 1.0
+TARGET_QUANTIZED_RATIO = 1.5  # export-hf --quantize fp8 against the plain export of the same checkpoint (issue 31)
 TARGET_MOE_RATIO = 1.10  # export-hf of an Archon MoE checkpoint against the dense one, per tensor byte
 TARGET_MEGATRON_RATIO = 1.10  # export-hf of the dense bytes in Megatron-Core's layout against the dense export
 
@@ -118,6 +119,10 @@ def targets(results: list[dict], main_size: str) -> list[dict]:
         out.append({"target": f"{rid}: time per tensor byte <= {target}x export-hf's ({what})",
                     "value": round(v, 3), "met": v <= target})
 
+    if "export-hf-fp8" in rows and "export-hf" in rows:
+        v = rows["export-hf-fp8"]["median_s"] / rows["export-hf"]["median_s"]
+        out.append({"target": f"export-hf-fp8: wall time <= {TARGET_QUANTIZED_RATIO}x export-hf's", "value": round(v, 2),
+                    "met": v <= TARGET_QUANTIZED_RATIO})
     if "export-hf-moe" in rows and "export-hf" in rows:
         per_byte_against_dense("export-hf-moe", TARGET_MOE_RATIO,
                                "Archon grouped experts -> HF per-expert vs dense HF names")

@@ -72,6 +72,10 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
                 dcptool + ["reshard", str(src), str(outdir / f"tp4{fsync}"), "--dp", "1", "--tp", "4", *heads] + extra,
                 outdir / f"tp4{fsync}", [src]),
         ]
+    # Quantized as it streams out: every linear weight read, its 128x128 blocks' scales and codes computed.
+    rows.append(Row("export-hf-fp8", "dcptool export-hf --quantize fp8 (128x128 blocks)", "dcptool", "export-hf",
+                    dcptool + ["export-hf", str(src), str(outdir / "hf-fp8"), "--quantize", "fp8", *heads],
+                    outdir / "hf-fp8", [src]))
     if moe is not None:
         moe_src, moe_info = moe
         rows.append(Row("export-hf-moe", "dcptool export-hf (Archon MoE -> HF per-expert)", "dcptool", "export-hf",
@@ -117,7 +121,7 @@ def make_rows(src: Path, hf: Path, small: Path | None, shape: Shape, outdir: Pat
                 [py, str(SCRIPT), "_peer", "inspect", str(small)], None, [small]),
         ]
     # Each dcptool row next to its peer (in the table, the chart and the order of a round).
-    order = ["cp", "cp-sync", "export-hf", "export-hf-moe", "export-hf-megatron", "export-hf-nofsync", "peer-export-hf", "convert-torch",
+    order = ["cp", "cp-sync", "export-hf", "export-hf-fp8", "export-hf-moe", "export-hf-megatron", "export-hf-nofsync", "peer-export-hf", "convert-torch",
              "convert-torch-nofsync", "peer-torch-save", "reshard-dp4", "reshard-dp4-nofsync", "peer-reshard-dp4",
              "reshard-tp4", "reshard-tp4-nofsync", "peer-reshard-tp4", "import-hf", "average3", "verify", "peer-verify", "checksum",
              "sha256sum", "inspect", "peer-inspect"]
