@@ -245,7 +245,8 @@ def test_dry_run_prints_the_plan(models, tmp_path):
     quantized = [k for k in state if LINEAR.match(k)]
     expected = sum(v.numel() * (1 if k in quantized else v.element_size()) for k, v in state.items()) + \
         sum(4 * -(-state[k].shape[0] // 128) * -(-state[k].shape[1] // 128) for k in quantized)
-    assert f"{len(state) + len(quantized)} tensors, {expected:,} bytes of tensors in 1 file" in result.stdout
+    assert f"{len(state) + len(quantized)} tensors, {expected:,} bytes of tensors in 3 files: model.safetensors, " \
+        "config.json, generation_config.json" in result.stdout  # the weights, and the config kept beside them
     assert f"quantized {len(quantized)} linear weights" in result.stderr
 
 
