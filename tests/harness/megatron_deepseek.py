@@ -40,7 +40,8 @@ from unittest import mock
 
 import torch
 
-from harness.megatron_weights import rope_theta, routed_and_shared, swiglu_rows, vocab_padded
+from harness.megatron_weights import (CPU_RUN, SIGMOID_MOE, rope_theta, routed_and_shared, swiglu_rows,
+                                     vocab_padded)
 
 MLA = {"linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm", "linear_q_up_proj": "q_b_proj",
        "linear_kv_down_proj": "kv_a_proj_with_mqa", "kv_layernorm": "kv_a_layernorm",
@@ -75,13 +76,8 @@ def transformer_config(config: dict, mtp_layers: int = 0, **parallel) -> Any:
         num_moe_experts=config["n_routed_experts"], moe_ffn_hidden_size=config["moe_intermediate_size"],
         moe_shared_expert_intermediate_size=config["moe_intermediate_size"] * config["n_shared_experts"],
         moe_layer_freq=moe_pattern(config), moe_router_topk=config["num_experts_per_tok"],
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=config["routed_scaling_factor"], moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-        mtp_num_layers=mtp_layers or None, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False,
-        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **parallel)
+        moe_router_topk_scaling_factor=config["routed_scaling_factor"], mtp_num_layers=mtp_layers or None,
+        pipeline_dtype=torch.float32, **SIGMOID_MOE, **CPU_RUN, **parallel)
 
 
 class CoreAttention(torch.nn.Module):

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness.megatron_weights import qkv_rows, rope_theta, vocab_padded
+from harness.megatron_weights import CPU_RUN, qkv_rows, rope_theta, vocab_padded
 
 
 def transformer_config(config: dict, **parallel) -> Any:
@@ -49,10 +49,8 @@ def transformer_config(config: dict, **parallel) -> Any:
         num_moe_experts=config["num_local_experts"], moe_ffn_hidden_size=config["intermediate_size"],
         moe_router_topk=config["num_experts_per_tok"], moe_router_pre_softmax=False,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather", use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **parallel)
+        moe_token_dispatcher_type="allgather", pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        **CPU_RUN, **parallel)
     # YaRN's settings are no fields of TransformerConfig (Megatron-Bridge's provider adds them): GPTModel reads them
     yarn = {"yarn_rotary_scaling_factor": rope["factor"],
             "yarn_original_max_position_embeddings": rope["original_max_position_embeddings"],

@@ -39,6 +39,16 @@ def rope_theta(config: dict) -> float:
     return (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta") or 10000.0
 
 
+# TransformerConfig's settings of a deterministic float32 run on CPU: no dropout, none of the CUDA fusions.
+CPU_RUN = dict(use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+               masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+# A MoE layer of DeepSeek-V3's routing as Megatron has it (GLM-4.5's too): a sigmoid router with a score bias, no
+# auxiliary loss, experts one by one, tokens gathered.
+SIGMOID_MOE = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                   moe_token_dispatcher_type="allgather")
+
+
 def transformer_config(config: dict, **parallel) -> Any:
     """Megatron's TransformerConfig of an HF config (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE); ``parallel``:
     tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size."""
@@ -51,9 +61,7 @@ def transformer_config(config: dict, **parallel) -> Any:
         kv_channels=_head_dim(config), ffn_hidden_size=config["intermediate_size"],
         normalization="RMSNorm", layernorm_epsilon=config["rms_norm_eps"], gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True)),
-        qk_layernorm=kind in ("qwen3", "qwen3_moe"), use_cpu_initialization=True, params_dtype=torch.float32,
-        attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False, **parallel)
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"), **CPU_RUN, **parallel)
     if _experts(config):
         fields.update(num_moe_experts=_experts(config), moe_router_topk=config["num_experts_per_tok"],
                       moe_ffn_hidden_size=config["moe_intermediate_size"], moe_grouped_gemm=False,
