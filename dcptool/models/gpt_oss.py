@@ -72,4 +72,5 @@ KIND = ModelKind(
     # dims do not fit its experts ([E, H, 2F], gate and up alternating).
     **{**common.moe_kind_fields(EXPERT_FIELDS), "tp_rules": {"hf": (), "torchtitan": ()}},
     megatron=MEGATRON,
+    mxfp4_experts=True,  # the release's experts: *_blocks and *_scales
 )

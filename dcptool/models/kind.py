@@ -147,7 +147,8 @@ class ModelKind:
     RoPE, experts routed by softmax, or more as ``args_fields`` say); None: args and config.json are not made from
     each other. ``args_fields``: the config fields args state beyond those (``ArgsFields``).
     ``architecture_of``: the kind whose architecture, and so every table, this one is, under a config of its own
-    (Kimi-K2: DeepSeek-V3's); names alone tell that kind, and only a config names this one.
+    (Kimi-K2: DeepSeek-V3's); names alone tell that kind, and only a config names this one. ``mxfp4_experts``: its
+    releases store the routed experts as MXFP4 blocks and scales (GPT-OSS), which ``export-hf --quantize mxfp4`` writes.
     """
 
     name: str
@@ -165,6 +166,7 @@ class ModelKind:
     args_config: dict | None = None
     args_fields: ArgsFields = ArgsFields()
     architecture_of: str | None = None
+    mxfp4_experts: bool = False
 
     def expert_count(self, config: dict) -> int | None:
         """Routed experts, under whichever of ``expert_fields`` the config uses; None for a dense kind or config."""

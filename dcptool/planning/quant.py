@@ -690,10 +690,6 @@ def _mxfp4_holds(groups: np.ndarray, exponents: np.ndarray, dtype: str) -> np.nd
     return (back == groups).all(axis=-1)
 
 
-# The models whose releases store their experts as MXFP4, laid out as ``Mxfp4Encoded`` takes them (GPT-OSS).
-MXFP4_MODEL_TYPES = ("gpt_oss",)
-
-
 def quantized_mxfp4(tensors: list[OutTensor], config: dict | None, where: str,
                     like: LikeRelease | None = None) -> tuple[list[OutTensor], dict, list[str]]:
     """The export's tensors with every routed-experts tensor (``mlp.experts.gate_up_proj``, ``down_proj``) as its
@@ -702,8 +698,10 @@ def quantized_mxfp4(tensors: list[OutTensor], config: dict | None, where: str,
     from dcptool import models
 
     model_type = models.text_config(config).get("model_type")
-    if model_type not in MXFP4_MODEL_TYPES:
-        raise UsageError(f"{where}: {option('quantize', 'mxfp4')} lays out the experts of {', '.join(MXFP4_MODEL_TYPES)} "
+    kind = models.kind_of(models.text_config(config))
+    if kind is None or not kind.mxfp4_experts:
+        takers = ", ".join(name for name, other in models.kinds().items() if other.mxfp4_experts)
+        raise UsageError(f"{where}: {option('quantize', 'mxfp4')} lays out the experts of {takers} "
                          f"models, and the config says {model_type or 'no model_type'} (give the model's config folder "
                          f"with {option('config_dir')})")
     release = like.checkpoint if like is not None else None
