@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from harness import family_models
 from harness.models import LOADER_SEED, LR, MODEL_SEED, make_optimizer, synthetic_step
 from harness.parallel import Parallel, placements_of
-from harness.runtime import Timer, exit_now, log, rank, reference_dir, run_steps
+from harness.runtime import Timer, exit_now, log, rank, reference_dir, run_commands
 from harness.states import (
     LR_SCHEDULER_STATE,
     TRAIN_STATE,
@@ -354,11 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the steps of the command line (joined by --then) in one job; 0 if every step passed."""
-    def parse(step_argv: list[str]):
-        args = parse_args(step_argv)
-        return lambda: args.func(args)
-
-    return run_steps(sys.argv[1:] if argv is None else argv, parse)
+    return run_commands(parse_args, argv)
 
 
 if __name__ == "__main__":

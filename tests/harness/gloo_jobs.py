@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: one thread per rank
 
 from harness.dcp_jobs import cmd_load_dcp, cmd_save_dcp  # noqa: E402
 from harness.fsdp1_jobs import cmd_load_fsdp1, cmd_save_fsdp1  # noqa: E402
 from harness.models import DTYPES, MODELS  # noqa: E402
-from harness.runtime import exit_now, run_steps  # noqa: E402
+from harness.runtime import exit_now, run_commands  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,11 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the steps of the command line (joined by --then) in one job; 0 if every step passed."""
-    def parse(step_argv: list[str]):
-        args = parse_args(step_argv)
-        return lambda: args.func(args)
-
-    return run_steps(sys.argv[1:] if argv is None else argv, parse)
+    return run_commands(parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 from itertools import pairwise
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def run_steps(argv: list[str], parse: Callable[[list[str]], Callable[[], int | N
         dist.destroy_process_group()
     return status
 
+
+
+def run_commands(parse_args: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
+    """``run_steps`` of a job module whose command lines ``parse_args`` turns into arguments with the ``func`` that
+    runs them (argparse's ``set_defaults(func=...)``); ``argv``: the process's by default."""
+    def parse(step_argv: list[str]) -> Callable[[], int | None]:
+        args = parse_args(step_argv)
+        return lambda: args.func(args)
+
+    return run_steps(sys.argv[1:] if argv is None else argv, parse)
 
 def exit_now(status: int) -> None:
     """Leave with ``status``, skipping the interpreter's teardown: gloo's threads can abort it at random

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: one thread per rank
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 from harness.models import MODEL_SEED, make_optimizer, synthetic_step  # noqa: E402
-from harness.runtime import Timer, exit_now, log, rank, reference_dir, run_steps  # noqa: E402
+from harness.runtime import Timer, exit_now, log, rank, reference_dir, run_commands  # noqa: E402
 from harness.states import compare_all, dcp_state, finish_check, flatten, split_tensors  # noqa: E402
 
 
@@ -149,11 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the steps of the command line (joined by --then) in one job; 0 if every step passed."""
-    def parse(step_argv: list[str]):
-        args = parse_args(step_argv)
-        return lambda: args.func(args)
-
-    return run_steps(sys.argv[1:] if argv is None else argv, parse)
+    return run_commands(parse_args, argv)
 
 
 if __name__ == "__main__":
